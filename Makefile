@@ -1,0 +1,26 @@
+# ReuseKit: `make run` starts ComfyUI with the pack loaded; `make test` runs the whole suite.
+# Both set everything up first (scripts/setup.sh; fast when already done).
+PORT ?= 8188
+HOST_DIR := $(or $(COMFYUI_PATH),$(CURDIR)/.host/ComfyUI)
+PY := $(CURDIR)/.venv/bin/python
+
+.PHONY: setup setup-test run test bench lint
+
+setup:
+	@scripts/setup.sh
+
+setup-test:
+	@scripts/setup.sh --test
+
+run: setup
+	@cpu=$$($(PY) -c 'import torch; print("" if torch.cuda.is_available() else "--cpu")'); \
+	echo "ReuseKit: starting ComfyUI at http://127.0.0.1:$(PORT) $$cpu"; \
+	cd "$(HOST_DIR)" && exec $(PY) main.py $$cpu --listen 127.0.0.1 --port $(PORT) --disable-auto-launch
+
+# pytest's own launcher, not `python -m pytest`: that would put this folder on sys.path and the
+# pack's nodes/ and tests/ would shadow ComfyUI's.
+test: setup-test
+	@.venv/bin/pytest $(PYTEST_ARGS)
+
+lint: setup-test
+	@.venv/bin/python -m pip install -q ruff && .venv/bin/ruff check .

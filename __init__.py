@@ -1,0 +1,13 @@
+"""ReuseKit: a ComfyUI node pack that never computes the same thing twice.
+
+ComfyUI imports this folder as a custom-node package and calls :func:`comfy_entrypoint` (the V3
+node API). Importing it does no work: nodes, patches and routes load inside the entrypoint.
+"""
+
+WEB_DIRECTORY = "./web"
+
+
+async def comfy_entrypoint():
+    from .nodes import ReuseKitExtension
+
+    return ReuseKitExtension()

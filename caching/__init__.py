@@ -1,0 +1,1 @@
+"""Pure caching logic: no ComfyUI import here, only torch and the standard library."""

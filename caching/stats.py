@@ -1,0 +1,228 @@
+"""The stats registry every ReuseKit cache reports to.
+
+Each cache registers once under a unique name and a kind (``conditioning``, ``pe``, ``step``,
+``graph``...) and gets a :class:`CacheStats` handle. Through it the cache counts events (hits,
+misses, evictions...), reports the bytes it holds per memory tier (``cpu``, ``device``...) with an
+optional budget, adds time saved, and publishes small JSON-ready facts (the last run's summary).
+:meth:`StatsRegistry.snapshot` returns one consistent, JSON-ready picture of every cache.
+
+Listeners (the web panel's push) are told after each change; they must be cheap and must not
+call back into the handle that notified them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+class CacheStats:
+    """One cache's counters, memory and facts. All methods are thread-safe."""
+
+    def __init__(self, registry: StatsRegistry, name: str, kind: str, description: str,
+                 clear: Callable[[], None] | None):
+        self.name = name
+        self.kind = kind
+        self.description = description
+        self._registry = registry
+        self._clear = clear
+        self._lock = threading.Lock()
+        self._counters: dict[str, int] = {}
+        self._bytes: dict[str, int] = {}
+        self._budgets: dict[str, int] = {}
+        self._entries = 0
+        self._time_saved_s = 0.0
+        self._info: dict[str, Any] = {}
+
+    def incr(self, counter: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[counter] = self._counters.get(counter, 0) + n
+        self._registry._changed()
+
+    def set_memory(self, tier: str, nbytes: int, budget: int | None = None) -> None:
+        """Bytes held in ``tier`` now (and its budget, when the cache has one)."""
+        with self._lock:
+            self._bytes[tier] = int(nbytes)
+            if budget is not None:
+                self._budgets[tier] = int(budget)
+        self._registry._changed()
+
+    def set_entries(self, n: int) -> None:
+        with self._lock:
+            self._entries = int(n)
+        self._registry._changed()
+
+    def add_time_saved(self, seconds: float) -> None:
+        with self._lock:
+            self._time_saved_s += max(0.0, float(seconds))
+        self._registry._changed()
+
+    def set_info(self, key: str, value: Any) -> None:
+        """A JSON-ready fact about the cache (a dict, list, str or number), e.g. the last run."""
+        with self._lock:
+            self._info[key] = value
+        self._registry._changed()
+
+    def counter(self, name: str) -> int:
+        with self._lock:
+            return self._counters.get(name, 0)
+
+    def reset_counters(self) -> None:
+        with self._lock:
+            self._counters.clear()
+            self._time_saved_s = 0.0
+        self._registry._changed()
+
+    def clear(self) -> bool:
+        """Ask the cache to drop what it holds; False when it cannot be cleared."""
+        if self._clear is None:
+            return False
+        self._clear()
+        return True
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            counters = dict(self._counters)
+            hits, misses = counters.get("hits", 0), counters.get("misses", 0)
+            return {
+                "name": self.name,
+                "kind": self.kind,
+                "description": self.description,
+                "clearable": self._clear is not None,
+                "entries": self._entries,
+                "counters": counters,
+                "hit_rate": hits / (hits + misses) if hits + misses else None,
+                "bytes": dict(self._bytes),
+                "budgets": dict(self._budgets),
+                "time_saved_s": self._time_saved_s,
+                "info": dict(self._info),
+            }
+
+
+class StatsRegistry:
+    """All caches of the process, by unique name."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._caches: dict[str, CacheStats] = {}
+        self._listeners: list[Callable[[], None]] = []
+        self._version = 0
+
+    def register(self, name: str, kind: str, description: str = "",
+                 clear: Callable[[], None] | None = None) -> CacheStats:
+        """A new handle for ``name``; a name already registered is an error (use unregister)."""
+        if not name or not kind:
+            raise ValueError("a cache registers with a non-empty name and kind")
+        with self._lock:
+            if name in self._caches:
+                raise KeyError(f"a cache named {name!r} is already registered")
+            stats = CacheStats(self, name, kind, description, clear)
+            self._caches[name] = stats
+        self._changed()
+        return stats
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            removed = self._caches.pop(name, None)
+        if removed is not None:
+            self._changed()
+
+    def get(self, name: str) -> CacheStats | None:
+        with self._lock:
+            return self._caches.get(name)
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._caches)
+
+    def clear(self, name: str | None = None) -> list[str]:
+        """Clear one cache by name, or every clearable cache; returns the names cleared."""
+        with self._lock:
+            if name is not None and name not in self._caches:
+                raise KeyError(f"no cache named {name!r}")
+            targets = [self._caches[name]] if name is not None else list(self._caches.values())
+        return [s.name for s in targets if s.clear()]
+
+    @property
+    def version(self) -> int:
+        """Grows on every change: a cheap way to tell whether a new snapshot is worth taking."""
+        return self._version
+
+    def add_listener(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            self._listeners.append(fn)
+
+    def remove_listener(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            if fn in self._listeners:
+                self._listeners.remove(fn)
+
+    def _changed(self) -> None:
+        with self._lock:
+            self._version += 1
+            listeners = list(self._listeners)
+        for fn in listeners:
+            fn()
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every cache's state, plus totals per tier and kind; JSON-ready."""
+        with self._lock:
+            caches = list(self._caches.values())
+            version = self._version
+        entries = [c.snapshot() for c in caches]
+        bytes_by_tier: dict[str, int] = {}
+        bytes_by_kind: dict[str, int] = {}
+        for e in entries:
+            for tier, n in e["bytes"].items():
+                bytes_by_tier[tier] = bytes_by_tier.get(tier, 0) + n
+                bytes_by_kind[e["kind"]] = bytes_by_kind.get(e["kind"], 0) + n
+        return {
+            "schema": SCHEMA_VERSION,
+            "version": version,
+            "time": time.time(),
+            "caches": entries,
+            "totals": {
+                "bytes": sum(bytes_by_tier.values()),
+                "bytes_by_tier": bytes_by_tier,
+                "bytes_by_kind": bytes_by_kind,
+                "time_saved_s": sum(e["time_saved_s"] for e in entries),
+            },
+        }
+
+
+REGISTRY = StatsRegistry()
+"""The process-wide registry: every cache of the pack reports here."""
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_snapshot(snap: dict[str, Any]) -> str:
+    """The snapshot as a few readable lines (the Cache Stats node shows this)."""
+    totals = snap["totals"]
+    lines = [f"ReuseKit: {len(snap['caches'])} caches, {format_bytes(totals['bytes'])} held, "
+             f"{totals['time_saved_s']:.2f} s saved"]
+    for c in sorted(snap["caches"], key=lambda c: (c["kind"], c["name"])):
+        counters = c["counters"]
+        parts = [f"{k}={v}" for k, v in sorted(counters.items())]
+        if c["hit_rate"] is not None:
+            parts.append(f"hit rate {c['hit_rate']:.0%}")
+        mem = ", ".join(
+            f"{tier} {format_bytes(n)}" + (f"/{format_bytes(c['budgets'][tier])}" if tier in c["budgets"] else "")
+            for tier, n in sorted(c["bytes"].items()))
+        lines.append(f"- [{c['kind']}] {c['name']}: {c['entries']} entries"
+                     + (f", {mem}" if mem else "")
+                     + (f"; {' '.join(parts)}" if parts else "")
+                     + (f"; saved {c['time_saved_s']:.2f} s" if c["time_saved_s"] else ""))
+        for key, value in sorted(c["info"].items()):
+            lines.append(f"    {key}: {value}")
+    return "\n".join(lines)

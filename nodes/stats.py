@@ -1,0 +1,40 @@
+"""ReuseKit Cache Stats: the stats registry as text, inside the node."""
+
+from __future__ import annotations
+
+import time
+
+from comfy_api.latest import io, ui
+
+from ..caching.stats import REGISTRY, format_snapshot
+from . import CATEGORY
+
+
+class CacheStatsNode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ReuseKitCacheStats",
+            display_name="ReuseKit Cache Stats",
+            category=f"{CATEGORY}/stats",
+            description="Shows what every ReuseKit cache holds and saved, as text in this node. "
+                        "Connect anything to 'after' to read the stats once that node has run.",
+            inputs=[
+                io.AnyType.Input("after", optional=True,
+                                 tooltip="Optional: any output; the stats are read after it is computed."),
+            ],
+            outputs=[io.String.Output(display_name="text", tooltip="The same text, for other nodes.")],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, after=None) -> float:
+        return time.time()  # stats change between runs: never answer from ComfyUI's cache
+
+    @classmethod
+    def execute(cls, after=None) -> io.NodeOutput:
+        text = format_snapshot(REGISTRY.snapshot())
+        return io.NodeOutput(text, ui=ui.PreviewText(text))
+
+
+NODES = [CacheStatsNode]

@@ -1,0 +1,2 @@
+"""Everything that touches ComfyUI internals. Each patch has one install and one uninstall,
+idempotent, guarded by feature probes."""

@@ -1,0 +1,49 @@
+"""pytest set-up: bootstrap the real host before any test imports ComfyUI (see rkharness.py)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # for `import rkharness` (tests/ only)
+import rkharness  # noqa: E402
+
+rkharness.bootstrap()
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available() and rkharness.USE_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (run with REUSEKIT_TEST_CUDA=1 on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def harness():
+    return rkharness
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """tests/tinymodels: builders of tiny real ComfyUI models."""
+    return rkharness.TINY
+
+
+@pytest.fixture(scope="session")
+def comfy_server():
+    """One real ComfyUI server (main.py --cpu) with the pack, shared by the session's tests."""
+    with rkharness.running_server() as server:
+        yield server
+
+
+@pytest.fixture(autouse=True)
+def _inference_mode():
+    """Run every test under inference mode, as ComfyUI's executor runs nodes."""
+    import torch
+
+    with torch.inference_mode():
+        yield

@@ -1,0 +1,205 @@
+"""The test harness: a real ComfyUI host in process, the pack loaded the way ComfyUI loads it,
+the real executor, and a real server on loopback.
+
+``bootstrap()`` must run before anything imports ``comfy``: conftest.py calls it at start-up.
+The pack's root never goes on ``sys.path`` (its ``nodes/`` and ``tests/`` would shadow ComfyUI's
+top-level modules); ComfyUI's own loader imports it from a link named ``reusekit``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import importlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
+ARTIFACTS = ROOT / "test-artifacts"
+USE_CUDA = os.environ.get("REUSEKIT_TEST_CUDA") == "1"  # the gpu tests on a CUDA machine
+
+PACK = None       # the pack's package module, as ComfyUI loaded it
+TINY = None       # tests/tinymodels, loaded as a custom-node package too
+_links_dir: Path | None = None
+
+
+def host_dir() -> Path:
+    path = Path(os.environ.get("COMFYUI_PATH") or ROOT / ".host" / "ComfyUI").resolve()
+    if not (path / "main.py").is_file():
+        raise RuntimeError(f"no ComfyUI at {path}: run `make test` (or scripts/setup.sh --test) first")
+    return path
+
+
+def _package_links() -> Path:
+    """A folder with the pack as ``reusekit`` and the tiny-model nodes as ``rk_tinymodels``."""
+    global _links_dir
+    if _links_dir is None:
+        _links_dir = Path(tempfile.mkdtemp(prefix="reusekit-links-"))
+        (_links_dir / "reusekit").symlink_to(ROOT, target_is_directory=True)
+        (_links_dir / "rk_tinymodels").symlink_to(TESTS / "tinymodels", target_is_directory=True)
+        atexit.register(shutil.rmtree, _links_dir, True)
+    return _links_dir
+
+
+def bootstrap() -> None:
+    """Put the host first on sys.path, force CPU, import ComfyUI the way main.py does, load the pack."""
+    global PACK, TINY
+    if PACK is not None:
+        return
+    host = str(host_dir())
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
+    sys.path.insert(0, host)
+
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = not USE_CUDA
+    import comfy.model_management  # noqa: F401  (probes the device: after args.cpu)
+    import utils.extra_config  # noqa: F401  (before nodes, as main.py does)
+    import server  # noqa: F401
+    import nodes
+
+    links = _package_links()
+    loop = asyncio.new_event_loop()
+    try:
+        for name in ("reusekit", "rk_tinymodels"):
+            if not loop.run_until_complete(nodes.load_custom_node(str(links / name))):
+                raise RuntimeError(f"ComfyUI could not load {links / name}")
+    finally:
+        loop.close()
+    PACK = sys.modules[str(links / "reusekit").replace(".", "_x_")]
+    TINY = sys.modules[str(links / "rk_tinymodels").replace(".", "_x_")]
+
+
+def pack(name: str):
+    """A submodule of the pack, e.g. ``pack("caching.stats")``."""
+    return importlib.import_module(f"{PACK.__name__}.{name}")
+
+
+# ---- in-process execution ------------------------------------------------------------------
+
+class Executor:
+    """Runs API-format prompts through the real ``execution.PromptExecutor``.
+
+    ``cache``: ComfyUI's cache mode, ``"classic"`` (default), ``"lru"``, ``"ram"`` or ``"none"``.
+    """
+
+    _server = None
+
+    def __init__(self, cache: str = "classic", lru_size: int = 10):
+        import execution
+        import nodes
+        import server
+
+        if Executor._server is None:
+            loop = asyncio.new_event_loop()
+            loop.run_until_complete(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
+            Executor._server = server.PromptServer(loop)
+        cache_args = {"classic": {"lru": 0, "ram": 0}, "lru": {"lru": lru_size, "ram": 0},
+                      "ram": {"lru": 0, "ram": 4.0}, "none": {"lru": 0, "ram": 0}}[cache]
+        kwargs = {"cache_type": execution.CacheType.NONE} if cache == "none" else {}
+        if cache == "lru":
+            kwargs = {"cache_type": execution.CacheType.LRU}
+        self.executor = execution.PromptExecutor(Executor._server, cache_args=cache_args, **kwargs)
+
+    def run(self, prompt: dict) -> dict:
+        """Validate and execute; returns the history result (``outputs`` holds each node's ui)."""
+        import execution
+
+        prompt_id = str(uuid.uuid4())
+        valid = asyncio.run(execution.validate_prompt(prompt_id, prompt, None))
+        if not valid[0]:
+            raise AssertionError(f"invalid prompt: {valid[1]} {valid[3]}")
+        self.executor.execute(prompt, prompt_id, {"client_id": None}, valid[2])
+        if not self.executor.success:
+            raise AssertionError(f"prompt failed: {self.executor.status_messages}")
+        return self.executor.history_result
+
+
+# ---- a real server on loopback -------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, url: str, base: Path, log: Path, proc: subprocess.Popen):
+        self.url, self.base, self.log, self.proc = url, base, log, proc
+
+    def get(self, path: str, timeout: float = 30):
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            body = r.read()
+            return json.loads(body) if "json" in r.headers.get("Content-Type", "") else body.decode()
+
+    def post(self, path: str, payload, timeout: float = 30):
+        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            body = r.read()
+            return json.loads(body) if body and "json" in r.headers.get("Content-Type", "") else body.decode()
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for_prompt(self, prompt_id: str, timeout: float = 120) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            history = self.get(f"/history/{prompt_id}")
+            if prompt_id in history and history[prompt_id].get("status", {}).get("completed") is not None:
+                return history[prompt_id]
+            time.sleep(0.2)
+        raise TimeoutError(f"prompt {prompt_id} did not finish in {timeout} s\n{self.log_text()[-3000:]}")
+
+    def queue(self, prompt: dict) -> str:
+        return self.post("/prompt", {"prompt": prompt, "client_id": "reusekit-tests"})["prompt_id"]
+
+
+@contextlib.contextmanager
+def running_server(*extra_args: str, timeout: float = 120):
+    """Start ``main.py --cpu`` on a free loopback port with the pack and the tiny-model nodes."""
+    base = Path(tempfile.mkdtemp(prefix="reusekit-server-"))
+    (base / "custom_nodes").mkdir()
+    (base / "custom_nodes" / "reusekit").symlink_to(ROOT, target_is_directory=True)
+    (base / "custom_nodes" / "rk_tinymodels").symlink_to(TESTS / "tinymodels", target_is_directory=True)
+    port = free_port()
+    log = base / "server.log"
+    cmd = [sys.executable, str(host_dir() / "main.py"), "--cpu", "--listen", "127.0.0.1", "--port", str(port),
+           "--base-directory", str(base), "--database-url", "sqlite:///:memory:", "--disable-auto-launch",
+           *extra_args]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=host_dir(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = Server(f"http://127.0.0.1:{port}", base, log, proc)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"ComfyUI exited with {proc.returncode}:\n{server.log_text()[-5000:]}")
+            try:
+                server.get("/system_stats", timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ComfyUI not ready in {timeout} s:\n{server.log_text()[-5000:]}") from None
+                time.sleep(0.25)
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(15)
+        shutil.rmtree(base, ignore_errors=True)

@@ -1,0 +1,146 @@
+"""The pack loads in a real ComfyUI; the harness runs real models, the executor and the server."""
+
+import ast
+import json
+import subprocess
+import sys
+
+import pytest
+import rkharness
+import torch
+
+pytestmark = pytest.mark.foundation
+
+
+def reusekit_nodes():
+    import nodes
+
+    return {k: v for k, v in nodes.NODE_CLASS_MAPPINGS.items() if k.startswith("ReuseKit")}
+
+
+def test_pack_is_a_v3_extension_with_a_web_directory():
+    pack = rkharness.PACK
+    assert callable(pack.comfy_entrypoint)
+    assert not hasattr(pack, "NODE_CLASS_MAPPINGS")  # it would make ComfyUI ignore the entrypoint
+    assert pack.WEB_DIRECTORY == "./web" and (rkharness.ROOT / "web" / "reusekit.js").is_file()
+
+
+def test_every_node_is_prefixed_and_in_the_reusekit_category():
+    found = reusekit_nodes()
+    assert "ReuseKitCacheStats" in found
+    for node_id, cls in found.items():
+        schema = cls.GET_SCHEMA()
+        assert schema.node_id == node_id
+        assert schema.category.split("/")[0] == "ReuseKit", node_id
+        assert schema.display_name.startswith("ReuseKit "), node_id
+        for inp in schema.inputs:
+            assert inp.tooltip, f"{node_id}.{inp.id} has no tooltip"
+
+
+def test_importing_the_pack_prints_nothing_and_does_no_heavy_work():
+    """A fresh interpreter imports the package (no host on the path): no output, no torch import."""
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('reusekit', {str(rkharness.ROOT / '__init__.py')!r},"
+        f" submodule_search_locations=[{str(rkharness.ROOT)!r}])\n"
+        "m = importlib.util.module_from_spec(spec); sys.modules['reusekit'] = m; spec.loader.exec_module(m)\n"
+        "assert 'torch' not in sys.modules and 'comfy' not in sys.modules, sorted(sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "" and out.stderr == ""
+
+
+def test_caching_package_never_imports_comfyui():
+    """caching/ is pure logic (torch + stdlib): unit-testable without a host."""
+    for path in (rkharness.ROOT / "caching").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            for name in names:
+                top = name.split(".")[0]
+                assert top not in {"comfy", "comfy_api", "comfy_extras", "comfy_execution", "nodes",
+                                   "server", "execution", "folder_paths"}, f"{path.name} imports {name}"
+
+
+def test_missing_host_feature_logs_one_warning_and_loads_the_rest(monkeypatch, caplog):
+    nodes_pkg = rkharness.pack("nodes")
+    monkeypatch.setattr(nodes_pkg, "NODE_MODULES", ("stats", "no_such_module"))
+    with caplog.at_level("WARNING", logger="reusekit"):
+        classes = nodes_pkg.load_node_classes()
+    assert [c.GET_SCHEMA().node_id for c in classes] == ["ReuseKitCacheStats"]
+    warnings = [r for r in caplog.records if r.name == "reusekit"]
+    assert len(warnings) == 1 and "no_such_module" in warnings[0].getMessage()
+
+
+def test_clip_text_encode_and_vae_round_trip_on_tiny_models(tiny):
+    import nodes
+
+    clip, vae = tiny.tiny_clip(0), tiny.tiny_vae(0)
+    (cond,) = nodes.CLIPTextEncode().encode(clip, "a (red:1.3) square on a blue field")
+    assert cond[0][0].shape == (1, 77, tiny.TEXT_DIM)
+    assert cond[0][1]["pooled_output"].shape == (1, tiny.TEXT_DIM)
+    image = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(0))
+    (latent,) = nodes.VAEEncode().encode(vae, image)
+    assert latent["samples"].shape == (1, 16, 8, 8)
+    (decoded,) = nodes.VAEDecode().decode(vae, latent)
+    assert decoded.shape == (1, 64, 64, 3) and torch.isfinite(decoded).all()
+
+
+@pytest.mark.parametrize("family,latent_shape", [("flux", (1, 16, 8, 8)), ("wan", (1, 16, 3, 8, 8))])
+def test_real_ksampler_runs_on_tiny_models(tiny, family, latent_shape):
+    import nodes
+
+    model, clip = tiny.BUILDERS[family](0), tiny.tiny_clip(0)
+    (pos,) = nodes.CLIPTextEncode().encode(clip, "a red circle")
+    (neg,) = nodes.CLIPTextEncode().encode(clip, "blurry")
+    latent = {"samples": torch.zeros(latent_shape)}
+    (out,) = nodes.common_ksampler(model, 7, 3, 2.0, "euler", "simple", pos, neg, latent)
+    assert out["samples"].shape == latent_shape
+    assert torch.isfinite(out["samples"]).all() and out["samples"].abs().sum() > 0
+    (again,) = nodes.common_ksampler(model, 7, 3, 2.0, "euler", "simple", pos, neg, latent)
+    assert torch.equal(out["samples"], again["samples"])  # deterministic under a seed
+
+
+def tiny_flux_prompt(text="a red square", seed=1):
+    return {
+        "1": {"class_type": "RKTestTinyCheckpoint", "inputs": {"family": "flux", "seed": 0}},
+        "2": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": text}},
+        "3": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": "blurry"}},
+        "4": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "5": {"class_type": "KSampler", "inputs": {"model": ["1", 0], "positive": ["2", 0], "negative": ["3", 0],
+                                                   "latent_image": ["4", 0], "seed": seed, "steps": 2, "cfg": 2.0,
+                                                   "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}},
+        "6": {"class_type": "VAEDecode", "inputs": {"samples": ["5", 0], "vae": ["1", 2]}},
+        "7": {"class_type": "ReuseKitCacheStats", "inputs": {"after": ["6", 0]}},
+    }
+
+
+def test_workflow_through_the_real_executor_shows_stats_text():
+    result = rkharness.Executor().run(tiny_flux_prompt())
+    (text,) = result["outputs"]["7"]["text"]
+    assert text.startswith("ReuseKit: ") and "caches" in text
+
+
+def test_server_lists_every_node_and_serves_the_web_entry(comfy_server):
+    info = comfy_server.get("/object_info")
+    expected = set(reusekit_nodes())
+    assert expected <= set(info), expected - set(info)
+    stats_node = info["ReuseKitCacheStats"]
+    assert stats_node["output_node"] is True and stats_node["category"].startswith("ReuseKit")
+    assert "/extensions/reusekit/reusekit.js" in comfy_server.get("/extensions")
+    js = comfy_server.get("/extensions/reusekit/reusekit.js")
+    assert "registerExtension" in js
+    timing = [line for line in comfy_server.log_text().splitlines() if "custom_nodes/reusekit" in line]
+    assert timing and not any("IMPORT FAILED" in line for line in timing), timing
+
+
+def test_server_runs_a_tiny_workflow_with_the_stats_node(comfy_server):
+    prompt_id = comfy_server.queue(tiny_flux_prompt(seed=3))
+    entry = comfy_server.wait_for_prompt(prompt_id)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:2000]
+    assert entry["outputs"]["7"]["text"][0].startswith("ReuseKit: ")

@@ -1,0 +1,126 @@
+"""The stats registry every cache reports to (pure logic, real threads)."""
+
+import json
+import threading
+
+import pytest
+import rkharness
+
+pytestmark = pytest.mark.foundation
+
+
+@pytest.fixture
+def stats():
+    return rkharness.pack("caching.stats")
+
+
+def test_register_count_and_snapshot_is_json_ready(stats):
+    reg = stats.StatsRegistry()
+    cond = reg.register("conditioning", "conditioning", "text/vision/VAE encodes")
+    pe = reg.register("pe:flux#1", "pe")
+    cond.incr("hits", 3)
+    cond.incr("misses")
+    cond.set_memory("cpu", 1000, budget=4096)
+    cond.set_memory("device", 24)
+    cond.set_entries(2)
+    cond.add_time_saved(0.5)
+    cond.add_time_saved(-1)  # never negative
+    pe.set_memory("cpu", 76)
+    pe.set_info("last", {"key": "64x64", "hits": 7})
+
+    snap = json.loads(json.dumps(reg.snapshot()))
+    assert snap["schema"] == stats.SCHEMA_VERSION
+    by_name = {c["name"]: c for c in snap["caches"]}
+    c = by_name["conditioning"]
+    assert c["counters"] == {"hits": 3, "misses": 1}
+    assert c["hit_rate"] == 0.75
+    assert c["bytes"] == {"cpu": 1000, "device": 24} and c["budgets"] == {"cpu": 4096}
+    assert c["entries"] == 2 and c["time_saved_s"] == 0.5 and c["clearable"] is False
+    assert by_name["pe:flux#1"]["info"]["last"] == {"key": "64x64", "hits": 7}
+    assert by_name["pe:flux#1"]["hit_rate"] is None
+    assert snap["totals"]["bytes"] == 1100
+    assert snap["totals"]["bytes_by_tier"] == {"cpu": 1076, "device": 24}
+    assert snap["totals"]["bytes_by_kind"] == {"conditioning": 1024, "pe": 76}
+    assert snap["totals"]["time_saved_s"] == 0.5
+
+
+def test_names_are_unique_and_unregister_frees_them(stats):
+    reg = stats.StatsRegistry()
+    reg.register("a", "pe")
+    with pytest.raises(KeyError):
+        reg.register("a", "pe")
+    with pytest.raises(ValueError):
+        reg.register("", "pe")
+    reg.unregister("a")
+    assert reg.get("a") is None
+    reg.register("a", "pe")
+    assert reg.names() == ["a"]
+
+
+def test_clear_calls_the_cache_and_reports_what_was_cleared(stats):
+    reg = stats.StatsRegistry()
+    cleared = []
+    reg.register("x", "conditioning", clear=lambda: cleared.append("x"))
+    reg.register("y", "pe")  # not clearable
+    assert reg.clear() == ["x"]
+    assert reg.clear("x") == ["x"] and cleared == ["x", "x"]
+    assert reg.clear("y") == []
+    with pytest.raises(KeyError):
+        reg.clear("nope")
+
+
+def test_listeners_and_version_follow_changes(stats):
+    reg = stats.StatsRegistry()
+    calls = []
+    listener = lambda: calls.append(reg.version)  # noqa: E731
+    reg.add_listener(listener)
+    s = reg.register("x", "step")
+    v = reg.version
+    s.incr("hits")
+    assert reg.version == v + 1 and calls[-1] == reg.version
+    reg.remove_listener(listener)
+    n = len(calls)
+    s.incr("hits")
+    assert len(calls) == n
+
+
+def test_concurrent_updates_and_snapshots_lose_nothing(stats):
+    reg = stats.StatsRegistry()
+    handles = [reg.register(f"c{i}", "conditioning") for i in range(4)]
+    errors = []
+
+    def writer(h):
+        for i in range(2000):
+            h.incr("hits")
+            h.set_memory("cpu", i)
+            h.add_time_saved(0.001)
+
+    def reader():
+        try:
+            for _ in range(200):
+                json.dumps(reg.snapshot())
+        except Exception as exc:  # pragma: no cover - the assertion below reports it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(h,)) for h in handles for _ in range(2)]
+    threads += [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    snap = reg.snapshot()
+    assert all(c["counters"]["hits"] == 4000 for c in snap["caches"])
+    assert snap["totals"]["time_saved_s"] == pytest.approx(16.0)
+
+
+def test_format_snapshot_is_readable(stats):
+    reg = stats.StatsRegistry()
+    s = reg.register("conditioning", "conditioning")
+    s.incr("hits", 9)
+    s.incr("misses", 1)
+    s.set_memory("cpu", 3 * 1024 * 1024, budget=512 * 1024 * 1024)
+    text = stats.format_snapshot(reg.snapshot())
+    assert "1 caches, 3.0 MiB held" in text
+    assert "[conditioning] conditioning" in text and "hit rate 90%" in text
+    assert "cpu 3.0 MiB/512.0 MiB" in text

@@ -1,0 +1,162 @@
+"""Tiny REAL ComfyUI models for the tests, and test-only loader nodes that serve them.
+
+Everything here builds ComfyUI's own classes (``comfy.supported_models``, ``comfy.model_base``,
+``comfy.sd.CLIP``, ``comfy.sd.VAE``, ``comfy.clip_vision``) from small configs and fills their
+weights from a seeded generator (ComfyUI creates its layers uninitialised). Nothing is faked.
+
+This folder is also a ComfyUI custom-node package: the test harness loads it in process and
+links it into the test server's ``custom_nodes``, so workflows can use ``RKTestTinyCheckpoint``
+in place of a checkpoint loader.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+
+import torch
+
+FAMILIES = ("flux", "wan")
+TEXT_DIM = 32  # width of the tiny CLIP; every tiny diffusion model takes this as context
+
+
+def fill_weights(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Deterministic, well-scaled weights for every parameter (ComfyUI leaves them uninitialised)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(module.named_parameters(), key=lambda kv: kv[0]):
+            if p.ndim >= 2:
+                fan_in = p[0].numel()
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(fan_in))
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            else:  # norm scales and other vectors
+                p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.02)
+    return module
+
+
+def _patcher(model):
+    import comfy.model_management as mm
+    import comfy.model_patcher
+
+    return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
+                                            offload_device=mm.unet_offload_device())
+
+
+def _from_config(model_config_cls, unet_config: dict, seed: int):
+    model_config = model_config_cls(unet_config)
+    model_config.set_inference_dtype(torch.float32, None)
+    model = model_config.get_model({})
+    fill_weights(model.diffusion_model, seed)
+    return _patcher(model)
+
+
+def tiny_flux(seed: int = 0, **overrides):
+    """Flux (dev-style, guidance embed) at hidden 64, 2 heads, 1 double + 1 single block."""
+    import comfy.supported_models
+
+    cfg = dict(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=TEXT_DIM,
+               context_in_dim=TEXT_DIM, hidden_size=64, mlp_ratio=4.0, num_heads=2, depth=1,
+               depth_single_blocks=1, axes_dim=[8, 12, 12], theta=10000, patch_size=2,
+               qkv_bias=True, guidance_embed=True)
+    cfg.update(overrides)
+    return _from_config(comfy.supported_models.Flux, cfg, seed)
+
+
+def tiny_wan(seed: int = 0, **overrides):
+    """Wan 2.1 text-to-video at dim 64, 2 heads, 1 layer (5-D latents)."""
+    import comfy.supported_models
+
+    cfg = dict(image_model="wan2.1", model_type="t2v", patch_size=(1, 2, 2), text_len=512,
+               in_dim=16, dim=64, ffn_dim=128, freq_dim=32, text_dim=TEXT_DIM, out_dim=16,
+               num_heads=2, num_layers=1, window_size=(-1, -1), qk_norm=True,
+               cross_attn_norm=True, eps=1e-6)
+    cfg.update(overrides)
+    return _from_config(comfy.supported_models.WAN21_T2V, cfg, seed)
+
+
+TINY_CLIP_L = {"hidden_size": TEXT_DIM, "intermediate_size": 64, "num_attention_heads": 2,
+               "num_hidden_layers": 2, "projection_dim": TEXT_DIM}
+
+
+def tiny_clip(seed: int = 0):
+    """A real ``comfy.sd.CLIP`` (SD1-style CLIP-L with ComfyUI's own tokenizer files), width 32."""
+    import comfy.sd
+    import comfy.sd1_clip
+    import comfy.supported_models_base
+
+    target = comfy.supported_models_base.ClipTarget(comfy.sd1_clip.SD1Tokenizer, comfy.sd1_clip.SD1ClipModel)
+    clip = comfy.sd.CLIP(target=target, model_options={"clip_l_model_config": dict(TINY_CLIP_L)})
+    fill_weights(clip.cond_stage_model, seed)
+    return clip
+
+
+def tiny_vae(seed: int = 0, latent_channels: int = 16):
+    """A real ``comfy.sd.VAE`` around a small AutoencoderKL (8x downscale, 16 latent channels)."""
+    import comfy.ldm.models.autoencoder
+    import comfy.sd
+
+    ddconfig = {"double_z": True, "z_channels": latent_channels, "resolution": 256, "in_channels": 3,
+                "out_ch": 3, "ch": 32, "ch_mult": [1, 2, 2, 2], "num_res_blocks": 1,
+                "attn_resolutions": [], "dropout": 0.0}
+    params = {"ddconfig": ddconfig, "embed_dim": latent_channels}
+    sd = fill_weights(comfy.ldm.models.autoencoder.AutoencoderKL(**params), seed).state_dict()
+    vae = comfy.sd.VAE(sd=sd, config={"params": params})
+    vae.latent_channels = latent_channels  # the config path keeps SD's default of 4
+    return vae
+
+
+def tiny_clip_vision(seed: int = 0):
+    """A real ``comfy.clip_vision.ClipVisionModel`` (ViT, 32 px, width 32, 2 layers)."""
+    import comfy.clip_vision
+
+    config = {"attention_dropout": 0.0, "dropout": 0.0, "hidden_act": "quick_gelu", "hidden_size": 32,
+              "image_size": 32, "initializer_factor": 1.0, "initializer_range": 0.02,
+              "intermediate_size": 64, "layer_norm_eps": 1e-05, "model_type": "clip_vision_model",
+              "num_attention_heads": 2, "num_channels": 3, "num_hidden_layers": 2, "patch_size": 8,
+              "projection_dim": 32, "torch_dtype": "float32"}
+    fd, path = tempfile.mkstemp(suffix=".json", prefix="rk_clip_vision_")
+    with os.fdopen(fd, "w") as f:
+        json.dump(config, f)
+    try:
+        model = comfy.clip_vision.ClipVisionModel(path)
+    finally:
+        os.unlink(path)
+    fill_weights(model.model, seed)
+    return model
+
+
+BUILDERS = {"flux": tiny_flux, "wan": tiny_wan}
+
+
+class RKTestTinyCheckpoint:
+    """Test-only loader: a tiny diffusion model of a family, the tiny CLIP and the tiny VAE."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"family": (list(FAMILIES),), "seed": ("INT", {"default": 0, "min": 0})}}
+
+    RETURN_TYPES = ("MODEL", "CLIP", "VAE")
+    FUNCTION = "load"
+    CATEGORY = "ReuseKit tests"
+
+    def load(self, family, seed):
+        return BUILDERS[family](seed), tiny_clip(seed), tiny_vae(seed)
+
+
+class RKTestTinyCLIPVision:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0})}}
+
+    RETURN_TYPES = ("CLIP_VISION",)
+    FUNCTION = "load"
+    CATEGORY = "ReuseKit tests"
+
+    def load(self, seed):
+        return (tiny_clip_vision(seed),)
+
+
+NODE_CLASS_MAPPINGS = {"RKTestTinyCheckpoint": RKTestTinyCheckpoint, "RKTestTinyCLIPVision": RKTestTinyCLIPVision}
