@@ -124,3 +124,24 @@ def test_format_snapshot_is_readable(stats):
     assert "1 caches, 3.0 MiB held" in text
     assert "[conditioning] conditioning" in text and "hit rate 90%" in text
     assert "cpu 3.0 MiB/512.0 MiB" in text
+
+
+def test_settings_validate_before_anything_changes():
+    settings = rkharness.pack("caching.settings")
+    reg = settings.SettingsRegistry()
+    applied = []
+    reg.define("conditioning.budget_mib", int, 512, "budget", minimum=0, maximum=65536, on_change=applied.append)
+    reg.define("conditioning.enabled", bool, True)
+    reg.define("step.mode", str, "auto", choices=("auto", "off"))
+    assert reg.set("conditioning.budget_mib", 256) == 256 and applied == [256]
+    for bad in (-1, 1e9, "12", 1.5, True, float("nan")):
+        with pytest.raises(ValueError, match="conditioning.budget_mib"):
+            reg.set("conditioning.budget_mib", bad)
+    with pytest.raises(ValueError, match="unknown setting"):
+        reg.set("nope", 1)
+    with pytest.raises(ValueError, match="step.mode"):
+        reg.update({"conditioning.enabled": False, "step.mode": "sometimes"})
+    assert reg.get("conditioning.enabled") is True  # all or nothing
+    assert reg.snapshot()["conditioning.budget_mib"]["value"] == 256
+    with pytest.raises(KeyError):
+        reg.define("step.mode", str, "auto")
