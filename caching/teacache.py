@@ -107,6 +107,7 @@ class CondState:
     computed: int = 0
     skipped: int = 0
     trace: list = field(default_factory=list)  # accumulated distance per call (tensors until the end)
+    pattern: list = field(default_factory=list)  # "C" computed / "S" skipped, per call
     meta: tuple | None = None  # (shape, dtype, device) of the modulated input
     # calibration
     prev_residual: torch.Tensor | None = None
@@ -184,6 +185,7 @@ class RunState:
                 state.consecutive = 0
                 state.computed += 1
             state.trace.append(cand if cand is not None else 0.0)
+            state.pattern.append("S" if skip else "C")
         return skip
 
     def store_residual(self, key: Any, residual: torch.Tensor) -> None:
@@ -224,7 +226,7 @@ class RunState:
         conds = {}
         for state in self.conds.values():
             conds[state.label] = {
-                "computed": state.computed, "skipped": state.skipped,
+                "computed": state.computed, "skipped": state.skipped, "pattern": "".join(state.pattern),
                 "trace": [round(float(v), 5) for v in state.trace],
             }
         return {

@@ -300,7 +300,7 @@ def resolve(settings: Settings, model_patcher) -> tuple[tuple[float, ...], str, 
         if stored is not None:
             return stored, "calibrated", fp
         if cfg.model_type == "calibrated" or family.default_type == "calibrated":
-            raise ValueError(f"model_type: no calibration for this {family.name} model yet; run it once "
+            raise ValueError(f"ReuseKit TeaCache: model_type: no calibration for this {family.name} model yet; run it once "
                              "through ReuseKit TeaCache Calibrate (or pick published coefficients)")
         return tc.COEFFICIENTS[family.default_type], family.default_type, fp
     return tc.COEFFICIENTS[cfg.model_type], cfg.model_type, fp
