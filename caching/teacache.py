@@ -49,6 +49,9 @@ RECOMMENDED: dict[str, dict[str, float]] = {
 }
 
 
+EXTRAPOLATE_SPAN = 1.0  # how far (in units of the measured sigma gap) a residual is extrapolated
+
+
 def rel_l1(cur: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
     """Relative L1 change ``mean|cur - prev| / mean|prev|`` as a 0-d tensor on their device
     (no host sync)."""
@@ -93,6 +96,7 @@ class StepCacheConfig:
     max_consecutive_skips: int = 0  # 0: no limit
     cache_device: str = "device"  # "device" (the model's) or "cpu"
     calibrate: bool = False
+    residual_mode: str = "reuse"  # "reuse" (TeaCache) or "extrapolate" (first order in sigma)
 
 
 @dataclass
@@ -102,6 +106,9 @@ class CondState:
     label: str
     prev_modulated: torch.Tensor | None = None
     residual: torch.Tensor | None = None
+    residual_sigma: float | None = None
+    slope: torch.Tensor | None = None  # d residual / d sigma between the last two computed calls
+    slope_span: float = 0.0
     accumulated: torch.Tensor | float = 0.0
     consecutive: int = 0
     computed: int = 0
@@ -115,7 +122,8 @@ class CondState:
     calib_y: list = field(default_factory=list)
 
     def clear(self) -> None:
-        self.prev_modulated = self.residual = self.prev_residual = None
+        self.prev_modulated = self.residual = self.prev_residual = self.slope = None
+        self.residual_sigma = None
         self.accumulated, self.consecutive, self.meta = 0.0, 0, None
 
 
@@ -188,21 +196,35 @@ class RunState:
             state.pattern.append("S" if skip else "C")
         return skip
 
-    def store_residual(self, key: Any, residual: torch.Tensor) -> None:
+    def store_residual(self, key: Any, residual: torch.Tensor, sigma: float | None = None) -> None:
         state = self.conds[key]
         if self.config.calibrate and state.residual is not None:
             state.calib_y.append(rel_l1(residual, state.residual))
         if self.config.cache_device == "cpu":
             residual = residual.to("cpu", non_blocking=True)
-        state.residual = residual
+        state.slope = None
+        if (self.config.residual_mode == "extrapolate" and sigma is not None and state.residual is not None
+                and state.residual_sigma is not None and state.residual_sigma != sigma
+                and state.residual.shape == residual.shape):
+            state.slope = (residual - state.residual.to(residual.device)) / (sigma - state.residual_sigma)
+            state.slope_span = abs(sigma - state.residual_sigma) * EXTRAPOLATE_SPAN
+        state.residual, state.residual_sigma = residual, sigma
 
-    def residual(self, key: Any, like: torch.Tensor) -> torch.Tensor:
-        return self.conds[key].residual.to(like.device, like.dtype, non_blocking=True)
+    def residual(self, key: Any, like: torch.Tensor, sigma: float | None = None) -> torch.Tensor:
+        """The residual to add on a skipped call: the stored one, or (``extrapolate``) continued
+        along its last slope to ``sigma``."""
+        state = self.conds[key]
+        res = state.residual
+        if state.slope is not None and sigma is not None:
+            # never further than the span the slope was measured over: a longer line overshoots
+            span = max(-state.slope_span, min(state.slope_span, sigma - state.residual_sigma))
+            res = res + state.slope * span
+        return res.to(like.device, like.dtype, non_blocking=True)
 
     def residual_bytes(self) -> dict[str, int]:
         out = {"cpu": 0, "device": 0}
         for state in self.conds.values():
-            for t in (state.residual, state.prev_modulated):
+            for t in (state.residual, state.slope, state.prev_modulated):
                 if t is not None:
                     out["cpu" if t.device.type == "cpu" else "device"] += t.numel() * t.element_size()
         return out
@@ -236,6 +258,7 @@ class RunState:
             "end_percent": self.config.end_percent,
             "max_consecutive_skips": self.config.max_consecutive_skips,
             "cache_device": self.config.cache_device,
+            "residual_mode": self.config.residual_mode,
             "steps": total_steps,
             "calls_computed": self.calls_computed,
             "calls_skipped": self.calls_skipped,

@@ -29,11 +29,16 @@ def _cache_inputs() -> list:
         io.Combo.Input("cache_device", options=["device", "cpu"], default="device",
                        tooltip="Where stored residuals live: the model's device (fastest) or the CPU "
                                "(saves VRAM, costs a copy per skipped step)."),
+        io.Combo.Input("residual_mode", options=["extrapolate", "reuse"], default="extrapolate",
+                       tooltip="What a skipped step adds. reuse: the last residual (classic TeaCache). "
+                               "extrapolate: the last residual continued along its change between the "
+                               "last two computed steps (lower error at the same skips; see README)."),
     ]
 
 
 def make_config(node: str, model_type: str, rel_l1_thresh: float, start_percent: float, end_percent: float,
-                max_consecutive_skips: int, cache_device: str, calibrate: bool = False) -> StepCacheConfig:
+                max_consecutive_skips: int, cache_device: str, residual_mode: str = "extrapolate",
+                calibrate: bool = False) -> StepCacheConfig:
     def bad(name, why):
         return ValueError(f"{node}: {name} {why}")
 
@@ -51,8 +56,10 @@ def make_config(node: str, model_type: str, rel_l1_thresh: float, start_percent:
         raise bad("max_consecutive_skips", f"must be a whole number >= 0, got {max_consecutive_skips!r}")
     if cache_device not in ("device", "cpu"):
         raise bad("cache_device", f"must be 'device' or 'cpu', got {cache_device!r}")
+    if residual_mode not in ("extrapolate", "reuse"):
+        raise bad("residual_mode", f"must be 'extrapolate' or 'reuse', got {residual_mode!r}")
     return StepCacheConfig(None, model_type, float(rel_l1_thresh), float(start_percent), float(end_percent),
-                           int(max_consecutive_skips), cache_device, calibrate)
+                           int(max_consecutive_skips), cache_device, calibrate, residual_mode)
 
 
 def attach(node: str, model, config: StepCacheConfig):
@@ -79,10 +86,10 @@ class TeaCacheNode(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, model_type, rel_l1_thresh, start_percent, end_percent, max_consecutive_skips,
-                cache_device) -> io.NodeOutput:
+                cache_device, residual_mode="extrapolate") -> io.NodeOutput:
         node = "ReuseKit TeaCache"
         config = make_config(node, model_type, rel_l1_thresh, start_percent, end_percent,
-                             max_consecutive_skips, cache_device)
+                             max_consecutive_skips, cache_device, residual_mode)
         return io.NodeOutput(attach(node, model, config))
 
 
@@ -105,7 +112,7 @@ class TeaCacheCalibrateNode(io.ComfyNode):
     @classmethod
     def execute(cls, model) -> io.NodeOutput:
         node = "ReuseKit TeaCache Calibrate"
-        config = make_config(node, "auto", 0.0, 0.0, 1.0, 0, "device", calibrate=True)
+        config = make_config(node, "auto", 0.0, 0.0, 1.0, 0, "device", "reuse", calibrate=True)
         return io.NodeOutput(attach(node, model, config))
 
 
@@ -142,12 +149,12 @@ class CachedKSamplerNode(io.ComfyNode):
     @classmethod
     def execute(cls, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise,
                 model_type, rel_l1_thresh, start_percent, end_percent, max_consecutive_skips,
-                cache_device) -> io.NodeOutput:
+                cache_device, residual_mode="extrapolate") -> io.NodeOutput:
         import nodes
 
         node = "ReuseKit Cached KSampler"
         config = make_config(node, model_type, rel_l1_thresh, start_percent, end_percent,
-                             max_consecutive_skips, cache_device)
+                             max_consecutive_skips, cache_device, residual_mode)
         cached = attach(node, model, config)
         (latent,) = nodes.common_ksampler(cached, seed, steps, cfg, sampler_name, scheduler, positive, negative,
                                           latent_image, denoise=denoise)

@@ -200,8 +200,9 @@ def _passthrough(args) -> dict:
 class _Call:
     """One diffusion-model call: the conds in the batch and the skip decision."""
 
-    def __init__(self, run: tc.RunState, family: Family, dm, keys: list, labels: list[str], may_skip: bool):
-        self.run, self.family, self.dm = run, family, dm
+    def __init__(self, run: tc.RunState, family: Family, dm, keys: list, labels: list[str], may_skip: bool,
+                 sigma: float | None):
+        self.run, self.family, self.dm, self.sigma = run, family, dm, sigma
         self.keys, self.labels, self.may_skip = keys, labels, may_skip
         self.skip: bool | None = None
         self.stack_in: torch.Tensor | None = None
@@ -220,7 +221,7 @@ class _Call:
             if last:
                 img = out["img"]
                 n = self.run_tokens(img)
-                res = torch.cat([self.run.residual(k, img) for k in self.keys])
+                res = torch.cat([self.run.residual(k, img, self.sigma) for k in self.keys])
                 out["img"] = img + res if img.shape[1] == n else torch.cat([img[:, :-n], img[:, -n:] + res], 1)
             return out
         out = run_block(args)
@@ -228,7 +229,7 @@ class _Call:
             n = self.stack_in.shape[1]
             residual = out["img"][:, -n:] - self.stack_in
             for key, r in zip(self.keys, residual.chunk(len(self.keys))):
-                self.run.store_residual(key, r)
+                self.run.store_residual(key, r, self.sigma)
             self.stack_in = None
         return out
 
@@ -266,9 +267,10 @@ def _diffusion_model(executor, *args, **kwargs):
     if run is None or settings is None:  # called outside a sampling run: plain forward
         return executor(*args, **kwargs)
     sigmas = to.get("sigmas")
-    may_skip = sigmas is not None and run.in_window(float(sigmas.max()))
+    sigma = float(sigmas.max()) if sigmas is not None else None
+    may_skip = sigma is not None and run.in_window(sigma)
     keys = list(to.get("uuids") or []) or ["cond"]
-    call = _Call(run, settings.family, executor.class_obj, keys, _labels(to, len(keys)), may_skip)
+    call = _Call(run, settings.family, executor.class_obj, keys, _labels(to, len(keys)), may_skip, sigma)
     to[CALL_KEY] = call
     t0 = time.perf_counter()
     try:

@@ -66,8 +66,9 @@ def sample(model, conds, steps=STEPS, cfg=3.0, shape=(1, 16, 8, 8), seed=3):
     return out["samples"]
 
 
-def teacache(model, thresh, model_type="flux", start=0.0, end=1.0, max_skips=0, device="device"):
-    (m,) = N().TeaCacheNode.execute(model, model_type, thresh, start, end, max_skips, device).args
+def teacache(model, thresh, model_type="flux", start=0.0, end=1.0, max_skips=0, device="device",
+             mode="extrapolate"):
+    (m,) = N().TeaCacheNode.execute(model, model_type, thresh, start, end, max_skips, device, mode).args
     return m
 
 
@@ -125,6 +126,24 @@ def test_decide_keeps_cond_state_separate_and_skips_only_when_every_cond_agrees(
     assert rs.conds["a"].pattern == ["C", "C", "S"]
     # outside the window: never skip
     assert rs.decide(["a", "b"], ["cond", "uncond"], [a0 * 1.21, b0 * 1.65], False) is False
+
+
+def test_extrapolated_residual_follows_the_last_slope_and_never_overshoots_its_span():
+    m = tc()
+    cfg = m.StepCacheConfig(None, "test", 1.0, residual_mode="extrapolate")
+    rs = m.RunState(cfg, (0, 0, 0, 1.0, 0), 1.0, 0.0)
+    rs.decide(["a"], ["cond"], [torch.ones(1, 2, 2)], True)
+    rs.store_residual("a", torch.full((1, 2, 2), 1.0), sigma=1.0)
+    like = torch.zeros(1, 2, 2)
+    assert torch.equal(rs.residual("a", like, 0.9), torch.full((1, 2, 2), 1.0))  # one point: plain reuse
+    rs.store_residual("a", torch.full((1, 2, 2), 2.0), sigma=0.8)  # +1 per -0.2 sigma
+    assert torch.allclose(rs.residual("a", like, 0.7), torch.full((1, 2, 2), 2.5))
+    assert torch.allclose(rs.residual("a", like, 0.1), torch.full((1, 2, 2), 3.0))  # capped at one span
+    reuse = m.RunState(m.StepCacheConfig(None, "test", 1.0, residual_mode="reuse"), (0, 0, 0, 1.0, 0), 1.0, 0.0)
+    reuse.decide(["a"], ["cond"], [torch.ones(1, 2, 2)], True)
+    reuse.store_residual("a", torch.full((1, 2, 2), 1.0), sigma=1.0)
+    reuse.store_residual("a", torch.full((1, 2, 2), 2.0), sigma=0.8)
+    assert torch.equal(reuse.residual("a", like, 0.7), torch.full((1, 2, 2), 2.0))
 
 
 def test_decide_respects_max_consecutive_skips_and_resets_on_a_shape_change():
@@ -243,7 +262,7 @@ def test_cached_ksampler_equals_teacache_then_ksampler(flux, conds):
     pos, neg = conds
     latent = {"samples": torch.zeros(1, 16, 8, 8)}
     (out,) = N().CachedKSamplerNode.execute(flux, 3, STEPS, 3.0, "euler", "simple", pos, neg, latent, 1.0,
-                                            "flux", 0.8, 0.0, 1.0, 0, "device").args
+                                            "flux", 0.8, 0.0, 1.0, 0, "device", "extrapolate").args
     assert torch.equal(out["samples"], sample(teacache(flux, 0.8), conds))
 
 
@@ -265,6 +284,7 @@ def test_the_node_clones_and_leaves_its_input_alone(flux):
     ({"start": 0.7, "end": 0.3}, "start_percent"),
     ({"max_skips": -1}, "max_consecutive_skips"),
     ({"device": "gpu"}, "cache_device"),
+    ({"mode": "guess"}, "residual_mode"),
     ({"model_type": "wan2.1_t2v_14B_ret_mode"}, "model_type"),
     ({"model_type": "nope"}, "model_type"),
 ])
