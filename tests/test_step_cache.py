@@ -341,3 +341,18 @@ def test_an_unsupported_family_is_a_clear_error(tiny):
         cap_feat_dim=tiny.TEXT_DIM, axes_dims=[8, 12, 12], axes_lens=[300, 64, 64]), 0)
     with pytest.raises(ValueError, match="ReuseKit TeaCache: model: .*does not support NextDiT"):
         teacache(lumina, 0.4, model_type="auto")
+
+
+# ---- the example workflow ------------------------------------------------------------------
+
+@pytest.mark.workflows
+def test_example_workflow_runs_on_the_trained_flux(harness):
+    wf = harness.load_workflow("step_cache_flux.json")
+    assert any(n["type"] == "Note" for n in wf["nodes"])
+    prompt = harness.workflow_to_prompt(wf, family="flux_trained", overrides={
+        "8": {"width": 64, "height": 64}, "9": {"steps": STEPS}})
+    assert prompt["4"]["class_type"] == "ReuseKitTeaCache" and prompt["4"]["inputs"]["rel_l1_thresh"] == 0.4
+    result = harness.Executor(cache="none").run(prompt)
+    run = last_run()
+    assert run["family"] == "flux" and run["calls_skipped"] >= 1
+    assert "teacache" in result["outputs"]["12"]["text"][0]
