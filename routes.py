@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +36,24 @@ PUSH_INTERVAL_S = 0.5
 
 _pusher: StatsPusher | None = None
 _server = None  # the PromptServer the routes were added to
+
+
+def json_ready(value: Any) -> Any:
+    """``value`` with only strict-JSON parts: a cache's info may hold NaN, tuples or objects, and one
+    unserialisable event would stop ComfyUI's websocket publish loop for every client."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [json_ready(v) for v in value]
+    return str(value)
+
+
+def snapshot() -> dict:
+    return json_ready(REGISTRY.snapshot())
 
 
 class StatsPusher:
@@ -85,7 +104,7 @@ class StatsPusher:
             return
         self._pushed_version = version
         try:
-            self._send(STATS_EVENT, self._registry.snapshot())
+            self._send(STATS_EVENT, json_ready(self._registry.snapshot()))
             self.pushes += 1
         except Exception:  # a push must never break the registry's caller
             log.exception("ReuseKit: could not push the cache stats")
@@ -114,13 +133,13 @@ async def _json_object(request) -> dict:
 
 
 def settings_payload() -> dict:
-    return {"schema": SCHEMA_VERSION, "settings": SETTINGS.snapshot()}
+    return {"schema": SCHEMA_VERSION, "settings": json_ready(SETTINGS.snapshot())}
 
 
 async def get_stats(request):
     from aiohttp import web
 
-    return web.json_response(await asyncio.to_thread(REGISTRY.snapshot))
+    return web.json_response(await asyncio.to_thread(snapshot))
 
 
 async def post_clear(request):
@@ -144,7 +163,7 @@ async def post_clear(request):
     if target is not None and not cleared:
         return _error(409, f"the cache {target!r} cannot be cleared")
     log.info("ReuseKit: cleared %s", ", ".join(cleared) or "nothing")
-    return web.json_response({"cleared": cleared, "stats": await asyncio.to_thread(REGISTRY.snapshot)})
+    return web.json_response({"cleared": cleared, "stats": await asyncio.to_thread(snapshot)})
 
 
 async def get_settings(request):

@@ -228,6 +228,37 @@ def test_a_burst_from_another_thread_gives_few_pushes_and_the_last_state():
 
 
 @pytest.mark.hardening
+def test_pushed_and_served_snapshots_are_strict_json_whatever_a_cache_puts_in_info():
+    """One unserialisable event would stop ComfyUI's websocket publish loop for every client."""
+    routes = rkharness.pack("routes")
+    registry = rkharness.pack("caching.stats").StatsRegistry()
+    handle = registry.register("odd", "graph")
+    handle.set_info("last_run", {"ratio": float("nan"), "inf": float("inf"), (1, 2): "tuple key",
+                                 "reasons": ("shape", "dtype"), "device": torch_device()})
+    with pytest.raises((TypeError, ValueError)):
+        json.dumps(registry.snapshot(), allow_nan=False)
+    loop = asyncio.new_event_loop()
+    sent = []
+    pusher = routes.StatsPusher(lambda event, data: sent.append(data), loop, interval=0.0, registry=registry)
+    try:
+        pusher.notify()
+        loop.run_until_complete(asyncio.sleep(0.05))
+    finally:
+        loop.close()
+    (data,) = sent
+    text = json.dumps(data, allow_nan=False)
+    info = json.loads(text)["caches"][0]["info"]["last_run"]
+    assert info == {"ratio": None, "inf": None, "(1, 2)": "tuple key", "reasons": ["shape", "dtype"],
+                    "device": "cpu"}
+
+
+def torch_device():
+    import torch
+
+    return torch.device("cpu")
+
+
+@pytest.mark.hardening
 def test_register_where_no_server_runs_adds_nothing(monkeypatch):
     import server as comfy_server_module
 
@@ -237,3 +268,44 @@ def test_register_where_no_server_runs_adds_nothing(monkeypatch):
     listeners = list(registry._listeners)
     assert routes.register() is False
     assert registry._listeners == listeners and routes._server is None
+
+
+@pytest.mark.hardening
+def test_a_clear_that_waits_on_the_sampling_thread_does_not_block_the_event_loop():
+    """The cache's lock is held elsewhere (a sampling run) while a client asks to clear it: the clear
+    waits in a worker thread and the stats route keeps answering at once."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    routes = rkharness.pack("routes")
+    registry = rkharness.pack("caching.stats").REGISTRY
+    sampling_lock = threading.Lock()
+
+    def clear():
+        with sampling_lock:
+            pass
+
+    registry.register("rktest.blocking", "step", clear=clear)
+    app = web.Application()
+    app.router.add_get("/reusekit/stats", routes.get_stats)
+    app.router.add_post("/reusekit/clear", routes.post_clear)
+
+    async def main():
+        async with TestClient(TestServer(app)) as client:
+            sampling_lock.acquire()
+            threading.Timer(1.0, sampling_lock.release).start()  # the sampling run ends in 1 s
+            start = time.monotonic()  # the loop's own clock: a blocked loop shows here
+            clearing = asyncio.ensure_future(client.post("/reusekit/clear", json={"cache": "rktest.blocking"}))
+            await asyncio.sleep(0.1)
+            response = await client.get("/reusekit/stats")
+            answered_in = time.monotonic() - start
+            assert response.status == 200
+            cleared = await clearing
+            return answered_in, cleared.status, await cleared.json()
+
+    try:
+        answered_in, status, body = asyncio.run(main())
+    finally:
+        registry.unregister("rktest.blocking")
+    assert answered_in < 0.6, answered_in  # 0.1 s of sleep, then the stats at once (not after 1 s)
+    assert status == 200 and body["cleared"] == ["rktest.blocking"]
