@@ -30,8 +30,7 @@ PACK_ROOT = Path(__file__).resolve().parents[2]
 MEMO_CACHE = "rktest.decode_memo"
 STEP_CACHE = "rktest.step_probe"
 _lock = threading.Lock()
-_memo = None
-_step = None
+_instances: dict[type, object] = {}
 
 
 def pack_module(sub: str):
@@ -139,20 +138,20 @@ class StepProbe:
         return out
 
 
-def memo() -> DecodeMemo:
-    global _memo
+def _shared(cls):
+    """One instance per process of a probe (it registers a named cache: once only)."""
     with _lock:
-        if _memo is None:
-            _memo = DecodeMemo()
-        return _memo
+        if cls not in _instances:
+            _instances[cls] = cls()
+        return _instances[cls]
+
+
+def memo() -> DecodeMemo:
+    return _shared(DecodeMemo)
 
 
 def step_probe() -> StepProbe:
-    global _step
-    with _lock:
-        if _step is None:
-            _step = StepProbe()
-        return _step
+    return _shared(StepProbe)
 
 
 class RKTestDecodeMemo:
