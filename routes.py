@@ -207,6 +207,10 @@ def register(prompt_server=None) -> bool:
     if _server is not None:
         log.warning("ReuseKit: the routes are already on another server; not adding them again")
         return False
+    missing = [a for a in ("routes", "send_sync", "loop") if not hasattr(prompt_server, a)]
+    if missing:  # a host without these seams: the nodes still load, the panel has no data
+        log.warning("ReuseKit: this ComfyUI server has no %s; the cache panel is unavailable", ", ".join(missing))
+        return False
     routes = prompt_server.routes
     routes.get("/reusekit/stats")(get_stats)
     routes.post("/reusekit/clear")(post_clear)

@@ -271,6 +271,18 @@ def test_register_where_no_server_runs_adds_nothing(monkeypatch):
 
 
 @pytest.mark.hardening
+def test_a_server_without_the_seams_gets_one_warning_and_no_routes(caplog):
+    class OldServer:  # a host whose PromptServer lacks routes / send_sync / loop
+        pass
+
+    routes = rkharness.pack("routes")
+    with caplog.at_level("WARNING", logger="reusekit"):
+        assert routes.register(OldServer()) is False
+    (record,) = [r for r in caplog.records if r.name == "reusekit"]
+    assert "routes, send_sync, loop" in record.getMessage() and routes._server is None
+
+
+@pytest.mark.hardening
 def test_a_clear_that_waits_on_the_sampling_thread_does_not_block_the_event_loop():
     """The cache's lock is held elsewhere (a sampling run) while a client asks to clear it: the clear
     waits in a worker thread and the stats route keeps answering at once."""
