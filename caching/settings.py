@@ -91,12 +91,16 @@ class SettingsRegistry:
                 for key, value in validated.items():
                     setting = self._settings[key]
                     if value != setting.value:
-                        if setting.on_change is not None:
-                            setting.on_change(value)
-                        applied.append((setting, setting.value))
-                        setting.value = value
+                        previous, setting.value = setting.value, value
+                        try:
+                            if setting.on_change is not None:
+                                setting.on_change(value)
+                        except Exception:
+                            setting.value = previous  # this cache refused the value
+                            raise
+                        applied.append((setting, previous))
             except Exception:
-                for setting, previous in reversed(applied):  # a cache refused: put everything back
+                for setting, previous in reversed(applied):  # put back what was already applied
                     setting.value = previous
                     if setting.on_change is not None:
                         setting.on_change(previous)
