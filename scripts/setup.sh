@@ -72,10 +72,11 @@ fi
 # 5. test tools, only for the test path
 if [ "${1:-}" = "--test" ]; then
   stamp=$VENV/.reusekit-test-tools
-  if [ ! -f "$stamp" ]; then
+  tools="pytest playwright websocket-client ruff"
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$tools" ]; then
     say "installing test tools"
-    "${PIP[@]}" pytest playwright websocket-client
-    touch "$stamp"
+    "${PIP[@]}" $tools
+    printf '%s' "$tools" > "$stamp"
   fi
   missing=()
   command -v chromium >/dev/null 2>&1 || missing+=(chromium)   # the browser tests
