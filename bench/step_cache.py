@@ -50,8 +50,9 @@ def main():
     logging.getLogger("reusekit").setLevel(logging.WARNING)
     logging.getLogger().setLevel(logging.WARNING)
     import comfy.utils
-    import nodes
     from comfy_extras.nodes_easycache import EasyCacheNode, LazyCacheNode
+
+    import nodes
 
     comfy.utils.PROGRESS_BAR_ENABLED = False
     trained = importlib.import_module(rkharness.TINY.__name__ + ".trained_flux")

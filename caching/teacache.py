@@ -72,7 +72,7 @@ def fit_polynomial(xs: list[float], ys: list[float], degree: int = 2) -> tuple[f
     zeros pad lower degrees, so calibrated and published polynomials share one format)."""
     if len(xs) != len(ys):
         raise ValueError("calibration needs as many outputs as inputs")
-    pts = [(x, y) for x, y in zip(xs, ys) if x == x and y == y and abs(x) != float("inf")]
+    pts = [(x, y) for x, y in zip(xs, ys, strict=True) if x == x and y == y and abs(x) != float("inf")]
     if len(pts) < 2:
         raise ValueError(f"calibration needs at least 2 steps with a previous step, got {len(pts)}")
     degree = max(1, min(degree, len(pts) - 1, 4))
@@ -159,10 +159,10 @@ class RunState:
         threshold and under ``max_consecutive_skips``. Reading the decision is the only host sync.
         """
         cfg = self.config
-        states = [self.cond(k, lab) for k, lab in zip(keys, labels)]
+        states = [self.cond(k, lab) for k, lab in zip(keys, labels, strict=True)]
         candidates = []
         possible = may_skip and not cfg.calibrate
-        for state, mod in zip(states, modulated):
+        for state, mod in zip(states, modulated, strict=True):
             meta = (tuple(mod.shape), mod.dtype, mod.device)
             if state.meta is not None and state.meta != meta:  # shape/dtype/device change: start clean
                 state.clear()
@@ -182,7 +182,7 @@ class RunState:
         if possible:
             worst = torch.stack([torch.as_tensor(c, dtype=torch.float32) for c in candidates]).max()
             skip = bool(worst < cfg.rel_l1_thresh)  # the one sync per call
-        for state, mod, cand in zip(states, modulated, candidates):
+        for state, mod, cand in zip(states, modulated, candidates, strict=True):
             state.prev_modulated = mod
             if skip:
                 state.accumulated = cand

@@ -228,7 +228,7 @@ class _Call:
         if last:
             n = self.stack_in.shape[1]
             residual = out["img"][:, -n:] - self.stack_in
-            for key, r in zip(self.keys, residual.chunk(len(self.keys))):
+            for key, r in zip(self.keys, residual.chunk(len(self.keys)), strict=True):
                 self.run.store_residual(key, r, self.sigma)
             self.stack_in = None
         return out
