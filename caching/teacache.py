@@ -106,9 +106,9 @@ class CondState:
     label: str
     prev_modulated: torch.Tensor | None = None
     residual: torch.Tensor | None = None
-    residual_sigma: float | None = None
+    residual_sigma: torch.Tensor | None = None  # 0-d, on the sampler's device
     slope: torch.Tensor | None = None  # d residual / d sigma between the last two computed calls
-    slope_span: float = 0.0
+    slope_span: torch.Tensor | None = None
     accumulated: torch.Tensor | float = 0.0
     consecutive: int = 0
     computed: int = 0
@@ -143,8 +143,9 @@ class RunState:
         self.resets = 0
         self.started = time.perf_counter()
 
-    def in_window(self, sigma: float) -> bool:
-        return self.end_sigma < sigma <= self.start_sigma
+    def in_window(self, sigma: torch.Tensor) -> torch.Tensor:
+        """Whether skipping is allowed at ``sigma``, as a tensor on its device (no host sync)."""
+        return (sigma > self.end_sigma) & (sigma <= self.start_sigma)
 
     def cond(self, key: Any, label: str) -> CondState:
         state = self.conds.get(key)
@@ -152,16 +153,19 @@ class RunState:
             state = self.conds[key] = CondState(label)
         return state
 
-    def decide(self, keys: list[Any], labels: list[str], modulated: list[torch.Tensor], may_skip: bool) -> bool:
+    def decide(self, keys: list[Any], labels: list[str], modulated: list[torch.Tensor],
+               may_skip: bool | torch.Tensor) -> bool:
         """Update each cond's distance from its modulated input; True when the whole call skips.
 
         A call skips only when every cond in it has a residual for the same shape, stays under the
-        threshold and under ``max_consecutive_skips``. Reading the decision is the only host sync.
+        threshold and under ``max_consecutive_skips``, inside the window (``may_skip``, a bool or a
+        0-d bool tensor). Reading the decision is the only host sync, and only when a skip is
+        possible at all.
         """
         cfg = self.config
         states = [self.cond(k, lab) for k, lab in zip(keys, labels, strict=True)]
         candidates = []
-        possible = may_skip and not cfg.calibrate
+        possible = may_skip is not False and not cfg.calibrate
         for state, mod in zip(states, modulated, strict=True):
             meta = (tuple(mod.shape), mod.dtype, mod.device)
             if state.meta is not None and state.meta != meta:  # shape/dtype/device change: start clean
@@ -181,7 +185,8 @@ class RunState:
         skip = False
         if possible:
             worst = torch.stack([torch.as_tensor(c, dtype=torch.float32) for c in candidates]).max()
-            skip = bool(worst < cfg.rel_l1_thresh)  # the one sync per call
+            ok = torch.logical_and(worst < cfg.rel_l1_thresh, torch.as_tensor(may_skip, device=worst.device))
+            skip = bool(ok)  # the one sync per call
         for state, mod, cand in zip(states, modulated, candidates, strict=True):
             state.prev_modulated = mod
             if skip:
@@ -196,30 +201,35 @@ class RunState:
             state.pattern.append("S" if skip else "C")
         return skip
 
-    def store_residual(self, key: Any, residual: torch.Tensor, sigma: float | None = None) -> None:
+    def store_residual(self, key: Any, residual: torch.Tensor, sigma: torch.Tensor | float | None = None) -> None:
+        """Keep a computed call's residual (and, to extrapolate, its slope in sigma). No host sync."""
         state = self.conds[key]
         if self.config.calibrate and state.residual is not None:
             state.calib_y.append(rel_l1(residual, state.residual))
+        sigma = None if sigma is None else torch.as_tensor(sigma, dtype=torch.float32)
         if self.config.cache_device == "cpu":
             residual = residual.to("cpu", non_blocking=True)
-        state.slope = None
+        state.slope = state.slope_span = None
         if (self.config.residual_mode == "extrapolate" and sigma is not None and state.residual is not None
-                and state.residual_sigma is not None and state.residual_sigma != sigma
-                and state.residual.shape == residual.shape):
-            state.slope = (residual - state.residual.to(residual.device)) / (sigma - state.residual_sigma)
-            state.slope_span = abs(sigma - state.residual_sigma) * EXTRAPOLATE_SPAN
+                and state.residual_sigma is not None and state.residual.shape == residual.shape):
+            gap = (sigma - state.residual_sigma).to(residual.device)
+            safe = torch.where(gap == 0, torch.ones_like(gap), gap)
+            state.slope = torch.where(gap == 0, 0.0, 1.0) * (residual - state.residual) / safe
+            state.slope_span = (sigma - state.residual_sigma).abs() * EXTRAPOLATE_SPAN
         state.residual, state.residual_sigma = residual, sigma
 
-    def residual(self, key: Any, like: torch.Tensor, sigma: float | None = None) -> torch.Tensor:
+    def residual(self, key: Any, like: torch.Tensor, sigma: torch.Tensor | float | None = None) -> torch.Tensor:
         """The residual to add on a skipped call: the stored one, or (``extrapolate``) continued
-        along its last slope to ``sigma``."""
+        along its last slope to ``sigma``, computed on ``like``'s device (no host sync)."""
         state = self.conds[key]
-        res = state.residual
+        res = state.residual.to(like.device, like.dtype, non_blocking=True)
         if state.slope is not None and sigma is not None:
             # never further than the span the slope was measured over: a longer line overshoots
-            span = max(-state.slope_span, min(state.slope_span, sigma - state.residual_sigma))
-            res = res + state.slope * span
-        return res.to(like.device, like.dtype, non_blocking=True)
+            span = state.slope_span.to(like.device)
+            step = torch.as_tensor(sigma, dtype=torch.float32).to(like.device) - state.residual_sigma.to(like.device)
+            step = torch.minimum(torch.maximum(step, -span), span)
+            res = res + state.slope.to(like.device, like.dtype, non_blocking=True) * step.to(like.dtype)
+        return res
 
     def residual_bytes(self) -> dict[str, int]:
         out = {"cpu": 0, "device": 0}

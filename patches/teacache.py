@@ -201,7 +201,7 @@ class _Call:
     """One diffusion-model call: the conds in the batch and the skip decision."""
 
     def __init__(self, run: tc.RunState, family: Family, dm, keys: list, labels: list[str], may_skip: bool,
-                 sigma: float | None):
+                 sigma: torch.Tensor | None):
         self.run, self.family, self.dm, self.sigma = run, family, dm, sigma
         self.keys, self.labels, self.may_skip = keys, labels, may_skip
         self.skip: bool | None = None
@@ -267,8 +267,8 @@ def _diffusion_model(executor, *args, **kwargs):
     if run is None or settings is None:  # called outside a sampling run: plain forward
         return executor(*args, **kwargs)
     sigmas = to.get("sigmas")
-    sigma = float(sigmas.max()) if sigmas is not None else None
-    may_skip = sigma is not None and run.in_window(sigma)
+    sigma = sigmas.max().float() if sigmas is not None else None  # stays on its device: no sync here
+    may_skip = False if sigma is None else run.in_window(sigma)
     keys = list(to.get("uuids") or []) or ["cond"]
     call = _Call(run, settings.family, executor.class_obj, keys, _labels(to, len(keys)), may_skip, sigma)
     to[CALL_KEY] = call
