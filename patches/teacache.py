@@ -63,6 +63,7 @@ class Family:
     classes: tuple[str, ...]  # "module:Class" of the diffusion model
     modulated: Callable[[Any, dict], torch.Tensor]
     blocks: Callable[[Any], list[tuple[str, int]]]
+    image_first: bool = False  # the last block's stream is (image, text) rather than (text, image)
 
 
 def _double_single(dm):
@@ -73,7 +74,7 @@ def _double_single(dm):
 FAMILIES = (
     Family("flux", "flux", ("comfy.ldm.flux.model:Flux",), _flux_modulated, _double_single),
     Family("hunyuan_video", "hunyuan_video", ("comfy.ldm.hunyuan_video.model:HunyuanVideo",),
-           _flux_modulated, _double_single),
+           _flux_modulated, _double_single, image_first=True),
     Family("wan", "wan2.1_t2v_1.3B_ret_mode", ("comfy.ldm.wan.model:WanModel",), _wan_modulated,
            lambda dm: [("double_block", i) for i in range(len(dm.blocks))]),
     Family("qwen_image", "calibrated", ("comfy.ldm.qwen_image.model:QwenImageTransformer2DModel",),
@@ -220,21 +221,24 @@ class _Call:
             out = _passthrough(args)
             if last:
                 img = out["img"]
-                n = self.run_tokens(img)
+                n = self.run.conds[self.keys[0]].residual.shape[1]
                 res = torch.cat([self.run.residual(k, img, self.sigma) for k in self.keys])
-                out["img"] = img + res if img.shape[1] == n else torch.cat([img[:, :-n], img[:, -n:] + res], 1)
+                if img.shape[1] == n:
+                    out["img"] = img + res
+                elif self.family.image_first:
+                    out["img"] = torch.cat([img[:, :n] + res, img[:, n:]], 1)
+                else:
+                    out["img"] = torch.cat([img[:, :-n], img[:, -n:] + res], 1)
             return out
         out = run_block(args)
         if last:
             n = self.stack_in.shape[1]
-            residual = out["img"][:, -n:] - self.stack_in
+            image = out["img"][:, :n] if self.family.image_first else out["img"][:, -n:]
+            residual = image - self.stack_in
             for key, r in zip(self.keys, residual.chunk(len(self.keys)), strict=True):
                 self.run.store_residual(key, r, self.sigma)
             self.stack_in = None
         return out
-
-    def run_tokens(self, img: torch.Tensor) -> int:
-        return self.run.conds[self.keys[0]].residual.shape[1]
 
 
 def _transformer_options(args, kwargs) -> dict:

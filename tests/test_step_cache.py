@@ -313,14 +313,18 @@ def test_calibration_fits_a_polynomial_that_the_next_run_uses(flux, conds, _isol
 
 # ---- other families ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("family,shape", [("wan", (1, 16, 3, 8, 8)), ("qwen_image", (1, 16, 1, 8, 8))])
+PUBLISHED_DEFAULT = {"wan": "wan2.1_t2v_1.3B_ret_mode", "hunyuan_video": "hunyuan_video"}
+
+
+@pytest.mark.parametrize("family,shape", [("wan", (1, 16, 3, 8, 8)), ("qwen_image", (1, 16, 1, 8, 8)),
+                                          ("hunyuan_video", (1, 16, 2, 8, 8))])
 def test_other_families_calibrate_and_skip_through_the_real_ksampler(tiny, conds, family, shape):
-    builder = tiny.tiny_wan if family == "wan" else tiny_module("step_families").tiny_qwen_image
+    builder = tiny.tiny_wan if family == "wan" else getattr(tiny_module("step_families"), f"tiny_{family}")
     model = builder(0)
     ref = sample(model, conds, steps=6, shape=shape)
-    if family == "wan":  # published coefficients by default (made for the real 1.3B, not this one)
+    if family in PUBLISHED_DEFAULT:  # published coefficients by default (made for the real models)
         exact = sample(teacache(model, 0.0, model_type="auto"), conds, steps=6, shape=shape)
-        assert torch.equal(exact, ref) and last_run()["model_type"] == "wan2.1_t2v_1.3B_ret_mode"
+        assert torch.equal(exact, ref) and last_run()["model_type"] == PUBLISHED_DEFAULT[family]
     else:  # no published coefficients: a clear error until calibrated
         with pytest.raises(ValueError, match="ReuseKit TeaCache: model_type: no calibration"):
             sample(teacache(model, 0.0, model_type="auto"), conds, steps=6, shape=shape)
