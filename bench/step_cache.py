@@ -29,13 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import rkharness  # noqa: E402
 
 PROMPTS = [("a red circle on a black background", 11), ("a yellow square on a gray background", 12),
-           ("a blue triangle on a white background", 13)]
+           ("a blue triangle on a white background", 13), ("a green cross on a white background", 14),
+           ("a purple circle on a gray background", 15)]
 THRESH = {  # method: model_type:residual_mode for ReuseKit
-    "reusekit:flux:reuse": [0.2, 0.4],
-    "reusekit:flux:extrapolate": [0.2, 0.3, 0.4, 0.6],
-    "reusekit:calibrated:extrapolate": [0.1, 0.15],
-    "easycache": [0.02, 0.05, 0.1],
-    "lazycache": [0.02, 0.05, 0.1, 0.2],
+    "reusekit:flux:reuse": [0.1, 0.2, 0.3, 0.4, 0.6],
+    "reusekit:flux:extrapolate": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6],
+    "reusekit:calibrated:extrapolate": [0.05, 0.1, 0.15, 0.2, 0.3],
+    "easycache": [0.01, 0.02, 0.05, 0.1, 0.2],
+    "lazycache": [0.01, 0.02, 0.05, 0.1, 0.2, 0.4],
 }
 
 
