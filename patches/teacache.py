@@ -209,6 +209,8 @@ class _Call:
         self.stack_in: torch.Tensor | None = None
 
     def block(self, args: dict, run_block, first: bool, last: bool) -> dict:
+        if not first and self.skip is None:  # our first-block patch was replaced later: stay out
+            return run_block(args)
         if first:
             img = args["img"]
             if img.shape[0] % len(self.keys):  # a batch we cannot split per cond: treat as one

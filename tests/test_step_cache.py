@@ -277,6 +277,24 @@ def test_the_node_clones_and_leaves_its_input_alone(flux):
     assert len(twice.wrappers["outer_sample"][P().KEY]) == 1
 
 
+def test_other_block_patches_are_chained_and_a_later_one_on_the_first_block_disables_skipping(flux, conds):
+    seen = []
+
+    def earlier(args, extra):  # a block patch from another node, installed before ours
+        seen.append(1)
+        return extra["original_block"](args)
+
+    before = flux.clone()
+    before.set_model_patch_replace(earlier, "dit", "double_block", 1)
+    ref = sample(flux, conds)
+    chained = teacache(before, 0.0)
+    assert torch.equal(sample(chained, conds), ref) and len(seen) == STEPS
+    after = teacache(flux, 5.0)
+    after.set_model_patch_replace(lambda args, extra: extra["original_block"](args), "dit", "double_block", 0)
+    assert torch.equal(sample(after, conds), ref)  # our decision point is gone: nothing skipped
+    assert last_run()["calls_skipped"] == 0
+
+
 @pytest.mark.hardening
 @pytest.mark.parametrize("kwargs,needle", [
     ({"thresh": -0.1}, "rel_l1_thresh"),
