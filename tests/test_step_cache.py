@@ -378,3 +378,14 @@ def test_example_workflow_runs_on_the_trained_flux(harness):
     run = last_run()
     assert run["family"] == "flux" and run["calls_skipped"] >= 1
     assert "teacache" in result["outputs"]["12"]["text"][0]
+
+
+@pytest.mark.gpu
+def test_on_cuda_residuals_live_where_cache_device_says_and_the_latents_agree(flux, conds):
+    on_device = sample(teacache(flux, 0.8), conds)
+    peak_device = last_run()["peak_residual_bytes"]
+    on_cpu = sample(teacache(flux, 0.8, device="cpu"), conds)
+    peak_cpu = last_run()["peak_residual_bytes"]
+    assert peak_device["device"] > 0 and peak_device["cpu"] == 0
+    assert peak_cpu["cpu"] > 0 and peak_cpu["device"] < peak_device["device"]
+    assert torch.allclose(on_device, on_cpu, rtol=1e-4, atol=1e-5)
