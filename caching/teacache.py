@@ -154,13 +154,14 @@ class RunState:
         return state
 
     def decide(self, keys: list[Any], labels: list[str], modulated: list[torch.Tensor],
-               may_skip: bool | torch.Tensor) -> bool:
+               may_skip: bool | torch.Tensor, residual_shape: tuple | None = None) -> bool:
         """Update each cond's distance from its modulated input; True when the whole call skips.
 
         A call skips only when every cond in it has a residual for the same shape, stays under the
         threshold and under ``max_consecutive_skips``, inside the window (``may_skip``, a bool or a
-        0-d bool tensor). Reading the decision is the only host sync, and only when a skip is
-        possible at all.
+        0-d bool tensor) and with a stored residual of ``residual_shape`` (when given: a residual of
+        another shape is never added). Reading the decision is the only host sync, and only when a
+        skip is possible at all.
         """
         cfg = self.config
         states = [self.cond(k, lab) for k, lab in zip(keys, labels, strict=True)]
@@ -181,6 +182,8 @@ class RunState:
                 state.calib_x.append(dist)
             candidates.append(state.accumulated + rescale(self.coefficients, dist))
             if state.residual is None or (cfg.max_consecutive_skips and state.consecutive >= cfg.max_consecutive_skips):
+                possible = False
+            elif residual_shape is not None and tuple(state.residual.shape) != tuple(residual_shape):
                 possible = False
         skip = False
         if possible:

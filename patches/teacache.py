@@ -215,8 +215,14 @@ class _Call:
             img = args["img"]
             if img.shape[0] % len(self.keys):  # a batch we cannot split per cond: treat as one
                 self.keys, self.labels = [tuple(self.keys)], ["batch"]
-            mods = self.family.modulated(self.dm, args).chunk(len(self.keys))
-            self.skip = self.run.decide(self.keys, self.labels, list(mods), self.may_skip)
+            try:
+                mods = self.family.modulated(self.dm, args).chunk(len(self.keys))
+            except (AttributeError, TypeError, IndexError, KeyError, RuntimeError) as exc:
+                _warn_once(self.family.name, exc)  # a variant we do not know: compute, never skip
+                self.skip = False
+                return run_block(args)
+            chunk = (img.shape[0] // len(self.keys), *img.shape[1:])
+            self.skip = self.run.decide(self.keys, self.labels, list(mods), self.may_skip, chunk)
             if not self.skip:
                 self.stack_in = img.clone()  # blocks add their residuals in place
         if self.skip:
@@ -233,7 +239,7 @@ class _Call:
                     out["img"] = torch.cat([img[:, :-n], img[:, -n:] + res], 1)
             return out
         out = run_block(args)
-        if last:
+        if last and self.stack_in is not None:
             n = self.stack_in.shape[1]
             image = out["img"][:, :n] if self.family.image_first else out["img"][:, -n:]
             residual = image - self.stack_in
@@ -241,6 +247,16 @@ class _Call:
                 self.run.store_residual(key, r, self.sigma)
             self.stack_in = None
         return out
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(family: str, exc: Exception) -> None:
+    if family not in _warned:
+        _warned.add(family)
+        log.warning("ReuseKit TeaCache: cannot read the modulated input of this %s model (%s: %s); "
+                    "computing every step", family, type(exc).__name__, exc)
 
 
 def _transformer_options(args, kwargs) -> dict:

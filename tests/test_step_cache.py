@@ -158,6 +158,15 @@ def test_decide_respects_max_consecutive_skips_and_resets_on_a_shape_change():
     assert rs.resets == 1 and rs.conds["a"].residual is None
 
 
+def test_decide_never_skips_onto_a_residual_of_another_shape():
+    rs = run_state(thresh=10.0)
+    x = torch.ones(1, 4, 8)
+    rs.decide(["a"], ["cond"], [x], True, (1, 4, 8))
+    rs.store_residual("a", torch.zeros(1, 4, 8))
+    assert rs.decide(["a"], ["cond"], [x], True, (1, 6, 8)) is False  # e.g. Wan: same e0, more tokens
+    assert rs.decide(["a"], ["cond"], [x], True, (1, 4, 8)) is True
+
+
 def test_calibration_store_round_trips_through_its_file(tmp_path):
     m = tc()
     path = tmp_path / "cal.json"
