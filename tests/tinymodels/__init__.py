@@ -18,7 +18,7 @@ import tempfile
 
 import torch
 
-FAMILIES = ("flux", "wan", "flux_trained")
+FAMILIES = ("flux", "wan", "flux_trained", "wan_trained")
 TEXT_DIM = 32  # width of the tiny CLIP; every tiny diffusion model takes this as context
 
 
@@ -135,7 +135,14 @@ def trained_flux(seed: int = 0):
     return build()
 
 
-BUILDERS = {"flux": tiny_flux, "wan": tiny_wan, "flux_trained": trained_flux}
+def trained_wan(seed: int = 0):
+    """The small Wan 2.1 trained on the same captioned shapes; ``seed`` is ignored."""
+    from .trained_flux import build
+
+    return build(family="wan")
+
+
+BUILDERS = {"flux": tiny_flux, "wan": tiny_wan, "flux_trained": trained_flux, "wan_trained": trained_wan}
 
 
 class RKTestTinyCheckpoint:

@@ -72,11 +72,14 @@ def main():
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--pool", type=int, default=4000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(T.WEIGHTS))
+    ap.add_argument("--family", default="flux", choices=("flux", "wan"))
+    ap.add_argument("--out", help="where to write the weights (default: the shipped file of the family)")
     ap.add_argument("--prepare", help="write captions' encodings and the picture pool here, then stop")
     ap.add_argument("--data", help="train from a --prepare file (no test host needed)")
     ap.add_argument("--comfy", help="with --data: the folder that holds ComfyUI's comfy/ package")
     args = ap.parse_args()
+    args.out = args.out or str(T.FAMILIES[args.family][2])
+    wan = args.family == "wan"
 
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
@@ -105,10 +108,17 @@ def main():
         import comfy.ldm.flux.model
         import comfy.ops
 
-        net = comfy.ldm.flux.model.Flux(**T.CONFIG, dtype=torch.float32, device=dev,
-                                        operations=comfy.ops.disable_weight_init)
+        if wan:
+            import comfy.ldm.wan.model
+
+            cfg = {k: v for k, v in T.WAN_CONFIG.items() if k != "image_model"}
+            net = comfy.ldm.wan.model.WanModel(**cfg, dtype=torch.float32, device=dev,
+                                               operations=comfy.ops.disable_weight_init)
+        else:
+            net = comfy.ldm.flux.model.Flux(**T.CONFIG, dtype=torch.float32, device=dev,
+                                            operations=comfy.ops.disable_weight_init)
     else:
-        net = T.build(load_weights=False).model.diffusion_model
+        net = T.build(load_weights=False, family=args.family).model.diffusion_model
     T.init_weights(net, args.seed)
     net.to(dev).train()
     ctx, pooled, x0_all, idx = ctx.to(dev), pooled.to(dev), x0_all.to(dev), idx.to(dev)
@@ -135,7 +145,10 @@ def main():
         xt = (1 - s.view(-1, 1, 1, 1)) * x0 + s.view(-1, 1, 1, 1) * noise
         # Flux's blocks add residuals in place: let autograd keep copies of what they overwrite
         with torch.autograd.graph.allow_mutation_on_saved_tensors():
-            v = net(xt, s, ctx[ci], y=pooled[ci], transformer_options={})
+            if wan:  # one latent frame; Wan's sampler feeds sigma * 1000
+                v = net(xt.unsqueeze(2), s * 1000, ctx[ci], transformer_options={}).squeeze(2)
+            else:
+                v = net(xt, s, ctx[ci], y=pooled[ci], transformer_options={})
             loss = torch.nn.functional.mse_loss(v, noise - x0)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -160,14 +173,15 @@ def main():
               args.out)
     print(f"wrote {args.out} ({Path(args.out).stat().st_size / 1e6:.2f} MB)")
     if not args.data:
-        evaluate()
+        evaluate(args.family)
 
 
-def evaluate():
+def evaluate(family="flux"):
     """Sample a few captions through the real KSampler: caption error at CFG 1 and CFG 4."""
     import nodes
 
-    model, clip = T.build(), TINY.tiny_clip(0)
+    model, clip = T.build(family=family), TINY.tiny_clip(0)
+    shape = (1, 16, 1, 8, 8) if family == "wan" else (1, 16, 8, 8)
     rng = random.Random(123)
     picks = rng.sample(T.captions(), 8)
     (neg,) = nodes.CLIPTextEncode().encode(clip, "")
@@ -176,15 +190,16 @@ def evaluate():
             errs = []
             for text, color, _, bg in picks:
                 (pos,) = nodes.CLIPTextEncode().encode(clip, text)
-                latent = {"samples": torch.zeros(1, 16, 8, 8)}
+                latent = {"samples": torch.zeros(shape)}
                 (out,) = nodes.common_ksampler(model, 1, 20, cfg, "euler", "simple", pos, neg, latent)
-                errs.append(T.shape_color_error(out["samples"], color, bg))
+                x = model.model.latent_format.process_in(out["samples"]).reshape(1, 16, 8, 8)
+                errs.append(T.shape_color_error(x, color, bg, processed=True))
             print(f"cfg {cfg}: caption colour error {sum(errs) / len(errs):.3f} "
                   f"({' '.join(f'{e:.2f}' for e in errs)})")
 
 
 if __name__ == "__main__":
     if "--eval" in sys.argv:
-        evaluate()
+        evaluate("wan" if "wan" in sys.argv else "flux")
     else:
         main()

@@ -77,16 +77,17 @@ def picture_to_latent(pic: torch.Tensor) -> torch.Tensor:
     return x / _SCALE + _SHIFT
 
 
-def latent_to_picture(latent: torch.Tensor) -> torch.Tensor:
-    """The inverse: (B, 16, H, W) latents -> (B, 4, 2H, 2W) pictures, clamped to [0, 1]."""
-    x = (latent - _SHIFT) * _SCALE
+def latent_to_picture(latent: torch.Tensor, processed: bool = False) -> torch.Tensor:
+    """The inverse: (B, 16, H, W) latents (``processed``: after the model's process_in) ->
+    (B, 4, 2H, 2W) pictures, clamped to [0, 1]."""
+    x = latent if processed else (latent - _SHIFT) * _SCALE
     return (torch.nn.functional.pixel_shuffle(x, 2) + 1.0).mul(0.5).clamp(0, 1)
 
 
-def shape_color_error(latent: torch.Tensor, color: str, bg: str) -> float:
+def shape_color_error(latent: torch.Tensor, color: str, bg: str, processed: bool = False) -> float:
     """How far a sample is from its caption: mean RGB distance of the masked region to ``color``
     plus of the rest to ``bg`` (0 = perfect, ~1 = wrong colours)."""
-    pic = latent_to_picture(latent.float())
+    pic = latent_to_picture(latent.float(), processed)
     rgb, mask = pic[:, :3], (pic[:, 3:4] > 0.5).float()
     want_fg = torch.tensor(COLORS[color]).view(1, 3, 1, 1) / 255.0
     want_bg = torch.tensor(BACKGROUNDS[bg]).view(1, 3, 1, 1) / 255.0
@@ -98,27 +99,35 @@ def shape_color_error(latent: torch.Tensor, color: str, bg: str) -> float:
     return float(fg + bgerr)
 
 
-def build(load_weights: bool = True):
-    """The trained Flux as a real ModelPatcher (``comfy.supported_models.Flux``)."""
+# The same pictures for a second family: Wan 2.1 t2v, one latent frame (5-D latents).
+WAN_WEIGHTS = WEIGHTS.parent / "wan_shapes.safetensors"
+WAN_CONFIG = dict(image_model="wan2.1", model_type="t2v", patch_size=(1, 2, 2), text_len=512, in_dim=16, dim=64,
+                  ffn_dim=256, freq_dim=64, text_dim=32, out_dim=16, num_heads=2, num_layers=3,
+                  window_size=(-1, -1), qk_norm=True, cross_attn_norm=True, eps=1e-6)
+FAMILIES = {"flux": ("Flux", CONFIG, WEIGHTS), "wan": ("WAN21_T2V", WAN_CONFIG, WAN_WEIGHTS)}
+
+
+def build(load_weights: bool = True, family: str = "flux"):
+    """The trained model as a real ModelPatcher (``comfy.supported_models.Flux`` or ``WAN21_T2V``)."""
     import comfy.model_management as mm
     import comfy.model_patcher
     import comfy.supported_models
 
-    model_config = comfy.supported_models.Flux(dict(CONFIG))
+    cls_name, config, weights = FAMILIES[family]
+    model_config = getattr(comfy.supported_models, cls_name)(dict(config))
     model_config.set_inference_dtype(torch.float32, None)
     model = model_config.get_model({})
     if load_weights:
         from safetensors.torch import load_file
 
-        sd = {k: v.float() for k, v in load_file(str(WEIGHTS)).items()}
-        missing, unexpected = model.diffusion_model.load_state_dict(sd, strict=True), None
-        del missing, unexpected
+        sd = {k: v.float() for k, v in load_file(str(weights)).items()}
+        model.diffusion_model.load_state_dict(sd, strict=True)
     return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
                                             offload_device=mm.unet_offload_device())
 
 
 def init_weights(module: torch.nn.Module, seed: int) -> None:
-    """Training init: small normal weights, zero biases, unit norm scales, zero final layer."""
+    """Training init: small normal weights, zero biases, unit norm scales, zero output layer."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(module.named_parameters(), key=lambda kv: kv[0]):
@@ -129,5 +138,5 @@ def init_weights(module: torch.nn.Module, seed: int) -> None:
             else:
                 p.fill_(1.0)
         for name, p in module.named_parameters():
-            if name.startswith("final_layer.linear") or name.startswith("final_layer.adaLN"):
+            if name.startswith(("final_layer.linear", "final_layer.adaLN", "head.head")):
                 p.zero_()
