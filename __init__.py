@@ -9,5 +9,8 @@ WEB_DIRECTORY = "./web"
 
 async def comfy_entrypoint():
     from .nodes import ReuseKitExtension
+    from .patches import rope
+
+    rope.install()  # RoPE builders ask the PE cache; pass-through for models without it
 
     return ReuseKitExtension()
