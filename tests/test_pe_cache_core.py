@@ -68,6 +68,11 @@ def test_typed_fields_name_shapes_and_tensor_values_all_count(pc):
     t2[3] = 1e-30
     assert pc.PECacheKey("a").add(t).frozen() != pc.PECacheKey("a").add(t2)
     assert pc.PECacheKey("a").add(1).add(2) != pc.PECacheKey("a").add(2).add(1)
+    zero = torch.zeros(3)
+    assert pc.PECacheKey("a").add(zero).frozen() != pc.PECacheKey("a").add(-zero)  # compared bit for bit
+    assert pc.PECacheKey("a").add(zero.half()).frozen() == pc.PECacheKey("a").add(torch.zeros(3).half())
+    odd = torch.arange(12.0).reshape(3, 4).t()  # a non-contiguous view compares by its values
+    assert pc.PECacheKey("a").add(odd).frozen() == pc.PECacheKey("a").add(odd.contiguous())
     with pytest.raises(TypeError):
         pc.PECacheKey("a").add(object())
     with pytest.raises(ValueError):
