@@ -17,7 +17,12 @@ Safety:
   them in place since they were stored; if one was, the entry is rebuilt (counted as
   ``mutated``), so a caller cannot corrupt what the next step receives.
 - A key's tensor fields keep a private copy of the values; the caller's tensor is compared against
-  it (or, when it is the very tensor recorded and untouched since, accepted without a compare).
+  it bit for bit (or, when it is the very tensor recorded and untouched since, accepted without a
+  compare).
+
+When a name misses but another name of its group holds an equal key (cond and uncond run as
+separate batches build the same table), the new entry shares that name's tensors instead of building a second copy
+(counted as ``shared``).
 """
 
 from __future__ import annotations
@@ -174,12 +179,15 @@ def _tensor_fields(encoded: Any):
 class PECacheKey:
     """The full description of one named PE input: ``PECacheKey("flux.pe").add(h).add(w)...``."""
 
-    __slots__ = ("name", "fields")
+    __slots__ = ("name", "group", "fields")
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, group: str | None = None):
+        """``group``: names of one group build the same tensors from equal fields (e.g. one
+        builder's cond and uncond inputs), so they may share them; ``None``: never shared."""
         if not name:
             raise ValueError("a PECacheKey needs a name")
         self.name = name
+        self.group = group
         self.fields: list[Any] = []
 
     def add(self, value: Any) -> PECacheKey:
@@ -200,7 +208,7 @@ class PECacheKey:
 
     def frozen(self) -> PECacheKey:
         """A copy that owns private copies of its tensor values (what the cache stores)."""
-        key = PECacheKey(self.name)
+        key = PECacheKey(self.name, self.group)
         key.fields = [_freeze(f) for f in self.fields]
         return key
 
@@ -210,8 +218,11 @@ class PECacheKey:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, PECacheKey):
             return NotImplemented
-        return self.name == other.name and len(self.fields) == len(other.fields) and all(
-            a == b for a, b in zip(self.fields, other.fields))
+        return self.name == other.name and self.same_fields(other)
+
+    def same_fields(self, other: PECacheKey) -> bool:
+        """Equal fields, whatever the names (two PE inputs that would build the same tensors)."""
+        return len(self.fields) == len(other.fields) and all(a == b for a, b in zip(self.fields, other.fields))
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -258,15 +269,16 @@ def _storage_bytes(tensors) -> dict[str, int]:
 
 
 class _Entry:
-    __slots__ = ("key", "value", "versions", "build_s", "bytes")
+    __slots__ = ("key", "value", "versions", "build_s", "tensors", "bytes")
 
     def __init__(self, key: PECacheKey, value: Any, build_s: float):
         self.key = key
         self.value = value
-        tensors = _tensors(value)
-        self.versions = [(t, t._version) for t in tensors]
+        values = _tensors(value)
+        self.versions = [(t, t._version) for t in values]
         self.build_s = build_s
-        self.bytes = _storage_bytes([*tensors, *(f.tensor for f in _tensor_fields(tuple(key.fields)))])
+        self.tensors = [*values, *(f.tensor for f in _tensor_fields(tuple(key.fields)))]
+        self.bytes = _storage_bytes(self.tensors)
 
     def intact(self) -> bool:
         return all(t._version == v for t, v in self.versions)
@@ -300,17 +312,36 @@ class PECache:
                 self._count(key.name, "hits", saved=entry.build_s)
                 return entry.value
             self._count(key.name, "mutated")
-        t0 = time.perf_counter()
-        value = _storable(build())
-        new = _Entry(key.frozen(), value, time.perf_counter() - t0)
+        shared = self._find_equal(key)
+        if shared is not None:  # another name holds these very tensors (e.g. cond and uncond run apart)
+            stored = PECacheKey(key.name, key.group)
+            stored.fields = shared.key.fields  # frozen fields are never written: safe to share
+            new = _Entry(stored, shared.value, shared.build_s)
+        else:
+            t0 = time.perf_counter()
+            value = _storable(build())
+            new = _Entry(key.frozen(), value, time.perf_counter() - t0)
         with self._lock:
             replaced = key.name in self._entries
             self._entries[key.name] = new  # the old entry is dropped, never written
-        self._count(key.name, "misses")
+        if shared is not None:
+            self._count(key.name, "shared", saved=shared.build_s)
+        else:
+            self._count(key.name, "misses")
         if replaced:
             self._count(key.name, "replacements")
         self._publish_memory()
-        return value
+        return new.value
+
+    def _find_equal(self, key: PECacheKey) -> _Entry | None:
+        if key.group is None:
+            return None
+        with self._lock:
+            others = [e for name, e in self._entries.items() if name != key.name]
+        for e in others:
+            if e.key.group == key.group and e.key.same_fields(key) and e.intact():
+                return e
+        return None
 
     def bypass(self, name: str) -> None:
         """Count a call that could not use the cache (the builder ran unchanged)."""
@@ -328,13 +359,10 @@ class PECache:
         return None if e is None else (e.key, e.value)
 
     def nbytes(self) -> dict[str, int]:
+        """Bytes held per tier; storage shared by several names counts once."""
         with self._lock:
-            entries = list(self._entries.values())
-        total: dict[str, int] = {}
-        for e in entries:
-            for tier, n in e.bytes.items():
-                total[tier] = total.get(tier, 0) + n
-        return total
+            tensors = [t for e in self._entries.values() for t in e.tensors]
+        return _storage_bytes(tensors)
 
     def name_stats(self) -> dict[str, dict[str, int]]:
         with self._lock:

@@ -108,7 +108,7 @@ def cached(builder: str, make_key: Callable[[PECacheKey], Any], compute: Callabl
     if _requires_grad(args, kwargs or {}):
         sc.cache.bypass(name)
         return compute()
-    key = PECacheKey(name)
+    key = PECacheKey(name, group=builder)  # one builder's names may share equal tables
     if make_key(key) is False:
         sc.cache.bypass(name)
         return compute()

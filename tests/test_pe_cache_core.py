@@ -128,6 +128,23 @@ def test_a_caller_writing_into_a_returned_tensor_cannot_corrupt_the_next_hit(pc)
     assert cache.name_stats()["pe"]["mutated"] == 1
 
 
+def test_a_name_whose_key_another_name_holds_shares_its_tensors_instead_of_building(pc):
+    cache = pc.PECache()
+    build, calls = build_counter(lambda: torch.zeros(1000))
+    key = lambda name, n, group="pe": pc.PECacheKey(name, group).add(n).add(torch.arange(4))  # noqa: E731
+    cond = cache.get_or_create(key("pe|0", 64), build)
+    uncond = cache.get_or_create(key("pe|1", 64), build)
+    assert uncond is cond and len(calls) == 1
+    assert cache.nbytes()["cpu"] < 2 * 4000  # counted once
+    other = cache.get_or_create(key("pe|1", 65), build)
+    assert other is not cond and len(calls) == 2
+    assert cache.get_or_create(key("pe|0", 64), build) is cond
+    assert cache.get_or_create(key("other", 64, group="another builder"), build) is not cond  # groups apart
+    assert cache.get_or_create(key("ungrouped", 64, group=None), build) is not cond
+    stats = cache.name_stats()
+    assert stats["pe|1"]["shared"] == 1 and stats["pe|1"]["misses"] == 1 and stats["pe|0"]["hits"] == 1
+
+
 def test_values_may_be_tuples_and_bytes_are_counted_per_tier(pc):
     cache = pc.PECache()
     cos, sin = cache.get_or_create(pc.PECacheKey("cs").add(1), lambda: (torch.zeros(10), torch.ones(10)))

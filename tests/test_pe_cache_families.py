@@ -223,3 +223,17 @@ def test_each_builder_misses_when_any_single_input_changes(case, rope):
     stats = cache.name_stats()
     assert sum(s.get("hits", 0) for s in stats.values()) == 1, stats
     assert sum(s.get("misses", 0) for s in stats.values()) == len(changes) + 2, stats
+
+
+def test_cond_and_uncond_of_one_geometry_share_one_table(families, rope):
+    spec = families.FAMILY_SPECS["wan"]
+    model = spec.build(0)
+    call = spec.inputs(spec.sizes[0], 6)
+    for _ in range(2):
+        compare(model, [call], cached_options(rope, cond_or_uncond=[0]), rope)
+        compare(model, [call], cached_options(rope, cond_or_uncond=[1]), rope)
+    cache = rope.model_cache(model.model)
+    stats = cache.name_stats()
+    cond, uncond = "wan.rope_encode[0]|0", "wan.rope_encode[0]|1"
+    assert stats[cond]["misses"] == 1 and stats[uncond]["shared"] == 1 and "misses" not in stats[uncond]
+    assert cache.entry(cond)[1] is cache.entry(uncond)[1]
