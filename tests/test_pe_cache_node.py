@@ -9,18 +9,12 @@ import torch
 pytestmark = pytest.mark.pe_cache
 
 
-@pytest.fixture(scope="module")
-def rope():
-    return rkharness.pack("patches.rope")
-
-
-@pytest.fixture(scope="module")
-def pc():
-    return rkharness.pack("caching.pe_cache")
+rope = rkharness.pack("patches.rope")  # conftest bootstrapped the host before this import
+pc = rkharness.pack("caching.pe_cache")
 
 
 @pytest.fixture
-def default_on(pc):
+def default_on():
     settings = rkharness.pack("caching.settings").SETTINGS
     settings.set(pc.DEFAULT_ENABLED_KEY, True)
     try:
@@ -50,7 +44,7 @@ def counters(cache):
     return dict(cache.stats.snapshot()["counters"]) if cache is not None else {}
 
 
-def test_ksampler_on_tiny_flux_with_the_node_equals_the_run_without(tiny, rope):
+def test_ksampler_on_tiny_flux_with_the_node_equals_the_run_without(tiny):
     import comfy.patcher_extension as pe
 
     model = tiny.tiny_flux(0)
@@ -71,7 +65,7 @@ def test_ksampler_on_tiny_flux_with_the_node_equals_the_run_without(tiny, rope):
     assert counters(cache) == {"misses": 2, "hits": 6, "replacements": 1}
 
 
-def test_wan_sampling_with_the_node_is_bit_exact(tiny, rope):
+def test_wan_sampling_with_the_node_is_bit_exact(tiny):
     model = tiny.tiny_wan(0)
     plain = sample(model, tiny, shape=(1, 16, 3, 8, 8), steps=2)
     (cached_model,) = node().execute(model, True).result
@@ -79,7 +73,7 @@ def test_wan_sampling_with_the_node_is_bit_exact(tiny, rope):
     assert counters(rope.model_cache(model.model))["hits"] == 1
 
 
-def test_server_wide_default_enables_models_without_the_node_and_the_node_can_opt_out(tiny, rope, default_on):
+def test_server_wide_default_enables_models_without_the_node_and_the_node_can_opt_out(tiny, default_on):
     model = tiny.tiny_flux(0)
     plain_run = sample(model, tiny, steps=2)
     cache = rope.model_cache(model.model, create=False)
@@ -89,7 +83,7 @@ def test_server_wide_default_enables_models_without_the_node_and_the_node_can_op
     assert counters(cache) == {"misses": 1, "hits": 1}
 
 
-def test_uninstall_restores_the_host_functions_and_install_is_idempotent(tiny, rope):
+def test_uninstall_restores_the_host_functions_and_install_is_idempotent(tiny):
     import importlib
 
     def current(patch):
@@ -134,7 +128,7 @@ def test_applying_the_node_twice_keeps_one_wrapper(tiny):
 
 
 @pytest.mark.hardening
-def test_grad_requiring_inputs_bypass_the_cache(rope, pc):
+def test_grad_requiring_inputs_bypass_the_cache():
     import comfy.ldm.genmo.joint_model.asymm_models_joint as mochi
 
     cache = pc.PECache()
@@ -147,7 +141,7 @@ def test_grad_requiring_inputs_bypass_the_cache(rope, pc):
 
 
 @pytest.mark.hardening
-def test_threads_sharing_one_model_cache_get_their_own_correct_tables(rope, pc):
+def test_threads_sharing_one_model_cache_get_their_own_correct_tables():
     import comfy.ldm.flux.layers as layers
 
     emb = layers.EmbedND(dim=32, theta=10000, axes_dim=[8, 12, 12])
