@@ -40,10 +40,12 @@ class PECacheNode(io.ComfyNode):
             raise ValueError(f"ReuseKit PE Cache: input 'enabled' must be true or false, got {enabled!r}")
         rope.install()  # idempotent; the entrypoint normally did it already
         model = model.clone()
-        model.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY)
-        model.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY,
-                                   rope.ApplyModelWrapper(enabled))
+        wrappers = comfy.patcher_extension.WrappersMP
+        for kind in (wrappers.APPLY_MODEL, wrappers.OUTER_SAMPLE):
+            model.remove_wrappers_with_key(kind, WRAPPER_KEY)
+        model.add_wrapper_with_key(wrappers.APPLY_MODEL, WRAPPER_KEY, rope.ApplyModelWrapper(enabled))
         if enabled:
+            model.add_wrapper_with_key(wrappers.OUTER_SAMPLE, WRAPPER_KEY, rope.RunSummary())
             rope.model_cache(model.model)  # registered now, so the panel lists it before the first step
         return io.NodeOutput(model)
 

@@ -89,6 +89,31 @@ class ApplyModelWrapper:
             return executor(*args, **kwargs)
 
 
+class RunSummary:
+    """The node's OUTER_SAMPLE wrapper: after each sampling run, the run's hits, misses,
+    replacements and shared tables go in the model cache's ``last_run`` info and one log line."""
+
+    COUNTERS = ("hits", "misses", "replacements", "shared", "mutated", "bypasses")
+
+    def __call__(self, executor, *args, **kwargs):
+        patcher = getattr(executor.class_obj, "model_patcher", None)
+        cache = model_cache(patcher.model) if patcher is not None else None
+        stats = cache.stats if cache is not None else None
+        if stats is None:
+            return executor(*args, **kwargs)
+        before = {c: stats.counter(c) for c in self.COUNTERS}
+        saved_before = stats.snapshot()["time_saved_s"]
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            run = {c: stats.counter(c) - before[c] for c in self.COUNTERS}
+            run["time_saved_s"] = round(stats.snapshot()["time_saved_s"] - saved_before, 6)
+            stats.set_info("last_run", run)
+            log.info("ReuseKit PE cache (%s): %d hits, %d misses, %d replacements, %d shared, %.1f ms saved",
+                     stats.name, run["hits"], run["misses"], run["replacements"], run["shared"],
+                     run["time_saved_s"] * 1e3)
+
+
 def _requires_grad(args, kwargs) -> bool:
     if not torch.is_grad_enabled():
         return False

@@ -63,6 +63,8 @@ def test_ksampler_on_tiny_flux_with_the_node_equals_the_run_without(tiny):
     assert counters(cache) == before
     sample(cached_model, tiny, shape=(1, 16, 12, 8), steps=2)  # a new size replaces the entry
     assert counters(cache) == {"misses": 2, "hits": 6, "replacements": 1}
+    last = cache.stats.snapshot()["info"]["last_run"]
+    assert (last["hits"], last["misses"], last["replacements"], last["shared"]) == (1, 1, 1, 0)
 
 
 def test_wan_sampling_with_the_node_is_bit_exact(tiny):
@@ -123,7 +125,7 @@ def test_applying_the_node_twice_keeps_one_wrapper(tiny):
     (once,) = node().execute(tiny.tiny_flux(0), True).result
     (twice,) = node().execute(once, False).result
     (wrapper,) = twice.wrappers[pe.WrappersMP.APPLY_MODEL]["reusekit_pe_cache"]
-    assert wrapper.enabled is False
+    assert wrapper.enabled is False and "reusekit_pe_cache" not in twice.wrappers.get(pe.WrappersMP.OUTER_SAMPLE, {})
     assert once.wrappers[pe.WrappersMP.APPLY_MODEL]["reusekit_pe_cache"][0].enabled is True
 
 
