@@ -114,6 +114,12 @@ class RunSummary:
                      run["time_saved_s"] * 1e3)
 
 
+def _capturing() -> bool:
+    """A CUDA graph is being captured: no host sync (key compares) and no storing of tensors
+    allocated from the graph's private pool; the builder then runs inside the graph unchanged."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 def _requires_grad(args, kwargs) -> bool:
     if not torch.is_grad_enabled():
         return False
@@ -130,7 +136,7 @@ def cached(builder: str, make_key: Callable[[PECacheKey], Any], compute: Callabl
     if sc is None:
         return compute()
     name = sc.name(builder)
-    if _requires_grad(args, kwargs or {}):
+    if _requires_grad(args, kwargs or {}) or _capturing():
         sc.cache.bypass(name)
         return compute()
     key = PECacheKey(name, group=builder)  # one builder's names may share equal tables

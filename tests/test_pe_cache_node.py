@@ -183,3 +183,40 @@ def test_example_workflow_runs_on_tiny_flux_and_reports_pe_hits():
     text = result["outputs"]["12"]["text"][0]
     (line,) = [line for line in text.splitlines() if f"[pe] {name}:" in line]
     assert "hits=2" in line and "misses=1" in line, text
+
+
+@pytest.mark.gpu
+def test_on_cuda_tables_stay_on_the_device_and_sampling_is_bit_exact(tiny):
+    model = tiny.tiny_flux(0)
+    plain = sample(model, tiny)
+    (cached_model,) = node().execute(model, True).result
+    assert torch.equal(plain, sample(cached_model, tiny))
+    cache = rope.model_cache(model.model)
+    (name,) = cache.names()
+    _, table = cache.entry(name)
+    assert table.device.type == "cuda"
+    snap = cache.stats.snapshot()
+    assert snap["bytes"]["device"] >= table.numel() * table.element_size() and snap["bytes"]["cpu"] == 0
+    assert snap["counters"]["hits"] == 2
+
+
+@pytest.mark.gpu
+def test_during_cuda_graph_capture_the_builder_runs_inside_the_graph():
+    import comfy.ldm.flux.layers as layers
+
+    emb = layers.EmbedND(dim=32, theta=10000, axes_dim=[8, 12, 12])
+    ids = torch.arange(30.0, device="cuda").reshape(1, 10, 3)
+    cache = pc.PECache()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), rope.scope(cache):
+        warm = emb(ids)  # a miss, stored outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), rope.scope(cache):
+        captured = emb(ids)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert captured is not warm and torch.equal(captured, warm)
+    stats = cache.name_stats()["EmbedND[0]"]
+    assert stats["misses"] == 1 and stats["bypasses"] == 1
