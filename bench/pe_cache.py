@@ -31,7 +31,7 @@ families = importlib.import_module(rkharness.TINY.__name__ + ".families")
 
 # the host families whose RoPE goes through a patched builder (tests/test_pe_cache_families.py)
 COVERED = ["flux", "chroma", "chroma_radiance", "hunyuan_video", "wan", "qwen_image", "lumina2", "z_image",
-           "omnigen2", "hidream", "ltxv", "cosmos", "mochi", "hunyuan_dit", "stable_audio"]
+           "omnigen2", "hidream", "ltxv", "cosmos", "mochi", "hunyuan_dit"]
 
 
 def median_time(fn, repeats: int) -> float:
@@ -87,7 +87,6 @@ def embednd_case(module: str, axes, theta, ids):
 
 
 def realistic_cases():
-    import comfy.ldm.audio.dit as audio
     import comfy.ldm.cosmos.position_embedding as cosmos_pos
     import comfy.ldm.genmo.joint_model.asymm_models_joint as mochi
     import comfy.ldm.hydit.models as hydit
@@ -100,8 +99,6 @@ def realistic_cases():
     ltxv_grid = video_ids(13, 16, 24, 0)[0].T.unsqueeze(0) * torch.tensor([8.0, 32.0, 32.0])[None, :, None]
     freqs = torch.randn(3, 24, 64, generator=torch.Generator().manual_seed(0))
     hydit_latent = torch.zeros(1, 4, 128, 128)
-    audio_rope = audio.RotaryEmbedding(32)  # Stable Audio Open: 64-dim heads
-    audio_rope.inv_freq.copy_(1.0 / (10000 ** (torch.arange(0, 32, 2).float() / 32)))
     return {
         "flux 1024x1024 (+512 text)": embednd_case("comfy.ldm.flux.layers", (16, 56, 56), 10000,
                                                    flux_ids(64, 64, 512)),
@@ -122,8 +119,6 @@ def realistic_cases():
             freqs=freqs, pos=mochi.create_position_matrix(28, pH=30, pW=53, device=torch.device("cpu"),
                                                           dtype=torch.float32)),
         "hunyuan dit 1024x1024": lambda: hydit.calc_rope(hydit_latent, 2, 88),
-        "stable audio 47 s (1025 tokens)": lambda: audio_rope.forward_from_seq_len(
-            1025, device=torch.device("cpu"), dtype=torch.float),
     }
 
 

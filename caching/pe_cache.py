@@ -241,10 +241,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 def _storable(value: Any) -> Any:
-    """The value with every inference tensor replaced by a normal (version-counted) copy.
-    Tensors, and tuples / lists of tensors and plain numbers (e.g. ``(freqs, 1.0)``)."""
-    if value is None or isinstance(value, (bool, int, float)):
-        return value
+    """The value with every inference tensor replaced by a normal (version-counted) copy."""
     if isinstance(value, torch.Tensor):
         if value.is_inference():
             with torch.inference_mode(False), torch.no_grad():
@@ -254,7 +251,7 @@ def _storable(value: Any) -> Any:
         return tuple(_storable(v) for v in value)
     if isinstance(value, list):
         return [_storable(v) for v in value]
-    raise TypeError(f"the PE cache stores tensors and tuples of tensors and numbers, not {type(value).__name__}")
+    raise TypeError(f"the PE cache stores tensors and tuples of tensors, not {type(value).__name__}")
 
 
 def _storage_bytes(tensors) -> dict[str, int]:

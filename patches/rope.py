@@ -308,18 +308,6 @@ def _hydit_calc_rope(original):
     return calc_rope
 
 
-def _audio_rope(original):
-    """Stable Audio RotaryEmbedding.forward_from_seq_len(seq_len, device, dtype): keyed by the
-    length, device, dtype, interpolation factor and the module's frequency (and xpos) buffers."""
-    def forward_from_seq_len(self, seq_len, device, dtype):
-        def key(k):
-            k.add(seq_len).add(torch.device(device) if device is not None else None).add(dtype)
-            k.add(self.interpolation_factor).add(self.inv_freq).add(self.scale)
-            k.add(getattr(self, "scale_base", None))
-        return cached("audio.rotary", key, lambda: original(self, seq_len, device, dtype))
-    return forward_from_seq_len
-
-
 PATCHES: tuple[Patch, ...] = (
     Patch("flux, chroma, chroma radiance, hunyuan video, qwen-image, lumina2/z-image, omnigen2, wan",
           "comfy.ldm.flux.layers", "EmbedND.forward", _embednd("EmbedND")),
@@ -334,7 +322,6 @@ PATCHES: tuple[Patch, ...] = (
           _function("mochi.rotation")),
     Patch("hunyuan dit", "comfy.ldm.hydit.models", "calc_rope", _hydit_calc_rope),
     Patch("hunyuan dit controlnet", "comfy.ldm.hydit.controlnet", "calc_rope", _hydit_calc_rope),
-    Patch("stable audio", "comfy.ldm.audio.dit", "RotaryEmbedding.forward_from_seq_len", _audio_rope),
 )
 
 

@@ -190,22 +190,7 @@ def _hydit_case(module):
                   dict(patch=4), dict(head=64)]
 
 
-def _audio_case():
-    import comfy.ldm.audio.dit as dit
-
-    def make(interpolation=1.0, seed=0):
-        emb = dit.RotaryEmbedding(32, interpolation_factor=interpolation)
-        emb.inv_freq.copy_(torch.rand(16, generator=torch.Generator().manual_seed(seed)))
-        return emb
-    base, wider, other = make(), make(interpolation=2.0), make(seed=1)
-
-    def call(seq_len=20, dtype=torch.float32, module=base):
-        return module.forward_from_seq_len(seq_len, device=torch.device("cpu"), dtype=dtype)
-    return call, [dict(seq_len=21), dict(dtype=torch.float64), dict(module=wider), dict(module=other)]
-
-
 BUILDER_CASES = {
-    "audio.RotaryEmbedding": _audio_case,
     "flux.EmbedND": lambda: _embednd_case("comfy.ldm.flux.layers"),
     "hidream.EmbedND": lambda: _embednd_case("comfy.ldm.hidream.model"),
     "wan.rope_encode": _wan_case,
@@ -221,8 +206,6 @@ BUILDER_CASES = {
 def _equal(a, b):
     if isinstance(a, torch.Tensor):
         return torch.equal(a, b)
-    if isinstance(a, float):
-        return a == b
     return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
 
 
