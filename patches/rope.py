@@ -8,7 +8,11 @@ another model's call. With no scope, every patched builder runs unchanged.
 
 Names: each builder call inside one ``apply_model`` call gets ``<builder>[<n>]|<cond_or_uncond>``
 (its n-th call there, for that cond/uncond batch), so PE inputs that coexist in a step (text and
-image, cond and uncond run separately, Wan's reference frames) have independent entries.
+image, cond and uncond run separately, Wan's reference frames) have independent entries; when two
+names of one builder hold an equal key they share one table (see ``caching/pe_cache.py``).
+
+The builder runs unchanged (counted as a bypass) when its inputs require grad, and while a CUDA
+graph is being captured (no host sync, no tensor from the graph's pool kept).
 
 Each builder patch has one install and one uninstall (idempotent, guarded by a probe that the
 host has the builder); ``install()`` / ``uninstall()`` apply them all.
