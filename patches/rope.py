@@ -118,6 +118,19 @@ class RunSummary:
                      run["time_saved_s"] * 1e3)
 
 
+class ReleaseOnUnload:
+    """The node's ON_DETACH callback: when ComfyUI unloads the model from its device
+    (``detach(unpatch_all=True)``), tables held on that device go too, so an offloaded model does
+    not keep VRAM; CPU tables stay (they cost no VRAM and save the rebuild)."""
+
+    def __call__(self, patcher, unpatch_all=True):
+        if not unpatch_all:
+            return  # a clone of the same model took its place: the weights stay, so do the tables
+        cache = model_cache(patcher.model, create=False)
+        if cache is not None and cache.nbytes().get("device"):
+            cache.clear()
+
+
 def _capturing() -> bool:
     """A CUDA graph is being captured: no host sync (key compares) and no storing of tensors
     allocated from the graph's private pool; the builder then runs inside the graph unchanged."""

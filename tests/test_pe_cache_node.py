@@ -129,6 +129,19 @@ def test_applying_the_node_twice_keeps_one_wrapper(tiny):
     assert once.wrappers[pe.WrappersMP.APPLY_MODEL]["reusekit_pe_cache"][0].enabled is True
 
 
+def test_unloading_the_model_from_its_device_drops_device_tables_only(tiny):
+    (model,) = node().execute(tiny.tiny_flux(0), True).result
+    cache = rope.model_cache(model.model)
+    cache.get_or_create(pc.PECacheKey("cpu table").add(1), lambda: torch.zeros(8))
+    model.detach(unpatch_all=True)
+    assert cache.names() == ["cpu table"]  # CPU tables cost no VRAM: kept
+    cache.get_or_create(pc.PECacheKey("device table").add(1), lambda: torch.zeros(8, device="meta"))
+    model.detach(unpatch_all=False)  # another clone of the model took its place: nothing unloaded
+    assert cache.nbytes()["device"] > 0
+    model.detach(unpatch_all=True)
+    assert cache.names() == [] and cache.nbytes() == {}
+
+
 @pytest.mark.hardening
 def test_grad_requiring_inputs_bypass_the_cache():
     import comfy.ldm.genmo.joint_model.asymm_models_joint as mochi
