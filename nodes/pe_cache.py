@@ -44,11 +44,8 @@ class PECacheNode(io.ComfyNode):
         for kind in (wrappers.APPLY_MODEL, wrappers.OUTER_SAMPLE):
             model.remove_wrappers_with_key(kind, WRAPPER_KEY)
         model.add_wrapper_with_key(wrappers.APPLY_MODEL, WRAPPER_KEY, rope.ApplyModelWrapper(enabled))
-        model.remove_callbacks_with_key(comfy.patcher_extension.CallbacksMP.ON_DETACH, WRAPPER_KEY)
         if enabled:
             model.add_wrapper_with_key(wrappers.OUTER_SAMPLE, WRAPPER_KEY, rope.RunSummary())
-            model.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_DETACH, WRAPPER_KEY,
-                                        rope.ReleaseOnUnload())
             rope.model_cache(model.model)  # registered now, so the panel lists it before the first step
         return io.NodeOutput(model)
 

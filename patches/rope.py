@@ -14,8 +14,11 @@ names of one builder hold an equal key they share one table (see ``caching/pe_ca
 The builder runs unchanged (counted as a bypass) when its inputs require grad, and while a CUDA
 graph is being captured (no host sync, no tensor from the graph's pool kept).
 
-Each builder patch has one install and one uninstall (idempotent, guarded by a probe that the
-host has the builder); ``install()`` / ``uninstall()`` apply them all.
+A second global patch, on ``ModelPatcher.detach``, drops a model's device-held tables when ComfyUI
+unloads it from its device.
+
+Each patch has one install and one uninstall (idempotent, guarded by a probe that the host has
+the function); ``install()`` / ``uninstall()`` apply them all.
 """
 
 from __future__ import annotations
@@ -116,19 +119,6 @@ class RunSummary:
             log.info("ReuseKit PE cache (%s): %d hits, %d misses, %d replacements, %d shared, %.1f ms saved",
                      stats.name, run["hits"], run["misses"], run["replacements"], run["shared"],
                      run["time_saved_s"] * 1e3)
-
-
-class ReleaseOnUnload:
-    """The node's ON_DETACH callback: when ComfyUI unloads the model from its device
-    (``detach(unpatch_all=True)``), tables held on that device go too, so an offloaded model does
-    not keep VRAM; CPU tables stay (they cost no VRAM and save the rebuild)."""
-
-    def __call__(self, patcher, unpatch_all=True):
-        if not unpatch_all:
-            return  # a clone of the same model took its place: the weights stay, so do the tables
-        cache = model_cache(patcher.model, create=False)
-        if cache is not None and cache.nbytes().get("device"):
-            cache.clear()
 
 
 def _capturing() -> bool:
@@ -355,16 +345,36 @@ def _apply_model(original):
 SCOPE_PATCH = Patch("every model (scope)", "comfy.model_base", "BaseModel.apply_model", _apply_model)
 
 
+def _detach(original):
+    """ModelPatcher.detach: when ComfyUI unloads a model from its device (``unpatch_all``), the
+    tables its PE cache holds on that device go too, so an offloaded model keeps no VRAM through
+    it (node or server-wide default alike); CPU tables stay (no VRAM, and they save the rebuild).
+    ``detach(unpatch_all=False)`` only means another clone of the model took its place."""
+    def detach(self, unpatch_all=True):
+        result = original(self, unpatch_all)
+        if unpatch_all:
+            cache = model_cache(self.model, create=False)
+            if cache is not None and cache.nbytes().get("device"):
+                cache.clear()
+        return result
+    return detach
+
+
+RELEASE_PATCH = Patch("device tables on unload", "comfy.model_patcher", "ModelPatcher.detach", _detach)
+GLOBAL_PATCHES = (SCOPE_PATCH, RELEASE_PATCH)
+
+
 def install() -> list[str]:
     """Install every builder patch the host supports (idempotent); returns the families covered."""
-    SCOPE_PATCH.install()
+    for p in GLOBAL_PATCHES:
+        p.install()
     return [p.family for p in PATCHES if p.install()]
 
 
 def uninstall() -> None:
-    for p in (*PATCHES, SCOPE_PATCH):
+    for p in (*PATCHES, *GLOBAL_PATCHES):
         p.uninstall()
 
 
 def installed() -> bool:
-    return SCOPE_PATCH.installed and any(p.installed for p in PATCHES)
+    return all(p.installed for p in GLOBAL_PATCHES) and any(p.installed for p in PATCHES)

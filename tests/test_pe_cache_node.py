@@ -92,7 +92,7 @@ def test_uninstall_restores_the_host_functions_and_install_is_idempotent(tiny):
         owner, leaf = patch._target()
         return owner.__dict__[leaf] if isinstance(owner, type) else getattr(owner, leaf)
 
-    patches = (*rope.PATCHES, rope.SCOPE_PATCH)
+    patches = (*rope.PATCHES, *rope.GLOBAL_PATCHES)
     replacements = [current(p) for p in patches]
     originals = [p.original() for p in patches]
     assert all(getattr(r, rope.MARK, False) for r in replacements)
@@ -129,9 +129,12 @@ def test_applying_the_node_twice_keeps_one_wrapper(tiny):
     assert once.wrappers[pe.WrappersMP.APPLY_MODEL]["reusekit_pe_cache"][0].enabled is True
 
 
-def test_unloading_the_model_from_its_device_drops_device_tables_only(tiny):
-    (model,) = node().execute(tiny.tiny_flux(0), True).result
-    cache = rope.model_cache(model.model)
+@pytest.mark.parametrize("with_node", [True, False])
+def test_unloading_the_model_from_its_device_drops_device_tables_only(tiny, with_node):
+    model = tiny.tiny_flux(0)
+    if with_node:
+        (model,) = node().execute(model, True).result
+    cache = rope.model_cache(model.model)  # (without the node: as the server-wide default makes it)
     cache.get_or_create(pc.PECacheKey("cpu table").add(1), lambda: torch.zeros(8))
     model.detach(unpatch_all=True)
     assert cache.names() == ["cpu table"]  # CPU tables cost no VRAM: kept
