@@ -222,7 +222,7 @@ class PECacheKey:
 
     def same_fields(self, other: PECacheKey) -> bool:
         """Equal fields, whatever the names (two PE inputs that would build the same tensors)."""
-        return len(self.fields) == len(other.fields) and all(a == b for a, b in zip(self.fields, other.fields))
+        return len(self.fields) == len(other.fields) and all(a == b for a, b in zip(self.fields, other.fields, strict=True))
 
     __hash__ = None  # type: ignore[assignment]
 
