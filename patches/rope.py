@@ -14,8 +14,8 @@ names of one builder hold an equal key they share one table (see ``caching/pe_ca
 The builder runs unchanged (counted as a bypass) when its inputs require grad, and while a CUDA
 graph is being captured (no host sync, no tensor from the graph's pool kept).
 
-A second global patch, on ``ModelPatcher.detach``, drops a model's device-held tables when ComfyUI
-unloads it from its device.
+A listener on ``ModelPatcher.detach`` (patches/lifecycle.py) drops a model's device-held tables
+when ComfyUI unloads it from its device.
 
 Each patch has one install and one uninstall (idempotent, guarded by a probe that the host has
 the function); ``install()`` / ``uninstall()`` apply them all.
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ..caching.pe_cache import PECacheKey, cache_for, default_enabled
+from . import lifecycle
 
 log = logging.getLogger("reusekit")
 
@@ -345,35 +346,33 @@ def _apply_model(original):
 SCOPE_PATCH = Patch("every model (scope)", "comfy.model_base", "BaseModel.apply_model", _apply_model)
 
 
-def _detach(original):
-    """ModelPatcher.detach: when ComfyUI unloads a model from its device (``unpatch_all``), the
-    tables its PE cache holds on that device go too, so an offloaded model keeps no VRAM through
-    it (node or server-wide default alike); CPU tables stay (no VRAM, and they save the rebuild).
-    ``detach(unpatch_all=False)`` only means another clone of the model took its place."""
-    def detach(self, unpatch_all=True):
-        result = original(self, unpatch_all)
-        if unpatch_all:
-            cache = model_cache(self.model, create=False)
-            if cache is not None and cache.nbytes().get("device"):
-                cache.clear()
-        return result
-    return detach
+def release_device_tables(patcher, unpatch_all=True, *args, **kwargs) -> None:
+    """Before ``ModelPatcher.detach`` (a lifecycle listener): when ComfyUI unloads a model from its
+    device (``unpatch_all``), the tables its PE cache holds on that device go too, so an offloaded
+    model keeps no VRAM through it (node or server-wide default alike); CPU tables stay (no VRAM,
+    and they save the rebuild). ``detach(unpatch_all=False)`` only means another clone of the
+    model took its place."""
+    if unpatch_all:
+        cache = model_cache(patcher.model, create=False)
+        if cache is not None and cache.nbytes().get("device"):
+            cache.clear()
 
 
-RELEASE_PATCH = Patch("device tables on unload", "comfy.model_patcher", "ModelPatcher.detach", _detach)
-GLOBAL_PATCHES = (SCOPE_PATCH, RELEASE_PATCH)
+GLOBAL_PATCHES = (SCOPE_PATCH,)
 
 
 def install() -> list[str]:
     """Install every builder patch the host supports (idempotent); returns the families covered."""
     for p in GLOBAL_PATCHES:
         p.install()
+    lifecycle.add_listener("detach", release_device_tables)
     return [p.family for p in PATCHES if p.install()]
 
 
 def uninstall() -> None:
     for p in (*PATCHES, *GLOBAL_PATCHES):
         p.uninstall()
+    lifecycle.remove_listener("detach", release_device_tables)
 
 
 def installed() -> bool:
