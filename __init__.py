@@ -9,5 +9,8 @@ WEB_DIRECTORY = "./web"
 
 async def comfy_entrypoint():
     from .nodes import ReuseKitExtension
+    from .patches.conditioning import install as install_conditioning_cache
+
+    install_conditioning_cache()
 
     return ReuseKitExtension()
