@@ -160,3 +160,6 @@ class RKTestTinyCLIPVision:
 
 
 NODE_CLASS_MAPPINGS = {"RKTestTinyCheckpoint": RKTestTinyCheckpoint, "RKTestTinyCLIPVision": RKTestTinyCLIPVision}
+from .conditioning import RKTestSharedTinyCheckpoint  # noqa: E402
+
+NODE_CLASS_MAPPINGS["RKTestSharedTinyCheckpoint"] = RKTestSharedTinyCheckpoint
