@@ -120,15 +120,16 @@ def _median_time(fn, repeat):
 def kind_table(rkharness, quick: bool):
     import torch
 
+    import nodes
+
     tiny = rkharness.TINY
-    shared = __import__(f"{tiny.__name__}.conditioning", fromlist=["clip_l_sized"])
     cache = rkharness.pack("caching.conditioning").CACHE
     settings = rkharness.pack("caching.settings").SETTINGS
     settings.set("conditioning.enabled", True)
     repeat = 3 if quick else 7
     rows = []
 
-    clip = shared.clip_l_sized(0)
+    clip = nodes.NODE_CLASS_MAPPINGS["RKTestSharedTinyCheckpoint"]().load("flux", 0, "clip_l")[1]  # reused below
     tokens = clip.tokenize("a photograph of an astronaut riding a (horse:1.2) on the moon, detailed")
     text_miss = lambda: (cache.clear(), clip.encode_from_tokens(tokens, return_pooled=True))  # noqa: E731
     text_hit = lambda: clip.encode_from_tokens(tokens, return_pooled=True)  # noqa: E731

@@ -121,11 +121,14 @@ def encode_value(value: Any) -> Any:
 
 
 def _field_bytes(field: Any) -> int:
+    """Approximate memory of a key's fields (bytes exactly, Python objects by their usual size)."""
     if isinstance(field, bytes):
-        return len(field)
+        return 33 + len(field)
     if isinstance(field, tuple):
-        return sum(_field_bytes(f) for f in field)
-    return 0
+        return 40 + 8 * len(field) + sum(_field_bytes(f) for f in field)
+    if isinstance(field, str):
+        return 49 + len(field)
+    return 0 if field is None else 32
 
 
 class WeightSet:
@@ -423,6 +426,9 @@ class ConditioningCache:
             stored, tiers = freeze(value, keep_device)
         except Uncacheable as exc:
             self.bypass(key.kind, str(exc))
+            return False
+        except (RuntimeError, MemoryError) as exc:  # no room for the copy: the caller keeps its result
+            self.bypass(key.kind, f"copy failed: {exc}")
             return False
         entry = Entry(key, stored, tiers, seconds)
         with self._lock:

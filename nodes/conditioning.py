@@ -49,49 +49,43 @@ class CachedCLIP(io.ComfyNode):
         return io.NodeOutput(out)
 
 
-class CachedVAE(io.ComfyNode):
+class _CachedCopy(io.ComfyNode):
+    """A node that returns a copy of a VAE / CLIP vision object, routed through the cache."""
+
+    NODE_ID = DISPLAY = DESCRIPTION = INPUT = ""
+    KIND: type = io.Vae
+    NEEDS: tuple[str, ...] = ()
+
     @classmethod
     def define_schema(cls) -> io.Schema:
+        label = cls.INPUT.upper()
         return io.Schema(
-            node_id="ReuseKitCachedVAE",
-            display_name="ReuseKit Cached VAE",
-            category=AREA,
-            description="Returns a copy of the VAE whose encodes (plain and tiled) go through the conditioning "
-                        "cache: the same pixels give the stored latent, bit for bit. Decoding is unchanged.",
-            inputs=[io.Vae.Input("vae", tooltip="The VAE to cache; it is copied, never changed.")],
-            outputs=[io.Vae.Output(display_name="VAE", tooltip="A copy routed through the cache.")],
+            node_id=cls.NODE_ID, display_name=cls.DISPLAY, category=AREA, description=cls.DESCRIPTION,
+            inputs=[cls.KIND.Input(cls.INPUT, tooltip=f"The {label} to cache; it is copied, never changed.")],
+            outputs=[cls.KIND.Output(display_name=label, tooltip="A copy routed through the cache.")],
         )
 
     @classmethod
-    def execute(cls, vae) -> io.NodeOutput:
-        _require("ReuseKit Cached VAE", "vae", vae, "patcher", "first_stage_model")
+    def execute(cls, **inputs) -> io.NodeOutput:
+        value = inputs.get(cls.INPUT)
+        _require(cls.DISPLAY, cls.INPUT, value, "patcher", *cls.NEEDS)
         install()
-        out = cached_copy(vae)
+        out = cached_copy(value)
         mark(out.patcher, False)
         return io.NodeOutput(out)
 
 
-class CachedCLIPVision(io.ComfyNode):
-    @classmethod
-    def define_schema(cls) -> io.Schema:
-        return io.Schema(
-            node_id="ReuseKitCachedCLIPVision",
-            display_name="ReuseKit Cached CLIP Vision",
-            category=AREA,
-            description="Returns a copy of the CLIP vision model whose image encodes go through the "
-                        "conditioning cache (the image by content, the crop option in the key).",
-            inputs=[io.ClipVision.Input("clip_vision", tooltip="The vision encoder to cache; it is copied, "
-                                                               "never changed.")],
-            outputs=[io.ClipVision.Output(display_name="CLIP_VISION", tooltip="A copy routed through the cache.")],
-        )
+class CachedVAE(_CachedCopy):
+    NODE_ID, DISPLAY, INPUT, KIND, NEEDS = "ReuseKitCachedVAE", "ReuseKit Cached VAE", "vae", io.Vae, ("first_stage_model",)
+    DESCRIPTION = ("Returns a copy of the VAE whose encodes (plain and tiled) go through the conditioning cache: "
+                   "the same pixels give the stored latent, bit for bit. Decoding is unchanged.")
 
-    @classmethod
-    def execute(cls, clip_vision) -> io.NodeOutput:
-        _require("ReuseKit Cached CLIP Vision", "clip_vision", clip_vision, "patcher", "encode_image")
-        install()
-        out = cached_copy(clip_vision)
-        mark(out.patcher, False)
-        return io.NodeOutput(out)
+
+class CachedCLIPVision(_CachedCopy):
+    NODE_ID, DISPLAY, INPUT, KIND = "ReuseKitCachedCLIPVision", "ReuseKit Cached CLIP Vision", "clip_vision", io.ClipVision
+    NEEDS = ("encode_image",)
+    DESCRIPTION = ("Returns a copy of the CLIP vision model whose image encodes go through the conditioning "
+                   "cache (the image by content, the crop option in the key).")
 
 
 class ConditioningCacheSettings(io.ComfyNode):

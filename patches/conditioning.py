@@ -167,6 +167,9 @@ def _route(kind: str, patcher, make_key, compute, check_rng=False):
     except Uncacheable as exc:
         CACHE.bypass(kind, str(exc))
         return compute()
+    except Exception as exc:  # an encoder object this key builder does not know: never break the encode
+        CACHE.bypass(kind, f"unexpected {type(exc).__name__}: {exc}")
+        return compute()
     return CACHE.fetch(key, compute, keep_device=keep_device, check_rng=check_rng)
 
 

@@ -460,8 +460,8 @@ def test_cached_vae_and_vision_nodes_copy_and_validate(cc, vae, vision):
     nodes_mod = rkharness.pack("nodes.conditioning")
     settings = rkharness.pack("caching.settings").SETTINGS
     settings.set("conditioning.enabled", False)
-    new_vae = nodes_mod.CachedVAE.execute(vae).result[0]
-    new_vision = nodes_mod.CachedCLIPVision.execute(vision).result[0]
+    new_vae = nodes_mod.CachedVAE.execute(vae=vae).result[0]
+    new_vision = nodes_mod.CachedCLIPVision.execute(clip_vision=vision).result[0]
     assert new_vae is not vae and new_vae.patcher is not vae.patcher
     assert "reusekit_conditioning" not in vae.patcher.model_options
     img = image(8)
@@ -470,7 +470,7 @@ def test_cached_vae_and_vision_nodes_copy_and_validate(cc, vae, vision):
     vae.encode(img)  # the original is untouched: not routed
     assert cc.CACHE.count("hits.vae") == 1 and cc.CACHE.count("hits.vision") == 1 and cc.CACHE.count("misses.vae") == 1
     with pytest.raises(ValueError, match="ReuseKit Cached VAE.*'vae'"):
-        nodes_mod.CachedVAE.execute("not a vae")
+        nodes_mod.CachedVAE.execute(vae="not a vae")
     with pytest.raises(ValueError, match="ReuseKit Cached CLIP.*'clip'"):
         nodes_mod.CachedCLIP.execute(None)
 
@@ -491,9 +491,28 @@ def test_install_and_uninstall_are_idempotent(cc, clip):
     assert getattr(comfy.sd.CLIP.encode_from_tokens, "__reusekit__", False)
 
 
-def test_environment_switch_turns_global_mode_off(monkeypatch, cc):
-    for value, expected in (("0", False), ("off", False), ("1", True)):
+def test_environment_switch_values(monkeypatch, cc):
+    for value, expected in (("0", False), ("off", False), ("false", False), ("1", True), ("", True)):
         monkeypatch.setenv("REUSEKIT_CONDITIONING", value)
-        assert cc._env_enabled() is expected
-    monkeypatch.delenv("REUSEKIT_CONDITIONING")
-    assert cc._env_enabled() is True
+        assert cc._env_enabled() is expected, value
+
+
+def test_environment_switch_sets_the_global_mode_default():
+    """A fresh interpreter imports caching/ alone (no ComfyUI): the setting follows REUSEKIT_CONDITIONING."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('rkc', {str(rkharness.ROOT / 'caching' / '__init__.py')!r},"
+        f" submodule_search_locations=[{str(rkharness.ROOT / 'caching')!r}])\n"
+        "m = importlib.util.module_from_spec(spec); sys.modules['rkc'] = m; spec.loader.exec_module(m)\n"
+        "import rkc.conditioning as c\n"
+        "assert 'comfy' not in sys.modules\n"
+        "print(c.SETTINGS.get('conditioning.enabled'))\n"
+    )
+    env = {**os.environ, "REUSEKIT_CONDITIONING": "0"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
