@@ -176,7 +176,7 @@ def sampler_side_table(rkharness):
         noise = torch.zeros(shape)
         conds = [{"cross_attn": c[0], "model_conds": {}, **{k: v for k, v in c[1].items()}} for c in cond]
 
-        def run():
+        def run(model=model, conds=conds, noise=noise):
             comfy.samplers.encode_model_conds(model.extra_conds, [dict(c) for c in conds], noise, "cpu", "positive",
                                               latent_image=noise, denoise_mask=None, seed=0)
 

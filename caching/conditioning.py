@@ -184,7 +184,7 @@ def intern_weights(structure: Any) -> WeightSet | None:
         refs[:] = [r for r in refs if r() is not None]
         for ref in refs:
             candidate = ref()
-            if candidate is not None and all(a is b or torch.equal(a, b) for a, b in zip(candidate.tensors, tensors)):
+            if candidate is not None and all(a is b or torch.equal(a, b) for a, b in zip(candidate.tensors, tensors, strict=True)):
                 return candidate
         made = WeightSet(skeleton, tensors)
         refs.append(weakref.ref(made))
@@ -218,7 +218,7 @@ class Key:
             return NotImplemented
         return (self._hash == other._hash and self.kind == other.kind and self.owners == other.owners
                 and len(self.weights) == len(other.weights)
-                and all(a is b for a, b in zip(self.weights, other.weights))
+                and all(a is b for a, b in zip(self.weights, other.weights, strict=True))
                 and self.fields == other.fields)
 
 
@@ -383,11 +383,12 @@ class ConditioningCache:
 
     # -- the one entry point for encoders
     def fetch(self, key: Key, compute: Callable[[], Any], *, keep_device: bool = False,
-              check_rng: bool = False) -> Any:
+              check_rng: bool = False, admit: Callable[[], str | None] | None = None) -> Any:
         """The cached result for ``key`` (a private copy), or ``compute()`` stored on a miss.
 
         ``check_rng``: when the computation moves torch's global random state, its result depends
-        on randomness and is not stored (the randomness then runs on every request)."""
+        on randomness and is not stored (the randomness then runs on every request).
+        ``admit``: asked after a miss's computation; a returned reason means "do not store"."""
         if not self.enabled:
             return compute()
         self.reap()
@@ -400,6 +401,10 @@ class ConditioningCache:
         seconds = time.perf_counter() - start
         if rng is not None and not _rng_equal(rng, _rng_state()):
             self.bypass(key.kind, "random")
+            return result
+        refused = admit() if admit is not None else None
+        if refused:
+            self.bypass(key.kind, refused)
             return result
         self.store(key, result, seconds, keep_device=keep_device)
         return result
@@ -570,7 +575,7 @@ def _rng_state() -> tuple:
 
 def _rng_equal(a: tuple, b: tuple) -> bool:
     return (torch.equal(a[0], b[0]) and len(a[1]) == len(b[1])
-            and all(torch.equal(x, y) for x, y in zip(a[1], b[1])))
+            and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True)))
 
 
 # ---- the process-wide cache, its settings and stats -------------------------------------------

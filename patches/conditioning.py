@@ -6,7 +6,8 @@ Patched (class attributes, one install and one uninstall, idempotent, each guard
   Qwen-Image...) reaches the encoder through it, also via ``encode_from_tokens_scheduled``
   (whose hook-scheduled path calls the encoder directly: counted as a bypass);
 - ``comfy.clip_vision.ClipVisionModel.encode_image``;
-- ``comfy.sd.VAE.encode`` and ``encode_tiled``;
+- ``comfy.sd.VAE.encode`` and ``encode_tiled`` (and its tile helpers, to see an out-of-memory
+  fallback from a plain encode to tiles: that result is never stored);
 - ``CLIP.load_sd`` / ``ClipVisionModel.load_sd`` (weights replaced in place: a new generation);
 - ``comfy.model_management.free_memory``: device entries are freed first when ComfyUI needs VRAM;
 - ``ModelPatcher.detach``: unloading an encoder drops its device entries.
@@ -158,7 +159,22 @@ def vae_key(vae, method: str, pixels, options: tuple) -> Key:
     return Key("vae", fields, owners=(serial,), weights=(_weights(vae.patcher),))
 
 
-def _route(kind: str, patcher, make_key, compute, check_rng=False):
+_local = threading.local()  # per thread: inside a plain VAE encode, and whether it fell back to tiles
+
+
+def _plain_vae_encode(orig, vae, pixel_samples):
+    _local.plain, _local.fell_back = True, False
+    try:
+        return orig(vae, pixel_samples)
+    finally:
+        _local.plain = False
+
+
+def _tiled_fallback_reason():
+    return "VAE encode fell back to tiles (out of memory)" if getattr(_local, "fell_back", False) else None
+
+
+def _route(kind: str, patcher, make_key, compute, check_rng=False, admit=None):
     on, keep_device = _mode(patcher)
     if not on or not CACHE.enabled:
         return compute()
@@ -170,7 +186,7 @@ def _route(kind: str, patcher, make_key, compute, check_rng=False):
     except Exception as exc:  # an encoder object this key builder does not know: never break the encode
         CACHE.bypass(kind, f"unexpected {type(exc).__name__}: {exc}")
         return compute()
-    return CACHE.fetch(key, compute, keep_device=keep_device, check_rng=check_rng)
+    return CACHE.fetch(key, compute, keep_device=keep_device, check_rng=check_rng, admit=admit)
 
 
 # ---- the patched methods ----------------------------------------------------------------------
@@ -202,8 +218,18 @@ def _make_methods():
 
     def vae_encode(self, pixel_samples):
         orig = _orig(VAE, "encode")
+        # ComfyUI retries a plain encode in tiles when it runs out of memory: that result is not
+        # what a plain encode gives with room to spare, so it is returned but never stored
         return _route("vae", self.patcher, lambda: vae_key(self, "encode", pixel_samples, ()),
-                      lambda: orig(self, pixel_samples), check_rng=True)
+                      lambda: _plain_vae_encode(orig, self, pixel_samples), check_rng=True,
+                      admit=_tiled_fallback_reason)
+
+    def tiled_helper(name):
+        def helper(self, *args, **kwargs):
+            if getattr(_local, "plain", False):
+                _local.fell_back = True
+            return _orig(VAE, name)(self, *args, **kwargs)
+        return helper
 
     def vae_encode_tiled(self, pixel_samples, tile_x=None, tile_y=None, overlap=None, tile_t=None, overlap_t=None):
         orig = _orig(VAE, "encode_tiled")
@@ -254,6 +280,7 @@ def _make_methods():
         (CLIP, "load_sd", clip_load_sd),
         (VAE, "encode", vae_encode),
         (VAE, "encode_tiled", vae_encode_tiled),
+        *[(VAE, name, tiled_helper(name)) for name in ("encode_tiled_", "encode_tiled_1d", "encode_tiled_3d")],
         (Vision, "encode_image", encode_image),
         (Vision, "load_sd", vision_load_sd),
         (mm, "free_memory", free_memory),

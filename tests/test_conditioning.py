@@ -253,6 +253,23 @@ def test_a_vae_encode_that_uses_randomness_is_never_stored(cc, uncached, tiny):
     assert len(cc.CACHE) == 0 and cc.CACHE.count("bypasses.vae") == 2
 
 
+def test_a_plain_vae_encode_that_fell_back_to_tiles_is_not_stored(cc, tiny):
+    import comfy.model_management as mm
+
+    vae = tiny.tiny_vae(0)
+    img = image(9)
+
+    def out_of_memory(*args, **kwargs):
+        raise mm.OOM_EXCEPTION("simulated")
+
+    estimate, vae.memory_used_encode = vae.memory_used_encode, out_of_memory  # inside encode's try: tiles
+    vae.encode(img)
+    assert len(cc.CACHE) == 0 and cc.CACHE.count("bypasses.vae") == 1
+    vae.memory_used_encode = estimate
+    plain = vae.encode(img)
+    assert len(cc.CACHE) == 1 and same(plain, vae.encode(img)) and cc.CACHE.count("hits.vae") == 1
+
+
 def test_hooks_and_autograd_bypass(cc, clip):
     tokens = clip.tokenize("bypass")
     base = clip.encode_from_tokens(tokens)

@@ -109,3 +109,23 @@ def test_example_workflow_runs_on_tiny_models_and_reuses_across_prompt_edits():
     (text,) = result["outputs"]["10"]["text"]
     assert "[conditioning] conditioning" in text and "hits=" in text
     cache.clear()
+
+
+def test_settings_node_applies_settings_through_the_executor():
+    settings = rkharness.pack("caching.settings").SETTINGS
+    cache = rkharness.pack("caching.conditioning").CACHE
+    keys = ("conditioning.enabled", "conditioning.budget_mib", "conditioning.max_entries",
+            "conditioning.device_hot_negatives")
+    saved = {k: settings.get(k) for k in keys}
+    prompt = {"1": {"class_type": "ReuseKitConditioningCacheSettings",
+                    "inputs": {"global_mode": True, "budget_mib": 64, "max_entries": 7,
+                               "device_hot_negatives": False, "clear": True}}}
+    try:
+        result = rkharness.Executor().run(prompt)
+        assert settings.get("conditioning.budget_mib") == 64 and settings.get("conditioning.max_entries") == 7
+        assert cache.budget_bytes == 64 << 20 and cache.max_entries == 7 and len(cache) == 0
+        assert not settings.get("conditioning.device_hot_negatives")
+        (text,) = result["outputs"]["1"]["text"]
+        assert "conditioning" in text and "64.0 MiB" in text
+    finally:
+        settings.update(saved)
