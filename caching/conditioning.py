@@ -23,6 +23,7 @@ Exactness rules kept here:
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import threading
 import time
@@ -98,12 +99,19 @@ def encode_value(value: Any) -> Any:
     Ints, floats and bools carry a type tag (``1``, ``1.0`` and ``True`` stay distinct); floats
     compare by their exact bits. Unknown types raise :class:`Uncacheable`.
     """
+    kind = type(value)
+    if kind is int:  # the common case first (token ids)
+        return ("i", value)
+    if kind is float:
+        return ("f", value.hex())
+    if kind is tuple or kind is list:
+        return ("U" if kind is tuple else "L", tuple(encode_value(v) for v in value))
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, bool):
         return ("b", value)
-    if isinstance(value, int):
-        return ("i", value)
+    if isinstance(value, numbers.Integral):  # Python and NumPy integers (token ids)
+        return ("i", int(value))
     if isinstance(value, float):
         return ("f", value.hex())
     if isinstance(value, torch.Tensor):
@@ -197,7 +205,7 @@ def intern_weights(structure: Any) -> WeightSet | None:
 class Key:
     """A complete cache key. ``owners``: serials of the encoder instances it depends on."""
 
-    __slots__ = ("kind", "fields", "owners", "weights", "nbytes", "_hash")
+    __slots__ = ("kind", "fields", "owners", "weights", "_nbytes", "_hash")
 
     def __init__(self, kind: str, fields: tuple, owners: tuple[int, ...] = (),
                  weights: tuple[WeightSet, ...] = ()):
@@ -207,8 +215,15 @@ class Key:
         self.fields = fields
         self.owners = tuple(owners)
         self.weights = tuple(w for w in weights if w is not None)
-        self.nbytes = _field_bytes(fields)
+        self._nbytes = None
         self._hash = hash((kind, fields, self.owners, tuple(id(w) for w in self.weights)))
+
+    @property
+    def nbytes(self) -> int:
+        """Approximate memory of the fields (computed when first stored, not on every lookup)."""
+        if self._nbytes is None:
+            self._nbytes = _field_bytes(self.fields)
+        return self._nbytes
 
     def __hash__(self) -> int:
         return self._hash

@@ -2,6 +2,7 @@
 
 import threading
 
+import numpy as np
 import pytest
 import rkharness
 import torch
@@ -342,6 +343,7 @@ def test_global_budget_setting_applies_at_once(cc, clip):
 def test_keys_compare_typed_complete_fields(cc):
     ev = cc.encode_value
     assert ev(1) != ev(1.0) != ev(True) and ev(0.0) != ev(-0.0)
+    assert ev(5) == ev(np.int64(5)) and ev([1, 2]) != ev((1, 2)) and ev({"a": 1}) == ev({"a": 1})
     a, b = torch.arange(6.0), torch.arange(6.0)
     assert ev(a) == ev(b) and ev(a) != ev(a.reshape(2, 3)) and ev(a) != ev(a.double())
     assert cc.Key("text", (ev(a),)) == cc.Key("text", (ev(b),))
