@@ -10,7 +10,8 @@ WEB_DIRECTORY = "./web"
 async def comfy_entrypoint():
     from .nodes import ReuseKitExtension
     from .patches.conditioning import install as install_conditioning_cache
+    from .routes import register as register_routes
 
-    install_conditioning_cache()
-
+    install_conditioning_cache()  # global mode (on unless REUSEKIT_CONDITIONING=0) routes every encode
+    register_routes()  # the panel's /reusekit/ routes and stats push, where a server runs
     return ReuseKitExtension()

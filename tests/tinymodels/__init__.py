@@ -160,6 +160,5 @@ class RKTestTinyCLIPVision:
 
 
 NODE_CLASS_MAPPINGS = {"RKTestTinyCheckpoint": RKTestTinyCheckpoint, "RKTestTinyCLIPVision": RKTestTinyCLIPVision}
-from .conditioning import RKTestSharedTinyCheckpoint  # noqa: E402
-
-NODE_CLASS_MAPPINGS["RKTestSharedTinyCheckpoint"] = RKTestSharedTinyCheckpoint
+NODE_CLASS_MAPPINGS.update(__import__(f"{__name__}.panelprobe", fromlist=["x"]).NODE_CLASS_MAPPINGS)  # panel tests
+NODE_CLASS_MAPPINGS.update(__import__(f"{__name__}.conditioning", fromlist=["x"]).NODE_CLASS_MAPPINGS)  # conditioning

@@ -91,3 +91,6 @@ class RKTestSharedTinyCheckpoint:
             else:
                 _SHARED[key] = (BUILDERS[family](seed), tiny_clip(seed), tiny_vae(seed))
         return _SHARED[key]
+
+
+NODE_CLASS_MAPPINGS = {"RKTestSharedTinyCheckpoint": RKTestSharedTinyCheckpoint}
