@@ -141,7 +141,14 @@ def text_key(clip, tokens, return_pooled, return_dict) -> Key:
     return Key("text", fields, owners=(serial,), weights=(_weights(clip.patcher),))
 
 
+def _fits(pixels) -> None:
+    """An input larger than the whole budget could never be stored: do not even copy it into a key."""
+    if isinstance(pixels, torch.Tensor) and pixels.numel() * pixels.element_size() > CACHE.budget_bytes:
+        raise Uncacheable("input larger than the budget")
+
+
 def vision_key(clip_vision, image, crop) -> Key:
+    _fits(image)
     model = clip_vision.model
     serial, generation = _owner(model)
     fields = ("encode_image", type(model).__qualname__, generation, encode_value(crop), _precision(),
@@ -150,6 +157,7 @@ def vision_key(clip_vision, image, crop) -> Key:
 
 
 def vae_key(vae, method: str, pixels, options: tuple) -> Key:
+    _fits(pixels)
     model = vae.first_stage_model
     if model is None:
         raise Uncacheable("invalid VAE")

@@ -314,6 +314,15 @@ def test_oversized_entries_are_not_admitted_and_capacity_zero_disables(cc):
     assert len(calls) == 2 and len(cache) == 0 and cache.count("hits") == 0
 
 
+def test_an_image_larger_than_the_budget_bypasses_before_any_copy(cc, vision):
+    settings = rkharness.pack("caching.settings").SETTINGS
+    settings.set("conditioning.budget_mib", 1)
+    big = image(10, size=600)  # 4.3 MB of pixels
+    vision.encode_image(big)
+    vision.encode_image(image(10, size=200))  # 0.5 MB: admitted
+    assert cc.CACHE.count("bypasses.vision") == 1 and len(cc.CACHE) == 1
+
+
 def test_lru_order(cc):
     cache = cc.ConditioningCache(budget_bytes=1 << 20, max_entries=2)
     for name in ("A", "B"):
