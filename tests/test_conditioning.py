@@ -271,6 +271,25 @@ def test_a_plain_vae_encode_that_fell_back_to_tiles_is_not_stored(cc, tiny):
     assert len(cc.CACHE) == 1 and same(plain, vae.encode(img)) and cc.CACHE.count("hits.vae") == 1
 
 
+@pytest.mark.parametrize("schedule_clip", [False, True])
+def test_clip_with_lora_hooks_bypasses_and_stays_exact(cc, uncached, tiny, schedule_clip):
+    import comfy_extras.nodes_hooks as hooks_nodes
+    import nodes
+
+    loras = __import__(f"{tiny.__name__}.conditioning", fromlist=["write_lora"])
+    name = loras.write_lora("rk_test_hooks.safetensors", seed=5, flux=False)
+    clip = tiny.tiny_clip(0)
+    (hooks,) = hooks_nodes.CreateHookLora().create_hook(name, 0.0, 1.0)
+    (hooked,) = hooks_nodes.SetClipHooks().apply_hooks(clip, schedule_clip, False, hooks)
+    encode = nodes.CLIPTextEncode().encode
+    reference = uncached(encode, hooked, "a hooked prompt")[0]
+    assert same(reference, encode(hooked, "a hooked prompt")[0])
+    assert same(reference, encode(hooked, "a hooked prompt")[0])
+    assert len(cc.CACHE) == 0 and cc.CACHE.count("bypasses.text") >= 2
+    base = uncached(encode, clip, "a hooked prompt")[0]
+    assert not same(base, reference) and same(base, encode(clip, "a hooked prompt")[0])
+
+
 def test_hooks_and_autograd_bypass(cc, clip):
     tokens = clip.tokenize("bypass")
     base = clip.encode_from_tokens(tokens)
