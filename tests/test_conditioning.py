@@ -274,6 +274,7 @@ def test_a_plain_vae_encode_that_fell_back_to_tiles_is_not_stored(cc, tiny):
 @pytest.mark.parametrize("schedule_clip", [False, True])
 def test_clip_with_lora_hooks_bypasses_and_stays_exact(cc, uncached, tiny, schedule_clip):
     import comfy_extras.nodes_hooks as hooks_nodes
+
     import nodes
 
     loras = __import__(f"{tiny.__name__}.conditioning", fromlist=["write_lora"])
