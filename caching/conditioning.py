@@ -505,7 +505,7 @@ class ConditioningCache:
             for e in list(self._entries.values()):
                 if need_bytes is not None and freed >= need_bytes:
                     break
-                if e.tiers["device"] and (device is None or device in e.devices):
+                if e.tiers["device"] and _on(e, device):
                     del self._entries[e.key]
                     self._remove(e)
                     freed += e.tiers["device"]
@@ -516,8 +516,7 @@ class ConditioningCache:
 
     def device_bytes(self, device: str | None = None) -> int:
         with self._lock:
-            return sum(e.tiers["device"] for e in self._entries.values()
-                       if device is None or device in e.devices)
+            return sum(e.tiers["device"] for e in self._entries.values() if _on(e, device))
 
     # -- internals (under the lock)
     def _count(self, event: str, kind: str) -> None:
@@ -581,6 +580,13 @@ class ConditioningCache:
             self._counts.clear()
         if self.stats is not None:
             self.stats.reset_counters()
+
+
+def _on(entry: Entry, device: str | None) -> bool:
+    """Whether an entry holds tensors on ``device`` ("cuda" matches "cuda:0", "cuda:1"...)."""
+    if device is None:
+        return bool(entry.devices)
+    return device in entry.devices or (":" not in device and any(d.split(":")[0] == device for d in entry.devices))
 
 
 def _rng_state() -> tuple:
