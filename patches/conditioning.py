@@ -10,7 +10,8 @@ Patched (class attributes, one install and one uninstall, idempotent, each guard
   fallback from a plain encode to tiles: that result is never stored);
 - ``CLIP.load_sd`` / ``ClipVisionModel.load_sd`` (weights replaced in place: a new generation);
 - ``comfy.model_management.free_memory``: device entries are freed first when ComfyUI needs VRAM;
-- ``ModelPatcher.detach``: unloading an encoder drops its device entries.
+- and a ``ModelPatcher.detach`` listener (patches/lifecycle.py): unloading an encoder drops its
+  device entries.
 
 A call goes through the cache when global mode is on (setting ``conditioning.enabled``) or when the
 encoder object was made by a ReuseKit Cached node (a marker in its patcher's ``model_options``,
@@ -39,6 +40,7 @@ from ..caching.conditioning import (
     register_container,
 )
 from ..caching.settings import SETTINGS
+from . import lifecycle
 
 log = logging.getLogger("reusekit")
 
@@ -206,11 +208,10 @@ def _orig(owner, name):
 def _make_methods():
     import comfy.clip_vision
     import comfy.model_management
-    import comfy.model_patcher
     import comfy.sd
 
     CLIP, VAE = comfy.sd.CLIP, comfy.sd.VAE
-    Vision, Patcher = comfy.clip_vision.ClipVisionModel, comfy.model_patcher.ModelPatcher
+    Vision = comfy.clip_vision.ClipVisionModel
     mm = comfy.model_management
 
     def encode_from_tokens(self, tokens, return_pooled=False, return_dict=False):
@@ -275,13 +276,6 @@ def _make_methods():
             log.exception("ReuseKit conditioning: freeing device entries failed")
         return _orig(mm, "free_memory")(memory_required, device, *args, **kwargs)
 
-    def detach(self, *args, **kwargs):
-        out = _orig(Patcher, "detach")(self, *args, **kwargs)
-        serial = known_identity(self.model)
-        if serial is not None:
-            CACHE.drop_owner(serial, device_only=True)
-        return out
-
     return [
         (CLIP, "encode_from_tokens", encode_from_tokens),
         (CLIP, "encode_from_tokens_scheduled", encode_from_tokens_scheduled),
@@ -292,8 +286,15 @@ def _make_methods():
         (Vision, "encode_image", encode_image),
         (Vision, "load_sd", vision_load_sd),
         (mm, "free_memory", free_memory),
-        (Patcher, "detach", detach),
     ]
+
+
+def drop_device_entries(patcher, *args, **kwargs) -> None:
+    """Before ``ModelPatcher.detach`` (a lifecycle listener): an encoder that ComfyUI unloads
+    takes its device entries with it."""
+    serial = known_identity(patcher.model)
+    if serial is not None:
+        CACHE.drop_owner(serial, device_only=True)
 
 
 def _probe(owner, name) -> bool:
@@ -317,6 +318,7 @@ def install() -> bool:
             _originals[(owner, name)] = owner.__dict__[name] if name in vars(owner) else getattr(owner, name)
             fn.__reusekit__ = True
             setattr(owner, name, fn)
+        lifecycle.add_listener("detach", drop_device_entries)
         return True
 
 
@@ -326,6 +328,7 @@ def uninstall() -> None:
         for (owner, name), original in _originals.items():
             setattr(owner, name, original)
         _originals.clear()
+        lifecycle.remove_listener("detach", drop_device_entries)
 
 
 def installed() -> bool:
