@@ -12,7 +12,7 @@ import logging
 from comfy_api.latest import ComfyExtension, io
 
 CATEGORY = "ReuseKit"
-NODE_MODULES = ("stats",)
+NODE_MODULES = ("stats", "graph")
 
 log = logging.getLogger("reusekit")
 
