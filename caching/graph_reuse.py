@@ -153,10 +153,8 @@ class _Walker:
                 if out is not None:
                     out[key] = v
                 continue
-            if key == "cond_or_uncond":
-                if self.sub is None:
-                    self.fields.append((path, "cond_batch", tuple(v)))
-                else:
+            if key == "cond_or_uncond":  # recorded first by analyse_call
+                if out is not None:
                     out[key] = list(v)
                 continue
             r = self.value(path, v, True)
@@ -172,6 +170,9 @@ def analyse_call(args: list[tuple[str, Any]], state: tuple = (), device: torch.d
     device: tensors elsewhere are compared by value and not buffered."""
     w = _Walker(device)
     w.fields.extend(state)
+    for name, v in args:  # the batch's cond/uncond composition first: it explains the shapes
+        if name == OPTIONS_NAME and isinstance(v, dict) and "cond_or_uncond" in v:
+            w.fields.append((f"{OPTIONS_NAME}.cond_or_uncond", "cond_batch", tuple(v["cond_or_uncond"])))
     for name, v in args:
         if name == OPTIONS_NAME and isinstance(v, dict):
             w.options(v)
@@ -205,6 +206,8 @@ def _reason_for_path(path: str, default: str) -> str:
         return "control"
     if "mask" in low:
         return "mask"
+    if path.startswith(OPTIONS_NAME):
+        return "options"
     return default
 
 
@@ -221,15 +224,14 @@ def can_reuse(prev: Signature | None, new: Signature) -> tuple[bool, str, str]:
             continue
         (pa, ka, va), (pb, kb, vb) = fa, fb
         if pa != pb or ka != kb:
-            return False, _reason_for_path(pa if pa != pb else pb, "inputs"), f"{pa} ({ka}) -> {pb} ({kb})"
+            why = _reason_for_path(pa, "inputs")
+            return False, why if why != "inputs" else _reason_for_path(pb, "inputs"), f"{pa} ({ka}) -> {pb} ({kb})"
         if ka == "tensor":
             for i, part in enumerate(("shape", "dtype", "device", "layout")):
                 if va[i] != vb[i]:
                     return False, part, f"{pa}: {va[i]} -> {vb[i]}"
         if ka in ("cond_batch", "weights", "mode"):
             return False, ka, f"{pa}: {va} -> {vb}"
-        if pa.startswith(OPTIONS_NAME):
-            return False, "options", f"{pa}: {va} -> {vb}"
         if ka in ("seq", "dict"):
             return False, _reason_for_path(pa, "inputs"), f"{pa}: {va} -> {vb}"
         return False, _reason_for_path(pa, "value"), f"{pa}: {_short(va)} -> {_short(vb)}"
@@ -268,7 +270,7 @@ class Decision:
 @dataclass
 class GraphSet:
     """The kept graphs of one model, most recently used last. ``release`` drops them all (the
-    model was unloaded or its weights changed); the next capture records that as its reason."""
+    model was unloaded or its weights changed)."""
 
     max_graphs: int = 2
     entries: OrderedDict = field(default_factory=OrderedDict)
@@ -284,10 +286,9 @@ class GraphSet:
                 self.last = sig
                 entry.uses += 1
                 return Decision(True, entry)
-            if self.pending_reason is not None:
-                reason, detail = self.pending_reason
-            else:
-                _, reason, detail = can_reuse(self.last, sig)
+            same, reason, detail = can_reuse(self.last, sig)
+            if same:  # the last graph fits but was released (unload, reload, clear)
+                reason, detail = self.pending_reason or ("released", "")
             return Decision(False, None, reason, detail)
 
     def add(self, entry: Entry) -> list[Entry]:
@@ -304,12 +305,13 @@ class GraphSet:
             return evicted
 
     def release(self, reason: str, detail: str = "") -> list[Entry]:
+        """Drop every graph; ``last`` stays, so the next rebuild still names what changed (or,
+        when nothing did, this reason)."""
         with self.lock:
             dropped = list(self.entries.values())
             self.entries.clear()
-            if self.last is not None:
+            if dropped:
                 self.pending_reason = (reason, detail)
-            self.last = None
             return dropped
 
     @property

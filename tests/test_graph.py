@@ -1,0 +1,402 @@
+"""Graph reuse on the CPU: the decision (signature, can_reuse, rebuild reasons, graphs kept per
+model) with real tiny models through the real sampler, the eager fallback bit for bit, the
+``emulate`` backend (static buffers updated in place, no graph), invalidation by LoRA and unload,
+bypasses, the disable switches, the nodes and the stats."""
+
+import logging
+
+import pytest
+import rkharness
+import torch
+
+pytestmark = pytest.mark.graph
+
+LATENTS = {"flux": (1, 16, 8, 8), "wan": (1, 16, 3, 8, 8)}
+
+
+@pytest.fixture
+def gc(monkeypatch):
+    """patches.graph_capture with clean graphs and counters; the backend left on auto."""
+    mod = rkharness.pack("patches.graph_capture")
+    monkeypatch.delenv("REUSEKIT_DISABLE_CUDA_GRAPHS", raising=False)
+    monkeypatch.setattr(mod, "FORCE_BACKEND", None)
+    mod.release_all("test")
+    mod.STATS.handle.reset_counters()
+    yield mod
+    mod.release_all("test")
+
+
+@pytest.fixture(scope="module")
+def conds(tiny):
+    import nodes
+
+    with torch.inference_mode():
+        clip = tiny.tiny_clip(0)
+        (pos,) = nodes.CLIPTextEncode().encode(clip, "a red circle")
+        (neg,) = nodes.CLIPTextEncode().encode(clip, "blurry")
+    return pos, neg
+
+
+def capture(model, enable=True, max_graphs=2):
+    graph = rkharness.pack("nodes.graph")
+    return graph.GraphCaptureNode.execute(model, enable=enable, max_graphs=max_graphs).args[0]
+
+
+def sample(model, conds, shape=(1, 16, 8, 8), cfg=2.0, steps=3, seed=7, callback=None):
+    import comfy.sample
+    import nodes
+
+    pos, neg = conds
+    latent = {"samples": torch.zeros(shape)}
+    if callback is None:
+        return nodes.common_ksampler(model, seed, steps, cfg, "euler", "simple", pos, neg, latent)[0]["samples"]
+    noise = comfy.sample.prepare_noise(latent["samples"], seed)
+    return comfy.sample.sample(model, noise, steps, cfg, "euler", "simple", pos, neg, latent["samples"],
+                               callback=callback, disable_pbar=True, seed=seed)
+
+
+def counters(gc):
+    return gc.STATS.handle.snapshot()["counters"]
+
+
+def last_run(gc):
+    return gc.STATS.handle.snapshot()["info"]["last_run"]
+
+
+def tiny_lora(strength_seed=0):
+    gen = torch.Generator().manual_seed(strength_seed)
+    return {"diffusion_model.img_in.lora_up.weight": torch.randn(64, 4, generator=gen) * 0.5,
+            "diffusion_model.img_in.lora_down.weight": torch.randn(4, 64, generator=gen) * 0.5}
+
+
+# ---- the decision, on real call arguments -----------------------------------------------------
+
+def call_args(x_shape=(2, 16, 8, 8), cond_or_uncond=(1, 0), **extra):
+    opts = {"wrappers": {}, "callbacks": {}, "cond_or_uncond": list(cond_or_uncond),
+            "uuids": [object(), object()], "sigmas": torch.ones(1), "sample_sigmas": torch.linspace(1, 0, 4)}
+    opts.update(extra.pop("options", {}))
+    args = [("x", torch.zeros(x_shape)), ("timestep", torch.ones(x_shape[0])),
+            ("context", torch.zeros(x_shape[0], 77, 32)), ("transformer_options", opts)]
+    args.extend(extra.items())
+    return args
+
+
+def reason(gr, a, b):
+    sa, sb = gr.analyse_call(a).signature, gr.analyse_call(b).signature
+    ok, why, detail = gr.can_reuse(sa, sb)
+    return ok, why, detail
+
+
+def test_same_shapes_reuse_and_each_change_names_its_reason():
+    gr = rkharness.pack("caching.graph_reuse")
+    base = call_args()
+    assert reason(gr, base, call_args()) == (True, "", "")  # new values, uuids, holders: same graph
+    ok, why, detail = reason(gr, base, call_args(x_shape=(2, 16, 16, 16)))
+    assert (ok, why) == (False, "shape") and detail.startswith("x:")
+    assert reason(gr, base, call_args(cond_or_uncond=(0, 1)))[1] == "cond_batch"
+    assert reason(gr, base, call_args(options={"rope_options": {"scale_x": 2.0}}))[1] == "options"
+    assert reason(gr, call_args(options={"rope_options": {"scale_x": 1.0}}),
+                  call_args(options={"rope_options": {"scale_x": 2.0}}))[1] == "options"
+    assert reason(gr, base, call_args(attention_mask=torch.ones(2, 77)))[1] == "mask"
+    assert reason(gr, call_args(control=None), call_args(control={"input": [torch.zeros(2, 4)]}))[1] == "control"
+    assert reason(gr, call_args(guidance=torch.ones(2)), call_args(guidance=torch.ones(2, dtype=torch.float64)))[1] == "dtype"
+    assert reason(gr, call_args(guidance=torch.ones(2)), call_args(guidance=torch.ones(4)[::2]))[1] == "layout"
+    assert reason(gr, call_args(num=3), call_args(num=4))[1] == "value"
+
+
+def test_python_side_objects_in_options_count_by_type_and_patches_bypass():
+    gr = rkharness.pack("caching.graph_reuse")
+
+    class Holder:  # a step cache's state holder: a new instance per run must not rebuild
+        pass
+
+    a = gr.analyse_call(call_args(options={"stepcache": Holder()}))
+    b = gr.analyse_call(call_args(options={"stepcache": Holder()}))
+    assert a.bypass is None and a.signature == b.signature
+    assert gr.can_reuse(a.signature, gr.analyse_call(call_args()).signature)[0] is False
+    patched = gr.analyse_call(call_args(options={"patches": {"attn1_patch": [print]}}))
+    assert patched.bypass == "transformer_patches" and patched.signature is None
+    assert gr.analyse_call(call_args(options={"patches": {}})).bypass is None
+    odd = gr.analyse_call(call_args(extra_arg=object()))
+    assert odd.bypass == "uncapturable_input" and "extra_arg" in odd.detail
+
+
+def test_tensors_off_the_model_device_are_compared_by_value_not_buffered():
+    gr = rkharness.pack("caching.graph_reuse")
+    meta = torch.device("meta")  # stands for the model's device: every CPU tensor here is "foreign"
+
+    def args(sigma):
+        return [("x", torch.zeros(2, 4, device=meta)),
+                ("transformer_options", {"sigmas": torch.full((1,), sigma), "cond_or_uncond": [1, 0]})]
+
+    a = gr.analyse_call(args(1.0), device=meta)
+    assert a.bypass is None and len(a.tensors) == 1  # only x goes into a static buffer
+    assert gr.analyse_call(args(1.0), device=meta).signature == a.signature
+    b = gr.analyse_call(args(0.5), device=meta)
+    assert gr.can_reuse(a.signature, b.signature)[:2] == (False, "options")
+    big = [("x", torch.zeros(gr.SMALL_FOREIGN_TENSOR + 1))]
+    assert gr.analyse_call(big, device=meta).bypass == "uncapturable_input"
+
+
+def test_substitute_puts_static_buffers_where_the_tensors_were():
+    gr = rkharness.pack("caching.graph_reuse")
+    args = call_args(control={"input": [torch.zeros(2, 4), None]}, ref=[torch.ones(3)])
+    spec = gr.analyse_call(args)
+    static = [t.clone() for t in spec.tensors]
+    out = dict(gr.substitute(args, static))
+    assert out["x"] is static[0] and out["timestep"] is static[1]
+    assert any(out["transformer_options"]["sigmas"] is s for s in static)
+    assert out["control"]["input"][0] is static[-2] and out["control"]["input"][1] is None
+    assert out["ref"][0] is static[-1]
+    assert out["transformer_options"]["cond_or_uncond"] == [1, 0]
+    assert gr.analyse_call(list(out.items())).signature == spec.signature
+
+
+def test_graph_set_keeps_a_few_graphs_lru_and_release_names_the_reason():
+    gr = rkharness.pack("caching.graph_reuse")
+    s1, s2, s3 = (gr.analyse_call(call_args(x_shape=(2, 16, n, n))).signature for n in (8, 16, 24))
+    gs = gr.GraphSet(max_graphs=2)
+    assert gs.decide(s1).reason == "first"
+    gs.add(gr.Entry(s1))
+    d = gs.decide(s2)
+    assert not d.hit and d.reason == "shape"
+    assert gs.add(gr.Entry(s2)) == []
+    assert gs.decide(s1).hit and gs.decide(s2).hit  # two resolutions alternate without rebuilds
+    evicted = gs.add(gr.Entry(s3))
+    assert [e.signature for e in evicted] == [s1]  # least recently used goes
+    assert not gs.decide(s1).hit and gs.decide(s3).hit
+    assert len(gs.release("unloaded")) == 2
+    d = gs.decide(s3)
+    assert not d.hit and d.reason == "unloaded"
+    assert gs.decide(s1).reason == "shape"  # a real difference is named before the release
+
+
+# ---- real tiny models through the real sampler -------------------------------------------------
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_eager_fallback_equals_the_plain_run_bit_for_bit_and_counts_reuse(gc, tiny, conds, family):
+    model = tiny.BUILDERS[family](0)
+    plain = sample(model, conds, LATENTS[family], steps=4)
+    out = sample(capture(model), conds, LATENTS[family], steps=4)
+    assert torch.equal(out, plain)
+    run = last_run(gc)
+    assert run["backend"] == "eager" and run["steps"] == 4 and run["eager_steps"] == 4
+    assert run["hits"] == 3 and run["captures"] == 0 and run["rebuilds"] == {}
+    assert counters(gc)["misses"] == 1
+    again = sample(capture(model), conds, LATENTS[family], steps=4)
+    assert torch.equal(again, plain) and last_run(gc)["hits"] == 4  # kept across runs
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_emulated_static_buffers_updated_in_place_equal_the_plain_run(gc, monkeypatch, tiny, conds, family):
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.BUILDERS[family](1)
+    plain = sample(model, conds, LATENTS[family], steps=4)
+    captured = capture(model)
+    out = sample(captured, conds, LATENTS[family], steps=4)
+    assert torch.equal(out, plain)
+    run = last_run(gc)
+    assert (run["captures"], run["replays"], run["eager_steps"]) == (1, 3, 0)
+    # a different seed: new noise flows through the same static buffers
+    assert torch.equal(sample(captured, conds, LATENTS[family], steps=4, seed=11),
+                       sample(model, conds, LATENTS[family], steps=4, seed=11))
+    assert last_run(gc)["replays"] == 4 and last_run(gc)["captures"] == 0
+
+
+def test_resolution_and_cond_batch_changes_rebuild_with_the_right_reason(gc, monkeypatch, tiny, conds):
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.tiny_flux(0)
+    captured = capture(model, max_graphs=2)
+    sample(captured, conds, (1, 16, 8, 8))
+    big = sample(captured, conds, (1, 16, 12, 12))
+    assert last_run(gc)["rebuilds"] == {"shape": 1}
+    assert torch.equal(big, sample(model, conds, (1, 16, 12, 12)))
+    sample(captured, conds, (1, 16, 8, 8))  # both resolutions kept: no rebuild
+    assert last_run(gc)["rebuilds"] == {} and last_run(gc)["captures"] == 0
+    single = sample(captured, conds, (1, 16, 8, 8), cfg=1.0)  # cfg 1: the uncond is not computed
+    assert last_run(gc)["rebuilds"] == {"cond_batch": 1}
+    assert torch.equal(single, sample(model, conds, (1, 16, 8, 8), cfg=1.0))
+    assert counters(gc)["evictions"] == 1
+    assert counters(gc)["rebuilds.shape"] == 1 and counters(gc)["rebuilds.cond_batch"] == 1
+
+
+def test_a_lora_applied_in_between_invalidates_and_reapplying_the_base_rebuilds(gc, monkeypatch, tiny, conds):
+    import comfy.sd
+
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.tiny_flux(0)
+    captured = capture(model)
+    first = sample(captured, conds)
+    (lora_model, _) = comfy.sd.load_lora_for_models(captured, None, tiny_lora(), 1.0, 0)
+    with_lora = sample(lora_model, conds)
+    assert last_run(gc)["rebuilds"] == {"weights": 1}
+    assert counters(gc).get("releases.unloaded", 0) + counters(gc).get("releases.reloaded", 0) >= 1
+    (plain_lora, _) = comfy.sd.load_lora_for_models(model, None, tiny_lora(), 1.0, 0)
+    assert torch.equal(with_lora, sample(plain_lora, conds))
+    assert not torch.equal(with_lora, first)
+    back = sample(captured, conds)
+    assert last_run(gc)["rebuilds"] == {"weights": 1} and last_run(gc)["captures"] == 1
+    assert torch.equal(back, first)
+
+
+def test_unloading_the_model_releases_its_graphs(gc, monkeypatch, tiny, conds):
+    import comfy.model_management as mm
+
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.tiny_flux(0)
+    captured = capture(model)
+    first = sample(captured, conds)
+    assert gc.STATS.handle.snapshot()["entries"] == 1 and gc.STATS.handle.snapshot()["bytes"]["device"] > 0
+    mm.unload_all_models()
+    snap = gc.STATS.handle.snapshot()
+    assert snap["entries"] == 0 and snap["bytes"]["device"] == 0 and snap["counters"]["releases.unloaded"] == 1
+    assert torch.equal(sample(captured, conds), first)
+    assert last_run(gc)["rebuilds"] == {"unloaded": 1}
+
+
+def test_interrupt_mid_run_leaves_graphs_usable(gc, monkeypatch, tiny, conds):
+    import comfy.model_management as mm
+
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.tiny_flux(0)
+    captured = capture(model)
+
+    def interrupt(step, *args):
+        if step == 1:
+            mm.interrupt_current_processing()
+
+    with pytest.raises(mm.InterruptProcessingException):
+        sample(captured, conds, steps=4, callback=interrupt)
+    assert last_run(gc)["steps"] >= 2  # the summary is published on the way out
+    assert torch.equal(sample(captured, conds, steps=4), sample(model, conds, steps=4))
+
+
+def test_step_cache_skips_do_not_replay_and_the_result_stays_the_same(gc, monkeypatch, tiny, conds):
+    from comfy_extras.nodes_easycache import EasyCacheNode
+
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.tiny_flux(0)
+    easy = EasyCacheNode.execute(model, reuse_threshold=3.0, start_percent=0.0, end_percent=1.0,
+                                 verbose=False).args[0]
+    plain = sample(easy, conds, steps=8)
+    for outer in (capture(easy), EasyCacheNode.execute(capture(model), reuse_threshold=3.0, start_percent=0.0,
+                                                       end_percent=1.0, verbose=False).args[0]):
+        assert torch.equal(sample(outer, conds, steps=8), plain)
+        run = last_run(gc)
+        assert 1 <= run["steps"] < 8 and run["captures"] + run["replays"] == run["steps"]
+
+
+def test_weight_wrappers_and_transformer_patches_run_eagerly_with_a_reason(gc, monkeypatch, tiny, conds):
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.tiny_flux(0)
+    wrapped = capture(model)
+    wrapped.add_weight_wrapper("diffusion_model.img_in.weight", lambda w: w * 1.0)
+    assert torch.equal(sample(wrapped, conds), sample(model, conds))
+    assert last_run(gc)["bypasses"] == {"weight_wrappers": 3} and last_run(gc)["captures"] == 0
+
+    def identity_patch(h, *args, **kwargs):  # a transformer patch runs Python inside the forward
+        return h
+
+    patched = capture(model)
+    patched.set_model_patch_replace(lambda args, extra: extra["original_block"](args), "dit", "double_block", 0)
+    assert torch.equal(sample(patched, conds), sample(model, conds))
+    assert last_run(gc)["bypasses"] == {"transformer_patches": 3}
+
+
+def test_disable_switches_env_node_and_setting(gc, monkeypatch, tiny, conds, caplog):
+    settings = rkharness.pack("caching.settings").SETTINGS
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.tiny_flux(0)
+    plain = sample(model, conds)
+    monkeypatch.setenv("REUSEKIT_DISABLE_CUDA_GRAPHS", "1")
+    assert torch.equal(sample(capture(model), conds), plain)
+    run = last_run(gc)
+    assert run["backend"] == "disabled" and run["bypasses"] == {"disabled": 3} and run["captures"] == 0
+    assert "checks" not in counters(gc)
+    assert any("REUSEKIT_DISABLE_CUDA_GRAPHS" in n for n in run["notes"])
+    monkeypatch.delenv("REUSEKIT_DISABLE_CUDA_GRAPHS")
+
+    off = capture(capture(model), enable=False)  # the node's switch removes capture entirely
+    assert not rkharness.pack("patches.graph_capture").is_enabled(off)
+    before = gc.STATS.handle.snapshot()["counters"]
+    assert torch.equal(sample(off, conds), plain)
+    assert gc.STATS.handle.snapshot()["counters"] == before
+
+    settings.set("graph_reuse.enabled", False)
+    try:
+        assert torch.equal(sample(capture(model), conds), plain)
+        assert last_run(gc)["backend"] == "disabled"
+    finally:
+        settings.set("graph_reuse.enabled", True)
+
+
+def test_without_cuda_it_says_so_once_in_the_log_and_in_the_stats(gc, tiny, conds, caplog, monkeypatch):
+    monkeypatch.setattr(gc, "_said", set())
+    model = tiny.tiny_flux(0)
+    with caplog.at_level(logging.INFO, logger="reusekit"):
+        sample(capture(model), conds)
+        sample(capture(model), conds)
+    said = [r.getMessage() for r in caplog.records if "no CUDA" in r.getMessage()]
+    assert len(said) == 1
+    assert "no CUDA" in gc.STATS.handle.snapshot()["info"]["backend"]
+    summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ReuseKit graph: 3 forwards")]
+    assert len(summary) == 2
+
+
+def test_global_patch_installs_once_and_uninstalls(gc):
+    import comfy.model_patcher as mp
+
+    gc.install()
+    wrapped = mp.ModelPatcher.load
+    gc.install()
+    assert mp.ModelPatcher.load is wrapped and getattr(wrapped, "_reusekit_graph", False)
+    gc.uninstall()
+    assert not getattr(mp.ModelPatcher.load, "_reusekit_graph", False) and not gc.installed()
+    gc.uninstall()  # idempotent
+    gc.install()
+    assert gc.installed()
+
+
+# ---- the nodes ---------------------------------------------------------------------------------
+
+def test_capture_node_clones_and_validates(gc, tiny):
+    graph = rkharness.pack("nodes.graph")
+    model = tiny.tiny_flux(0)
+    out = capture(model)
+    assert out is not model and gc.is_enabled(out) and not gc.is_enabled(model)
+    assert all(gc.KEY not in by_key for by_key in model.wrappers.values())
+    assert any(gc.KEY in by_key for by_key in out.wrappers.values())
+    with pytest.raises(ValueError, match="ReuseKit Graph Capture.*max_graphs"):
+        graph.GraphCaptureNode.execute(model, enable=True, max_graphs=0)
+    with pytest.raises(ValueError, match="ReuseKit Graph Capture.*'model'"):
+        graph.GraphCaptureNode.execute("not a model", enable=True, max_graphs=2)
+    with pytest.raises(ValueError, match="ReuseKit Graph KSampler.*enable"):
+        graph.GraphKSamplerNode.execute(model, 0, 2, 2.0, "euler", "simple", [], [], {}, 1.0, "yes", 2)
+
+
+def test_graph_ksampler_workflow_through_the_real_executor(gc):
+    prompt = {
+        "1": {"class_type": "RKTestTinyCheckpoint", "inputs": {"family": "flux", "seed": 0}},
+        "2": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": "a red square"}},
+        "3": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": "blurry"}},
+        "4": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "5": {"class_type": "ReuseKitGraphKSampler",
+              "inputs": {"model": ["1", 0], "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0],
+                         "seed": 3, "steps": 3, "cfg": 2.0, "sampler_name": "euler", "scheduler": "simple",
+                         "denoise": 1.0, "enable_graphs": True, "max_graphs": 2}},
+        "6": {"class_type": "KSampler",
+              "inputs": {"model": ["1", 0], "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0],
+                         "seed": 3, "steps": 3, "cfg": 2.0, "sampler_name": "euler", "scheduler": "simple",
+                         "denoise": 1.0}},
+        "7": {"class_type": "ReuseKitCacheStats", "inputs": {"after": ["5", 0]}},
+        "8": {"class_type": "ReuseKitCacheStats", "inputs": {"after": ["6", 0]}},
+    }
+    ex = rkharness.Executor()
+    result = ex.run(prompt)
+    assert "[graph] graph_reuse" in result["outputs"]["7"]["text"][0]
+
+    def latent(node_id):
+        return ex.executor.caches.outputs.get(node_id).outputs[0][0]["samples"]
+
+    assert torch.equal(latent("5"), latent("6"))
+    assert last_run(gc)["hits"] == 2 or last_run(gc)["backend"] == "cuda"
