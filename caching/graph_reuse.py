@@ -298,11 +298,19 @@ class GraphSet:
             self.entries.move_to_end(entry.signature)
             self.last = entry.signature
             self.pending_reason = None
-            evicted = []
-            while len(self.entries) > max(1, self.max_graphs):
-                _, old = self.entries.popitem(last=False)
-                evicted.append(old)
-            return evicted
+            return self._trim()
+
+    def resize(self, max_graphs: int) -> list[Entry]:
+        with self.lock:
+            self.max_graphs = max_graphs
+            return self._trim()
+
+    def _trim(self) -> list[Entry]:
+        evicted = []
+        while len(self.entries) > max(1, self.max_graphs):
+            _, old = self.entries.popitem(last=False)
+            evicted.append(old)
+        return evicted
 
     def release(self, reason: str, detail: str = "") -> list[Entry]:
         """Drop every graph; ``last`` stays, so the next rebuild still names what changed (or,

@@ -30,6 +30,8 @@ import threading
 import weakref
 from typing import Any
 
+import comfy.model_management
+import comfy.patcher_extension as pe
 import torch
 
 from ..caching import graph_reuse as gr
@@ -90,8 +92,13 @@ def graph_set(base_model, max_graphs: int) -> gr.GraphSet:
         gs = _SETS.get(base_model)
         if gs is None:
             gs = _SETS[base_model] = gr.GraphSet(max_graphs=max_graphs)
-        gs.max_graphs = max_graphs
-        return gs
+    if gs.max_graphs != max_graphs:
+        evicted = gs.resize(max_graphs)
+        if evicted:
+            STATS.incr("evictions", len(evicted))
+            _drop(evicted)
+            _publish_memory()
+    return gs
 
 
 def _publish_memory() -> None:
@@ -233,9 +240,11 @@ class CudaGraphRunner(StaticRunner):
     pool_bytes = 0
 
     def capture(self, warmup: int):
-        from comfy.model_management import InterruptProcessingException
-
         device = self.static[0].device if self.static else torch.device("cuda", torch.cuda.current_device())
+        with torch.cuda.device(device):
+            return self._capture(device, warmup)
+
+    def _capture(self, device, warmup: int):
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(current)
@@ -256,7 +265,7 @@ class CudaGraphRunner(StaticRunner):
                 pass
             elif not (isinstance(static_out, (list, tuple)) and all(isinstance(o, torch.Tensor) for o in static_out)):
                 raise TypeError(f"the forward returned a {type(static_out).__name__}, not tensors")
-        except InterruptProcessingException:
+        except comfy.model_management.InterruptProcessingException:
             graph = None
             raise
         except Exception as exc:  # not capturable (a sync, a CPU op...): this step stays eager
@@ -426,6 +435,8 @@ def graph_call(original, args: tuple, kwargs: dict, opts: dict, ctx):
             run.hits += 1
         if entry.runner is None:
             return _eager(run, original, args, kwargs)
+        # ComfyUI checks for a cancel in every op of the forward; a replay runs none of them
+        comfy.model_management.throw_exception_if_processing_interrupted()
         out = entry.runner.replay(spec.tensors)
         STATS.incr("replays")
         if run is not None:
@@ -477,8 +488,6 @@ def _options(transformer_options) -> dict:
 
 
 def diffusion_model_wrapper(executor, *args, **kwargs):
-    import comfy.patcher_extension as pe
-
     original = executor.original
     to = kwargs.get("transformer_options")
     if to is None:
@@ -526,8 +535,6 @@ def outer_sample_wrapper(executor, *args, **kwargs):
 
 def enable(patcher, max_graphs: int = 2, warmup: int = 1) -> None:
     """Add graph capture to ``patcher`` (a clone: this mutates it)."""
-    import comfy.patcher_extension as pe
-
     install()
     disable(patcher)
     patcher.model_options.setdefault("transformer_options", {})[KEY] = {
@@ -539,8 +546,6 @@ def enable(patcher, max_graphs: int = 2, warmup: int = 1) -> None:
 
 def disable(patcher) -> None:
     """Remove graph capture from ``patcher`` (a clone)."""
-    import comfy.patcher_extension as pe
-
     for kind in (pe.WrappersMP.OUTER_SAMPLE, pe.WrappersMP.APPLY_MODEL, pe.WrappersMP.DIFFUSION_MODEL):
         patcher.remove_wrappers_with_key(kind, KEY)
     patcher.model_options.get("transformer_options", {}).pop(KEY, None)

@@ -220,6 +220,25 @@ def test_resolution_and_cond_batch_changes_rebuild_with_the_right_reason(gc, mon
     assert counters(gc)["rebuilds.shape"] == 1 and counters(gc)["rebuilds.cond_batch"] == 1
 
 
+def test_interleaved_cond_and_uncond_calls_keep_one_graph_each(gc, monkeypatch, tiny, conds):
+    """A negative set to an area cannot batch with the positive: every step makes two calls with
+    different batches and shapes, which alternate between two kept graphs."""
+    import nodes
+
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    pos, neg = conds
+    (neg_area,) = nodes.ConditioningSetArea().append(neg, 32, 32, 0, 0, 1.0)
+    model = tiny.tiny_flux(0)
+    plain = sample(model, (pos, neg_area), steps=3)
+    assert torch.equal(sample(capture(model, max_graphs=2), (pos, neg_area), steps=3), plain)
+    run = last_run(gc)
+    assert (run["steps"], run["captures"], run["replays"]) == (6, 2, 4)
+    assert run["rebuilds"] == {"cond_batch": 1}
+    assert torch.equal(sample(capture(model, max_graphs=1), (pos, neg_area), steps=3), plain)
+    run = last_run(gc)  # one graph only: it is rebuilt on every call, and says why
+    assert run["captures"] == 6 and run["replays"] == 0 and run["rebuilds"] == {"cond_batch": 6}
+
+
 def test_a_lora_applied_in_between_invalidates_and_reapplying_the_base_rebuilds(gc, monkeypatch, tiny, conds):
     import comfy.sd
 
