@@ -47,7 +47,7 @@ checks the input plumbing on any device) or ``"cuda"``."""
 
 STATS = gr.GraphStats()
 _SETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # BaseModel -> GraphSet
-_SETS_LOCK = threading.Lock()
+_SETS_LOCK = threading.RLock()  # re-entered when a model is collected while it is held
 _MODEL = contextvars.ContextVar("reusekit_graph_model", default=None)
 _RUN = contextvars.ContextVar("reusekit_graph_run", default=None)
 _said: set[str] = set()
@@ -92,6 +92,7 @@ def graph_set(base_model, max_graphs: int) -> gr.GraphSet:
         gs = _SETS.get(base_model)
         if gs is None:
             gs = _SETS[base_model] = gr.GraphSet(max_graphs=max_graphs)
+            weakref.finalize(base_model, _publish_memory)  # its graphs go with it: say so
     if gs.max_graphs != max_graphs:
         evicted = gs.resize(max_graphs)
         if evicted:
@@ -131,7 +132,9 @@ def release_model(base_model, reason: str, detail: str = "") -> int:
 def release_all(reason: str = "cleared") -> int:
     with _SETS_LOCK:
         models = list(_SETS.keys())
-    return sum(release_model(m, reason) for m in models)
+    n = sum(release_model(m, reason) for m in models)
+    _publish_memory()
+    return n
 
 
 STATS.set_clear(release_all)

@@ -8,66 +8,9 @@ import logging
 import pytest
 import rkharness
 import torch
+from graph_helpers import LATENTS, capture, conds, counters, gc, last_run, sample, tiny_lora  # noqa: F401
 
 pytestmark = pytest.mark.graph
-
-LATENTS = {"flux": (1, 16, 8, 8), "wan": (1, 16, 3, 8, 8)}
-
-
-@pytest.fixture
-def gc(monkeypatch):
-    """patches.graph_capture with clean graphs and counters; the backend left on auto."""
-    mod = rkharness.pack("patches.graph_capture")
-    monkeypatch.delenv("REUSEKIT_DISABLE_CUDA_GRAPHS", raising=False)
-    monkeypatch.setattr(mod, "FORCE_BACKEND", None)
-    mod.release_all("test")
-    mod.STATS.handle.reset_counters()
-    yield mod
-    mod.release_all("test")
-
-
-@pytest.fixture(scope="module")
-def conds(tiny):
-    import nodes
-
-    with torch.inference_mode():
-        clip = tiny.tiny_clip(0)
-        (pos,) = nodes.CLIPTextEncode().encode(clip, "a red circle")
-        (neg,) = nodes.CLIPTextEncode().encode(clip, "blurry")
-    return pos, neg
-
-
-def capture(model, enable=True, max_graphs=2):
-    graph = rkharness.pack("nodes.graph")
-    return graph.GraphCaptureNode.execute(model, enable=enable, max_graphs=max_graphs).args[0]
-
-
-def sample(model, conds, shape=(1, 16, 8, 8), cfg=2.0, steps=3, seed=7, callback=None):
-    import comfy.sample
-    import nodes
-
-    pos, neg = conds
-    latent = {"samples": torch.zeros(shape)}
-    if callback is None:
-        return nodes.common_ksampler(model, seed, steps, cfg, "euler", "simple", pos, neg, latent)[0]["samples"]
-    noise = comfy.sample.prepare_noise(latent["samples"], seed)
-    return comfy.sample.sample(model, noise, steps, cfg, "euler", "simple", pos, neg, latent["samples"],
-                               callback=callback, disable_pbar=True, seed=seed)
-
-
-def counters(gc):
-    return gc.STATS.handle.snapshot()["counters"]
-
-
-def last_run(gc):
-    return gc.STATS.handle.snapshot()["info"]["last_run"]
-
-
-def tiny_lora(strength_seed=0):
-    gen = torch.Generator().manual_seed(strength_seed)
-    return {"diffusion_model.img_in.lora_up.weight": torch.randn(64, 4, generator=gen) * 0.5,
-            "diffusion_model.img_in.lora_down.weight": torch.randn(4, 64, generator=gen) * 0.5}
-
 
 # ---- the decision, on real call arguments -----------------------------------------------------
 
@@ -288,6 +231,31 @@ def test_interrupt_mid_run_leaves_graphs_usable(gc, monkeypatch, tiny, conds):
         sample(captured, conds, steps=4, callback=interrupt)
     assert last_run(gc)["steps"] >= 2  # the summary is published on the way out
     assert torch.equal(sample(captured, conds, steps=4), sample(model, conds, steps=4))
+
+
+def test_cancel_during_capture_keeps_nothing_half_built(gc, monkeypatch, tiny, conds):
+    import comfy.model_management as mm
+    import comfy.patcher_extension as pe
+
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.tiny_flux(0)
+    captured = capture(model)
+
+    calls = []
+
+    def cancel_first_forward(executor, *args, **kwargs):  # Python around the captured forward
+        calls.append(1)
+        if len(calls) == 1:
+            mm.interrupt_current_processing()
+        return executor(*args, **kwargs)
+
+    captured.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "test_cancel", cancel_first_forward)
+    with pytest.raises(mm.InterruptProcessingException):
+        sample(captured, conds, steps=3)
+    snap = gc.STATS.handle.snapshot()
+    assert snap["entries"] == 0 and snap["counters"].get("captures", 0) == 0
+    assert torch.equal(sample(captured, conds, steps=3), sample(model, conds, steps=3))
+    assert last_run(gc)["captures"] == 1
 
 
 def test_step_cache_skips_do_not_replay_and_the_result_stays_the_same(gc, monkeypatch, tiny, conds):
