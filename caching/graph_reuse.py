@@ -74,7 +74,7 @@ class CallSpec:
 
 
 def tensor_field(t: torch.Tensor) -> tuple:
-    return (tuple(t.shape), t.dtype, t.device, t.stride())
+    return (t.shape, t.dtype, t.device, t.stride())
 
 
 class _Walker:
@@ -96,20 +96,20 @@ class _Walker:
             self.bypass, self.detail = reason, detail
 
     def tensor(self, path: str, t: torch.Tensor, in_options: bool):
-        if self.device is not None and t.device != self.device:
+        dev = t.device
+        if self.device is not None and dev != self.device:
             # Not a graph input (a graph reads device memory only): compare small ones by value.
             if t.numel() > SMALL_FOREIGN_TENSOR:
-                self.fail("uncapturable_input", f"{path} is a large tensor on {t.device}")
+                self.fail("uncapturable_input", f"{path} is a large tensor on {dev}")
             elif self.sub is None:
                 self.fields.append((path, "foreign", tensor_field(t) + (tuple(t.flatten().tolist()),)))
             return t
-        if t.is_sparse or t.layout != torch.strided or t.requires_grad:
-            self.fail("uncapturable_input", f"{path} is a {t.layout} tensor"
-                      + (" that requires grad" if t.requires_grad else ""))
+        if t.layout is not torch.strided:
+            self.fail("uncapturable_input", f"{path} is a {t.layout} tensor")
             return t
         if self.sub is not None:
             return next(self.sub)
-        self.fields.append((path, "tensor", tensor_field(t)))
+        self.fields.append((path, "tensor", (t.shape, t.dtype, dev, t.stride())))
         self.tensors.append(t)
         return t
 
@@ -229,7 +229,8 @@ def can_reuse(prev: Signature | None, new: Signature) -> tuple[bool, str, str]:
         if ka == "tensor":
             for i, part in enumerate(("shape", "dtype", "device", "layout")):
                 if va[i] != vb[i]:
-                    return False, part, f"{pa}: {va[i]} -> {vb[i]}"
+                    a_i, b_i = (tuple(v[i]) if i == 0 else v[i] for v in (va, vb))
+                    return False, part, f"{pa}: {a_i} -> {b_i}"
         if ka in ("cond_batch", "weights", "mode"):
             return False, ka, f"{pa}: {va} -> {vb}"
         if ka in ("seq", "dict"):
