@@ -14,7 +14,7 @@ setup-test:
 
 run: setup
 	@cpu=$$($(PY) -c 'import torch; print("" if torch.cuda.is_available() else "--cpu")'); \
-	echo "ReuseKit: starting ComfyUI at http://127.0.0.1:$(PORT) $$cpu"; \
+	echo "ReuseKit: starting ComfyUI with the pack at http://127.0.0.1:$(PORT)$${cpu:+ (no GPU found: CPU mode)}"; \
 	cd "$(HOST_DIR)" && exec $(PY) main.py $$cpu --listen 127.0.0.1 --port $(PORT) --disable-auto-launch
 
 # pytest's own launcher, not `python -m pytest`: that would put this folder on sys.path and the

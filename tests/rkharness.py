@@ -88,6 +88,23 @@ def pack(name: str):
 
 # ---- in-process execution ------------------------------------------------------------------
 
+_extra_nodes_loaded = False
+
+
+def load_extra_nodes() -> None:
+    """ComfyUI's comfy_extras nodes (FluxGuidance, EasyCache, ...), once per process."""
+    global _extra_nodes_loaded
+    if not _extra_nodes_loaded:
+        import nodes
+
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
+        finally:
+            loop.close()
+        _extra_nodes_loaded = True
+
+
 class Executor:
     """Runs API-format prompts through the real ``execution.PromptExecutor``.
 
@@ -102,9 +119,8 @@ class Executor:
         import server
 
         if Executor._server is None:
-            loop = asyncio.new_event_loop()
-            loop.run_until_complete(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
-            Executor._server = server.PromptServer(loop)
+            load_extra_nodes()
+            Executor._server = server.PromptServer(asyncio.new_event_loop())
         cache_args = {"classic": {"lru": 0, "ram": 0}, "lru": {"lru": lru_size, "ram": 0},
                       "ram": {"lru": 0, "ram": 4.0}, "none": {"lru": 0, "ram": 0}}[cache]
         kwargs = {"cache_type": execution.CacheType.NONE} if cache == "none" else {}
@@ -124,6 +140,101 @@ class Executor:
         if not self.executor.success:
             raise AssertionError(f"prompt failed: {self.executor.status_messages}")
         return self.executor.history_result
+
+
+# ---- UI-format workflows -------------------------------------------------------------------
+
+# Loaders of real checkpoints, and where their outputs come from on the tiny test models:
+# node type -> (test node type, [output slot of the test node for each output slot of the loader]).
+TINY_LOADERS = {
+    "CheckpointLoaderSimple": ("RKTestTinyCheckpoint", [0, 1, 2]),
+    "UNETLoader": ("RKTestTinyCheckpoint", [0]),
+    "CLIPLoader": ("RKTestTinyCheckpoint", [1]),
+    "DualCLIPLoader": ("RKTestTinyCheckpoint", [1]),
+    "TripleCLIPLoader": ("RKTestTinyCheckpoint", [1]),
+    "VAELoader": ("RKTestTinyCheckpoint", [2]),
+    "CLIPVisionLoader": ("RKTestTinyCLIPVision", [0]),
+}
+_SKIPPED_TYPES = {"Note", "MarkdownNote", "PrimitiveNode"}
+_SEED_CONTROLS = {"fixed", "increment", "decrement", "randomize"}
+_WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+
+
+def load_workflow(name: str) -> dict:
+    return json.loads((ROOT / "workflows" / name).read_text())
+
+
+def _widget_inputs(class_type: str) -> list[tuple[str, str, dict]]:
+    """(name, type, options) of a node's widget inputs, in the order the front end lays them out."""
+    import nodes
+
+    load_extra_nodes()
+    spec = nodes.NODE_CLASS_MAPPINGS[class_type].INPUT_TYPES()
+    out = []
+    for section in ("required", "optional"):
+        for name, entry in spec.get(section, {}).items():
+            kind = entry[0]
+            options = entry[1] if len(entry) > 1 and isinstance(entry[1], dict) else {}
+            if isinstance(kind, list):
+                kind = "COMBO"
+            if kind in _WIDGET_TYPES and not options.get("forceInput"):
+                out.append((name, kind, options))
+    return out
+
+
+def workflow_to_prompt(workflow: dict, family: str = "flux", seed: int = 0,
+                       overrides: dict | None = None) -> dict:
+    """A UI-format workflow (as saved by the ComfyUI page) as an API-format prompt.
+
+    Checkpoint, UNet, CLIP, VAE and CLIP-vision loaders become the tiny test models of
+    ``family`` (weights from ``seed``); ``overrides`` maps a node id to inputs to replace (e.g. a
+    smaller size). Notes are dropped; reroutes are followed, primitives inlined; muted nodes are
+    left out.
+    """
+    nodes_by_id = {n["id"]: n for n in workflow["nodes"]}
+    links = {link[0]: link for link in workflow["links"]}
+    replaced = {n["id"]: TINY_LOADERS[n["type"]] for n in workflow["nodes"] if n["type"] in TINY_LOADERS}
+
+    def source(link_id):
+        _, node_id, slot = links[link_id][:3]
+        node = nodes_by_id[node_id]
+        if node["type"] == "PrimitiveNode":  # the page writes its value into the target widget
+            return node["widgets_values"][0]
+        if node["type"] == "Reroute":
+            return source(node["inputs"][0]["link"])
+        if node_id in replaced:
+            slot = replaced[node_id][1][slot]
+        return [str(node_id), slot]
+
+    prompt = {}
+    for node in workflow["nodes"]:
+        if node["type"] in _SKIPPED_TYPES or node["type"] == "Reroute" or node.get("mode", 0) == 2:
+            continue
+        if node.get("mode", 0) == 4:
+            raise ValueError(f"node {node['id']} ({node['type']}) is bypassed: not supported here")
+        node_id = str(node["id"])
+        if node["id"] in replaced:
+            class_type = replaced[node["id"]][0]
+            inputs = {"seed": seed} | ({"family": family} if class_type == "RKTestTinyCheckpoint" else {})
+            prompt[node_id] = {"class_type": class_type, "inputs": inputs}
+            continue
+        linked = {i["name"]: i["link"] for i in node.get("inputs", []) if i.get("link") is not None}
+        inputs = {name: source(link) for name, link in linked.items()}
+        values = list(node.get("widgets_values") or [])
+        if isinstance(node.get("widgets_values"), dict):  # some nodes save widgets by name
+            values = [node["widgets_values"].get(name) for name, _, _ in _widget_inputs(node["type"])]
+        for name, kind, options in _widget_inputs(node["type"]):
+            if not values:
+                break
+            value = values.pop(0)
+            if name not in linked:
+                inputs[name] = value
+            seed_like = options.get("control_after_generate") or name in ("seed", "noise_seed")
+            if kind == "INT" and seed_like and values and values[0] in _SEED_CONTROLS:
+                values.pop(0)
+        inputs.update((overrides or {}).get(node_id, {}))
+        prompt[node_id] = {"class_type": node["type"], "inputs": inputs}
+    return prompt
 
 
 # ---- a real server on loopback -------------------------------------------------------------

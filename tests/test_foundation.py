@@ -144,3 +144,61 @@ def test_server_runs_a_tiny_workflow_with_the_stats_node(comfy_server):
     entry = comfy_server.wait_for_prompt(prompt_id)
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:2000]
     assert entry["outputs"]["7"]["text"][0].startswith("ReuseKit: ")
+
+
+def ui_node(node_id, type_, inputs=(), outputs=(), widgets=None, mode=0):
+    """One node as the ComfyUI page saves it (inputs: (name, type, link[, widget]))."""
+    return {"id": node_id, "type": type_, "pos": [0, 0], "size": [200, 100], "flags": {}, "order": node_id,
+            "mode": mode,
+            "inputs": [{"name": n, "type": t, "link": link, **({"widget": {"name": n}} if w else {})}
+                       for n, t, link, *w in inputs],
+            "outputs": [{"name": n, "type": t, "links": links} for n, t, links in outputs],
+            "properties": {"Node name for S&R": type_}, "widgets_values": widgets or []}
+
+
+def flux_ui_workflow():
+    """The shape of a standard Flux workflow saved by the page: separate loaders, a reroute, a
+    note, a seed widget with its control value, and a steps widget converted to an input."""
+    links = [[1, 1, 0, 8, 0, "MODEL"], [2, 2, 0, 4, 0, "CLIP"], [3, 2, 0, 5, 0, "CLIP"],
+             [4, 4, 0, 6, 0, "CONDITIONING"], [5, 6, 0, 8, 1, "CONDITIONING"], [6, 5, 0, 8, 2, "CONDITIONING"],
+             [7, 7, 0, 8, 3, "LATENT"], [8, 8, 0, 9, 0, "LATENT"], [9, 3, 0, 11, 0, "VAE"],
+             [10, 11, 0, 9, 1, "VAE"], [11, 9, 0, 10, 0, "IMAGE"], [12, 13, 0, 8, 4, "INT"]]
+    nodes = [
+        ui_node(1, "UNETLoader", outputs=[("MODEL", "MODEL", [1])], widgets=["flux1-dev.safetensors", "default"]),
+        ui_node(2, "DualCLIPLoader", outputs=[("CLIP", "CLIP", [2, 3])],
+                widgets=["clip_l.safetensors", "t5xxl_fp16.safetensors", "flux", "default"]),
+        ui_node(3, "VAELoader", outputs=[("VAE", "VAE", [9])], widgets=["ae.safetensors"]),
+        ui_node(4, "CLIPTextEncode", [("clip", "CLIP", 2)], [("CONDITIONING", "CONDITIONING", [4])],
+                ["a red square on a blue field"]),
+        ui_node(5, "CLIPTextEncode", [("clip", "CLIP", 3)], [("CONDITIONING", "CONDITIONING", [6])], [""]),
+        ui_node(6, "FluxGuidance", [("conditioning", "CONDITIONING", 4)], [("CONDITIONING", "CONDITIONING", [5])],
+                [3.5]),
+        ui_node(7, "EmptySD3LatentImage", outputs=[("LATENT", "LATENT", [7])], widgets=[1024, 1024, 1]),
+        ui_node(8, "KSampler", [("model", "MODEL", 1), ("positive", "CONDITIONING", 5),
+                                ("negative", "CONDITIONING", 6), ("latent_image", "LATENT", 7),
+                                ("steps", "INT", 12, True)],
+                [("LATENT", "LATENT", [8])], [42, "randomize", 20, 1.0, "euler", "simple", 1.0]),
+        ui_node(9, "VAEDecode", [("samples", "LATENT", 8), ("vae", "VAE", 10)], [("IMAGE", "IMAGE", [11])]),
+        ui_node(10, "ReuseKitCacheStats", [("after", "*", 11)], [("text", "STRING", [])]),
+        ui_node(11, "Reroute", [("", "*", 9)], [("", "VAE", [10])]),
+        ui_node(12, "Note", widgets=["Loaders are replaced by tiny models in the tests."]),
+        ui_node(13, "PrimitiveNode", outputs=[("INT", "INT", [12])], widgets=[20, "fixed"]),
+    ]
+    return {"last_node_id": 13, "last_link_id": 12, "nodes": nodes, "links": links, "groups": [],
+            "config": {}, "extra": {}, "version": 0.4}
+
+
+def test_ui_workflow_converts_to_a_prompt_that_runs_on_tiny_models():
+    workflow = flux_ui_workflow()
+    prompt = rkharness.workflow_to_prompt(workflow, overrides={"7": {"width": 64, "height": 64}})
+    assert prompt["1"] == {"class_type": "RKTestTinyCheckpoint", "inputs": {"seed": 0, "family": "flux"}}
+    assert prompt["4"]["inputs"] == {"clip": ["2", 1], "text": "a red square on a blue field"}
+    ks = prompt["8"]["inputs"]
+    assert ks["seed"] == 42 and ks["cfg"] == 1.0 and ks["sampler_name"] == "euler"
+    assert ks["steps"] == 20 and ks["model"] == ["1", 0]  # a converted widget takes its primitive's value
+    assert prompt["9"]["inputs"]["vae"] == ["3", 2]  # through the reroute, to the tiny VAE slot
+    assert "12" not in prompt and "11" not in prompt
+    assert "13" not in prompt
+    ks["steps"] = 2
+    result = rkharness.Executor().run(prompt)
+    assert result["outputs"]["10"]["text"][0].startswith("ReuseKit: ")
