@@ -335,7 +335,8 @@ _last_label: list[str] = [""]
 def _say_backend(backend: str, device: torch.device) -> None:
     label = _BACKEND_LABELS.get(backend, backend)
     if backend == "eager":
-        label += " (no CUDA)" if device.type != "cuda" else " (the host captures graphs itself)"
+        label += (" (no CUDA)" if device.type != "cuda" else " (forced)" if FORCE_BACKEND == "eager"
+                  else " (the host captures graphs itself)")
     if label != _last_label[0]:
         _last_label[0] = label
         STATS.info("backend", label)

@@ -8,11 +8,12 @@ LATENTS = {"flux": (1, 16, 8, 8), "wan": (1, 16, 3, 8, 8)}
 
 
 @pytest.fixture
-def gc(monkeypatch):
-    """patches.graph_capture with clean graphs and counters; the backend left on auto."""
+def gc(monkeypatch, request):
+    """patches.graph_capture with clean graphs and counters; the backend is the test module's
+    ``DEFAULT_BACKEND`` (None: auto, i.e. CUDA graphs on a CUDA model)."""
     mod = rkharness.pack("patches.graph_capture")
     monkeypatch.delenv("REUSEKIT_DISABLE_CUDA_GRAPHS", raising=False)
-    monkeypatch.setattr(mod, "FORCE_BACKEND", None)
+    monkeypatch.setattr(mod, "FORCE_BACKEND", getattr(request.module, "DEFAULT_BACKEND", None))
     mod.release_all("test")
     mod.STATS.handle.reset_counters()
     yield mod

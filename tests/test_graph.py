@@ -11,6 +11,8 @@ import torch
 from graph_helpers import LATENTS, capture, conds, counters, gc, last_run, sample, tiny_lora  # noqa: F401
 
 pytestmark = pytest.mark.graph
+DEFAULT_BACKEND = "eager"  # decisions only, on any device (these tests also run on a GPU machine)
+ON_CUDA = rkharness.USE_CUDA and torch.cuda.is_available()
 
 # ---- the decision, on real call arguments -----------------------------------------------------
 
@@ -317,7 +319,9 @@ def test_disable_switches_env_node_and_setting(gc, monkeypatch, tiny, conds, cap
         settings.set("graph_reuse.enabled", True)
 
 
+@pytest.mark.skipif(ON_CUDA, reason="the models are on CUDA here")
 def test_without_cuda_it_says_so_once_in_the_log_and_in_the_stats(gc, tiny, conds, caplog, monkeypatch):
+    monkeypatch.setattr(gc, "FORCE_BACKEND", None)
     monkeypatch.setattr(gc, "_said", set())
     model = tiny.tiny_flux(0)
     with caplog.at_level(logging.INFO, logger="reusekit"):
@@ -386,4 +390,28 @@ def test_graph_ksampler_workflow_through_the_real_executor(gc):
         return ex.executor.caches.outputs.get(node_id).outputs[0][0]["samples"]
 
     assert torch.equal(latent("5"), latent("6"))
-    assert last_run(gc)["hits"] == 2 or last_run(gc)["backend"] == "cuda"
+    assert last_run(gc)["hits"] == 2
+
+
+@pytest.mark.workflows
+def test_example_workflow_runs_on_tiny_models_with_the_same_image(gc):
+    workflow = rkharness.load_workflow("graph_capture_flux.json")
+    notes = [n["widgets_values"][0] for n in workflow["nodes"] if n["type"] == "Note"]
+    assert notes and "What to expect" in notes[0]
+    prompt = rkharness.workflow_to_prompt(workflow, overrides={"7": {"width": 64, "height": 64}})
+    del prompt["11"]  # SaveImage: the tests write no files
+    assert prompt["4"] == {"class_type": "ReuseKitGraphCapture",
+                           "inputs": {"model": ["1", 0], "enable": True, "max_graphs": 2}}
+    assert prompt["8"]["inputs"]["model"] == ["4", 0] and prompt["8"]["inputs"]["steps"] == 4
+    ex = rkharness.Executor()
+    text = ex.run(prompt)["outputs"]["12"]["text"][0]
+    assert "[graph] graph_reuse" in text and "last_run" in text
+    run = last_run(gc)
+    assert run["steps"] == 4 and run["hits"] == 3 and run["rebuilds"] == {}
+    image = ex.executor.caches.outputs.get("10").outputs[0][0]
+
+    plain = {k: v for k, v in prompt.items() if k != "4"}
+    plain["8"] = {**prompt["8"], "inputs": {**prompt["8"]["inputs"], "model": ["1", 0]}}
+    ex2 = rkharness.Executor()
+    ex2.run(plain)
+    assert torch.equal(ex2.executor.caches.outputs.get("10").outputs[0][0], image)
