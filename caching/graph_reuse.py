@@ -16,7 +16,9 @@ update the changing inputs in place, and when the check fails rebuild and record
 
 from __future__ import annotations
 
+import functools
 import threading
+import types
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -38,10 +40,11 @@ IGNORED_OPTIONS = frozenset({"wrappers", "callbacks", "uuids", OPTIONS_KEY})
 # carrying any of them runs eagerly.
 PATCH_OPTIONS = ("patches", "patches_replace")
 PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, functools.partial)
 SMALL_FOREIGN_TENSOR = 4096  # elements: a tensor on another device is compared by value up to this
 
 # rebuild reasons (the first differing field decides)
-REASONS = ("shape", "dtype", "device", "layout", "cond_batch", "weights", "options", "mode",
+REASONS = ("shape", "dtype", "device", "layout", "cond_batch", "weights", "object_patches", "options", "mode",
            "control", "mask", "inputs", "value", "released")
 
 
@@ -131,10 +134,12 @@ class _Walker:
             out = {k: self.value(f"{path}.{k}", x, in_options) for k, x in v.items()}
             return out if self.sub is not None else v
         if in_options:
-            # A Python-side object (a state holder of a wrapper, e.g. a step cache): the forward
-            # never reads it; its presence is part of the signature, its identity is not.
+            # A function the forward may call (an attention override...) counts by identity; a
+            # state holder of a wrapper (a step cache, EasyCache), which the forward never reads
+            # and which is copied with every clone, counts by its type only.
             if self.sub is None:
-                self.fields.append((path, "object", type(v).__qualname__))
+                ident = id(v) if isinstance(v, FUNCTIONS) else None
+                self.fields.append((path, "object", (type(v).__qualname__, ident)))
             return v
         self.fail("uncapturable_input", f"{path} is a {type(v).__qualname__}")
         return v
@@ -231,7 +236,7 @@ def can_reuse(prev: Signature | None, new: Signature) -> tuple[bool, str, str]:
                 if va[i] != vb[i]:
                     a_i, b_i = (tuple(v[i]) if i == 0 else v[i] for v in (va, vb))
                     return False, part, f"{pa}: {a_i} -> {b_i}"
-        if ka in ("cond_batch", "weights", "mode"):
+        if ka in ("cond_batch", "weights", "object_patches", "mode"):
             return False, ka, f"{pa}: {va} -> {vb}"
         if ka in ("seq", "dict"):
             return False, _reason_for_path(pa, "inputs"), f"{pa}: {va} -> {vb}"

@@ -201,6 +201,49 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _storage_ptr(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # a tensor without storage (a subclass wrapper): nothing to keep
+        return 0
+
+
+def _tensors_in(values):
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from (x for x in v if isinstance(x, torch.Tensor))
+
+
+class KeepExternal(torch.overrides.TorchFunctionMode):
+    """Active while a forward is captured: every tensor the forward reads that existed before the
+    capture (weights, buffers, a PE cache's stored tensors) is kept alive with the graph, so the
+    memory a replay reads is never freed and reused while the graph lives (a cache may drop its
+    own reference when its key changes). Tensors made during the capture are not kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: set[int] = set()
+        self.kept: dict[int, torch.Tensor] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in _tensors_in(args):
+            self._see(t)
+        for t in _tensors_in(kwargs.values()):
+            self._see(t)
+        out = func(*args, **kwargs)
+        for t in _tensors_in((out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (list, tuple)) else ()):
+            self.made.add(_storage_ptr(t))
+        return out
+
+    def _see(self, t: torch.Tensor) -> None:
+        ptr = _storage_ptr(t)
+        if ptr and ptr not in self.made and ptr not in self.kept:
+            self.kept[ptr] = t
+
+
 class StaticRunner:
     """Static input buffers (allocated outside any graph pool), updated in place on every call.
     This base re-runs the forward eagerly on them (the ``emulate`` backend)."""
@@ -222,16 +265,21 @@ class StaticRunner:
             if s.data_ptr() != t.data_ptr():
                 s.copy_(t)
 
+    kept: dict = {}
+
     def capture(self, warmup: int):
         """Returns (first output, failure text or "")."""
-        return _clone_tree(self._call()), ""
+        with KeepExternal() as keep:
+            out = self._call()
+        self.kept = keep.kept
+        return _clone_tree(out), ""
 
     def replay(self, tensors):
         self.copy_in(tensors)
         return _clone_tree(self._call())
 
     def release(self) -> None:
-        self.static, self.args, self.fn = [], [], None
+        self.static, self.args, self.fn, self.kept = [], [], None, {}
 
 
 class CudaGraphRunner(StaticRunner):
@@ -261,8 +309,9 @@ class CudaGraphRunner(StaticRunner):
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(device)
+        keep = KeepExternal()
         try:
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"), keep:
                 static_out = self._call()
             if isinstance(static_out, torch.Tensor):
                 pass
@@ -272,11 +321,16 @@ class CudaGraphRunner(StaticRunner):
             graph = None
             raise
         except Exception as exc:  # not capturable (a sync, a CPU op...): this step stays eager
-            graph = None
-            torch.cuda.synchronize(device)
+            graph = keep = None
+            if isinstance(exc.__context__, comfy.model_management.InterruptProcessingException):
+                raise exc.__context__ from None  # a cancel, then the capture could not end cleanly
+            try:
+                torch.cuda.synchronize(device)
+            except Exception:
+                log.debug("ReuseKit graph: synchronize after a failed capture", exc_info=True)
             return eager_out, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
         self.pool_bytes = max(0, torch.cuda.memory_reserved(device) - reserved)
-        self.graph, self.static_out = graph, static_out
+        self.graph, self.static_out, self.kept = graph, static_out, keep.kept
         self.nbytes = _nbytes(self.static) + self.pool_bytes
         graph.replay()
         return _clone_tree(static_out), ""
@@ -364,7 +418,10 @@ def _state_fields(base_model, device: torch.device, backend: str) -> tuple:
     autocast = torch.is_autocast_enabled(device.type)
     mode = (torch.is_inference_mode_enabled(), torch.is_grad_enabled(), autocast,
             torch.get_autocast_dtype(device.type) if autocast else None)
-    return (("model.weights", "weights", weights), ("mode", "mode", mode + (backend,)))
+    objects = getattr(patcher, "object_patches", None)
+    objects = tuple((k, id(v)) for k, v in objects.items()) if objects else ()
+    return (("model.weights", "weights", weights), ("model.object_patches", "object_patches", objects),
+            ("mode", "mode", mode + (backend,)))
 
 
 def _count(run: gr.RunSummary | None, group: str, reason: str) -> None:

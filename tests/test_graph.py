@@ -165,6 +165,21 @@ def test_resolution_and_cond_batch_changes_rebuild_with_the_right_reason(gc, mon
     assert counters(gc)["rebuilds.shape"] == 1 and counters(gc)["rebuilds.cond_batch"] == 1
 
 
+def test_capture_keeps_alive_what_the_forward_reads_from_outside_and_nothing_it_made(gc, monkeypatch, tiny, conds):
+    """A graph reads addresses: weights, buffers and tensors held by caches (a PE cache drops
+    its reference when its key changes) stay alive with the graph; intermediates do not."""
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.tiny_flux(0)
+    sample(capture(model), conds, steps=2)
+    (entry,) = gc._SETS[model.model].entries.values()
+    kept = set(entry.runner.kept)
+    params = {p.untyped_storage().data_ptr() for p in model.model.diffusion_model.parameters()}
+    static = {t.untyped_storage().data_ptr() for t in entry.runner.static}
+    img_in = model.model.diffusion_model.img_in.weight.untyped_storage().data_ptr()
+    assert img_in in kept and len(kept & params) > len(params) // 2
+    assert kept <= params | static, "a tensor made during the capture was kept"
+
+
 def test_interleaved_cond_and_uncond_calls_keep_one_graph_each(gc, monkeypatch, tiny, conds):
     """A negative set to an area cannot batch with the positive: every step makes two calls with
     different batches and shapes, which alternate between two kept graphs."""
@@ -201,6 +216,27 @@ def test_a_lora_applied_in_between_invalidates_and_reapplying_the_base_rebuilds(
     back = sample(captured, conds)
     assert last_run(gc)["rebuilds"] == {"weights": 1} and last_run(gc)["captures"] == 1
     assert torch.equal(back, first)
+
+
+def test_an_object_patch_in_between_rebuilds(gc, monkeypatch, tiny, conds):
+    """Object patches (a replaced submodule) keep patches_uuid: they are part of the signature."""
+    import copy
+
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.tiny_flux(0)
+    captured = capture(model)
+    first = sample(captured, conds)
+    other = copy.deepcopy(model.model.diffusion_model.img_in)
+    with torch.no_grad():
+        other.weight.mul_(0.5)
+    patched = captured.clone()
+    patched.add_object_patch("diffusion_model.img_in", other)
+    out = sample(patched, conds)
+    assert last_run(gc)["rebuilds"] == {"object_patches": 1} and not torch.equal(out, first)
+    plain = model.clone()
+    plain.add_object_patch("diffusion_model.img_in", other)
+    assert torch.equal(out, sample(plain, conds))
+    assert torch.equal(sample(captured, conds), first)
 
 
 def test_unloading_the_model_releases_its_graphs(gc, monkeypatch, tiny, conds):
