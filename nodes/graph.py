@@ -20,6 +20,12 @@ MAX_GRAPHS_TOOLTIP = ("How many captured graphs to keep per model (e.g. cond-onl
                       "or two resolutions); the least recently used one is released beyond it.")
 
 
+def switches(enable_name: str) -> list:
+    """The two inputs both nodes share: the on/off switch and how many graphs to keep."""
+    return [io.Boolean.Input(enable_name, default=True, tooltip=ENABLE_TOOLTIP),
+            io.Int.Input("max_graphs", default=2, min=1, max=MAX_GRAPHS, tooltip=MAX_GRAPHS_TOOLTIP)]
+
+
 def _check(node: str, enable, max_graphs) -> None:
     if not isinstance(enable, bool):
         raise ValueError(f"{node}: 'enable' must be true or false, got {enable!r}")
@@ -55,8 +61,7 @@ class GraphCaptureNode(io.ComfyNode):
                         "uncapturable inputs run eagerly with the same result. Without CUDA: eager.",
             inputs=[
                 io.Model.Input("model", tooltip="The diffusion model to capture (it is cloned, never changed)."),
-                io.Boolean.Input("enable", default=True, tooltip=ENABLE_TOOLTIP),
-                io.Int.Input("max_graphs", default=2, min=1, max=MAX_GRAPHS, tooltip=MAX_GRAPHS_TOOLTIP),
+                *switches("enable"),
             ],
             outputs=[io.Model.Output(tooltip="The model with graph capture.")],
         )
@@ -91,8 +96,7 @@ class GraphKSamplerNode(io.ComfyNode):
                 io.Latent.Input("latent_image", tooltip="The latent image to denoise."),
                 io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01,
                                tooltip="The amount of denoising applied."),
-                io.Boolean.Input("enable_graphs", default=True, tooltip=ENABLE_TOOLTIP),
-                io.Int.Input("max_graphs", default=2, min=1, max=MAX_GRAPHS, tooltip=MAX_GRAPHS_TOOLTIP),
+                *switches("enable_graphs"),
             ],
             outputs=[io.Latent.Output(tooltip="The denoised latent.")],
         )
