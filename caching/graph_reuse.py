@@ -42,6 +42,7 @@ PATCH_OPTIONS = ("patches", "patches_replace")
 PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, functools.partial)
 SMALL_FOREIGN_TENSOR = 4096  # elements: a tensor on another device is compared by value up to this
+THRASH_LIMIT = 4  # misses in a row within one run after which it stops capturing (eager, same result)
 
 # rebuild reasons (the first differing field decides)
 REASONS = ("shape", "dtype", "device", "layout", "cond_batch", "weights", "object_patches", "options", "mode",
@@ -387,6 +388,8 @@ class RunSummary:
     rebuilds: dict = field(default_factory=dict)
     bypasses: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
+    misses_in_row: int = 0    # a run that misses THRASH_LIMIT times in a row stops capturing
+    capture_stopped: bool = False
 
     def note(self, text: str) -> None:
         if len(self.notes) < 8 and text not in self.notes:

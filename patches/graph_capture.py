@@ -494,6 +494,7 @@ def graph_call(original, args: tuple, kwargs: dict, opts: dict, ctx):
         STATS.incr("hits")
         if run is not None:
             run.hits += 1
+            run.misses_in_row = 0
         if entry.runner is None:
             return _eager(run, original, args, kwargs)
         # ComfyUI checks for a cancel in every op of the forward; a replay runs none of them
@@ -510,6 +511,18 @@ def graph_call(original, args: tuple, kwargs: dict, opts: dict, ctx):
         if run is not None:
             run.note(f"rebuild ({decision.reason}): {decision.detail}")
     runner_cls = RUNNERS.get(backend)
+    if run is not None and runner_cls is not None:
+        run.misses_in_row += 1
+        if run.capture_stopped or run.misses_in_row > gr.THRASH_LIMIT:
+            # every call needs a new graph (more batches or shapes than max_graphs, an option that
+            # changes per step): a capture costs a few forwards, so this run captures no more
+            # (kept graphs still replay)
+            if not run.capture_stopped:
+                run.capture_stopped = True
+                run.note(f"{run.misses_in_row} rebuilds in a row: no more captures in this run "
+                         f"(last: {decision.reason}; raise max_graphs?)")
+            _count(run, "bypasses", "unstable_inputs")
+            return _eager(run, original, args, kwargs)
     if runner_cls is None:  # decisions only
         _drop(gs.add(gr.Entry(spec.signature)))
         _publish_memory()
