@@ -311,7 +311,7 @@ class CudaGraphRunner(StaticRunner):
         reserved = torch.cuda.memory_reserved(device)
         keep = KeepExternal()
         try:
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"), keep:
+            with torch.cuda.graph(graph, **_graph_kwargs()), keep:
                 static_out = self._call()
             if isinstance(static_out, torch.Tensor):
                 pass
@@ -332,6 +332,7 @@ class CudaGraphRunner(StaticRunner):
         self.pool_bytes = max(0, torch.cuda.memory_reserved(device) - reserved)
         self.graph, self.static_out, self.kept = graph, static_out, keep.kept
         self.nbytes = _nbytes(self.static) + self.pool_bytes
+        self.args, self.fn = [], None  # a replay needs only the buffers and the graph
         graph.replay()
         return _clone_tree(static_out), ""
 
@@ -348,6 +349,15 @@ class CudaGraphRunner(StaticRunner):
 
 
 RUNNERS = {"emulate": StaticRunner, "cuda": CudaGraphRunner}
+CHECK_LIVENESS = os.environ.get("REUSEKIT_GRAPH_CHECK_LIVENESS") == "1"
+"""Debug: ask torch (where it can) to raise when a tensor a graph reads was freed before a replay."""
+
+
+def _graph_kwargs() -> dict:
+    kwargs = {"capture_error_mode": "thread_local"}
+    if CHECK_LIVENESS and "check_input_liveness" in inspect.signature(torch.cuda.graph.__init__).parameters:
+        kwargs["check_input_liveness"] = True
+    return kwargs
 
 
 # ---- the wrappers ---------------------------------------------------------------------------
@@ -441,6 +451,8 @@ def _eager(run, fn, args, kwargs):
 def graph_call(original, args: tuple, kwargs: dict, opts: dict, ctx):
     """One diffusion-model forward through the graph decision (``original`` is the innermost
     forward; ``ctx`` is (BaseModel, compiled) from the APPLY_MODEL wrapper or None)."""
+    if torch.compiler.is_compiling():  # traced by torch.compile: stay out of its way
+        return original(*args, **kwargs)
     run: gr.RunSummary | None = _RUN.get()
     if run is not None:
         run.steps += 1

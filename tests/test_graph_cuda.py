@@ -18,9 +18,11 @@ def close(a, b):
 
 
 @pytest.fixture(autouse=True)
-def _on_cuda(tiny):
+def _on_cuda(tiny, gc, monkeypatch):
     assert torch.cuda.is_available()
     assert tiny.tiny_flux(0).load_device.type == "cuda", "the harness must not force the CPU here"
+    # torch raises on a replay that reads a freed tensor (where this torch can check it)
+    monkeypatch.setattr(gc, "CHECK_LIVENESS", True)
 
 
 @pytest.mark.parametrize("family", ["flux", "wan"])
