@@ -374,6 +374,24 @@ def test_without_cuda_it_says_so_once_in_the_log_and_in_the_stats(gc, tiny, cond
     assert len(summary) == 2
 
 
+def test_host_with_its_own_per_block_graphs_is_detected(gc, monkeypatch):
+    import importlib.util
+
+    import comfy.cli_args
+
+    monkeypatch.setattr(gc, "_host_graphs", None)
+    assert gc.host_captures_graphs() is False  # ComfyUI 0.3.75 has no comfy/model_prefetch.py
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "comfy.model_prefetch" else real(name, *a))
+    monkeypatch.setattr(gc, "_host_graphs", None)
+    assert gc.host_captures_graphs() is True
+    monkeypatch.setattr(comfy.cli_args.args, "disable_cuda_graphs", True, raising=False)
+    monkeypatch.setattr(gc, "_host_graphs", None)
+    assert gc.host_captures_graphs() is False  # the host's graphs are off: ReuseKit may capture
+    monkeypatch.setattr(gc, "_host_graphs", None)
+
+
 def test_global_patch_installs_once_and_uninstalls(gc):
     import comfy.model_patcher as mp
 
