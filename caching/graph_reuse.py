@@ -345,7 +345,6 @@ class GraphStats:
         self._handle: CacheStats | None = None
         self._clear = clear
         self._lock = threading.Lock()
-        self.said_eager: set[str] = set()
 
     @property
     def handle(self) -> CacheStats:
