@@ -9,5 +9,7 @@ WEB_DIRECTORY = "./web"
 
 async def comfy_entrypoint():
     from .nodes import ReuseKitExtension
+    from .routes import register as register_routes
 
+    register_routes()  # the panel's /reusekit/ routes and stats push, where a server runs
     return ReuseKitExtension()

@@ -82,15 +82,29 @@ class SettingsRegistry:
         return self.update({key: raw})[key]
 
     def update(self, values: dict[str, Any]) -> dict[str, Any]:
-        """Validate every value first, then apply them in order; nothing changes if one is bad."""
+        """Validate every value first, then apply them in order; nothing changes if one is bad,
+        and a callback that raises undoes the settings already applied."""
         with self._lock:
             validated = {key: self._lookup(key).validate(raw) for key, raw in values.items()}
-            for key, value in validated.items():
-                setting = self._settings[key]
-                if value != setting.value:
-                    setting.value = value
+            applied: list[tuple[Setting, Any]] = []
+            try:
+                for key, value in validated.items():
+                    setting = self._settings[key]
+                    if value != setting.value:
+                        previous, setting.value = setting.value, value
+                        try:
+                            if setting.on_change is not None:
+                                setting.on_change(value)
+                        except Exception:
+                            setting.value = previous  # this cache refused the value
+                            raise
+                        applied.append((setting, previous))
+            except Exception:
+                for setting, previous in reversed(applied):  # put back what was already applied
+                    setting.value = previous
                     if setting.on_change is not None:
-                        setting.on_change(value)
+                        setting.on_change(previous)
+                raise
             return validated
 
     def snapshot(self) -> dict[str, dict[str, Any]]:

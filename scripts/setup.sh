@@ -72,15 +72,19 @@ fi
 # 5. test tools, only for the test path
 if [ "${1:-}" = "--test" ]; then
   stamp=$VENV/.reusekit-test-tools
-  if [ ! -f "$stamp" ]; then
+  tools="pytest playwright websocket-client ruff"
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$tools" ]; then
     say "installing test tools"
-    "${PIP[@]}" pytest playwright websocket-client
-    touch "$stamp"
+    "${PIP[@]}" $tools
+    printf '%s' "$tools" > "$stamp"
   fi
-  if ! command -v chromium >/dev/null 2>&1; then
-    say "installing Debian's chromium for the browser tests"
+  missing=()
+  command -v chromium >/dev/null 2>&1 || missing+=(chromium)   # the browser tests
+  command -v node >/dev/null 2>&1 || missing+=(nodejs)        # the panel's JS unit tests
+  if [ ${#missing[@]} -gt 0 ]; then
+    say "installing Debian's ${missing[*]}"
     if [ "$(id -u)" = 0 ]; then apt_get=(apt-get); else apt_get=(sudo apt-get); fi
     "${apt_get[@]}" update -qq
-    DEBIAN_FRONTEND=noninteractive "${apt_get[@]}" install -y -qq chromium >/dev/null
+    DEBIAN_FRONTEND=noninteractive "${apt_get[@]}" install -y -qq "${missing[@]}" >/dev/null
   fi
 fi

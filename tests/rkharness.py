@@ -64,7 +64,7 @@ def bootstrap() -> None:
     import comfy.cli_args
 
     comfy.cli_args.args.cpu = not USE_CUDA
-    import comfy.model_management  # noqa: F401  (probes the device: after args.cpu)
+    import comfy.model_management  # noqa: F401, I001  (this order matters: device probe after args.cpu)
     import utils.extra_config  # noqa: F401  (before nodes, as main.py does)
     import server  # noqa: F401
     import nodes
@@ -115,7 +115,6 @@ class Executor:
 
     def __init__(self, cache: str = "classic", lru_size: int = 10):
         import execution
-        import nodes
         import server
 
         if Executor._server is None:

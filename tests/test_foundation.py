@@ -202,3 +202,13 @@ def test_ui_workflow_converts_to_a_prompt_that_runs_on_tiny_models():
     ks["steps"] = 2
     result = rkharness.Executor().run(prompt)
     assert result["outputs"]["10"]["text"][0].startswith("ReuseKit: ")
+
+
+def test_the_code_passes_ruff_with_the_security_rules():
+    """pyproject.toml's ruff settings (S102 exec, S307 eval among them) hold for the whole tree."""
+    ruff = rkharness.ROOT / ".venv" / "bin" / "ruff"
+    if not ruff.exists():
+        pytest.skip("ruff is installed by the test setup (scripts/setup.sh --test)")
+    out = subprocess.run([str(ruff), "check", "--no-cache", str(rkharness.ROOT)], capture_output=True, text=True,
+                         cwd=rkharness.ROOT, timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:]

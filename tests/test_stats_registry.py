@@ -145,3 +145,18 @@ def test_settings_validate_before_anything_changes():
     assert reg.snapshot()["conditioning.budget_mib"]["value"] == 256
     with pytest.raises(KeyError):
         reg.define("step.mode", str, "auto")
+
+
+def test_a_failing_callback_undoes_the_whole_update():
+    settings = rkharness.pack("caching.settings")
+    reg = settings.SettingsRegistry()
+    seen = []
+    reg.define("a", int, 1, on_change=seen.append)
+
+    def refuse(value):
+        raise RuntimeError("the cache cannot take that now")
+
+    reg.define("b", int, 1, on_change=refuse)
+    with pytest.raises(RuntimeError):
+        reg.update({"a": 2, "b": 3})
+    assert reg.get("a") == 1 and reg.get("b") == 1 and seen == [2, 1]

@@ -1,0 +1,222 @@
+"""The cache panel's server side: HTTP routes under ``/reusekit/`` and a throttled websocket push.
+
+Routes (ComfyUI also serves each under ``/api``):
+
+- ``GET  /reusekit/stats``     the stats registry's snapshot (``schema`` = ``caching.stats.SCHEMA_VERSION``)
+- ``POST /reusekit/clear``     ``{"cache": name}`` clears one cache, ``{"all": true}`` every clearable one
+- ``GET  /reusekit/settings``  every runtime setting with its type, range and value
+- ``POST /reusekit/settings``  ``{key: value, ...}``, validated all or nothing: 400 with the message on
+  a bad value, and then nothing changes
+
+Every change in the registry tells :class:`StatsPusher`, which sends one ``reusekit.stats`` event
+(the snapshot) at most every :data:`PUSH_INTERVAL_S`, from the server's event loop: no polling
+thread, no event per counter increment. Handlers run the registry's and the caches' code in a worker
+thread, so the event loop never waits on a lock the sampling thread holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .caching.settings import SETTINGS
+from .caching.stats import REGISTRY, SCHEMA_VERSION
+
+log = logging.getLogger("reusekit")
+
+STATS_EVENT = "reusekit.stats"
+SETTINGS_EVENT = "reusekit.settings"
+PUSH_INTERVAL_S = 0.5
+
+_pusher: StatsPusher | None = None
+_server = None  # the PromptServer the routes were added to
+
+
+def json_ready(value: Any) -> Any:
+    """``value`` with only strict-JSON parts: a cache's info may hold NaN, tuples or objects, and one
+    unserialisable event would stop ComfyUI's websocket publish loop for every client."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [json_ready(v) for v in value]
+    return str(value)
+
+
+def snapshot() -> dict:
+    return json_ready(REGISTRY.snapshot())
+
+
+class StatsPusher:
+    """Turns a burst of registry changes into at most one push per ``interval`` seconds.
+
+    ``notify`` may be called from any thread (it is the registry's listener): it only sets a flag
+    and, for the first change of a burst, schedules :meth:`_flush` on ``loop``. The flush runs on
+    the loop, at least ``interval`` after the previous push, takes one snapshot and sends it, so
+    the last state of a burst is always pushed.
+    """
+
+    def __init__(self, send: Callable[[str, Any], None], loop: asyncio.AbstractEventLoop,
+                 interval: float = PUSH_INTERVAL_S, registry=REGISTRY):
+        self._send = send
+        self._loop = loop
+        self._interval = interval
+        self._registry = registry
+        self._lock = threading.Lock()
+        self._pending = False
+        self._last_push = float("-inf")
+        self._pushed_version = -1
+        self.pushes = 0
+
+    def notify(self) -> None:
+        with self._lock:
+            if self._pending:
+                return
+            self._pending = True
+        try:
+            self._loop.call_soon_threadsafe(self._schedule)
+        except RuntimeError:  # the loop is closed: the server is shutting down
+            with self._lock:
+                self._pending = False
+
+    def _schedule(self) -> None:
+        delay = self._last_push + self._interval - time.monotonic()
+        if delay > 0:
+            self._loop.call_later(delay, self._flush)
+        else:
+            self._flush()
+
+    def _flush(self) -> None:
+        with self._lock:
+            self._pending = False
+        self._last_push = time.monotonic()
+        version = self._registry.version
+        if version == self._pushed_version:
+            return
+        self._pushed_version = version
+        try:
+            self._send(STATS_EVENT, json_ready(self._registry.snapshot()))
+            self.pushes += 1
+        except Exception:  # a push must never break the registry's caller
+            log.exception("ReuseKit: could not push the cache stats")
+
+    def close(self) -> None:
+        self._registry.remove_listener(self.notify)
+
+
+# ---- handlers -------------------------------------------------------------------------------
+
+def _error(status: int, message: str):
+    from aiohttp import web
+
+    return web.json_response({"error": message}, status=status)
+
+
+async def _json_object(request) -> dict:
+    """The request's JSON body, which must be an object; ValueError with a message otherwise."""
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"the body is not valid JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    return body
+
+
+def settings_payload() -> dict:
+    return {"schema": SCHEMA_VERSION, "settings": json_ready(SETTINGS.snapshot())}
+
+
+async def get_stats(request):
+    from aiohttp import web
+
+    return web.json_response(await asyncio.to_thread(snapshot))
+
+
+async def post_clear(request):
+    from aiohttp import web
+
+    try:
+        body = await _json_object(request)
+        name = body.get("cache")
+        if body.get("all") is True and name is None:
+            target = None
+        elif isinstance(name, str) and name and "all" not in body:
+            target = name
+        else:
+            raise ValueError('send {"cache": "<name>"} to clear one cache or {"all": true} to clear all')
+    except ValueError as exc:
+        return _error(400, str(exc))
+    try:
+        cleared = await asyncio.to_thread(REGISTRY.clear, target)
+    except KeyError:
+        return _error(404, f"no cache named {target!r}")
+    if target is not None and not cleared:
+        return _error(409, f"the cache {target!r} cannot be cleared")
+    log.info("ReuseKit: cleared %s", ", ".join(cleared) or "nothing")
+    return web.json_response({"cleared": cleared, "stats": await asyncio.to_thread(snapshot)})
+
+
+async def get_settings(request):
+    from aiohttp import web
+
+    return web.json_response(await asyncio.to_thread(settings_payload))
+
+
+async def post_settings(request):
+    from aiohttp import web
+
+    try:
+        body = await _json_object(request)
+        if not body:
+            raise ValueError("no settings given")
+        applied = await asyncio.to_thread(SETTINGS.update, body)
+    except ValueError as exc:
+        return _error(400, str(exc))
+    payload = {**await asyncio.to_thread(settings_payload), "applied": applied}
+    if _server is not None:
+        _server.send_sync(SETTINGS_EVENT, payload)
+    return web.json_response(payload)
+
+
+def register(prompt_server=None) -> bool:
+    """Add the routes and the stats push to ComfyUI's server; False where no server exists.
+
+    Idempotent. Called from ``comfy_entrypoint``, before the server builds its app.
+    """
+    global _pusher, _server
+    if prompt_server is None:
+        try:
+            from server import PromptServer
+        except ImportError:
+            return False
+        prompt_server = getattr(PromptServer, "instance", None)
+    if prompt_server is None:
+        return False
+    if _server is prompt_server:
+        return True
+    if _server is not None:
+        log.warning("ReuseKit: the routes are already on another server; not adding them again")
+        return False
+    missing = [a for a in ("routes", "send_sync", "loop") if not hasattr(prompt_server, a)]
+    if missing:  # a host without these seams: the nodes still load, the panel has no data
+        log.warning("ReuseKit: this ComfyUI server has no %s; the cache panel is unavailable", ", ".join(missing))
+        return False
+    routes = prompt_server.routes
+    routes.get("/reusekit/stats")(get_stats)
+    routes.post("/reusekit/clear")(post_clear)
+    routes.get("/reusekit/settings")(get_settings)
+    routes.post("/reusekit/settings")(post_settings)
+    _pusher = StatsPusher(prompt_server.send_sync, prompt_server.loop)
+    REGISTRY.add_listener(_pusher.notify)
+    _server = prompt_server
+    return True

@@ -1,0 +1,154 @@
+// Unit tests of the panel's number formatting and aggregation (node --test; run by tests/test_panel_js.py).
+import assert from "node:assert/strict";
+import { test } from "node:test";
+
+import {
+  aggregate,
+  chartPath,
+  counterRows,
+  formatBytes,
+  formatCount,
+  formatPercent,
+  formatSeconds,
+  formatValue,
+  humanize,
+  lastRunRows,
+  memoryRows,
+  MemoryHistory,
+  niceMax,
+  tierTotals,
+} from "../../web/panel/format.mjs";
+
+const MiB = 2 ** 20;
+
+function cache(name, kind, extra = {}) {
+  return { name, kind, description: "", clearable: true, entries: 0, counters: {}, hit_rate: null,
+    bytes: {}, budgets: {}, time_saved_s: 0, info: {}, ...extra };
+}
+
+test("bytes use binary units like the Python side", () => {
+  assert.equal(formatBytes(0), "0 B");
+  assert.equal(formatBytes(1023), "1023 B");
+  assert.equal(formatBytes(1024), "1.0 KiB");
+  assert.equal(formatBytes(1536), "1.5 KiB");
+  assert.equal(formatBytes(512 * MiB), "512.0 MiB");
+  assert.equal(formatBytes(3 * 2 ** 30), "3.0 GiB");
+  assert.equal(formatBytes(5 * 2 ** 40), "5.0 TiB");
+  assert.equal(formatBytes(null), "–");
+  assert.equal(formatBytes(Number.NaN), "–");
+});
+
+test("percent, seconds and counts", () => {
+  assert.equal(formatPercent(null), "–");
+  assert.equal(formatPercent(0), "0%");
+  assert.equal(formatPercent(1), "100%");
+  assert.equal(formatPercent(0.5), "50%");
+  assert.equal(formatPercent(0.0123), "1.2%");
+  assert.equal(formatPercent(0.9995), "100.0%");
+  assert.equal(formatPercent(0.756), "76%");
+  assert.equal(formatSeconds(0), "0 ms");
+  assert.equal(formatSeconds(0.0123), "12 ms");
+  assert.equal(formatSeconds(1.234), "1.23 s");
+  assert.equal(formatSeconds(125), "2 min 05 s");
+  assert.equal(formatSeconds(3725), "1 h 02 min");
+  assert.equal(formatSeconds(undefined), "–");
+  assert.equal(formatCount(0), "0");
+  assert.equal(formatCount(1234567), "1,234,567");
+  assert.equal(formatCount(-1234), "-1,234");
+  assert.equal(formatCount(999), "999");
+});
+
+test("info values and last-run rows read any JSON", () => {
+  assert.equal(humanize("steps_computed"), "steps computed");
+  assert.equal(humanize("rebuildReasons"), "rebuild reasons");
+  assert.equal(formatValue(true), "yes");
+  assert.equal(formatValue(0.123456), "0.1235");
+  assert.equal(formatValue(1.5, "seconds"), "1.50 s");
+  assert.equal(formatValue(40, "capture_ms"), "40 ms");
+  assert.equal(formatValue(2048, "held_bytes"), "2.0 KiB");
+  assert.equal(formatValue([]), "none");
+  assert.deepEqual(lastRunRows(undefined), []);
+  assert.deepEqual(lastRunRows({ steps_computed: 12, steps_skipped: 8, graphs_rebuilt: 2,
+    rebuild_reasons: { shape: 1, dtype: 1 }, seconds: 0.5 }), [
+    ["steps computed", "12"], ["steps skipped", "8"], ["graphs rebuilt", "2"],
+    ["rebuild reasons", "shape 1, dtype 1"], ["seconds", "500 ms"]]);
+  assert.deepEqual(lastRunRows("eager: no CUDA"), [["last run", "eager: no CUDA"]]);
+});
+
+test("counters: the usual four first, shown at zero, then the rest sorted", () => {
+  assert.deepEqual(counterRows(cache("a", "pe", { counters: { replays: 3, hits: 2, bypasses: 1 } })),
+    [["hits", 2], ["misses", 0], ["evictions", 0], ["bypasses", 1], ["replays", 3]]);
+});
+
+test("memory rows: against the budget, or against the largest unbudgeted row", () => {
+  const rows = memoryRows([
+    cache("cond", "conditioning", { bytes: { device: 64 * MiB, cpu: 256 * MiB }, budgets: { cpu: 512 * MiB, device: 32 * MiB } }),
+    cache("pe", "pe", { bytes: { device: 10 } }),
+    cache("graph", "graph", { bytes: { device: 40 } }),
+  ]);
+  assert.deepEqual(rows.map((r) => [r.cache, r.tier, r.fraction, r.over]), [
+    ["cond", "cpu", 0.5, false], ["cond", "device", 1, true], ["pe", "device", 0.25, false], ["graph", "device", 1, false]]);
+  const zeroBudget = memoryRows([cache("z", "step", { bytes: { cpu: 0 }, budgets: { cpu: 0 } })]);
+  assert.equal(zeroBudget[0].fraction, 0);
+});
+
+test("aggregate groups by kind in a fixed order, unknown kinds last, with totals", () => {
+  const snap = { schema: 1, caches: [
+    cache("wan.pe", "pe", { bytes: { device: 100 }, counters: { hits: 3, misses: 1 } }),
+    cache("teacache", "step", { bytes: { device: 50 }, time_saved_s: 2 }),
+    cache("cond", "conditioning", { bytes: { cpu: 1000, device: 10 }, budgets: { cpu: 4000 },
+      counters: { hits: 1, misses: 3 }, time_saved_s: 0.5 }),
+    cache("flux.pe", "pe", { bytes: { device: 20 } }),
+    cache("x", "zzz_custom"),
+    cache("graphs", "graph", { bytes: { device: 5 } }),
+  ] };
+  const agg = aggregate(snap);
+  assert.deepEqual(agg.groups.map((g) => g.kind), ["conditioning", "pe", "step", "graph", "zzz_custom"]);
+  assert.deepEqual(agg.groups[1].caches.map((c) => c.name), ["flux.pe", "wan.pe"]);
+  assert.equal(agg.groups[1].bytes, 120);
+  assert.equal(agg.groups[1].hitRate, 0.75);
+  assert.equal(agg.groups[4].label, "zzz custom");
+  assert.equal(agg.totalBytes, 1185);
+  assert.equal(agg.timeSaved, 2.5);
+  assert.equal(agg.hitRate, 0.5);
+  assert.deepEqual(agg.tiers, [{ tier: "cpu", bytes: 1000, budget: 4000 }, { tier: "device", bytes: 185, budget: null }]);
+  assert.deepEqual(aggregate(undefined).groups, []);
+  assert.equal(aggregate({ caches: "nope" }).count, 0);
+});
+
+test("tier totals add the budgets that caches declare", () => {
+  assert.deepEqual(tierTotals([
+    cache("a", "conditioning", { bytes: { cpu: 1 }, budgets: { cpu: 10 } }),
+    cache("b", "step", { bytes: { cpu: 2, vram2: 3 }, budgets: { cpu: 5 } }),
+  ]), [{ tier: "cpu", bytes: 3, budget: 15 }, { tier: "vram2", bytes: 3, budget: null }]);
+});
+
+test("memory history keeps the window (plus the point before it) and ignores time going back", () => {
+  const h = new MemoryHistory(60);
+  const snap = (n) => ({ caches: [cache("c", "conditioning", { bytes: { cpu: n, device: 1 } })] });
+  h.add(0, snap(10));
+  h.add(30, snap(20));
+  h.add(30, snap(25)); // same time: replaces
+  h.add(20, snap(99)); // earlier: ignored
+  h.add(100, snap(30));
+  assert.deepEqual(h.points.map((p) => [p.t, p.total]), [[30, 26], [100, 31]]);
+  assert.deepEqual(h.points[1].tiers, { cpu: 30, device: 1 });
+  assert.deepEqual(h.tierNames(), ["cpu", "device"]);
+  const capped = new MemoryHistory(1e9, 3);
+  for (let t = 0; t < 10; t += 1) capped.add(t, snap(t));
+  assert.deepEqual(capped.points.map((p) => p.t), [7, 8, 9]);
+});
+
+test("chart path is a step line scaled into the box, extended to now", () => {
+  const opts = { now: 100, windowSeconds: 100, width: 200, height: 50, maxValue: 10 };
+  assert.equal(chartPath([], opts), "");
+  assert.equal(chartPath([{ t: 0, v: 0 }, { t: 50, v: 10 }], opts), "M 0 50 L 100 50 L 100 0 L 200 0");
+  assert.equal(chartPath([{ t: -50, v: 20 }], opts), "M 0 0 L 200 0"); // clamped to the box
+  assert.equal(niceMax(0), 1024);
+  assert.equal(niceMax(3), 5);
+  assert.equal(niceMax(1000), 1000);
+  assert.equal(niceMax(1200), 2 * 1024);
+  assert.equal(niceMax(56 * 1024), 100 * 1024);
+  assert.equal(niceMax(5e6), 5 * MiB);
+  assert.equal(niceMax(512 * MiB), 1000 * MiB);
+});

@@ -1,0 +1,323 @@
+"""The panel's routes and websocket push, against the real server (main.py) with the pack loaded.
+
+The server process holds real caches: the test-only probes of tests/tinymodels/panelprobe.py
+(a VAE-decode memo of kind "conditioning", a step counter of kind "step") report to the pack's
+real stats registry when a workflow runs through them.
+"""
+
+import asyncio
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import rkharness
+
+pytestmark = pytest.mark.panel
+
+MEMO, STEP = "rktest.decode_memo", "rktest.step_probe"
+
+
+def probe_prompt(**kw):
+    return rkharness.TINY.panelprobe.probe_prompt(**kw)
+
+
+def run(server, **kw) -> dict:
+    entry = server.wait_for_prompt(server.queue(probe_prompt(**kw)))
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:2000]
+    return entry
+
+
+def post_status(server, path, payload=None, raw: bytes | None = None):
+    """(status, json body) of a POST, error statuses included."""
+    data = raw if raw is not None else json.dumps(payload).encode()
+    req = urllib.request.Request(server.url + path, data=data, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def cache(snapshot, name):
+    found = [c for c in snapshot["caches"] if c["name"] == name]
+    assert found, f"no cache {name!r} in {[c['name'] for c in snapshot['caches']]}"
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def server(comfy_server):
+    run(comfy_server, seed=11)  # the probes register on first use
+    return comfy_server
+
+
+def test_stats_snapshot_has_the_schema_and_every_registered_cache(server):
+    schema = rkharness.pack("caching.stats").SCHEMA_VERSION
+    for path in ("/reusekit/stats", "/api/reusekit/stats"):
+        snap = server.get(path)
+        assert snap["schema"] == schema and isinstance(snap["version"], int)
+        assert {"bytes", "bytes_by_tier", "bytes_by_kind", "time_saved_s"} <= set(snap["totals"])
+        memo, step = cache(snap, MEMO), cache(snap, STEP)
+        assert memo["kind"] == "conditioning" and step["kind"] == "step"
+        assert memo["clearable"] and memo["budgets"]["cpu"] > 0 and memo["bytes"]["cpu"] > 0
+        assert step["info"]["last_run"]["steps_computed"] == 2 and step["bytes"]["device"] > 0
+
+
+def test_a_repeated_latent_is_a_hit_and_the_numbers_move(server):
+    before = cache(server.get("/reusekit/stats"), MEMO)
+    run(server, seed=11)  # same sampler output: the memo node reruns and hits
+    run(server, seed=12, steps=3)
+    after = server.get("/reusekit/stats")
+    memo = cache(after, MEMO)
+    assert memo["counters"]["hits"] == before["counters"].get("hits", 0) + 1
+    assert memo["counters"]["misses"] == before["counters"]["misses"] + 1
+    assert memo["time_saved_s"] > before["time_saved_s"] and 0 < memo["hit_rate"] < 1
+    assert cache(after, STEP)["info"]["last_run"]["steps_computed"] == 3
+    assert after["totals"]["bytes"] == sum(sum(c["bytes"].values()) for c in after["caches"])
+
+
+def test_clear_one_cache_then_all(server):
+    run(server, seed=13)
+    status, body = post_status(server, "/reusekit/clear", {"cache": MEMO})
+    assert status == 200 and body["cleared"] == [MEMO]
+    assert cache(body["stats"], MEMO)["bytes"]["cpu"] == 0 and cache(body["stats"], MEMO)["entries"] == 0
+    assert cache(body["stats"], STEP)["bytes"]["device"] > 0  # the other cache is untouched
+    status, body = post_status(server, "/api/reusekit/clear", {"all": True})
+    assert status == 200 and {MEMO, STEP} <= set(body["cleared"])
+    assert body["stats"]["totals"]["bytes_by_kind"].get("step", 0) == 0
+
+
+@pytest.mark.hardening
+@pytest.mark.parametrize("payload,status", [
+    ({"cache": "no.such.cache"}, 404),
+    ({}, 400),
+    ({"cache": ""}, 400),
+    ({"all": "yes"}, 400),
+    ({"cache": MEMO, "all": True}, 400),
+    ([MEMO], 400),
+])
+def test_clear_rejects_bad_requests(server, payload, status):
+    code, body = post_status(server, "/reusekit/clear", payload)
+    assert code == status and body["error"]
+
+
+def test_settings_are_listed_and_a_valid_change_applies_at_once(server):
+    run(server, seed=14)
+    settings = server.get("/reusekit/settings")["settings"]
+    budget = settings["rktest.memo_budget_mib"]
+    assert budget["type"] == "int" and budget["min"] == 0 and budget["value"] == 64
+    status, body = post_status(server, "/reusekit/settings", {"rktest.memo_budget_mib": 0})
+    try:
+        assert status == 200 and body["applied"] == {"rktest.memo_budget_mib": 0}
+        assert body["settings"]["rktest.memo_budget_mib"]["value"] == 0
+        memo = cache(server.get("/reusekit/stats"), MEMO)  # a zero budget evicts everything, no restart
+        assert memo["budgets"]["cpu"] == 0 and memo["bytes"]["cpu"] == 0 and memo["counters"]["evictions"] >= 1
+    finally:
+        assert post_status(server, "/reusekit/settings", {"rktest.memo_budget_mib": 64})[0] == 200
+
+
+@pytest.mark.hardening
+@pytest.mark.parametrize("payload,needle", [
+    ({"rktest.memo_budget_mib": 32, "rktest.memo_max_entries": 0}, "at least"),
+    ({"rktest.memo_budget_mib": 32, "rktest.memo_max_entries": "4"}, "must be a number"),
+    ({"rktest.memo_budget_mib": 32, "no.such.setting": 1}, "unknown setting"),
+    ({"rktest.memo_budget_mib": 1.5}, "whole number"),
+    ({"rktest.memo_budget_mib": True}, "must be a number"),
+    ({}, "no settings"),
+    ([1], "JSON object"),
+])
+def test_bad_settings_get_400_with_the_message_and_change_nothing(server, payload, needle):
+    before = server.get("/reusekit/settings")["settings"]
+    status, body = post_status(server, "/reusekit/settings", payload)
+    assert status == 400 and needle in body["error"], body
+    assert server.get("/reusekit/settings")["settings"] == before
+
+
+@pytest.mark.hardening
+def test_a_body_that_is_not_json_gets_400(server):
+    for path in ("/reusekit/settings", "/reusekit/clear"):
+        status, body = post_status(server, path, raw=b"{not json")
+        assert status == 400 and "not valid JSON" in body["error"]
+
+
+def test_stats_are_pushed_over_the_websocket_throttled(server):
+    """A 12-step run changes the registry dozens of times: a few throttled events, the last one
+    with the final state."""
+    import websocket
+
+    ws = websocket.create_connection(server.url.replace("http", "ws") + "/ws?clientId=rk-panel-test", timeout=30)
+    events, stop = [], threading.Event()
+
+    def listen():
+        while not stop.is_set():
+            try:
+                message = ws.recv()
+            except Exception:
+                return
+            if not message:
+                return  # closed
+            if isinstance(message, str):
+                data = json.loads(message)
+                if data["type"] == "reusekit.stats":
+                    events.append((time.monotonic(), data["data"]))
+
+    reader = threading.Thread(target=listen, daemon=True)
+    reader.start()
+    try:
+        version_before = server.get("/reusekit/stats")["version"]
+        start = time.monotonic()
+        run(server, seed=15, steps=12)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # the trailing push of the burst
+            if events and cache(events[-1][1], STEP)["info"]["last_run"]["steps_computed"] == 12:
+                break
+            time.sleep(0.05)
+        elapsed = time.monotonic() - start
+    finally:
+        stop.set()
+        ws.close()
+        reader.join(5)
+    version_after = server.get("/reusekit/stats")["version"]
+    assert events, "no reusekit.stats event"
+    last = events[-1][1]
+    assert last["schema"] == rkharness.pack("caching.stats").SCHEMA_VERSION
+    assert cache(last, STEP)["info"]["last_run"]["steps_computed"] == 12
+    changes = version_after - version_before
+    interval = rkharness.pack("routes").PUSH_INTERVAL_S
+    assert changes >= 36  # 12 steps x (incr, set_memory, set_entries) at least
+    assert len(events) <= elapsed / interval + 2, (len(events), changes, elapsed)
+
+
+# ---- the throttle, in process ---------------------------------------------------------------
+
+@pytest.mark.hardening
+def test_a_burst_from_another_thread_gives_few_pushes_and_the_last_state():
+    routes = rkharness.pack("routes")
+    registry = rkharness.pack("caching.stats").StatsRegistry()
+    handle = registry.register("burst", "step")
+    loop = asyncio.new_event_loop()
+    sent = []
+    pusher = routes.StatsPusher(lambda event, data: sent.append((event, data)), loop, interval=0.2,
+                                registry=registry)
+    registry.add_listener(pusher.notify)
+
+    def burst():
+        for _ in range(2000):
+            handle.incr("hits")
+
+    async def main():
+        worker = threading.Thread(target=burst)
+        worker.start()
+        while worker.is_alive():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)  # longer than the interval: the trailing push happens
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        pusher.close()
+        loop.close()
+    assert 1 <= len(sent) <= 20, len(sent)
+    event, last = sent[-1]
+    assert event == "reusekit.stats" and last["caches"][0]["counters"]["hits"] == 2000
+    handle.incr("hits")  # no listener any more after close
+    assert len(sent) == pusher.pushes
+
+
+@pytest.mark.hardening
+def test_pushed_and_served_snapshots_are_strict_json_whatever_a_cache_puts_in_info():
+    """One unserialisable event would stop ComfyUI's websocket publish loop for every client."""
+    routes = rkharness.pack("routes")
+    registry = rkharness.pack("caching.stats").StatsRegistry()
+    handle = registry.register("odd", "graph")
+    handle.set_info("last_run", {"ratio": float("nan"), "inf": float("inf"), (1, 2): "tuple key",
+                                 "reasons": ("shape", "dtype"), "device": torch_device()})
+    with pytest.raises((TypeError, ValueError)):
+        json.dumps(registry.snapshot(), allow_nan=False)
+    loop = asyncio.new_event_loop()
+    sent = []
+    pusher = routes.StatsPusher(lambda event, data: sent.append(data), loop, interval=0.0, registry=registry)
+    try:
+        pusher.notify()
+        loop.run_until_complete(asyncio.sleep(0.05))
+    finally:
+        loop.close()
+    (data,) = sent
+    text = json.dumps(data, allow_nan=False)
+    info = json.loads(text)["caches"][0]["info"]["last_run"]
+    assert info == {"ratio": None, "inf": None, "(1, 2)": "tuple key", "reasons": ["shape", "dtype"],
+                    "device": "cpu"}
+
+
+def torch_device():
+    import torch
+
+    return torch.device("cpu")
+
+
+@pytest.mark.hardening
+def test_register_where_no_server_runs_adds_nothing(monkeypatch):
+    import server as comfy_server_module
+
+    routes = rkharness.pack("routes")
+    registry = rkharness.pack("caching.stats").REGISTRY
+    monkeypatch.setattr(comfy_server_module.PromptServer, "instance", None, raising=False)
+    listeners = list(registry._listeners)
+    assert routes.register() is False
+    assert registry._listeners == listeners and routes._server is None
+
+
+@pytest.mark.hardening
+def test_a_server_without_the_seams_gets_one_warning_and_no_routes(caplog):
+    class OldServer:  # a host whose PromptServer lacks routes / send_sync / loop
+        pass
+
+    routes = rkharness.pack("routes")
+    with caplog.at_level("WARNING", logger="reusekit"):
+        assert routes.register(OldServer()) is False
+    (record,) = [r for r in caplog.records if r.name == "reusekit"]
+    assert "routes, send_sync, loop" in record.getMessage() and routes._server is None
+
+
+@pytest.mark.hardening
+def test_a_clear_that_waits_on_the_sampling_thread_does_not_block_the_event_loop():
+    """The cache's lock is held elsewhere (a sampling run) while a client asks to clear it: the clear
+    waits in a worker thread and the stats route keeps answering at once."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    routes = rkharness.pack("routes")
+    registry = rkharness.pack("caching.stats").REGISTRY
+    sampling_lock = threading.Lock()
+
+    def clear():
+        with sampling_lock:
+            pass
+
+    registry.register("rktest.blocking", "step", clear=clear)
+    app = web.Application()
+    app.router.add_get("/reusekit/stats", routes.get_stats)
+    app.router.add_post("/reusekit/clear", routes.post_clear)
+
+    async def main():
+        async with TestClient(TestServer(app)) as client:
+            sampling_lock.acquire()
+            threading.Timer(1.0, sampling_lock.release).start()  # the sampling run ends in 1 s
+            start = time.monotonic()  # the loop's own clock: a blocked loop shows here
+            clearing = asyncio.ensure_future(client.post("/reusekit/clear", json={"cache": "rktest.blocking"}))
+            await asyncio.sleep(0.1)
+            response = await client.get("/reusekit/stats")
+            answered_in = time.monotonic() - start
+            assert response.status == 200
+            cleared = await clearing
+            return answered_in, cleared.status, await cleared.json()
+
+    try:
+        answered_in, status, body = asyncio.run(main())
+    finally:
+        registry.unregister("rktest.blocking")
+    assert answered_in < 0.6, answered_in  # 0.1 s of sleep, then the stats at once (not after 1 s)
+    assert status == 200 and body["cleared"] == ["rktest.blocking"]

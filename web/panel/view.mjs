@@ -1,0 +1,312 @@
+// ReuseKit panel: the DOM of the cache panel. Builds elements with textContent only (cache names and
+// facts come from the server); numbers are formatted by format.mjs.
+import {
+  aggregate,
+  chartPath,
+  counterRows,
+  formatBytes,
+  formatCount,
+  formatPercent,
+  formatSeconds,
+  humanize,
+  lastRunRows,
+  memoryRows,
+  niceMax,
+} from "./format.mjs";
+
+const STYLE_ID = "reusekit-panel-style";
+const BUDGET_KEY = "conditioning.budget_mib";
+const CHART = { width: 300, height: 70 };
+const TIER_COLORS = { total: "var(--p-primary-color, #4f9dff)", cpu: "#e0a83a", device: "#5ec27a" };
+
+const CSS = `
+.rk-panel { padding: 8px 10px 16px; font-size: 12px; color: var(--fg-color, #ddd); overflow-y: auto; height: 100%; box-sizing: border-box; }
+.rk-panel h2 { font-size: 14px; margin: 0; }
+.rk-panel h3 { font-size: 12px; margin: 12px 0 4px; text-transform: uppercase; letter-spacing: .04em; opacity: .75; }
+.rk-head { display: flex; align-items: center; justify-content: space-between; gap: 6px; }
+.rk-sub { opacity: .75; margin: 2px 0 6px; }
+.rk-warn { color: #f0b400; margin: 4px 0; }
+.rk-btn { background: var(--comfy-input-bg, #222); color: inherit; border: 1px solid var(--border-color, #444); border-radius: 4px; padding: 2px 8px; cursor: pointer; font-size: 11px; }
+.rk-btn:hover { filter: brightness(1.25); }
+.rk-btn.rk-danger { border-color: #c0504d; }
+.rk-kpis { display: grid; grid-template-columns: repeat(3, 1fr); gap: 6px; margin: 6px 0; }
+.rk-kpi { background: var(--comfy-input-bg, #222); border-radius: 4px; padding: 4px 6px; }
+.rk-kpi b { display: block; font-size: 14px; }
+.rk-bar { display: grid; grid-template-columns: 1fr auto; gap: 2px 6px; margin: 3px 0; }
+.rk-bar-track { grid-column: 1 / span 2; height: 6px; background: var(--comfy-input-bg, #222); border-radius: 3px; overflow: hidden; }
+.rk-bar-fill { height: 100%; background: var(--p-primary-color, #4f9dff); }
+.rk-bar-fill.rk-nobudget { opacity: .45; }
+.rk-bar-fill.rk-over { background: #c0504d; }
+.rk-chart svg { width: 100%; height: 70px; background: var(--comfy-input-bg, #222); border-radius: 4px; }
+.rk-legend { display: flex; gap: 10px; opacity: .8; }
+.rk-legend i { display: inline-block; width: 10px; height: 2px; vertical-align: middle; margin-right: 3px; }
+.rk-card { border: 1px solid var(--border-color, #444); border-radius: 4px; padding: 6px; margin: 6px 0; }
+.rk-card-head { display: flex; justify-content: space-between; align-items: center; gap: 6px; }
+.rk-card-head span { word-break: break-all; font-weight: 600; }
+.rk-desc { opacity: .7; margin: 2px 0 4px; }
+.rk-grid { display: grid; grid-template-columns: repeat(4, 1fr); gap: 2px 6px; margin: 4px 0; }
+.rk-grid div { display: flex; flex-direction: column; }
+.rk-grid small, .rk-rows small { opacity: .7; }
+.rk-rows { display: grid; grid-template-columns: auto 1fr; gap: 1px 8px; margin-top: 4px; }
+.rk-setting { display: grid; grid-template-columns: 1fr auto; gap: 2px 6px; align-items: center; margin: 4px 0; }
+.rk-setting input, .rk-setting select { width: 90px; background: var(--comfy-input-bg, #222); color: inherit; border: 1px solid var(--border-color, #444); border-radius: 4px; padding: 1px 4px; }
+.rk-setting .rk-error { grid-column: 1 / span 2; color: #e06c6c; }
+.rk-empty { opacity: .75; margin: 8px 0; }
+`;
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (v === undefined || v === null) continue;
+    if (k === "class") node.className = v;
+    else if (k === "text") node.textContent = v;
+    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else node.setAttribute(k, String(v));
+  }
+  for (const child of children) if (child) node.append(child);
+  return node;
+}
+
+function svg(tag, attrs = {}) {
+  const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
+  return node;
+}
+
+function ensureStyle() {
+  if (document.getElementById(STYLE_ID)) return;
+  document.head.append(el("style", { id: STYLE_ID, text: CSS }));
+}
+
+function bar(label, bytes, budget, fraction, over, attrs = {}) {
+  const value = budget === null || budget === undefined ? formatBytes(bytes) : `${formatBytes(bytes)} / ${formatBytes(budget)}`;
+  const fill = el("div", {
+    class: `rk-bar-fill${budget === null || budget === undefined ? " rk-nobudget" : ""}${over ? " rk-over" : ""}`,
+  });
+  fill.style.width = `${Math.round(fraction * 1000) / 10}%`;
+  return el("div", { class: "rk-bar", "data-bytes": bytes, ...attrs },
+    el("span", { text: label }), el("span", { text: value }), el("div", { class: "rk-bar-track" }, fill));
+}
+
+// A button that asks once more before acting: the first press arms it for a few seconds.
+function confirmButton(label, confirmLabel, action, attrs = {}) {
+  let timer = null;
+  const button = el("button", { class: "rk-btn rk-danger", type: "button", text: label, ...attrs });
+  button.addEventListener("click", async () => {
+    if (!timer) {
+      button.textContent = confirmLabel;
+      button.dataset.armed = "true";
+      timer = setTimeout(() => {
+        timer = null;
+        button.textContent = label;
+        delete button.dataset.armed;
+      }, 4000);
+      return;
+    }
+    clearTimeout(timer);
+    timer = null;
+    button.textContent = label;
+    delete button.dataset.armed;
+    button.disabled = true;
+    try {
+      await action();
+    } finally {
+      button.disabled = false;
+    }
+  });
+  return button;
+}
+
+/**
+ * Mounts the panel in `root`. `actions`: { clear(name|null), setSetting(key, value) -> Promise that
+ * rejects with an Error carrying the server's message }. `history` is a MemoryHistory.
+ */
+export function createPanel(root, { actions, history }) {
+  ensureStyle();
+  const state = { snapshot: null, settings: null, error: null };
+  const status = el("div", { class: "rk-sub", "data-rk": "status", text: "Loading…" });
+  const kpis = el("div", { class: "rk-kpis" });
+  const tiers = el("div", { "data-rk": "tiers" });
+  const chartBox = el("div", { class: "rk-chart" });
+  const settingsBox = el("div", { "data-rk": "settings" });
+  const groups = el("div", { "data-rk": "groups" });
+  const clearAll = confirmButton("Clear all", "Confirm: clear all", () => actions.clear(null), { "data-rk": "clear-all" });
+  const panel = el("div", { class: "rk-panel", "data-rk": "panel" },
+    el("div", { class: "rk-head" }, el("h2", { text: "ReuseKit caches" }), clearAll),
+    status, kpis,
+    el("h3", { text: "Memory" }), tiers,
+    el("h3", { text: "Memory over time" }), chartBox,
+    settingsBox,
+    groups);
+  root.replaceChildren(panel);
+
+  function renderChart() {
+    const now = Date.now() / 1000;
+    // the x axis spans the history it has, up to the window: a fresh page's chart is not a sliver
+    const first = history.points.length ? history.points[0].t : now;
+    const windowSeconds = Math.min(history.windowSeconds, Math.max(10, now - first));
+    const names = history.tierNames();
+    const maxValue = niceMax(Math.max(0, ...history.points.map((p) => p.total)));
+    const box = svg("svg", { viewBox: `0 0 ${CHART.width} ${CHART.height}`, preserveAspectRatio: "none", "data-rk": "chart" });
+    for (const name of ["total", ...names]) {
+      const points = history.points.map((p) => ({ t: p.t, v: name === "total" ? p.total : p.tiers[name] ?? 0 }));
+      const d = chartPath(points, { now, windowSeconds, width: CHART.width, height: CHART.height, maxValue });
+      if (d) {
+        box.append(svg("path", {
+          d, fill: "none", stroke: TIER_COLORS[name] ?? "#aaa", "stroke-width": name === "total" ? 2 : 1.2,
+          "vector-effect": "non-scaling-stroke", "data-series": name,
+        }));
+      }
+    }
+    const legend = el("div", { class: "rk-legend" });
+    for (const name of ["total", ...names]) {
+      const swatch = el("i");
+      swatch.style.background = TIER_COLORS[name] ?? "#aaa";
+      legend.append(el("span", {}, swatch, document.createTextNode(name)));
+    }
+    const span = windowSeconds < 90 ? `${Math.round(windowSeconds)} s` : `${Math.round(windowSeconds / 60)} min`;
+    legend.append(el("span", { text: `max ${formatBytes(maxValue)} · last ${span}` }));
+    chartBox.replaceChildren(box, legend);
+  }
+
+  function renderSettings() {
+    const settings = state.settings;
+    if (!settings || !Object.keys(settings).length) {
+      settingsBox.replaceChildren();
+      return;
+    }
+    if (settingsBox.contains(document.activeElement)) return; // never overwrite what the user types
+    const keys = Object.keys(settings).sort((a, b) => (a === BUDGET_KEY ? -1 : b === BUDGET_KEY ? 1 : a.localeCompare(b)));
+    const rows = keys.map((key) => settingRow(key, settings[key]));
+    settingsBox.replaceChildren(el("h3", { text: "Settings" }), ...rows);
+  }
+
+  function settingRow(key, s) {
+    const label = key === BUDGET_KEY ? "Conditioning budget (MiB)" : s.description || humanize(key);
+    const error = el("div", { class: "rk-error", "data-rk": "setting-error" });
+    let input;
+    if (s.type === "bool") {
+      input = el("input", { type: "checkbox" });
+      input.checked = Boolean(s.value);
+    } else if (Array.isArray(s.choices) && s.choices.length) {
+      input = el("select", {}, ...s.choices.map((c) => el("option", { value: c, text: String(c) })));
+      input.value = s.value;
+    } else if (s.type === "int" || s.type === "float") {
+      input = el("input", { type: "number", min: s.min, max: s.max, step: s.type === "int" ? 1 : "any" });
+      input.value = String(s.value);
+    } else {
+      input = el("input", { type: "text" });
+      input.value = s.value ?? "";
+    }
+    input.dataset.rkSetting = key;
+    input.title = key;
+    const apply = async () => {
+      let value;
+      if (s.type === "bool") value = input.checked;
+      else if (s.type === "int" || s.type === "float") value = input.value.trim() === "" ? null : Number(input.value);
+      else value = input.value;
+      if (value === s.value) return;
+      error.textContent = "";
+      try {
+        await actions.setSetting(key, value);
+      } catch (exc) {
+        error.textContent = exc?.message ?? String(exc);
+        input.blur();
+      }
+    };
+    input.addEventListener("change", apply);
+    input.addEventListener("keydown", (e) => {
+      if (e.key === "Enter") input.blur();
+    });
+    return el("label", { class: "rk-setting", title: key },
+      el("span", { text: label }), input, error);
+  }
+
+  function cacheCard(c) {
+    const card = el("div", { class: "rk-card", "data-rk-cache": c.name });
+    const head = el("div", { class: "rk-card-head" }, el("span", { text: c.name }));
+    if (c.clearable) {
+      head.append(el("button", {
+        class: "rk-btn", type: "button", text: "Clear", "data-rk": "clear", title: `Clear ${c.name}`,
+        onclick: () => actions.clear(c.name),
+      }));
+    }
+    card.append(head);
+    if (c.description) card.append(el("div", { class: "rk-desc", text: c.description }));
+    for (const r of memoryRows([c])) {
+      card.append(bar(`${r.tier}`, r.bytes, r.budget, r.fraction, r.over, { "data-rk": "cache-bytes", "data-tier": r.tier }));
+    }
+    const grid = el("div", { class: "rk-grid" });
+    const cells = [["entries", formatCount(c.entries ?? 0)], ...counterRows(c).map(([k, v]) => [k, formatCount(v)]),
+      ["hit rate", formatPercent(c.hit_rate)], ["time saved", formatSeconds(c.time_saved_s ?? 0)]];
+    for (const [k, v] of cells) {
+      grid.append(el("div", { "data-rk-counter": k }, el("small", { text: k }), el("span", { text: v })));
+    }
+    card.append(grid);
+    const lastRun = lastRunRows(c.info?.last_run);
+    if (lastRun.length) {
+      const rows = el("div", { class: "rk-rows", "data-rk": "last-run" });
+      for (const [k, v] of lastRun) rows.append(el("small", { text: k }), el("span", { text: v }));
+      card.append(el("h3", { text: "Last run" }), rows);
+    }
+    return card;
+  }
+
+  function render() {
+    renderSettings();
+    renderChart();
+    if (state.error) {
+      status.textContent = state.error;
+      status.className = "rk-warn";
+    }
+    const snap = state.snapshot;
+    if (!snap) return;
+    const agg = aggregate(snap);
+    if (!state.error) {
+      status.className = "rk-sub";
+      status.textContent = `${agg.count} cache${agg.count === 1 ? "" : "s"} · updated ${new Date((snap.time ?? Date.now() / 1000) * 1000).toLocaleTimeString()}`;
+    }
+    kpis.replaceChildren(
+      el("div", { class: "rk-kpi", "data-rk": "total-bytes", "data-bytes": agg.totalBytes },
+        el("small", { text: "memory held" }), el("b", { text: formatBytes(agg.totalBytes) })),
+      el("div", { class: "rk-kpi", "data-rk": "hit-rate" }, el("small", { text: "hit rate" }), el("b", { text: formatPercent(agg.hitRate) })),
+      el("div", { class: "rk-kpi", "data-rk": "time-saved" }, el("small", { text: "time saved" }), el("b", { text: formatSeconds(agg.timeSaved) })));
+    const largest = Math.max(1, ...agg.tiers.filter((t) => t.budget === null).map((t) => t.bytes));
+    tiers.replaceChildren(...agg.tiers.map((t) => {
+      const scale = t.budget === null ? largest : t.budget;
+      return bar(`${t.tier} total`, t.bytes, t.budget, scale > 0 ? Math.min(1, t.bytes / scale) : 0,
+        t.budget !== null && t.bytes > t.budget, { "data-rk": "tier-bytes", "data-tier": t.tier });
+    }));
+    if (!agg.tiers.length) tiers.replaceChildren(el("div", { class: "rk-empty", text: "Nothing held." }));
+    if (!agg.groups.length) {
+      groups.replaceChildren(el("div", { class: "rk-empty", "data-rk": "empty",
+        text: "No ReuseKit cache has registered yet: run a workflow that uses a ReuseKit node." }));
+      return;
+    }
+    groups.replaceChildren(...agg.groups.map((g) => el("section", { "data-rk-kind": g.kind },
+      el("h3", { text: `${g.label} · ${formatBytes(g.bytes)} · hit rate ${formatPercent(g.hitRate)} · saved ${formatSeconds(g.timeSaved)}` }),
+      ...g.caches.map(cacheCard))));
+  }
+
+  const ticker = setInterval(renderChart, 5000);
+  render();
+  return {
+    element: panel,
+    update(snapshot) {
+      state.snapshot = snapshot;
+      render();
+    },
+    updateSettings(settings) {
+      state.settings = settings;
+      renderSettings();
+    },
+    setError(message) {
+      state.error = message || null;
+      render();
+    },
+    destroy() {
+      clearInterval(ticker);
+      panel.remove();
+    },
+  };
+}
