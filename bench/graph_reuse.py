@@ -30,6 +30,7 @@ rkharness.bootstrap()
 
 import comfy.patcher_extension as pe  # noqa: E402
 import comfy.sample  # noqa: E402
+
 import nodes  # noqa: E402
 
 gc = rkharness.pack("patches.graph_capture")

@@ -225,7 +225,7 @@ def can_reuse(prev: Signature | None, new: Signature) -> tuple[bool, str, str]:
     if prev == new:
         return True, "", ""
     a, b = prev.fields, new.fields
-    for fa, fb in zip(a, b):
+    for fa, fb in zip(a, b, strict=False):  # a length difference is named after the loop
         if fa == fb:
             continue
         (pa, ka, va), (pb, kb, vb) = fa, fb

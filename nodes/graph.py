@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import comfy.samplers
-import nodes as comfy_nodes
 import torch
 from comfy_api.latest import io
+
+import nodes as comfy_nodes
 
 from ..caching.graph_reuse import DISABLE_ENV
 from ..patches import graph_capture

@@ -261,7 +261,7 @@ class StaticRunner:
         return self.fn(*pos, **kw)
 
     def copy_in(self, tensors: list[torch.Tensor]) -> None:
-        for s, t in zip(self.static, tensors):
+        for s, t in zip(self.static, tensors, strict=True):
             if s.data_ptr() != t.data_ptr():
                 s.copy_(t)
 

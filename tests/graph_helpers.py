@@ -1,14 +1,12 @@
-"""Shared pieces of the graph tests (fixtures are imported into each test module)."""
+"""Shared pieces of the graph tests; each test module wraps the two fixture bodies."""
 
-import pytest
 import rkharness
 import torch
 
 LATENTS = {"flux": (1, 16, 8, 8), "wan": (1, 16, 3, 8, 8)}
 
 
-@pytest.fixture
-def gc(monkeypatch, request):
+def graph_capture_state(monkeypatch, request):
     """patches.graph_capture with clean graphs and counters; the backend is the test module's
     ``DEFAULT_BACKEND`` (None: auto, i.e. CUDA graphs on a CUDA model)."""
     mod = rkharness.pack("patches.graph_capture")
@@ -20,8 +18,7 @@ def gc(monkeypatch, request):
     mod.release_all("test")
 
 
-@pytest.fixture(scope="module")
-def conds(tiny):
+def encode_conds(tiny):
     import nodes
 
     with torch.inference_mode():
@@ -38,6 +35,7 @@ def capture(model, enable=True, max_graphs=2):
 
 def sample(model, conds, shape=(1, 16, 8, 8), cfg=2.0, steps=3, seed=7, callback=None):
     import comfy.sample
+
     import nodes
 
     pos, neg = conds
