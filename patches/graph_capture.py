@@ -138,6 +138,8 @@ def release_all(reason: str = "cleared") -> int:
 
 
 STATS.set_clear(release_all)
+STATS.info("backend", "cuda (graphs captured and replayed)" if torch.cuda.is_available()
+           else "eager: decisions only (no CUDA)")  # the panel lists the cache from the start
 
 _ORIGINALS: dict[str, Any] = {}
 

@@ -419,6 +419,7 @@ def test_global_patch_installs_once_and_uninstalls(gc):
 
 # ---- the nodes ---------------------------------------------------------------------------------
 
+@pytest.mark.hardening
 def test_capture_node_clones_and_validates(gc, tiny):
     graph = rkharness.pack("nodes.graph")
     model = tiny.tiny_flux(0)
@@ -434,25 +435,28 @@ def test_capture_node_clones_and_validates(gc, tiny):
         graph.GraphKSamplerNode.execute(model, 0, 2, 2.0, "euler", "simple", [], [], {}, 1.0, "yes", 2)
 
 
-def test_graph_ksampler_workflow_through_the_real_executor(gc):
-    prompt = {
+def graph_ksampler_prompt(seed=3):
+    return {
         "1": {"class_type": "RKTestTinyCheckpoint", "inputs": {"family": "flux", "seed": 0}},
         "2": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": "a red square"}},
         "3": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": "blurry"}},
         "4": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
         "5": {"class_type": "ReuseKitGraphKSampler",
               "inputs": {"model": ["1", 0], "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0],
-                         "seed": 3, "steps": 3, "cfg": 2.0, "sampler_name": "euler", "scheduler": "simple",
+                         "seed": seed, "steps": 3, "cfg": 2.0, "sampler_name": "euler", "scheduler": "simple",
                          "denoise": 1.0, "enable_graphs": True, "max_graphs": 2}},
         "6": {"class_type": "KSampler",
               "inputs": {"model": ["1", 0], "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0],
-                         "seed": 3, "steps": 3, "cfg": 2.0, "sampler_name": "euler", "scheduler": "simple",
+                         "seed": seed, "steps": 3, "cfg": 2.0, "sampler_name": "euler", "scheduler": "simple",
                          "denoise": 1.0}},
         "7": {"class_type": "ReuseKitCacheStats", "inputs": {"after": ["5", 0]}},
         "8": {"class_type": "ReuseKitCacheStats", "inputs": {"after": ["6", 0]}},
     }
+
+
+def test_graph_ksampler_workflow_through_the_real_executor(gc):
     ex = rkharness.Executor()
-    result = ex.run(prompt)
+    result = ex.run(graph_ksampler_prompt())
     assert "[graph] graph_reuse" in result["outputs"]["7"]["text"][0]
 
     def latent(node_id):
@@ -484,3 +488,26 @@ def test_example_workflow_runs_on_tiny_models_with_the_same_image(gc):
     ex2 = rkharness.Executor()
     ex2.run(plain)
     assert torch.equal(ex2.executor.caches.outputs.get("10").outputs[0][0], image)
+
+
+@pytest.mark.workflows
+def test_real_server_runs_graph_capture_and_the_panel_routes_show_and_switch_it(comfy_server):
+    def graph_stats():
+        (entry,) = [c for c in comfy_server.get("/reusekit/stats")["caches"] if c["name"] == "graph_reuse"]
+        return entry
+
+    assert graph_stats()["kind"] == "graph"  # listed before any run
+    entry = comfy_server.wait_for_prompt(comfy_server.queue(graph_ksampler_prompt(seed=5)))
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    stats = graph_stats()
+    assert stats["info"]["last_run"]["steps"] == 3 and stats["counters"]["hits"] >= 2
+    assert "no CUDA" in stats["info"]["backend"] or stats["info"]["last_run"]["backend"] == "cuda"
+    comfy_server.post("/reusekit/settings", {"graph_reuse.enabled": False})
+    try:
+        entry = comfy_server.wait_for_prompt(comfy_server.queue(graph_ksampler_prompt(seed=6)))
+        assert entry["status"]["status_str"] == "success"
+        assert graph_stats()["info"]["last_run"]["backend"] == "disabled"
+    finally:
+        comfy_server.post("/reusekit/settings", {"graph_reuse.enabled": True})
+    assert comfy_server.post("/reusekit/clear", {"cache": "graph_reuse"})["cleared"] == ["graph_reuse"]
+    assert graph_stats()["entries"] == 0
