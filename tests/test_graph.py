@@ -326,6 +326,30 @@ def test_step_cache_skips_do_not_replay_and_the_result_stays_the_same(gc, monkey
         assert 1 <= run["steps"] < 8 and run["captures"] + run["replays"] == run["steps"]
 
 
+def test_a_partially_loaded_model_runs_eagerly_with_the_reason(gc, monkeypatch, tiny):
+    """A real lowvram state (ComfyUI's partially_unload): weights move during the forward."""
+    import comfy.model_management as mm
+    import comfy.patcher_extension as pe
+
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = capture(tiny.tiny_flux(0))
+    mm.load_models_gpu([model])
+    try:
+        model.partially_unload(model.offload_device, memory_to_free=model.model_size() // 2)
+        assert model.model.model_lowvram
+        options = pe.copy_nested_dicts(model.model_options["transformer_options"])
+        options.update(wrappers=pe.copy_nested_dicts(model.wrappers), cond_or_uncond=[0])
+        gen, dev = torch.Generator().manual_seed(0), model.load_device
+        x, ctx, y = (torch.randn(*shape, generator=gen).to(dev) for shape in ((1, 16, 8, 8), (1, 77, 32), (1, 32)))
+        t = torch.full((1,), 0.5, device=dev)
+        kwargs = dict(c_crossattn=ctx, y=y, guidance=torch.full((1,), 3.5, device=dev))
+        out = model.model.apply_model(x, t, transformer_options=options, **kwargs)
+        assert counters(gc)["bypasses.partial_load"] == 1 and "captures" not in counters(gc)
+        assert torch.equal(out, model.model.apply_model(x, t, transformer_options={}, **kwargs))
+    finally:
+        mm.unload_all_models()
+
+
 def test_weight_wrappers_and_transformer_patches_run_eagerly_with_a_reason(gc, monkeypatch, tiny, conds):
     monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
     model = tiny.tiny_flux(0)
