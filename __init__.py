@@ -9,7 +9,9 @@ WEB_DIRECTORY = "./web"
 
 async def comfy_entrypoint():
     from .nodes import ReuseKitExtension
+    from .patches import rope
     from .routes import register as register_routes
 
+    rope.install()  # RoPE builders ask the PE cache; pass-through for models without it
     register_routes()  # the panel's /reusekit/ routes and stats push, where a server runs
     return ReuseKitExtension()

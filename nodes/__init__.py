@@ -12,7 +12,7 @@ import logging
 from comfy_api.latest import ComfyExtension, io
 
 CATEGORY = "ReuseKit"
-NODE_MODULES = ("stats", "graph")
+NODE_MODULES = ("stats", "pe_cache", "graph")
 
 log = logging.getLogger("reusekit")
 

@@ -12,9 +12,9 @@ stay outside the graph. A call runs eagerly, with the same result, when the mode
 loaded (lowvram), when hooks or weight wrappers change weights per step, when transformer patches
 run Python inside the forward, under torch.compile, or when an input cannot be captured.
 
-Captured graphs are released when any patcher loads or unloads the model's weights (a global
-patch of ``ModelPatcher.load / unpatch_model / partially_unload``; :func:`install` and
-:func:`uninstall`). Where the host captures per-block graphs itself (``comfy/model_prefetch.py``)
+Captured graphs are released when any patcher loads or unloads the model's weights (listeners on
+``ModelPatcher.load / unpatch_model / partially_unload`` through patches/lifecycle.py;
+:func:`install` and :func:`uninstall`). Where the host captures per-block graphs itself (``comfy/model_prefetch.py``)
 this backend defers to it. Without CUDA the decision still runs (the stats show what would be
 reused) and every forward runs eagerly.
 """
@@ -36,6 +36,7 @@ import torch
 
 from ..caching import graph_reuse as gr
 from ..caching.settings import SETTINGS
+from . import lifecycle
 
 log = logging.getLogger("reusekit")
 
@@ -141,52 +142,44 @@ STATS.set_clear(release_all)
 STATS.info("backend", "cuda (graphs captured and replayed)" if torch.cuda.is_available()
            else "eager: decisions only (no CUDA)")  # the panel lists the cache from the start
 
-_ORIGINALS: dict[str, Any] = {}
+def _on_load(patcher, *args, **kwargs) -> None:
+    release_model(patcher.model, "reloaded", "ModelPatcher.load")
 
 
-def _weights_hook(name: str, reason: str, orig):
-    def wrapper(self, *args, **kwargs):
-        if name != "unpatch_model" or kwargs.get("unpatch_weights", args[1] if len(args) > 1 else True):
-            release_model(self.model, reason, f"ModelPatcher.{name}")
-        return orig(self, *args, **kwargs)
+def _on_unpatch(patcher, device_to=None, unpatch_weights=True, *args, **kwargs) -> None:
+    if unpatch_weights:  # without it only object patches move; the weights stay where they are
+        release_model(patcher.model, "unloaded", "ModelPatcher.unpatch_model")
 
-    wrapper._reusekit_graph = True
-    wrapper.__wrapped__ = orig
-    return wrapper
+
+def _on_partial_unload(patcher, *args, **kwargs) -> None:
+    release_model(patcher.model, "unloaded", "ModelPatcher.partially_unload")
+
+
+_LISTENERS = (("load", _on_load), ("unpatch_model", _on_unpatch), ("partially_unload", _on_partial_unload))
 
 
 def install() -> bool:
-    """Release graphs whenever a patcher loads, unloads or re-patches a model's weights.
-    Idempotent; False when the host lacks the methods (then nothing is captured)."""
-    import comfy.model_patcher as mp
-
-    cls = mp.ModelPatcher
-    hooks = {"load": "reloaded", "unpatch_model": "unloaded", "partially_unload": "unloaded"}
-    if not all(callable(getattr(cls, n, None)) for n in hooks):
-        say_once("probe", "ReuseKit graph: this ComfyUI's ModelPatcher has no load/unpatch_model/"
-                 "partially_unload; graph capture stays off", level=logging.WARNING)
+    """Release graphs whenever any patcher loads, unloads or re-patches a model's weights
+    (listeners on patches/lifecycle.py). Idempotent; False when the host lacks those methods."""
+    for event, fn in _LISTENERS:
+        lifecycle.add_listener(event, fn)
+    if not lifecycle.installed():
+        say_once("probe", "ReuseKit graph: this ComfyUI's ModelPatcher cannot be followed; graphs are "
+                 "only released when cleared", level=logging.WARNING)
         return False
-    for name, reason in hooks.items():
-        current = getattr(cls, name)
-        if getattr(current, "_reusekit_graph", False):
-            continue
-        _ORIGINALS[name] = current
-        setattr(cls, name, _weights_hook(name, reason, current))
     return True
 
 
 def uninstall() -> None:
-    import comfy.model_patcher as mp
-
-    for name, orig in list(_ORIGINALS.items()):
-        if getattr(getattr(mp.ModelPatcher, name), "_reusekit_graph", False):
-            setattr(mp.ModelPatcher, name, orig)
-        del _ORIGINALS[name]
+    """Stop following weight changes and drop every graph (idempotent)."""
+    for event, fn in _LISTENERS:
+        lifecycle.remove_listener(event, fn)
     release_all("uninstalled")
 
 
 def installed() -> bool:
-    return bool(_ORIGINALS)
+    listening = lifecycle._listeners  # noqa: SLF001  (read-only look at who listens)
+    return lifecycle.installed() and all(fn in listening[event] for event, fn in _LISTENERS)
 
 
 # ---- runners --------------------------------------------------------------------------------

@@ -427,15 +427,16 @@ def test_host_with_its_own_per_block_graphs_is_detected(gc, monkeypatch):
     monkeypatch.setattr(gc, "_host_graphs", None)
 
 
-def test_global_patch_installs_once_and_uninstalls(gc):
-    import comfy.model_patcher as mp
-
+def test_weight_listeners_install_once_and_uninstall_releases(gc, tiny, conds, monkeypatch):
+    lifecycle = rkharness.pack("patches.lifecycle")
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    captured = capture(tiny.tiny_flux(0))  # the node installs the listeners
     gc.install()
-    wrapped = mp.ModelPatcher.load
-    gc.install()
-    assert mp.ModelPatcher.load is wrapped and getattr(wrapped, "_reusekit_graph", False)
+    assert gc.installed() and all(lifecycle._listeners[e].count(fn) == 1 for e, fn in gc._LISTENERS)
+    sample(captured, conds)
+    assert gc.STATS.handle.snapshot()["entries"] == 1
     gc.uninstall()
-    assert not getattr(mp.ModelPatcher.load, "_reusekit_graph", False) and not gc.installed()
+    assert not gc.installed() and gc.STATS.handle.snapshot()["entries"] == 0
     gc.uninstall()  # idempotent
     gc.install()
     assert gc.installed()
