@@ -350,6 +350,19 @@ def test_a_partially_loaded_model_runs_eagerly_with_the_reason(gc, monkeypatch, 
         mm.unload_all_models()
 
 
+@pytest.mark.parametrize("pe_first", [True, False])
+def test_with_the_pe_cache_in_either_order_the_result_stays_the_same(gc, monkeypatch, tiny, conds, pe_first):
+    PE = rkharness.pack("nodes.pe_cache").PECacheNode
+
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.tiny_flux(0)
+    plain = sample(model, conds, steps=4)
+    both = capture(PE.execute(model).args[0]) if pe_first else PE.execute(capture(model)).args[0]
+    assert torch.equal(sample(both, conds, steps=4), plain)
+    run = last_run(gc)
+    assert (run["captures"], run["replays"], run["bypasses"]) == (1, 3, {})
+
+
 def test_weight_wrappers_and_transformer_patches_run_eagerly_with_a_reason(gc, monkeypatch, tiny, conds):
     monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
     model = tiny.tiny_flux(0)

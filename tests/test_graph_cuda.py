@@ -5,6 +5,7 @@ private pools."""
 
 import graph_helpers
 import pytest
+import rkharness
 import torch
 from graph_helpers import LATENTS, capture, counters, last_run, sample, tiny_lora
 
@@ -52,6 +53,19 @@ def test_replay_matches_eager(gc, tiny, conds, family):
     close(sample(captured, conds, LATENTS[family], steps=6, seed=11),
           sample(model, conds, LATENTS[family], steps=6, seed=11))
     assert last_run(gc)["replays"] == 6 and last_run(gc)["captures"] == 0
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_with_the_pe_cache_replay_matches_eager(gc, tiny, conds, family):
+    """The PE cache serves the warm-up and steps aside during the capture; two resolutions make it
+    replace its tables while both graphs are kept (torch's liveness check is on here)."""
+    pe_node = rkharness.pack("nodes.pe_cache").PECacheNode
+    model = tiny.BUILDERS[family](0)
+    both = capture(pe_node.execute(model).args[0], max_graphs=2)
+    small, big = LATENTS[family], LATENTS[family][:-2] + (12, 12)
+    for shape in (small, big, small, big):
+        close(sample(both, conds, shape, steps=4), sample(model, conds, shape, steps=4))
+    assert counters(gc)["captures"] == 2 and last_run(gc)["replays"] == 4
 
 
 def test_interleaved_cond_and_uncond_graphs(gc, tiny, conds):
