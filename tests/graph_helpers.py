@@ -1,12 +1,15 @@
-"""Shared pieces of the graph tests; each test module wraps the two fixture bodies."""
+"""Shared pieces of the graph tests (a module imports the fixtures ``gc_fixture`` and
+``conds_fixture``, which pytest then offers as ``gc`` and ``conds``)."""
 
+import pytest
 import rkharness
 import torch
 
 LATENTS = {"flux": (1, 16, 8, 8), "wan": (1, 16, 3, 8, 8)}
 
 
-def graph_capture_state(monkeypatch, request):
+@pytest.fixture(name="gc")
+def gc_fixture(monkeypatch, request):
     """patches.graph_capture with clean graphs and counters; the backend is the test module's
     ``DEFAULT_BACKEND`` (None: auto, i.e. CUDA graphs on a CUDA model)."""
     mod = rkharness.pack("patches.graph_capture")
@@ -18,7 +21,8 @@ def graph_capture_state(monkeypatch, request):
     mod.release_all("test")
 
 
-def encode_conds(tiny):
+@pytest.fixture(name="conds", scope="module")
+def conds_fixture(tiny):
     import nodes
 
     with torch.inference_mode():

@@ -5,25 +5,14 @@ bypasses, the disable switches, the nodes and the stats."""
 
 import logging
 
-import graph_helpers
 import pytest
 import rkharness
 import torch
-from graph_helpers import LATENTS, capture, counters, last_run, sample, tiny_lora
+from graph_helpers import LATENTS, capture, conds_fixture, counters, gc_fixture, last_run, sample, tiny_lora  # noqa: F401  (the fixtures gc and conds)
 
 pytestmark = pytest.mark.graph
 DEFAULT_BACKEND = "eager"  # decisions only, on any device (these tests also run on a GPU machine)
 ON_CUDA = rkharness.USE_CUDA and torch.cuda.is_available()
-
-
-@pytest.fixture
-def gc(monkeypatch, request):
-    yield from graph_helpers.graph_capture_state(monkeypatch, request)
-
-
-@pytest.fixture(scope="module")
-def conds(tiny):
-    return graph_helpers.encode_conds(tiny)
 
 # ---- the decision, on real call arguments -----------------------------------------------------
 

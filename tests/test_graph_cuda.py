@@ -3,23 +3,12 @@ elsewhere): replayed output equals eager output for Flux and Wan, interleaved co
 two resolutions, a cancel mid-run and during capture, a LoRA in between, and unload releasing the
 private pools."""
 
-import graph_helpers
 import pytest
 import rkharness
 import torch
-from graph_helpers import LATENTS, capture, counters, last_run, sample, tiny_lora
+from graph_helpers import LATENTS, capture, conds_fixture, counters, gc_fixture, last_run, sample, tiny_lora  # noqa: F401  (the fixtures gc and conds)
 
 pytestmark = [pytest.mark.graph, pytest.mark.gpu]
-
-
-@pytest.fixture
-def gc(monkeypatch, request):
-    yield from graph_helpers.graph_capture_state(monkeypatch, request)
-
-
-@pytest.fixture(scope="module")
-def conds(tiny):
-    return graph_helpers.encode_conds(tiny)
 
 # eager vs replayed kernels on the same device: usually bit-exact, always within float tolerance
 TOL = {"rtol": 1e-4, "atol": 1e-4}
