@@ -14,8 +14,8 @@ run Python inside the forward, under torch.compile, or when an input cannot be c
 
 Captured graphs are released when any patcher loads or unloads the model's weights (listeners on
 ``ModelPatcher.load / unpatch_model / partially_unload`` through patches/lifecycle.py;
-:func:`install` and :func:`uninstall`). Where the host captures per-block graphs itself (``comfy/model_prefetch.py``)
-this backend defers to it. Without CUDA the decision still runs (the stats show what would be
+:func:`install` and :func:`uninstall`). Where the host captures per-block graphs itself
+(``comfy/model_prefetch.py``) this backend defers to it. Without CUDA the decision still runs (the stats show what would be
 reused) and every forward runs eagerly.
 """
 
@@ -92,8 +92,10 @@ def graph_set(base_model, max_graphs: int) -> gr.GraphSet:
     with _SETS_LOCK:
         gs = _SETS.get(base_model)
         if gs is None:
+            # its graphs go with the model: say so (registered first, so it runs after the
+            # dictionary has dropped the entry)
+            weakref.finalize(base_model, _publish_memory)
             gs = _SETS[base_model] = gr.GraphSet(max_graphs=max_graphs)
-            weakref.finalize(base_model, _publish_memory)  # its graphs go with it: say so
     if gs.max_graphs != max_graphs:
         evicted = gs.resize(max_graphs)
         if evicted:
