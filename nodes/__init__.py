@@ -12,7 +12,7 @@ import logging
 from comfy_api.latest import ComfyExtension, io
 
 CATEGORY = "ReuseKit"
-NODE_MODULES = ("stats", "conditioning", "pe_cache")
+NODE_MODULES = ("stats", "conditioning", "pe_cache", "graph")
 
 log = logging.getLogger("reusekit")
 
