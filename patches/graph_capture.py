@@ -180,8 +180,7 @@ def uninstall() -> None:
 
 
 def installed() -> bool:
-    listening = lifecycle._listeners  # noqa: SLF001  (read-only look at who listens)
-    return lifecycle.installed() and all(fn in listening[event] for event, fn in _LISTENERS)
+    return all(lifecycle.listening(event, fn) for event, fn in _LISTENERS)
 
 
 # ---- runners --------------------------------------------------------------------------------

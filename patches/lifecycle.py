@@ -90,3 +90,9 @@ def remove_listener(event: str, fn: Callable) -> None:
     with _lock:
         if fn in _listeners.get(event, []):
             _listeners[event].remove(fn)
+
+
+def listening(event: str, fn: Callable) -> bool:
+    """True when ``fn`` hears ``event`` now (registered, and the wrap installed)."""
+    with _lock:
+        return bool(_originals) and fn in _listeners.get(event, [])

@@ -143,7 +143,7 @@ def test_unloading_the_model_from_its_device_drops_device_tables_only(tiny, with
     assert cache.nbytes()["device"] > 0
     model.detach(unpatch_all=True)
     assert cache.names() == [] and cache.nbytes() == {}
-    assert rope.release_device_tables in rkharness.pack("patches.lifecycle")._listeners["detach"]
+    assert rkharness.pack("patches.lifecycle").listening("detach", rope.release_device_tables)
 
 
 @pytest.mark.hardening
