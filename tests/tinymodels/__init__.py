@@ -18,7 +18,7 @@ import tempfile
 
 import torch
 
-FAMILIES = ("flux", "wan")
+FAMILIES = ("flux", "wan", "flux_trained")
 TEXT_DIM = 32  # width of the tiny CLIP; every tiny diffusion model takes this as context
 
 
@@ -128,7 +128,14 @@ def tiny_clip_vision(seed: int = 0):
     return model
 
 
-BUILDERS = {"flux": tiny_flux, "wan": tiny_wan}
+def trained_flux(seed: int = 0):
+    """The small Flux trained on captioned shapes (trained_flux.py); ``seed`` is ignored."""
+    from .trained_flux import build
+
+    return build()
+
+
+BUILDERS = {"flux": tiny_flux, "wan": tiny_wan, "flux_trained": trained_flux}
 
 
 class RKTestTinyCheckpoint:

@@ -1,0 +1,389 @@
+"""TeaCache on ComfyUI's seams: ModelPatcher wrappers and the block-replace patches. No core
+forward is copied.
+
+- OUTER_SAMPLE wrapper: one :class:`~..caching.teacache.RunState` per sampling run (so a second
+  run, a split sampler or a hires pass starts clean), resolved coefficients, and at the end one
+  log line, the stats and (when calibrating) the fitted polynomial.
+- DIFFUSION_MODEL wrapper: one model call; knows the conds in the batch (``uuids``) and whether
+  the current sigma is inside the start/end window.
+- ``patches_replace["dit"]`` block patches on the first and every later block: the first block
+  reads the modulated input and decides; on a skip every block passes its input through and the
+  last one adds the stored residual; on a computed call the last one stores the new residual.
+
+The only per-family code is :data:`FAMILIES`: where the modulated input is and which blocks make
+up the stack.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..caching import teacache as tc
+from ..caching.stats import REGISTRY
+
+log = logging.getLogger("reusekit")
+
+KEY = "reusekit_teacache"          # wrapper key and transformer_options key of the node's settings
+RUN_KEY = "reusekit_teacache_run"  # transformer_options key of the current run's state
+CALL_KEY = "reusekit_teacache_call"
+
+
+# ---- per family: where the modulated input is, where the block stack starts and ends ---------
+
+def _flux_modulated(dm, args):
+    """Flux / HunyuanVideo: the first double block's image norm, modulated by its scale/shift."""
+    block = dm.double_blocks[0]
+    vec = args["vec"]
+    mod1 = vec[0][0] if isinstance(vec, tuple) else block.img_mod(vec)[0]  # tuple: global modulation
+    return torch.addcmul(mod1.shift, block.img_norm1(args["img"]), 1 + mod1.scale)
+
+
+def _qwen_modulated(dm, args):
+    """Qwen-Image: the first block's image norm, modulated by the first half of its img_mod."""
+    block = dm.transformer_blocks[0]
+    img_mod1 = block.img_mod(args["vec"]).chunk(2, dim=-1)[0]
+    return block._modulate(block.img_norm1(args["img"]), img_mod1)[0]
+
+
+def _wan_modulated(dm, args):
+    """Wan: the projected time embedding e0 (the published "ret mode" input)."""
+    return args["vec"]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    default_type: str  # model_type for "auto" when no calibration exists
+    classes: tuple[str, ...]  # "module:Class" of the diffusion model
+    modulated: Callable[[Any, dict], torch.Tensor]
+    blocks: Callable[[Any], list[tuple[str, int]]]
+    image_first: bool = False  # the last block's stream is (image, text) rather than (text, image)
+
+
+def _double_single(dm):
+    return ([("double_block", i) for i in range(len(dm.double_blocks))]
+            + [("single_block", i) for i in range(len(getattr(dm, "single_blocks", ())))])
+
+
+FAMILIES = (
+    Family("flux", "flux", ("comfy.ldm.flux.model:Flux",), _flux_modulated, _double_single),
+    Family("hunyuan_video", "hunyuan_video", ("comfy.ldm.hunyuan_video.model:HunyuanVideo",),
+           _flux_modulated, _double_single, image_first=True),
+    Family("wan", "wan2.1_t2v_1.3B_ret_mode", ("comfy.ldm.wan.model:WanModel",), _wan_modulated,
+           lambda dm: [("double_block", i) for i in range(len(dm.blocks))]),
+    Family("qwen_image", "calibrated", ("comfy.ldm.qwen_image.model:QwenImageTransformer2DModel",),
+           _qwen_modulated, lambda dm: [("double_block", i) for i in range(len(dm.transformer_blocks))]),
+)
+TYPE_FAMILY = {"flux": "flux", "flux-kontext": "flux", "hunyuan_video": "hunyuan_video",
+               **{k: "wan" for k in tc.COEFFICIENTS if k.startswith("wan")}}
+MODEL_TYPES = ("auto", "calibrated", *tc.COEFFICIENTS)
+
+
+def _classes(family: Family) -> list[type]:
+    import importlib
+
+    out = []
+    for spec in family.classes:
+        module, _, name = spec.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), name, None)
+        except ImportError:  # feature probe: this host has no such model
+            cls = None
+        if cls is not None:
+            out.append(cls)
+    return out
+
+
+def detect_family(model_patcher) -> Family:
+    """The family of a ModelPatcher's diffusion model; ValueError when TeaCache does not cover it."""
+    dm = getattr(getattr(model_patcher, "model", None), "diffusion_model", None)
+    for family in FAMILIES:
+        if any(isinstance(dm, cls) for cls in _classes(family)):
+            return family
+    supported = ", ".join(f.name for f in FAMILIES)
+    raise ValueError(f"model: the step cache does not support {type(dm).__name__} models yet "
+                     f"(supported: {supported})")
+
+
+# ---- stats and calibration storage -------------------------------------------------------
+
+_stats_handle = None
+
+
+def stats():
+    global _stats_handle
+    if _stats_handle is None:
+        _stats_handle = REGISTRY.get("teacache") or REGISTRY.register(
+            "teacache", "step", "TeaCache: skips transformer steps by reusing the last residual")
+    return _stats_handle
+
+
+def _default_store_path() -> Path | None:
+    try:
+        import folder_paths
+
+        return Path(folder_paths.get_user_directory()) / "reusekit" / "teacache_calibration.json"
+    except Exception:  # no user directory on this host: keep calibrations in memory
+        return None
+
+
+STORE = tc.CalibrationStore(_default_store_path())
+
+
+def model_fingerprint(model_patcher, family: Family) -> str:
+    model = model_patcher.model
+    params = list(model.diffusion_model.named_parameters())
+    sample = params[:2] + params[-2:]
+    cfg = getattr(getattr(model, "model_config", None), "unet_config", {})
+    return tc.fingerprint(family.name, repr(sorted((str(k), repr(v)) for k, v in dict(cfg).items())), sample)
+
+
+# ---- the settings the node attaches ------------------------------------------------------
+
+class Settings:
+    """The node's settings in transformer_options. Immutable, so clones share it (deepcopy too)."""
+
+    def __init__(self, config: tc.StepCacheConfig, family: Family):
+        self.config, self.family = config, family
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def apply(model_patcher, config: tc.StepCacheConfig):
+    """A clone of ``model_patcher`` with the step cache attached (the input is not changed)."""
+    family = detect_family(model_patcher)
+    if config.model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type: unknown {config.model_type!r} (one of {', '.join(MODEL_TYPES)})")
+    wanted = TYPE_FAMILY.get(config.model_type)
+    if wanted is not None and wanted != family.name:
+        raise ValueError(f"model_type: {config.model_type!r} is for {wanted} models, this is a {family.name} model")
+    import comfy.patcher_extension as pe
+
+    m = model_patcher.clone()
+    m.model_options["transformer_options"][KEY] = Settings(config, family)
+    for kind, fn in ((pe.WrappersMP.OUTER_SAMPLE, _outer_sample), (pe.WrappersMP.DIFFUSION_MODEL, _diffusion_model)):
+        m.remove_wrappers_with_key(kind, KEY)  # applying twice replaces, never stacks
+        m.add_wrapper_with_key(kind, KEY, fn)
+    blocks = family.blocks(m.model.diffusion_model)
+    dit = m.model_options["transformer_options"].get("patches_replace", {}).get("dit", {})
+    for i, (name, index) in enumerate(blocks):
+        prior = dit.get((name, index))
+        prior = getattr(prior, "_reusekit_prior", prior)  # ours from an earlier apply: unwrap
+        m.set_model_patch_replace(_block_patch(i == 0, i == len(blocks) - 1, prior), "dit", name, index)
+    return m
+
+
+# ---- the seams ---------------------------------------------------------------------------
+
+def _block_patch(first: bool, last: bool, prior):
+    def patch(args, extra):
+        call = (args.get("transformer_options") or {}).get(CALL_KEY)
+        run_block = (lambda a: prior(a, extra)) if prior is not None else extra["original_block"]
+        if call is None:
+            return run_block(args)
+        return call.block(args, run_block, first, last)
+
+    patch._reusekit_prior = prior
+    return patch
+
+
+def _passthrough(args) -> dict:
+    return {k: args[k] for k in ("img", "txt") if k in args}
+
+
+class _Call:
+    """One diffusion-model call: the conds in the batch and the skip decision."""
+
+    def __init__(self, run: tc.RunState, family: Family, dm, keys: list, labels: list[str], may_skip: bool,
+                 sigma: torch.Tensor | None):
+        self.run, self.family, self.dm, self.sigma = run, family, dm, sigma
+        self.keys, self.labels, self.may_skip = keys, labels, may_skip
+        self.skip: bool | None = None
+        self.stack_in: torch.Tensor | None = None
+
+    def block(self, args: dict, run_block, first: bool, last: bool) -> dict:
+        if not first and self.skip is None:  # our first-block patch was replaced later: stay out
+            return run_block(args)
+        if first:
+            img = args["img"]
+            if img.shape[0] % len(self.keys):  # a batch we cannot split per cond: treat as one
+                self.keys, self.labels = [tuple(self.keys)], ["batch"]
+            try:
+                mods = self.family.modulated(self.dm, args).chunk(len(self.keys))
+            except (AttributeError, TypeError, IndexError, KeyError, RuntimeError) as exc:
+                _warn_once(self.family.name, exc)  # a variant we do not know: compute, never skip
+                self.skip = False
+                return run_block(args)
+            chunk = (img.shape[0] // len(self.keys), *img.shape[1:])
+            self.skip = self.run.decide(self.keys, self.labels, list(mods), self.may_skip, chunk)
+            if not self.skip:
+                self.stack_in = img.clone()  # blocks add their residuals in place
+        if self.skip:
+            out = _passthrough(args)
+            if last:
+                img = out["img"]
+                n = self.run.conds[self.keys[0]].residual.shape[1]
+                res = torch.cat([self.run.residual(k, img, self.sigma) for k in self.keys])
+                if img.shape[1] == n:
+                    out["img"] = img + res
+                elif self.family.image_first:
+                    out["img"] = torch.cat([img[:, :n] + res, img[:, n:]], 1)
+                else:
+                    out["img"] = torch.cat([img[:, :-n], img[:, -n:] + res], 1)
+            return out
+        out = run_block(args)
+        if last and self.stack_in is not None:
+            n = self.stack_in.shape[1]
+            image = out["img"][:, :n] if self.family.image_first else out["img"][:, -n:]
+            residual = image - self.stack_in
+            for key, r in zip(self.keys, residual.chunk(len(self.keys)), strict=True):
+                self.run.store_residual(key, r, self.sigma)
+            self.stack_in = None
+        return out
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(family: str, exc: Exception) -> None:
+    if family not in _warned:
+        _warned.add(family)
+        log.warning("ReuseKit TeaCache: cannot read the modulated input of this %s model (%s: %s); "
+                    "computing every step", family, type(exc).__name__, exc)
+
+
+def _transformer_options(args, kwargs) -> dict:
+    to = kwargs.get("transformer_options")
+    if isinstance(to, dict):
+        return to
+    for a in reversed(args):
+        if isinstance(a, dict):
+            return a
+    return {}
+
+
+def _labels(to: dict, n: int) -> list[str]:
+    names = {0: "cond", 1: "uncond"}
+    raw = [names.get(c, f"cond{c}") for c in (to.get("cond_or_uncond") or [])]
+    if len(raw) != n:
+        raw = [f"cond{i}" for i in range(n)]
+    seen: dict[str, int] = {}
+    out = []
+    for lab in raw:
+        seen[lab] = seen.get(lab, 0) + 1
+        out.append(lab if seen[lab] == 1 else f"{lab}#{seen[lab]}")
+    return out
+
+
+def _diffusion_model(executor, *args, **kwargs):
+    to = _transformer_options(args, kwargs)
+    run: tc.RunState | None = to.get(RUN_KEY)
+    settings: Settings | None = to.get(KEY)
+    if run is None or settings is None:  # called outside a sampling run: plain forward
+        return executor(*args, **kwargs)
+    sigmas = to.get("sigmas")
+    sigma = sigmas.max().float() if sigmas is not None else None  # stays on its device: no sync here
+    may_skip = False if sigma is None else run.in_window(sigma)
+    keys = list(to.get("uuids") or []) or ["cond"]
+    call = _Call(run, settings.family, executor.class_obj, keys, _labels(to, len(keys)), may_skip, sigma)
+    to[CALL_KEY] = call
+    t0 = time.perf_counter()
+    try:
+        out = executor(*args, **kwargs)
+    finally:
+        to.pop(CALL_KEY, None)
+    dt = time.perf_counter() - t0
+    if call.skip:
+        run.calls_skipped += 1
+        run.time_skipped += dt
+    elif call.skip is not None:
+        run.calls_computed += 1
+        run.time_computed += dt
+        mem = run.residual_bytes()
+        s = stats()
+        s.set_memory("device", mem["device"])
+        s.set_memory("cpu", mem["cpu"])
+    return out
+
+
+def resolve(settings: Settings, model_patcher) -> tuple[tuple[float, ...], str, str]:
+    """(coefficients, model_type used, fingerprint) for this run."""
+    cfg, family = settings.config, settings.family
+    fp = model_fingerprint(model_patcher, family)
+    if cfg.calibrate:
+        return tc.COEFFICIENTS.get(family.default_type, (0, 0, 0, 1.0, 0)), "calibrating", fp
+    if cfg.model_type in ("auto", "calibrated"):
+        stored = STORE.get(fp)
+        if stored is not None:
+            return stored, "calibrated", fp
+        if cfg.model_type == "calibrated" or family.default_type == "calibrated":
+            raise ValueError(f"ReuseKit TeaCache: model_type: no calibration for this {family.name} model yet; run it once "
+                             "through ReuseKit TeaCache Calibrate (or pick published coefficients)")
+        return tc.COEFFICIENTS[family.default_type], family.default_type, fp
+    return tc.COEFFICIENTS[cfg.model_type], cfg.model_type, fp
+
+
+def _outer_sample(executor, *args, **kwargs):
+    import comfy.model_patcher
+
+    guider = executor.class_obj
+    orig = guider.model_options
+    settings: Settings | None = orig.get("transformer_options", {}).get(KEY)
+    if settings is None:
+        return executor(*args, **kwargs)
+    cfg = settings.config
+    coeffs, used_type, fp = resolve(settings, guider.model_patcher)
+    ms = guider.model_patcher.model.model_sampling
+    run = tc.RunState(cfg, coeffs, float(ms.percent_to_sigma(cfg.start_percent)),
+                      float(ms.percent_to_sigma(cfg.end_percent)))
+    guider.model_options = comfy.model_patcher.create_model_options_clone(orig)
+    guider.model_options["transformer_options"][RUN_KEY] = run
+    try:
+        return executor(*args, **kwargs)
+    finally:
+        guider.model_options = orig
+        sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
+        _finish(run, settings, used_type, fp, len(sigmas) - 1 if sigmas is not None else None)
+
+
+def _finish(run: tc.RunState, settings: Settings, used_type: str, fp: str, total_steps: int | None) -> None:
+    summary = run.summary(total_steps)
+    summary["model_type"] = used_type
+    summary["family"] = settings.family.name
+    s = stats()
+    s.incr("runs")
+    s.incr("calls_computed", run.calls_computed)
+    s.incr("calls_skipped", run.calls_skipped)
+    for lab, c in summary["conds"].items():
+        s.incr(f"{lab}_computed", c["computed"])
+        s.incr(f"{lab}_skipped", c["skipped"])
+    s.add_time_saved(summary["time_saved_s"])
+    summary["peak_residual_bytes"] = run.residual_bytes()
+    s.set_memory("device", 0)
+    s.set_memory("cpu", 0)
+    per_cond = ", ".join(f"{lab} {c['computed']}/{c['computed'] + c['skipped']}" for lab, c in summary["conds"].items())
+    if run.config.calibrate:
+        xs, ys = run.calibration_points()
+        try:
+            coeffs = tc.fit_polynomial(xs, ys)
+        except ValueError as exc:
+            log.warning("ReuseKit TeaCache Calibrate: no polynomial fitted (%s)", exc)
+        else:
+            STORE.put(fp, coeffs, family=settings.family.name, points=len(xs))
+            summary["calibration"] = {"coefficients": list(coeffs), "points": len(xs), "fingerprint": fp}
+            s.set_info("last_calibration", summary["calibration"])
+            log.info("ReuseKit TeaCache Calibrate (%s): fitted %s from %d steps; later runs of this model "
+                     "with model_type auto/calibrated use it", settings.family.name,
+                     [round(c, 4) for c in coeffs], len(xs))
+    s.set_info("last_run", summary)
+    log.info("ReuseKit TeaCache (%s, %s, thresh %.3g): computed %d of %d model calls (%.2fx fewer; per cond %s), "
+             "~%.2f s saved", settings.family.name, used_type, run.config.rel_l1_thresh, run.calls_computed,
+             run.calls_computed + run.calls_skipped, summary["speedup_calls"], per_cond or "none",
+             summary["time_saved_s"])

@@ -1,0 +1,400 @@
+"""Step cache (TeaCache): the math, and the nodes on real models through the real KSampler.
+
+Quality-relevant tests use the small Flux trained on captioned shapes (tests/tinymodels/
+trained_flux.py): on random weights consecutive steps barely differ and CFG does nothing.
+"""
+
+import importlib
+import json
+import logging
+
+import pytest
+import rkharness
+import torch
+
+pytestmark = pytest.mark.step_cache
+
+STEPS = 10
+
+
+def tc():
+    return rkharness.pack("caching.teacache")
+
+
+def P():
+    return rkharness.pack("patches.teacache")
+
+
+def N():
+    return rkharness.pack("nodes.teacache")
+
+
+def tiny_module(name):
+    return importlib.import_module(f"{rkharness.TINY.__name__}.{name}")
+
+
+@pytest.fixture(scope="module")
+def flux():
+    return tiny_module("trained_flux").build()
+
+
+@pytest.fixture(scope="module")
+def conds(tiny):
+    import nodes
+
+    clip = tiny.tiny_clip(0)
+    with torch.inference_mode():
+        (pos,) = nodes.CLIPTextEncode().encode(clip, "a red circle on a black background")
+        (neg,) = nodes.CLIPTextEncode().encode(clip, "")
+    return pos, neg
+
+
+@pytest.fixture(autouse=True)
+def _isolated_calibrations(monkeypatch, tmp_path):
+    """Calibrations go to a temporary file, and none leaks between tests."""
+    store = tc().CalibrationStore(tmp_path / "teacache_calibration.json")
+    monkeypatch.setattr(P(), "STORE", store)
+    return store
+
+
+def sample(model, conds, steps=STEPS, cfg=3.0, shape=(1, 16, 8, 8), seed=3):
+    import nodes
+
+    pos, neg = conds
+    (out,) = nodes.common_ksampler(model, seed, steps, cfg, "euler", "simple", pos, neg,
+                                   {"samples": torch.zeros(shape)})
+    return out["samples"]
+
+
+def teacache(model, thresh, model_type="flux", start=0.0, end=1.0, max_skips=0, device="device",
+             mode="extrapolate"):
+    (m,) = N().TeaCacheNode.execute(model, model_type, thresh, start, end, max_skips, device, mode).args
+    return m
+
+
+def last_run():
+    return P().stats().snapshot()["info"]["last_run"]
+
+
+def rel_err(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+# ---- the pure math --------------------------------------------------------------------------
+
+def test_rel_l1_and_rescale_are_the_published_formulas():
+    m = tc()
+    prev, cur = torch.tensor([1.0, -2.0, 4.0]), torch.tensor([1.5, -2.0, 3.0])
+    assert float(m.rel_l1(cur, prev)) == pytest.approx((0.5 + 0 + 1.0) / 3 / (7 / 3))
+    x = torch.tensor(0.1)
+    c = m.COEFFICIENTS["flux"]
+    expected = abs(sum(ci * 0.1 ** (4 - i) for i, ci in enumerate(c)))
+    assert float(m.rescale(c, x)) == pytest.approx(expected, rel=1e-5)
+    assert float(m.rescale((0, 0, 0, -1.0, 0), x)) == pytest.approx(0.1)  # abs: never negative
+
+
+def test_fit_polynomial_recovers_a_known_polynomial_and_rejects_too_few_points():
+    m = tc()
+    xs = [0.01 * i for i in range(1, 15)]
+    ys = [3.0 * x * x + 0.5 * x + 0.02 for x in xs]
+    coeffs = m.fit_polynomial(xs, ys, degree=2)
+    assert len(coeffs) == 5 and coeffs[:2] == (0.0, 0.0)
+    assert coeffs[2:] == pytest.approx((3.0, 0.5, 0.02), rel=1e-6, abs=1e-9)
+    with pytest.raises(ValueError, match="at least 2"):
+        m.fit_polynomial([0.1], [0.2])
+
+
+def run_state(thresh=1.0, max_skips=0, coeffs=(0, 0, 0, 1.0, 0)):
+    m = tc()
+    cfg = m.StepCacheConfig(None, "test", thresh, max_consecutive_skips=max_skips)
+    return m.RunState(cfg, coeffs, 1.0, 0.0)
+
+
+def test_decide_keeps_cond_state_separate_and_skips_only_when_every_cond_agrees():
+    rs = run_state(thresh=0.3)
+    a0, b0 = torch.ones(1, 4, 8), torch.ones(1, 4, 8) * 2
+    assert rs.decide(["a", "b"], ["cond", "uncond"], [a0, b0], True) is False  # nothing stored yet
+    rs.store_residual("a", torch.zeros(1, 4, 8))
+    rs.store_residual("b", torch.zeros(1, 4, 8))
+    # a moves 10%, b 50%: b is over the threshold, so the call computes and both reset
+    assert rs.decide(["a", "b"], ["cond", "uncond"], [a0 * 1.1, b0 * 1.5], True) is False
+    assert rs.conds["a"].accumulated == 0.0 and rs.conds["b"].computed == 2
+    # both move 10%: skip, each accumulating its own distance
+    assert rs.decide(["a", "b"], ["cond", "uncond"], [a0 * 1.21, b0 * 1.65], True) is True
+    assert float(rs.conds["a"].accumulated) == pytest.approx(0.1, rel=1e-4)
+    assert float(rs.conds["b"].accumulated) == pytest.approx(0.1, rel=1e-4)
+    assert rs.conds["a"].pattern == ["C", "C", "S"]
+    # outside the window: never skip
+    assert rs.decide(["a", "b"], ["cond", "uncond"], [a0 * 1.21, b0 * 1.65], False) is False
+
+
+def test_extrapolated_residual_follows_the_last_slope_and_never_overshoots_its_span():
+    m = tc()
+    cfg = m.StepCacheConfig(None, "test", 1.0, residual_mode="extrapolate")
+    rs = m.RunState(cfg, (0, 0, 0, 1.0, 0), 1.0, 0.0)
+    rs.decide(["a"], ["cond"], [torch.ones(1, 2, 2)], True)
+    rs.store_residual("a", torch.full((1, 2, 2), 1.0), sigma=1.0)
+    like = torch.zeros(1, 2, 2)
+    assert torch.equal(rs.residual("a", like, 0.9), torch.full((1, 2, 2), 1.0))  # one point: plain reuse
+    rs.store_residual("a", torch.full((1, 2, 2), 2.0), sigma=0.8)  # +1 per -0.2 sigma
+    assert torch.allclose(rs.residual("a", like, 0.7), torch.full((1, 2, 2), 2.5))
+    assert torch.allclose(rs.residual("a", like, 0.1), torch.full((1, 2, 2), 3.0))  # capped at one span
+    reuse = m.RunState(m.StepCacheConfig(None, "test", 1.0, residual_mode="reuse"), (0, 0, 0, 1.0, 0), 1.0, 0.0)
+    reuse.decide(["a"], ["cond"], [torch.ones(1, 2, 2)], True)
+    reuse.store_residual("a", torch.full((1, 2, 2), 1.0), sigma=1.0)
+    reuse.store_residual("a", torch.full((1, 2, 2), 2.0), sigma=0.8)
+    assert torch.equal(reuse.residual("a", like, 0.7), torch.full((1, 2, 2), 2.0))
+
+
+def test_decide_respects_max_consecutive_skips_and_resets_on_a_shape_change():
+    rs = run_state(thresh=10.0, max_skips=2)
+    x = torch.ones(1, 4, 8)
+    rs.decide(["a"], ["cond"], [x], True)
+    rs.store_residual("a", torch.zeros(1, 4, 8))
+    got = [rs.decide(["a"], ["cond"], [x * (1 + 0.01 * i)], True) for i in range(1, 7)]
+    assert got == [True, True, False, True, True, False]
+    # another shape: the old state is dropped and the call computes
+    assert rs.decide(["a"], ["cond"], [torch.ones(1, 9, 8)], True) is False
+    assert rs.resets == 1 and rs.conds["a"].residual is None
+
+
+def test_decide_never_skips_onto_a_residual_of_another_shape():
+    rs = run_state(thresh=10.0)
+    x = torch.ones(1, 4, 8)
+    rs.decide(["a"], ["cond"], [x], True, (1, 4, 8))
+    rs.store_residual("a", torch.zeros(1, 4, 8))
+    assert rs.decide(["a"], ["cond"], [x], True, (1, 6, 8)) is False  # e.g. Wan: same e0, more tokens
+    assert rs.decide(["a"], ["cond"], [x], True, (1, 4, 8)) is True
+
+
+def test_calibration_store_round_trips_through_its_file(tmp_path):
+    m = tc()
+    path = tmp_path / "cal.json"
+    m.CalibrationStore(path).put("fp1", (0.0, 0.0, 1.0, 2.0, 3.0), family="flux")
+    fresh = m.CalibrationStore(path)
+    assert fresh.get("fp1") == (0.0, 0.0, 1.0, 2.0, 3.0)
+    assert fresh.get("other") is None
+    path.write_text("not json")
+    assert m.CalibrationStore(path).get("fp1") is None  # a broken file is a miss, never an error
+
+
+# ---- on the trained Flux through the real KSampler ------------------------------------------
+
+def test_threshold_zero_gives_exactly_the_uncached_latent(flux, conds):
+    ref = sample(flux, conds)
+    out = sample(teacache(flux, 0.0), conds)
+    assert torch.equal(out, ref)
+    run = last_run()
+    assert run["calls_skipped"] == 0 and run["calls_computed"] == STEPS
+
+
+def test_a_high_threshold_skips_steps_and_reports_them(flux, conds, caplog):
+    ref = sample(flux, conds)
+    with caplog.at_level(logging.INFO, logger="reusekit"):
+        out = sample(teacache(flux, 0.8), conds)
+    run = last_run()
+    assert run["calls_skipped"] >= 3 and run["calls_computed"] + run["calls_skipped"] == STEPS
+    assert set(run["conds"]) == {"cond", "uncond"}
+    for c in run["conds"].values():
+        assert c["skipped"] == run["calls_skipped"] and len(c["trace"]) == STEPS
+        assert c["pattern"][0] == "C" and c["pattern"].count("S") == c["skipped"]
+    lines = [r.getMessage() for r in caplog.records if "ReuseKit TeaCache (flux" in r.getMessage()]
+    assert len(lines) == 1 and f"computed {run['calls_computed']} of {STEPS}" in lines[0]
+    assert not torch.equal(out, ref) and rel_err(out, ref) < 0.5  # approximate, not broken
+    snap = P().stats().snapshot()
+    assert snap["kind"] == "step" and snap["counters"]["calls_skipped"] >= 3
+
+
+def test_cond_and_uncond_keep_separate_distances_under_cfg(flux, conds):
+    sample(teacache(flux, 0.4), conds, cfg=4.0)
+    traces = {k: v["trace"] for k, v in last_run()["conds"].items()}
+    assert set(traces) == {"cond", "uncond"}
+    assert traces["cond"] != traces["uncond"]
+
+
+def test_start_and_end_percent_bound_where_steps_may_be_skipped(flux, conds):
+    import comfy.samplers
+
+    ms = flux.get_model_object("model_sampling")
+    sigmas = comfy.samplers.calculate_sigmas(ms, "simple", STEPS)[:-1].tolist()
+    for start, end in ((0.4, 1.0), (0.0, 0.6)):
+        sample(teacache(flux, 5.0, start=start, end=end), conds)
+        pattern = last_run()["conds"]["cond"]["pattern"]
+        lo, hi = ms.percent_to_sigma(end), ms.percent_to_sigma(start)
+        allowed = [lo < s <= hi for s in sigmas]
+        assert all(p == "C" for p, ok in zip(pattern, allowed) if not ok), (start, end, pattern)
+        assert "S" in pattern and not all(allowed)
+
+
+def test_max_consecutive_skips_is_respected(flux, conds):
+    sample(teacache(flux, 5.0, max_skips=1), conds)
+    pattern = last_run()["conds"]["cond"]["pattern"]
+    assert "S" in pattern and "SS" not in pattern
+
+
+def test_runs_start_clean_again_and_at_another_resolution(flux, conds):
+    model = teacache(flux, 0.8)
+    first = sample(model, conds)
+    again = sample(model, conds)
+    assert torch.equal(first, again)  # nothing carried over from the first run
+    bigger = sample(model, conds, shape=(1, 16, 12, 12))  # the old pack's "size of tensor a" bug
+    assert bigger.shape == (1, 16, 12, 12) and torch.isfinite(bigger).all()
+    assert last_run()["conds"]["cond"]["pattern"][0] == "C" and last_run()["resets"] == 0
+
+
+def test_split_sampler_passes_each_start_clean(flux, conds):
+    import nodes
+
+    pos, neg = conds
+    model = teacache(flux, 0.8)
+    latent = {"samples": torch.zeros(1, 16, 8, 8)}
+    adv = nodes.KSamplerAdvanced()
+    (half,) = adv.sample(model, "enable", 3, STEPS, 3.0, "euler", "simple", pos, neg, latent, 0, STEPS // 2,
+                         "enable")
+    first_half = last_run()
+    (done,) = adv.sample(model, "disable", 3, STEPS, 3.0, "euler", "simple", pos, neg, half, STEPS // 2,
+                         STEPS, "disable")
+    second_half = last_run()
+    assert torch.isfinite(done["samples"]).all()
+    for run in (first_half, second_half):
+        assert run["conds"]["cond"]["pattern"][0] == "C" and len(run["conds"]["cond"]["pattern"]) == STEPS // 2
+
+
+def test_cpu_cache_device_gives_the_same_latent(flux, conds):
+    on_device = sample(teacache(flux, 0.8), conds)
+    on_cpu = sample(teacache(flux, 0.8, device="cpu"), conds)
+    assert torch.equal(on_device, on_cpu)
+    assert last_run()["cache_device"] == "cpu"
+
+
+def test_cached_ksampler_equals_teacache_then_ksampler(flux, conds):
+    pos, neg = conds
+    latent = {"samples": torch.zeros(1, 16, 8, 8)}
+    (out,) = N().CachedKSamplerNode.execute(flux, 3, STEPS, 3.0, "euler", "simple", pos, neg, latent, 1.0,
+                                            "flux", 0.8, 0.0, 1.0, 0, "device", "extrapolate").args
+    assert torch.equal(out["samples"], sample(teacache(flux, 0.8), conds))
+
+
+def test_the_node_clones_and_leaves_its_input_alone(flux):
+    options_before = json.dumps(flux.model_options, default=str, sort_keys=True)
+    wrappers_before = {k: dict(v) for k, v in flux.wrappers.items()}
+    model = teacache(flux, 0.4)
+    assert model is not flux
+    assert json.dumps(flux.model_options, default=str, sort_keys=True) == options_before
+    assert flux.wrappers == wrappers_before
+    twice = teacache(model, 0.4)  # applying again replaces, never stacks
+    assert len(twice.wrappers["outer_sample"][P().KEY]) == 1
+
+
+def test_other_block_patches_are_chained_and_a_later_one_on_the_first_block_disables_skipping(flux, conds):
+    seen = []
+
+    def earlier(args, extra):  # a block patch from another node, installed before ours
+        seen.append(1)
+        return extra["original_block"](args)
+
+    before = flux.clone()
+    before.set_model_patch_replace(earlier, "dit", "double_block", 1)
+    ref = sample(flux, conds)
+    chained = teacache(before, 0.0)
+    assert torch.equal(sample(chained, conds), ref) and len(seen) == STEPS
+    after = teacache(flux, 5.0)
+    after.set_model_patch_replace(lambda args, extra: extra["original_block"](args), "dit", "double_block", 0)
+    assert torch.equal(sample(after, conds), ref)  # our decision point is gone: nothing skipped
+    assert last_run()["calls_skipped"] == 0
+
+
+@pytest.mark.hardening
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"thresh": -0.1}, "rel_l1_thresh"),
+    ({"thresh": float("nan")}, "rel_l1_thresh"),
+    ({"start": 0.7, "end": 0.3}, "start_percent"),
+    ({"max_skips": -1}, "max_consecutive_skips"),
+    ({"device": "gpu"}, "cache_device"),
+    ({"mode": "guess"}, "residual_mode"),
+    ({"model_type": "wan2.1_t2v_14B_ret_mode"}, "model_type"),
+    ({"model_type": "nope"}, "model_type"),
+])
+def test_bad_inputs_raise_value_errors_naming_node_and_input(flux, kwargs, needle):
+    args = {"thresh": 0.4} | kwargs
+    with pytest.raises(ValueError, match=f"ReuseKit TeaCache: {needle}"):
+        teacache(flux, **args)
+
+
+# ---- calibration -----------------------------------------------------------------------
+
+def test_calibration_fits_a_polynomial_that_the_next_run_uses(flux, conds, _isolated_calibrations):
+    with pytest.raises(ValueError, match="ReuseKit TeaCache: model_type: no calibration"):
+        sample(teacache(flux, 0.2, model_type="calibrated"), conds)
+    (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
+    ref = sample(cal, conds)
+    run = last_run()
+    assert run["calls_skipped"] == 0 and run["calibration"]["points"] == STEPS - 1
+    assert torch.equal(ref, sample(flux, conds))  # calibrating changes nothing
+    assert _isolated_calibrations.path.is_file()
+    out = sample(teacache(flux, 0.3, model_type="auto"), conds)
+    run = last_run()
+    assert run["model_type"] == "calibrated" and run["calls_skipped"] >= 2
+    assert rel_err(out, ref) < 0.3
+
+
+# ---- other families ---------------------------------------------------------------------
+
+PUBLISHED_DEFAULT = {"wan": "wan2.1_t2v_1.3B_ret_mode", "hunyuan_video": "hunyuan_video"}
+
+
+@pytest.mark.parametrize("family,shape", [("wan", (1, 16, 3, 8, 8)), ("qwen_image", (1, 16, 1, 8, 8)),
+                                          ("hunyuan_video", (1, 16, 2, 8, 8))])
+def test_other_families_calibrate_and_skip_through_the_real_ksampler(tiny, conds, family, shape):
+    builder = tiny.tiny_wan if family == "wan" else getattr(tiny_module("step_families"), f"tiny_{family}")
+    model = builder(0)
+    ref = sample(model, conds, steps=6, shape=shape)
+    if family in PUBLISHED_DEFAULT:  # published coefficients by default (made for the real models)
+        exact = sample(teacache(model, 0.0, model_type="auto"), conds, steps=6, shape=shape)
+        assert torch.equal(exact, ref) and last_run()["model_type"] == PUBLISHED_DEFAULT[family]
+    else:  # no published coefficients: a clear error until calibrated
+        with pytest.raises(ValueError, match="ReuseKit TeaCache: model_type: no calibration"):
+            sample(teacache(model, 0.0, model_type="auto"), conds, steps=6, shape=shape)
+    (cal,) = N().TeaCacheCalibrateNode.execute(model).args
+    sample(cal, conds, steps=6, shape=shape)
+    out = sample(teacache(model, 3.0, model_type="auto"), conds, steps=6, shape=shape)
+    run = last_run()
+    assert run["family"] == family and run["model_type"] == "calibrated" and run["calls_skipped"] >= 1
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+
+
+def test_an_unsupported_family_is_a_clear_error(tiny):
+    import comfy.supported_models
+
+    lumina = tiny._from_config(comfy.supported_models.Lumina2, dict(
+        image_model="lumina2", patch_size=2, in_channels=16, dim=64, n_layers=1, n_refiner_layers=1,
+        n_heads=2, n_kv_heads=2, multiple_of=16, ffn_dim_multiplier=None, norm_eps=1e-5, qk_norm=True,
+        cap_feat_dim=tiny.TEXT_DIM, axes_dims=[8, 12, 12], axes_lens=[300, 64, 64]), 0)
+    with pytest.raises(ValueError, match="ReuseKit TeaCache: model: .*does not support NextDiT"):
+        teacache(lumina, 0.4, model_type="auto")
+
+
+# ---- the example workflow ------------------------------------------------------------------
+
+@pytest.mark.workflows
+def test_example_workflow_runs_on_the_trained_flux(harness):
+    wf = harness.load_workflow("step_cache_flux.json")
+    assert any(n["type"] == "Note" for n in wf["nodes"])
+    prompt = harness.workflow_to_prompt(wf, family="flux_trained", overrides={
+        "8": {"width": 64, "height": 64}, "9": {"steps": STEPS}})
+    assert prompt["4"]["class_type"] == "ReuseKitTeaCache" and prompt["4"]["inputs"]["rel_l1_thresh"] == 0.4
+    result = harness.Executor(cache="none").run(prompt)
+    run = last_run()
+    assert run["family"] == "flux" and run["calls_skipped"] >= 1
+    assert "teacache" in result["outputs"]["12"]["text"][0]
+
+
+@pytest.mark.gpu
+def test_on_cuda_residuals_live_where_cache_device_says_and_the_latents_agree(flux, conds):
+    on_device = sample(teacache(flux, 0.8), conds)
+    peak_device = last_run()["peak_residual_bytes"]
+    on_cpu = sample(teacache(flux, 0.8, device="cpu"), conds)
+    peak_cpu = last_run()["peak_residual_bytes"]
+    assert peak_device["device"] > 0 and peak_device["cpu"] == 0
+    assert peak_cpu["cpu"] > 0 and peak_cpu["device"] < peak_device["device"]
+    assert torch.allclose(on_device, on_cpu, rtol=1e-4, atol=1e-5)
