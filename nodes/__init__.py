@@ -12,7 +12,7 @@ import logging
 from comfy_api.latest import ComfyExtension, io
 
 CATEGORY = "ReuseKit"
-NODE_MODULES = ("stats", "teacache")
+NODE_MODULES = ("stats", "conditioning", "pe_cache", "teacache", "graph")
 
 log = logging.getLogger("reusekit")
 

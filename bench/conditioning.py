@@ -1,0 +1,248 @@
+"""Conditioning cache benchmark: hit vs miss per kind, then five workflow scenarios through the
+real executor in each ComfyUI cache mode, with and without ReuseKit, counting encoder forwards.
+
+    .venv/bin/python bench/conditioning.py [--quick]
+
+Ratios are measured side by side in this one run. The last line is the RESULT line.
+The scenario definitions are also used by tests/test_conditioning_workflows.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+NEGATIVE = "blurry, low quality, watermark"
+MODES = ("classic", "lru", "none")
+
+
+# ---- scenarios (API-format prompts) ----------------------------------------------------------
+
+def prompt(positives, negative=NEGATIVE, seed=1, lora=None, text="tiny", size=64, steps=2):
+    """A tiny Flux text-to-image prompt. ``positives``: one text, or several combined."""
+    positives = [positives] if isinstance(positives, str) else list(positives)
+    clip = ["10", 1] if lora else ["1", 1]
+    model = ["10", 0] if lora else ["1", 0]
+    p = {"1": {"class_type": "RKTestSharedTinyCheckpoint", "inputs": {"family": "flux", "seed": 0, "text": text}},
+         "3": {"class_type": "CLIPTextEncode", "inputs": {"clip": clip, "text": negative}},
+         "4": {"class_type": "EmptySD3LatentImage", "inputs": {"width": size, "height": size, "batch_size": 1}}}
+    if lora:
+        name, strength_model = lora
+        p["10"] = {"class_type": "LoraLoader", "inputs": {"model": ["1", 0], "clip": ["1", 1], "lora_name": name,
+                                                          "strength_model": strength_model, "strength_clip": 1.0}}
+    positive = None
+    for i, text_i in enumerate(positives):
+        node = str(20 + i)
+        p[node] = {"class_type": "CLIPTextEncode", "inputs": {"clip": clip, "text": text_i}}
+        if positive is None:
+            positive = [node, 0]
+        else:
+            p[f"c{i}"] = {"class_type": "ConditioningCombine", "inputs": {"conditioning_1": positive,
+                                                                          "conditioning_2": [node, 0]}}
+            positive = [f"c{i}", 0]
+    p["5"] = {"class_type": "KSampler", "inputs": {"model": model, "positive": positive, "negative": ["3", 0],
+                                                   "latent_image": ["4", 0], "seed": seed, "steps": steps, "cfg": 2.0,
+                                                   "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}}
+    p["7"] = {"class_type": "ReuseKitCacheStats", "inputs": {"after": ["5", 0]}}
+    return p
+
+
+def scenarios(lora_name: str, text: str = "tiny") -> dict[str, tuple[int, list[dict]]]:
+    """name -> (ideal encoder forward calls, prompts run in order on one executor)."""
+    kw = {"text": text}
+    return {
+        "a. same workflow, new seed": (2, [prompt("a red square", seed=1, **kw), prompt("a red square", seed=2, **kw)]),
+        "b. A, B, A, fixed negative": (3, [prompt("a red square", **kw), prompt("a blue circle", **kw),
+                                           prompt("a red square", **kw)]),
+        "c. shared negative, 2 workflows": (5, [prompt("a red square", **kw),
+                                                prompt("a green tree", negative="dark", **kw),
+                                                prompt("a yellow star", size=96, steps=1, **kw)]),
+        "d. LoraLoader, strength_model only": (2, [prompt("a red square", lora=(lora_name, s), **kw)
+                                                   for s in (1.0, 0.5, 0.25)]),
+        "e. same text in two nodes": (2, [prompt(["a red square", "a red square"], **kw)]),
+    }
+
+
+@contextlib.contextmanager
+def counting_encoder_forwards():
+    """Counts real text-encoder forward calls (comfy.sd1_clip.SDClipModel.forward)."""
+    import comfy.sd1_clip
+
+    calls = [0]
+    original = comfy.sd1_clip.SDClipModel.forward
+
+    def forward(self, *args, **kwargs):
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    comfy.sd1_clip.SDClipModel.forward = forward
+    try:
+        yield calls
+    finally:
+        comfy.sd1_clip.SDClipModel.forward = original
+
+
+def run_scenario(rkharness, prompts, mode: str, reusekit: bool) -> tuple[int, float]:
+    """Encoder forward calls and wall seconds for ``prompts`` on a fresh executor."""
+    from_pack = rkharness.pack
+    settings = from_pack("caching.settings").SETTINGS
+    cache = from_pack("caching.conditioning").CACHE
+    before = settings.get("conditioning.enabled")
+    settings.set("conditioning.enabled", reusekit)
+    cache.clear()
+    try:
+        executor = rkharness.Executor(cache=mode)
+        with counting_encoder_forwards() as calls:
+            start = time.perf_counter()
+            for p in prompts:
+                executor.run(p)
+            seconds = time.perf_counter() - start
+        return calls[0], seconds
+    finally:
+        settings.set("conditioning.enabled", before)
+        cache.clear()
+
+
+# ---- hit vs miss per kind -----------------------------------------------------------------------
+
+def _median_time(fn, repeat):
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def kind_table(rkharness, quick: bool):
+    import torch
+
+    import nodes
+
+    tiny = rkharness.TINY
+    cache = rkharness.pack("caching.conditioning").CACHE
+    settings = rkharness.pack("caching.settings").SETTINGS
+    settings.set("conditioning.enabled", True)
+    repeat = 3 if quick else 7
+    rows = []
+
+    clip = nodes.NODE_CLASS_MAPPINGS["RKTestSharedTinyCheckpoint"]().load("flux", 0, "clip_l")[1]  # reused below
+    tokens = clip.tokenize("a photograph of an astronaut riding a (horse:1.2) on the moon, detailed")
+    text_miss = lambda: (cache.clear(), clip.encode_from_tokens(tokens, return_pooled=True))  # noqa: E731
+    text_hit = lambda: clip.encode_from_tokens(tokens, return_pooled=True)  # noqa: E731
+    rows.append(("text (CLIP-L size, 77 tokens)", text_miss, text_hit))
+
+    vae = tiny.tiny_vae(0)
+    size = 128 if quick else 256
+    image = torch.rand(1, size, size, 3, generator=torch.Generator().manual_seed(0))
+    vae_miss = lambda: (cache.clear(), vae.encode(image))  # noqa: E731
+    vae_hit = lambda: vae.encode(image)  # noqa: E731
+    rows.append((f"VAE encode ({size}x{size})", vae_miss, vae_hit))
+
+    vision = tiny.tiny_clip_vision(0)
+    vision_miss = lambda: (cache.clear(), vision.encode_image(image))  # noqa: E731
+    vision_hit = lambda: vision.encode_image(image)  # noqa: E731
+    rows.append(("CLIP vision (tiny ViT)", vision_miss, vision_hit))
+
+    results = {}
+    print(f"{'kind':34} {'miss ms':>10} {'hit ms':>10} {'hit/miss':>10}")
+    for name, miss, hit in rows:
+        miss()  # warm up
+        t_miss = _median_time(miss, repeat)
+        miss()
+        t_hit = _median_time(hit, repeat * 5)
+        results[name] = t_hit / t_miss
+        print(f"{name:34} {t_miss * 1e3:10.2f} {t_hit * 1e3:10.3f} {t_hit / t_miss:10.4f}")
+    cache.clear()
+    return results
+
+
+def sampler_side_table(rkharness):
+    """What a sampler's encode_model_conds (extra_conds per family) costs per run."""
+    import comfy.samplers
+    import torch
+
+    tiny = rkharness.TINY
+    clip = tiny.tiny_clip(0)
+    (cond,) = __import__("nodes").CLIPTextEncode().encode(clip, "a red square")
+    print(f"\n{'family':10} {'encode_model_conds ms':>22}")
+    out = {}
+    for family, shape in (("flux", (1, 16, 8, 8)), ("wan", (1, 16, 3, 8, 8))):
+        patcher = tiny.BUILDERS[family](0)
+        model = patcher.model
+        noise = torch.zeros(shape)
+        conds = [{"cross_attn": c[0], "model_conds": {}, **{k: v for k, v in c[1].items()}} for c in cond]
+
+        def run(model=model, conds=conds, noise=noise):
+            comfy.samplers.encode_model_conds(model.extra_conds, [dict(c) for c in conds], noise, "cpu", "positive",
+                                              latent_image=noise, denoise_mask=None, seed=0)
+
+        run()
+        t = _median_time(run, 20)
+        out[family] = t
+        print(f"{family:10} {t * 1e3:22.3f}")
+    return out
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "tests"))
+    import rkharness
+
+    rkharness.bootstrap()
+    import torch
+
+    loras = __import__(f"{rkharness.TINY.__name__}.conditioning", fromlist=["write_lora"])
+    with torch.inference_mode():
+        print("== hit vs miss, per kind (median of repeats) ==")
+        ratios = kind_table(rkharness, quick)
+        sampler_side_table(rkharness)
+
+        lora_name = loras.write_lora("rk_bench_tiny.safetensors", seed=3, width=32)
+        table = scenarios(lora_name, text="tiny")
+        print("\n== scenarios through the real executor (tiny text encoder): encoder forward calls ==")
+        print(f"{'scenario':36} {'ideal':>5}" + "".join(f" {m:>8} {m + '+RK':>9}" for m in MODES))
+        totals = {(m, rk): 0 for m in MODES for rk in (False, True)}
+        at_ideal = 0
+        for name, (ideal, prompts) in table.items():
+            row = f"{name:36} {ideal:5d}"
+            for mode in MODES:
+                for rk in (False, True):
+                    calls, _ = run_scenario(rkharness, prompts, mode, rk)
+                    totals[(mode, rk)] += calls
+                    row += f" {calls:8d}" if not rk else f" {calls:9d}"
+                    at_ideal += int(rk and calls == ideal)
+            print(row)
+        print(f"{'total':36} {sum(i for i, _ in table.values()):5d}"
+              + "".join(f" {totals[(m, False)]:8d} {totals[(m, True)]:9d}" for m in MODES))
+
+        # wall time on a CLIP-L-sized encoder (float32 on this CPU), ComfyUI's default cache mode
+        text = "tiny" if quick else "clip_l"
+        big = scenarios(loras.write_lora("rk_bench_clip_l.safetensors", seed=3, width=768 if text == "clip_l" else 32),
+                        text=text)
+        run_scenario(rkharness, big["a. same workflow, new seed"][1][:1], "classic", False)  # load + warm up
+        wall = {False: 0.0, True: 0.0}
+        calls = {False: 0, True: 0}
+        for _, prompts in big.values():
+            for rk in (False, True):
+                c, seconds = run_scenario(rkharness, prompts, "classic", rk)
+                wall[rk] += seconds
+                calls[rk] += c
+        print(f"\n== the five scenarios, wall time, {text} text encoder, classic cache ==")
+        print(f"classic: {wall[False]:.2f} s ({calls[False]} encodes)   classic+ReuseKit: {wall[True]:.2f} s "
+              f"({calls[True]} encodes)   speedup {wall[False] / wall[True]:.2f}x")
+
+    n = len(table) * len(MODES)
+    speedup = wall[False] / wall[True]
+    text_ratio = next(v for k, v in ratios.items() if k.startswith("text"))
+    vae_ratio = next(v for k, v in ratios.items() if k.startswith("VAE"))
+    print(f"RESULT text_hit_over_miss={text_ratio:.4f} vae_hit_over_miss={vae_ratio:.4f} "
+          f"workload_speedup={speedup:.2f} scenarios_at_ideal={at_ideal}/{n}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,627 @@
+"""The conditioning cache: one shared, bounded LRU of encoder outputs (text, vision, VAE encode).
+
+Pure logic (torch + stdlib). ``patches/conditioning.py`` builds keys from what an encoder actually
+sees and routes ComfyUI's encode calls through :meth:`ConditioningCache.fetch`.
+
+Exactness rules kept here:
+
+- A :class:`Key` holds complete, typed fields: token ids and weights, pixel bytes, shapes, dtypes,
+  options, and identity tokens for the encoder instance and its weight patches. Equality compares
+  every field; the hash only picks the bucket. No data pointer, file path or digest decides a hit.
+- Encoder instances are named by a serial number that is never reused (``identity``), so a freed
+  encoder's address cannot alias a new one; when the encoder dies its entries are dropped.
+- Weight patches (LoRA...) are interned into :class:`WeightSet` objects: two patch sets with equal
+  structure, strengths and tensor contents (``torch.equal``) become the same object, so a new
+  ``LoraLoader`` clone with the same LoRA and strength hits. An entry pins its weight set; its
+  bytes count once against the budget while any entry uses it.
+- Stored values are private copies; every hit returns a fresh copy (containers and tensors), so
+  no caller can change a stored entry.
+- Bytes (values + key contents + pinned weights) and entries are bounded; an entry larger than the
+  budget is not admitted; a budget or entry capacity of 0 disables the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+import os
+import threading
+import time
+import weakref
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .settings import SETTINGS
+from .stats import REGISTRY
+
+log = logging.getLogger("reusekit")
+
+KINDS = ("text", "vision", "vae")
+MIB = 1 << 20
+ENV_SWITCH = "REUSEKIT_CONDITIONING"
+
+
+class Uncacheable(Exception):
+    """The input or output cannot be keyed or stored exactly: the call bypasses the cache."""
+
+
+# ---- identity: serial numbers that are never reused -----------------------------------------
+
+_serial_lock = threading.RLock()  # weakref callbacks may run inside (GC)
+_serials: dict[int, tuple[weakref.ref, int]] = {}
+_next_serial = [0]
+_death_listeners: list[Callable[[int], None]] = []
+
+
+def identity(obj: Any) -> int:
+    """A serial number for ``obj``, stable while it lives and never given to another object."""
+    with _serial_lock:
+        found = _serials.get(id(obj))
+        if found is not None and found[0]() is obj:
+            return found[1]
+        _next_serial[0] += 1
+        serial = _next_serial[0]
+        oid = id(obj)
+
+        def _died(ref, oid=oid, serial=serial):
+            with _serial_lock:
+                current = _serials.get(oid)
+                if current is not None and current[1] == serial:
+                    del _serials[oid]
+            for fn in list(_death_listeners):
+                fn(serial)
+
+        _serials[oid] = (weakref.ref(obj, _died), serial)
+        return serial
+
+
+def known_identity(obj: Any) -> int | None:
+    """The serial of ``obj`` if it has one (never creates one)."""
+    with _serial_lock:
+        found = _serials.get(id(obj))
+        return found[1] if found is not None and found[0]() is obj else None
+
+
+# ---- keys -------------------------------------------------------------------------------------
+
+def tensor_field(t: torch.Tensor) -> tuple:
+    """A tensor by content: dtype, shape, device and every byte (no pointer, no digest)."""
+    flat = t.detach().reshape(-1).contiguous().cpu()
+    return ("T", str(t.dtype), tuple(t.shape), t.device.type, flat.view(torch.uint8).numpy().tobytes())
+
+
+def encode_value(value: Any) -> Any:
+    """``value`` as a hashable, typed tree that compares equal only for equal contents.
+
+    Ints, floats and bools carry a type tag (``1``, ``1.0`` and ``True`` stay distinct); floats
+    compare by their exact bits. Unknown types raise :class:`Uncacheable`.
+    """
+    kind = type(value)
+    if kind is int:  # the common case first (token ids)
+        return ("i", value)
+    if kind is float:
+        return ("f", value.hex())
+    if kind is tuple or kind is list:
+        return ("U" if kind is tuple else "L", tuple(encode_value(v) for v in value))
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return ("b", value)
+    if isinstance(value, numbers.Integral):  # Python and NumPy integers (token ids)
+        return ("i", int(value))
+    if isinstance(value, float):
+        return ("f", value.hex())
+    if isinstance(value, torch.Tensor):
+        return tensor_field(value)
+    if isinstance(value, (list, tuple)):
+        return ("L" if isinstance(value, list) else "U", tuple(encode_value(v) for v in value))
+    if isinstance(value, dict):
+        items = [(encode_value(k), encode_value(v)) for k, v in value.items()]
+        return ("D", tuple(sorted(items, key=lambda kv: repr(kv[0]))))
+    if isinstance(value, (torch.dtype, torch.device)):
+        return (type(value).__name__, str(value))
+    if isinstance(value, (bytes, frozenset)):
+        return (type(value).__name__, value)
+    raise Uncacheable(f"cannot key a {type(value).__name__}")
+
+
+def _field_bytes(field: Any) -> int:
+    """Approximate memory of a key's fields (bytes exactly, Python objects by their usual size)."""
+    if isinstance(field, bytes):
+        return 33 + len(field)
+    if isinstance(field, tuple):
+        return 40 + 8 * len(field) + sum(_field_bytes(f) for f in field)
+    if isinstance(field, str):
+        return 49 + len(field)
+    return 0 if field is None else 32
+
+
+class WeightSet:
+    """An interned set of weight patches; equal contents share one object (compared by identity)."""
+
+    __slots__ = ("skeleton", "tensors", "nbytes", "device", "__weakref__")
+
+    def __init__(self, skeleton: tuple, tensors: list[torch.Tensor]):
+        self.skeleton = skeleton
+        self.tensors = tensors
+        unique = {id(t): t for t in tensors}
+        self.nbytes = sum(t.numel() * t.element_size() for t in unique.values())
+        self.device = "cpu" if all(t.device.type == "cpu" for t in unique.values()) else "device"
+
+
+_weights_lock = threading.RLock()
+_weight_sets: dict[tuple, list[weakref.ref]] = {}
+
+
+def _sample(t: torch.Tensor) -> bytes:
+    flat = t.detach().reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        return b""
+    idx = torch.linspace(0, n - 1, steps=min(n, 8)).long().to(flat.device)
+    return flat[idx].cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def intern_weights(structure: Any) -> WeightSet | None:
+    """The one :class:`WeightSet` for a patch structure (primitives and tensors), or None if empty.
+
+    Tensors are compared in full (``torch.equal``) against live candidates with the same skeleton
+    and sampled values; the first equal one is returned, else a new set is registered.
+    """
+    if not structure:
+        return None
+    tensors: list[torch.Tensor] = []
+
+    def skel(v):
+        if isinstance(v, torch.Tensor):
+            tensors.append(v)
+            return ("T", str(v.dtype), tuple(v.shape), str(v.device))
+        if isinstance(v, (list, tuple)):
+            return ("L", tuple(skel(x) for x in v))
+        if isinstance(v, dict):
+            return ("D", tuple(sorted(((encode_value(k), skel(x)) for k, x in v.items()), key=lambda kv: repr(kv[0]))))
+        return encode_value(v)
+
+    skeleton = skel(structure)
+    bucket = (skeleton, tuple(_sample(t) for t in tensors))
+    with _weights_lock:
+        refs = _weight_sets.setdefault(bucket, [])
+        refs[:] = [r for r in refs if r() is not None]
+        for ref in refs:
+            candidate = ref()
+            if candidate is not None and all(a is b or torch.equal(a, b) for a, b in zip(candidate.tensors, tensors, strict=True)):
+                return candidate
+        made = WeightSet(skeleton, tensors)
+        refs.append(weakref.ref(made))
+        if len(_weight_sets) > 256:  # forget buckets whose sets all died
+            for b in [b for b, rs in _weight_sets.items() if not any(r() is not None for r in rs)]:
+                del _weight_sets[b]
+        return made
+
+
+class Key:
+    """A complete cache key. ``owners``: serials of the encoder instances it depends on."""
+
+    __slots__ = ("kind", "fields", "owners", "weights", "_nbytes", "_hash")
+
+    def __init__(self, kind: str, fields: tuple, owners: tuple[int, ...] = (),
+                 weights: tuple[WeightSet, ...] = ()):
+        if kind not in KINDS:
+            raise ValueError(f"unknown conditioning kind {kind!r}")
+        self.kind = kind
+        self.fields = fields
+        self.owners = tuple(owners)
+        self.weights = tuple(w for w in weights if w is not None)
+        self._nbytes = None
+        self._hash = hash((kind, fields, self.owners, tuple(id(w) for w in self.weights)))
+
+    @property
+    def nbytes(self) -> int:
+        """Approximate memory of the fields (computed when first stored, not on every lookup)."""
+        if self._nbytes is None:
+            self._nbytes = _field_bytes(self.fields)
+        return self._nbytes
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Key):
+            return NotImplemented
+        return (self._hash == other._hash and self.kind == other.kind and self.owners == other.owners
+                and len(self.weights) == len(other.weights)
+                and all(a is b for a, b in zip(self.weights, other.weights, strict=True))
+                and self.fields == other.fields)
+
+
+# ---- stored values: private copies ------------------------------------------------------------
+
+_CONTAINERS: dict[type, str] = {}
+
+
+def register_container(cls: type) -> None:
+    """Allow an attribute-bag output class (e.g. CLIP vision's ``Output``) in stored values."""
+    _CONTAINERS[cls] = cls.__qualname__
+
+
+def freeze(value: Any, keep_device: bool) -> tuple[Any, dict[str, int]]:
+    """A private copy of ``value`` and its bytes per tier. Tensors go to the CPU unless
+    ``keep_device`` (then device tensors stay where they are). Raises Uncacheable for other types."""
+    tiers = {"cpu": 0, "device": 0}
+
+    def go(v):
+        if isinstance(v, torch.Tensor):
+            if v.requires_grad:
+                raise Uncacheable("tensor requires grad")
+            stay = keep_device and v.device.type != "cpu"
+            stored = v.detach().clone() if stay else v.detach().to("cpu", copy=True)
+            tiers["device" if stay else "cpu"] += stored.numel() * stored.element_size()
+            return ("T", stored, v.device)
+        if v is None or isinstance(v, (bool, int, float, str, bytes, torch.dtype, torch.device)):
+            return ("V", v)
+        if isinstance(v, list):
+            return ("L", [go(x) for x in v])
+        if isinstance(v, tuple):
+            return ("U", tuple(go(x) for x in v))
+        if type(v) is dict:
+            return ("D", [(k, go(x)) for k, x in v.items()])
+        if type(v) in _CONTAINERS:
+            return ("C", type(v), [(k, go(x)) for k, x in vars(v).items()])
+        raise Uncacheable(f"cannot store a {type(v).__name__}")
+
+    return go(value), tiers
+
+
+def thaw(stored: Any) -> Any:
+    """A fresh copy of a stored value: new containers, new tensors on their original devices."""
+    tag = stored[0]
+    if tag == "T":
+        return stored[1].to(stored[2], copy=True)
+    if tag == "V":
+        return stored[1]
+    if tag == "L":
+        return [thaw(x) for x in stored[1]]
+    if tag == "U":
+        return tuple(thaw(x) for x in stored[1])
+    if tag == "D":
+        return {k: thaw(x) for k, x in stored[1]}
+    obj = stored[1].__new__(stored[1])
+    for k, x in stored[2]:
+        setattr(obj, k, thaw(x))
+    return obj
+
+
+def _devices(stored: Any, out: set) -> set:
+    tag = stored[0]
+    if tag == "T":
+        if stored[1].device.type != "cpu":
+            out.add(str(stored[1].device))
+    elif tag in ("L", "U"):
+        for x in stored[1]:
+            _devices(x, out)
+    elif tag == "D":
+        for _, x in stored[1]:
+            _devices(x, out)
+    elif tag == "C":
+        for _, x in stored[2]:
+            _devices(x, out)
+    return out
+
+
+# ---- the LRU ----------------------------------------------------------------------------------
+
+class Entry:
+    __slots__ = ("key", "stored", "tiers", "seconds", "hits", "devices")
+
+    def __init__(self, key: Key, stored: Any, tiers: dict[str, int], seconds: float):
+        self.key = key
+        self.stored = stored
+        self.tiers = dict(tiers)
+        self.tiers["cpu"] += key.nbytes
+        self.seconds = seconds
+        self.hits = 0
+        self.devices = _devices(stored, set())
+
+    @property
+    def own_bytes(self) -> int:
+        return self.tiers["cpu"] + self.tiers["device"]
+
+
+_MISS = object()
+
+
+class ConditioningCache:
+    """A thread-safe LRU bounded by bytes and entries across the cpu and device tiers."""
+
+    def __init__(self, budget_bytes: int = 512 * MIB, max_entries: int = 128, stats=None):
+        self._lock = threading.RLock()
+        self._entries: OrderedDict[Key, Entry] = OrderedDict()
+        self._pinned: dict[int, list] = {}  # id(WeightSet) -> [weight set, refcount]
+        self._bytes = {"cpu": 0, "device": 0}
+        self._kind_bytes = dict.fromkeys(KINDS, 0)
+        self.budget_bytes = int(budget_bytes)
+        self.max_entries = int(max_entries)
+        self.stats = stats
+        self._counts: dict[str, int] = {}
+        self._dead: deque[int] = deque()  # serials of dead encoders, dropped at the next call
+
+    def owner_died(self, serial: int) -> None:
+        """Called from a weakref callback (maybe inside GC, maybe under our lock): only queue."""
+        self._dead.append(serial)
+
+    def reap(self) -> None:
+        """Drop the entries of encoders that died since the last call."""
+        while self._dead:
+            try:
+                serial = self._dead.popleft()
+            except IndexError:
+                break
+            self.drop_owner(serial)
+
+    # -- configuration and state
+    @property
+    def enabled(self) -> bool:
+        return self.budget_bytes > 0 and self.max_entries > 0
+
+    def configure(self, budget_bytes: int | None = None, max_entries: int | None = None) -> None:
+        with self._lock:
+            if budget_bytes is not None:
+                self.budget_bytes = int(budget_bytes)
+            if max_entries is not None:
+                self.max_entries = int(max_entries)
+            self._shrink(0, 0)
+        self._publish()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def total_bytes(self) -> int:
+        with self._lock:
+            return self._bytes["cpu"] + self._bytes["device"]
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._bytes)
+
+    def keys(self) -> list[Key]:
+        """Keys from least to most recently used."""
+        with self._lock:
+            return list(self._entries)
+
+    def count(self, name: str) -> int:
+        with self._lock:
+            return self._counts.get(name, 0)
+
+    # -- the one entry point for encoders
+    def fetch(self, key: Key, compute: Callable[[], Any], *, keep_device: bool = False,
+              check_rng: bool = False, admit: Callable[[], str | None] | None = None) -> Any:
+        """The cached result for ``key`` (a private copy), or ``compute()`` stored on a miss.
+
+        ``check_rng``: when the computation moves torch's global random state, its result depends
+        on randomness and is not stored (the randomness then runs on every request).
+        ``admit``: asked after a miss's computation; a returned reason means "do not store"."""
+        if not self.enabled:
+            return compute()
+        self.reap()
+        found = self.lookup(key)
+        if found is not _MISS:
+            return found
+        rng = _rng_state() if check_rng else None
+        start = time.perf_counter()
+        result = compute()
+        seconds = time.perf_counter() - start
+        if rng is not None and not _rng_equal(rng, _rng_state()):
+            self.bypass(key.kind, "random")
+            return result
+        refused = admit() if admit is not None else None
+        if refused:
+            self.bypass(key.kind, refused)
+            return result
+        self.store(key, result, seconds, keep_device=keep_device)
+        return result
+
+    def lookup(self, key: Key) -> Any:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self._count("misses", key.kind)
+                return _MISS
+            self._entries.move_to_end(key)
+            entry.hits += 1
+            stored, seconds = entry.stored, entry.seconds
+            self._count("hits", key.kind)
+        value = thaw(stored)  # outside the lock: copies may be large; stored tensors are never mutated
+        if self.stats is not None:
+            self.stats.add_time_saved(seconds)
+        self._publish()
+        return value
+
+    def store(self, key: Key, value: Any, seconds: float, keep_device: bool = False) -> bool:
+        """Store a private copy of ``value``; False when not admitted (oversized or uncacheable)."""
+        try:
+            stored, tiers = freeze(value, keep_device)
+        except Uncacheable as exc:
+            self.bypass(key.kind, str(exc))
+            return False
+        except (RuntimeError, MemoryError) as exc:  # no room for the copy: the caller keeps its result
+            self.bypass(key.kind, f"copy failed: {exc}")
+            return False
+        entry = Entry(key, stored, tiers, seconds)
+        with self._lock:
+            if not self.enabled:
+                return False
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._remove(old)
+            new_pins = sum(w.nbytes for w in key.weights if id(w) not in self._pinned)
+            need = entry.own_bytes + new_pins
+            if need > self.budget_bytes:
+                self._count("rejected", key.kind)
+                log.debug("ReuseKit conditioning: %s entry of %d bytes exceeds the budget", key.kind, need)
+                admitted = False
+            else:
+                self._shrink(need, 1)
+                self._entries[key] = entry
+                self._add(entry)
+                admitted = True
+        self._publish()
+        return admitted
+
+    def bypass(self, kind: str, reason: str) -> None:
+        with self._lock:
+            self._count("bypasses", kind)
+        log.debug("ReuseKit conditioning: %s bypassed (%s)", kind, reason)
+        self._publish()
+
+    # -- dropping
+    def clear(self) -> None:
+        with self._lock:
+            for entry in list(self._entries.values()):
+                self._remove(entry)
+            self._entries.clear()
+        self._publish()
+
+    def drop_owner(self, serial: int, device_only: bool = False) -> int:
+        """Drop the entries of a dead or unloaded encoder (only its device entries if asked)."""
+        with self._lock:
+            doomed = [e for e in self._entries.values()
+                      if serial in e.key.owners and (not device_only or e.tiers["device"])]
+            for e in doomed:
+                del self._entries[e.key]
+                self._remove(e)
+        if doomed:
+            self._publish()
+        return len(doomed)
+
+    def drop_device(self, device: str | None = None, need_bytes: int | None = None) -> int:
+        """Free device entries (on ``device``, least recently used first) until ``need_bytes`` are
+        freed (all when None). Returns the device bytes freed."""
+        freed = 0
+        with self._lock:
+            for e in list(self._entries.values()):
+                if need_bytes is not None and freed >= need_bytes:
+                    break
+                if e.tiers["device"] and _on(e, device):
+                    del self._entries[e.key]
+                    self._remove(e)
+                    freed += e.tiers["device"]
+                    self._count("evictions", e.key.kind)
+        if freed:
+            self._publish()
+        return freed
+
+    def device_bytes(self, device: str | None = None) -> int:
+        with self._lock:
+            return sum(e.tiers["device"] for e in self._entries.values() if _on(e, device))
+
+    # -- internals (under the lock)
+    def _count(self, event: str, kind: str) -> None:
+        for name in (event, f"{event}.{kind}"):
+            self._counts[name] = self._counts.get(name, 0) + 1
+        if self.stats is not None:
+            self.stats.incr(event)
+
+    def _shrink(self, extra_bytes: int, extra_entries: int) -> None:
+        while self._entries and (len(self._entries) + extra_entries > self.max_entries
+                                 or self._bytes["cpu"] + self._bytes["device"] + extra_bytes > self.budget_bytes):
+            _, victim = self._entries.popitem(last=False)
+            self._remove(victim)
+            self._count("evictions", victim.key.kind)
+
+    def _add(self, entry: Entry) -> None:
+        for tier, n in entry.tiers.items():
+            self._bytes[tier] += n
+        self._kind_bytes[entry.key.kind] += entry.own_bytes
+        for w in entry.key.weights:
+            pin = self._pinned.get(id(w))
+            if pin is None:
+                self._pinned[id(w)] = [w, 1]
+                self._bytes[w.device] += w.nbytes
+                self._kind_bytes[entry.key.kind] += w.nbytes
+            else:
+                pin[1] += 1
+
+    def _remove(self, entry: Entry) -> None:
+        for tier, n in entry.tiers.items():
+            self._bytes[tier] -= n
+        self._kind_bytes[entry.key.kind] -= entry.own_bytes
+        for w in entry.key.weights:
+            pin = self._pinned[id(w)]
+            pin[1] -= 1
+            if pin[1] == 0:
+                del self._pinned[id(w)]
+                self._bytes[w.device] -= w.nbytes
+                self._kind_bytes[entry.key.kind] -= w.nbytes
+
+    def _publish(self) -> None:
+        if self.stats is None:
+            return
+        with self._lock:
+            tiers = dict(self._bytes)
+            n = len(self._entries)
+            by_kind = {k: {"entries": 0, "bytes": self._kind_bytes[k],
+                           "hits": self._counts.get(f"hits.{k}", 0),
+                           "misses": self._counts.get(f"misses.{k}", 0)} for k in KINDS}
+            for e in self._entries.values():
+                by_kind[e.key.kind]["entries"] += 1
+            budget, max_entries = self.budget_bytes, self.max_entries
+        for tier, nbytes in tiers.items():
+            self.stats.set_memory(tier, nbytes, budget)
+        self.stats.set_entries(n)
+        self.stats.set_info("by_kind", by_kind)
+        self.stats.set_info("limits", {"budget_bytes": budget, "max_entries": max_entries})
+
+    def reset_counts(self) -> None:
+        with self._lock:
+            self._counts.clear()
+        if self.stats is not None:
+            self.stats.reset_counters()
+
+
+def _on(entry: Entry, device: str | None) -> bool:
+    """Whether an entry holds tensors on ``device`` ("cuda" matches "cuda:0", "cuda:1"...)."""
+    if device is None:
+        return bool(entry.devices)
+    return device in entry.devices or (":" not in device and any(d.split(":")[0] == device for d in entry.devices))
+
+
+def _rng_state() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return (torch.get_rng_state(), cuda)
+
+
+def _rng_equal(a: tuple, b: tuple) -> bool:
+    return (torch.equal(a[0], b[0]) and len(a[1]) == len(b[1])
+            and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True)))
+
+
+# ---- the process-wide cache, its settings and stats -------------------------------------------
+
+def _env_enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+CACHE = ConditioningCache()
+CACHE.stats = REGISTRY.register(
+    "conditioning", "conditioning",
+    "Text-encoder, CLIP-vision and VAE-encode outputs keyed by what the encoder sees (exact).",
+    clear=CACHE.clear)
+_death_listeners.append(CACHE.owner_died)
+
+SETTINGS.define("conditioning.enabled", bool, _env_enabled(),
+                "Global mode: every text, CLIP-vision and VAE encode goes through the conditioning "
+                f"cache (the Cached nodes work either way). Environment: {ENV_SWITCH}=0 turns it off.")
+SETTINGS.define("conditioning.budget_mib", int, 512,
+                "Bytes the conditioning cache may hold, CPU and device together (0 disables it).",
+                minimum=0, maximum=1 << 20, on_change=lambda v: CACHE.configure(budget_bytes=v * MIB))
+SETTINGS.define("conditioning.max_entries", int, 128,
+                "Entries the conditioning cache may hold (0 disables it).",
+                minimum=0, maximum=1 << 20, on_change=lambda v: CACHE.configure(max_entries=v))
+SETTINGS.define("conditioning.device_hot_negatives", bool, True,
+                "Entries marked device-hot (the Cached CLIP node's option) keep their device tensors "
+                "on the device, within the budget; everything else lives on the CPU.")
+CACHE.configure(SETTINGS.get("conditioning.budget_mib") * MIB, SETTINGS.get("conditioning.max_entries"))

@@ -1,0 +1,433 @@
+"""The PE cache: rotary / positional embeddings computed once per geometry, bit-exact.
+
+A :class:`PECache` belongs to one model and holds, for each named PE input, the most recent key and
+the tensors built for it. A matching key returns the stored tensors themselves (the same objects,
+so a captured graph sees stable inputs); another key replaces that name's entry; names are
+independent. There is no LRU and no budget: one entry per name, released with the cache.
+
+:class:`PECacheKey` lists, in order, every field that decides the embedding: geometry, text
+length, theta and axes, reference offsets, rope options, dtype, device, and explicit position
+tensors (shape and values). Keys compare their complete encoded fields, never a hash alone.
+
+Safety:
+
+- Stored tensors are never written in place; a replacement only drops the cache's reference, so a
+  step that still holds the old tensor keeps valid data.
+- Stored tensors are normal (version-counted) tensors. A hit checks that no caller has modified
+  them in place since they were stored; if one was, the entry is rebuilt (counted as
+  ``mutated``), so a caller cannot corrupt what the next step receives.
+- A key's tensor fields keep a private copy of the values; the caller's tensor is compared against
+  it bit for bit (or, when it is the very tensor recorded and untouched since, accepted without a
+  compare).
+
+When a name misses but another name of its group holds an equal key (cond and uncond run as
+separate batches build the same table), the new entry shares that name's tensors instead of building a second copy
+(counted as ``shared``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .settings import SETTINGS
+from .stats import REGISTRY
+
+DEFAULT_ENABLED_KEY = "pe_cache.default_enabled"
+SETTINGS.define(DEFAULT_ENABLED_KEY, bool, False,
+                "Cache rotary position embeddings for every model, also those without a ReuseKit PE Cache "
+                "node (the node's own 'enabled' input still wins).")
+
+
+def default_enabled() -> bool:
+    return SETTINGS.get(DEFAULT_ENABLED_KEY)
+
+
+# ---- keys ----------------------------------------------------------------------------------
+
+class _TensorField:
+    """A tensor field of a key: dtype, shape, device and values.
+
+    A probe field refers to the caller's tensor; :meth:`frozen` makes the stored field, which owns
+    a private copy of the values and remembers the source tensor (weakly) and its version.
+    """
+
+    __slots__ = ("dtype", "shape", "device", "tensor", "source", "source_version")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.dtype = tensor.dtype
+        self.shape = tuple(tensor.shape)
+        self.device = tensor.device
+        self.tensor = tensor
+        self.source = None
+        self.source_version = None
+
+    def frozen(self) -> _TensorField:
+        src = self.tensor
+        field = _TensorField.__new__(_TensorField)
+        field.dtype, field.shape, field.device = self.dtype, self.shape, self.device
+        with torch.inference_mode(False), torch.no_grad():
+            field.tensor = src.detach().clone()
+        field.source = weakref.ref(src)
+        field.source_version = None if src.is_inference() else src._version
+        return field
+
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _TensorField):
+            return NotImplemented
+        if self.dtype != other.dtype or self.shape != other.shape or self.device != other.device:
+            return False
+        a, b = self, other
+        if a.source is None:
+            a, b = b, a  # a: the stored field (if either is)
+        if a.source is not None and a.source_version is not None and b.source is None:
+            src = a.source()
+            if src is b.tensor and src._version == a.source_version:
+                return True  # the very tensor recorded, untouched since: no value compare needed
+        return _same_bits(a.tensor, b.tensor)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"tensor({self.dtype}, {list(self.shape)}, {self.device})"
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality of two tensors of one dtype and shape (stricter than ==: -0.0 differs
+    from 0.0, a NaN matches only the same NaN). CPU tensors compare through their numpy views
+    (``Tensor.numpy()``, no copy), many times faster than ``torch.equal`` on a busy CPU; others
+    through ``torch.equal``."""
+    if a.is_complex() or a.dtype == torch.bool or a.element_size() not in _BITS:
+        return torch.equal(a, b)
+    as_int = _BITS[a.element_size()]
+    a, b = a.detach().view(as_int), b.detach().view(as_int)
+    if a.device.type == "cpu":
+        return bool((a.numpy() == b.numpy()).all())
+    return torch.equal(a, b)
+
+
+_EXACT = {
+    type(None): lambda v: ("none",),
+    bool: lambda v: ("bool", v),
+    int: lambda v: ("int", v),
+    float: lambda v: ("float", v.hex()),  # -0.0 and 0.0 differ; nan equals nan
+    str: lambda v: ("str", v),
+    torch.dtype: lambda v: ("dtype", str(v)),
+    torch.device: lambda v: ("device", str(v)),
+}
+
+
+def _encode(value: Any) -> Any:
+    """A typed, comparable encoding: 1, 1.0 and True differ; tensors keep shape and values."""
+    exact = _EXACT.get(type(value))
+    if exact is not None:  # the common cases, without the isinstance chain
+        return exact(value)
+    if value is None:
+        return ("none",)
+    if isinstance(value, bool):
+        return ("bool", value)
+    if isinstance(value, int):
+        return ("int", value)
+    if isinstance(value, float):
+        return ("float", value.hex())  # -0.0 and 0.0 differ; nan equals nan
+    if isinstance(value, str):
+        return ("str", value)
+    if isinstance(value, torch.dtype):
+        return ("dtype", str(value))
+    if isinstance(value, torch.device):
+        return ("device", str(value))
+    if isinstance(value, torch.Size):
+        return ("shape", tuple(int(d) for d in value))
+    if isinstance(value, torch.Tensor):
+        return _TensorField(value)
+    if isinstance(value, (tuple, list)):
+        return ("tuple" if isinstance(value, tuple) else "list", tuple(_encode(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted(((repr(k), _encode(v)) for k, v in value.items()), key=lambda kv: kv[0])))
+    if hasattr(value, "item") and hasattr(value, "dtype"):  # numpy scalars
+        return ("np", str(value.dtype), _encode(value.item()))
+    raise TypeError(f"PECacheKey cannot encode a {type(value).__name__}; add its fields explicitly")
+
+
+def _freeze(encoded: Any) -> Any:
+    if isinstance(encoded, _TensorField):
+        return encoded.frozen()
+    if isinstance(encoded, tuple):
+        return tuple(_freeze(e) for e in encoded)
+    return encoded
+
+
+def _tensor_fields(encoded: Any):
+    if isinstance(encoded, _TensorField):
+        yield encoded
+    elif isinstance(encoded, tuple):
+        for e in encoded:
+            yield from _tensor_fields(e)
+
+
+class PECacheKey:
+    """The full description of one named PE input: ``PECacheKey("flux.pe").add(h).add(w)...``."""
+
+    __slots__ = ("name", "group", "fields")
+
+    def __init__(self, name: str, group: str | None = None):
+        """``group``: names of one group build the same tensors from equal fields (e.g. one
+        builder's cond and uncond inputs), so they may share them; ``None``: never shared."""
+        if not name:
+            raise ValueError("a PECacheKey needs a name")
+        self.name = name
+        self.group = group
+        self.fields: list[Any] = []
+
+    def add(self, value: Any) -> PECacheKey:
+        """One field: a number, bool, str, None, dtype, device, tensor (shape and values), or a
+        tuple / list / dict of those. Order matters."""
+        self.fields.append(_encode(value))
+        return self
+
+    def add_shape(self, shape) -> PECacheKey:
+        """Every dimension, trailing ones included."""
+        self.fields.append(("shape", tuple(int(d) for d in shape)))
+        return self
+
+    def add_shapes(self, shapes) -> PECacheKey:
+        """An ordered list of shapes (e.g. reference latents)."""
+        self.fields.append(("shapes", tuple(tuple(int(d) for d in s) for s in shapes)))
+        return self
+
+    def frozen(self) -> PECacheKey:
+        """A copy that owns private copies of its tensor values (what the cache stores)."""
+        key = PECacheKey(self.name, self.group)
+        key.fields = [_freeze(f) for f in self.fields]
+        return key
+
+    def nbytes(self) -> int:
+        return sum(f.nbytes() for f in _tensor_fields(tuple(self.fields)))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PECacheKey):
+            return NotImplemented
+        return self.name == other.name and self.same_fields(other)
+
+    def same_fields(self, other: PECacheKey) -> bool:
+        """Equal fields, whatever the names (two PE inputs that would build the same tensors)."""
+        return len(self.fields) == len(other.fields) and all(a == b for a, b in zip(self.fields, other.fields, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"PECacheKey({self.name!r}, {self.fields!r})"
+
+
+# ---- the cache -----------------------------------------------------------------------------
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _storable(value: Any) -> Any:
+    """The value with every inference tensor replaced by a normal (version-counted) copy."""
+    if isinstance(value, torch.Tensor):
+        if value.is_inference():
+            with torch.inference_mode(False), torch.no_grad():
+                return value.clone()
+        return value
+    if isinstance(value, tuple):
+        return tuple(_storable(v) for v in value)
+    if isinstance(value, list):
+        return [_storable(v) for v in value]
+    raise TypeError(f"the PE cache stores tensors and tuples of tensors, not {type(value).__name__}")
+
+
+def _storage_bytes(tensors) -> dict[str, int]:
+    seen: set[tuple[str, int]] = set()
+    by_tier: dict[str, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        ident = (str(t.device), storage.data_ptr())
+        if ident in seen:
+            continue
+        seen.add(ident)
+        tier = "cpu" if t.device.type == "cpu" else "device"
+        by_tier[tier] = by_tier.get(tier, 0) + storage.nbytes()
+    return by_tier
+
+
+class _Entry:
+    __slots__ = ("key", "value", "versions", "build_s", "tensors", "bytes")
+
+    def __init__(self, key: PECacheKey, value: Any, build_s: float):
+        self.key = key
+        self.value = value
+        values = _tensors(value)
+        self.versions = [(t, t._version) for t in values]
+        self.build_s = build_s
+        self.tensors = [*values, *(f.tensor for f in _tensor_fields(tuple(key.fields)))]
+        self.bytes = _storage_bytes(self.tensors)
+
+    def intact(self) -> bool:
+        return all(t._version == v for t, v in self.versions)
+
+
+class PECache:
+    """The last key and tensors per PE name, for one model. Thread-safe.
+
+    ``stats_name``: register a stats handle (kind ``pe``) under this unique name; ``close()``
+    (or the owner going away, see :func:`cache_for`) unregisters it.
+    """
+
+    def __init__(self, stats_name: str | None = None, description: str = ""):
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._per_name: dict[str, dict[str, int]] = {}
+        self.stats = (REGISTRY.register(stats_name, "pe", description, clear=self.clear)
+                      if stats_name else None)
+
+    # -- lookup --
+
+    def get_or_create(self, key: PECacheKey, build: Callable[[], Any]) -> Any:
+        """The stored value when ``key`` matches that name's entry, else ``build()``, stored.
+
+        On a miss the returned value is the stored one (inference tensors are copied once into
+        normal tensors), so a miss and the following hits return the same objects."""
+        with self._lock:
+            entry = self._entries.get(key.name)
+        if entry is not None and entry.key == key:
+            if entry.intact():
+                self._count(key.name, "hits", saved=entry.build_s)
+                return entry.value
+            self._count(key.name, "mutated")
+        shared = self._find_equal(key)
+        if shared is not None:  # another name holds these very tensors (e.g. cond and uncond run apart)
+            stored = PECacheKey(key.name, key.group)
+            stored.fields = shared.key.fields  # frozen fields are never written: safe to share
+            new = _Entry(stored, shared.value, shared.build_s)
+        else:
+            t0 = time.perf_counter()
+            value = _storable(build())
+            new = _Entry(key.frozen(), value, time.perf_counter() - t0)
+        with self._lock:
+            replaced = key.name in self._entries
+            self._entries[key.name] = new  # the old entry is dropped, never written
+        if shared is not None:
+            self._count(key.name, "shared", saved=shared.build_s)
+        else:
+            self._count(key.name, "misses")
+        if replaced:
+            self._count(key.name, "replacements")
+        self._publish_memory()
+        return new.value
+
+    def _find_equal(self, key: PECacheKey) -> _Entry | None:
+        if key.group is None:
+            return None
+        with self._lock:
+            others = [e for name, e in self._entries.items() if name != key.name]
+        for e in others:
+            if e.key.group == key.group and e.key.same_fields(key) and e.intact():
+                return e
+        return None
+
+    def bypass(self, name: str) -> None:
+        """Count a call that could not use the cache (the builder ran unchanged)."""
+        self._count(name, "bypasses")
+
+    # -- state --
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)
+
+    def entry(self, name: str) -> tuple[PECacheKey, Any] | None:
+        with self._lock:
+            e = self._entries.get(name)
+        return None if e is None else (e.key, e.value)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held per tier; storage shared by several names counts once."""
+        with self._lock:
+            tensors = [t for e in self._entries.values() for t in e.tensors]
+        return _storage_bytes(tensors)
+
+    def name_stats(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            out = {name: dict(c) for name, c in self._per_name.items()}
+            for name, e in self._entries.items():
+                out.setdefault(name, {})["bytes"] = sum(e.bytes.values())
+        return out
+
+    def clear(self) -> None:
+        """Drop every entry (tensors still referenced by a running step stay valid)."""
+        with self._lock:
+            self._entries.clear()
+        self._publish_memory()
+
+    def close(self) -> None:
+        self.clear()
+        if self.stats is not None:
+            REGISTRY.unregister(self.stats.name)
+            self.stats = None
+
+    # -- stats --
+
+    def _count(self, name: str, counter: str, saved: float = 0.0) -> None:
+        with self._lock:
+            per = self._per_name.setdefault(name, {})
+            per[counter] = per.get(counter, 0) + 1
+        stats = self.stats
+        if stats is not None:
+            stats.incr(counter)
+            if saved:
+                stats.add_time_saved(saved)
+            stats.set_info("names", self.name_stats())
+
+    def _publish_memory(self) -> None:
+        stats = self.stats
+        if stats is None:
+            return
+        by_tier = self.nbytes()
+        for tier in ("cpu", "device"):
+            stats.set_memory(tier, by_tier.get(tier, 0))
+        stats.set_entries(len(self.names()))
+        stats.set_info("names", self.name_stats())
+
+
+# ---- one cache per model -------------------------------------------------------------------
+
+_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CACHES_LOCK = threading.Lock()
+_serial = 0
+
+
+def cache_for(owner: Any, label: str | None = None, create: bool = True) -> PECache | None:
+    """The PE cache owned by ``owner`` (a model object), created on first use when ``create``.
+
+    It is registered in the stats registry as ``pe:<label>#<n>`` and closed (entries dropped,
+    stats unregistered) when the owner is garbage-collected."""
+    global _serial
+    with _CACHES_LOCK:
+        cache = _CACHES.get(owner)
+        if cache is not None or not create:
+            return cache
+        _serial += 1
+        label = label or type(owner).__name__
+        cache = PECache(f"pe:{label}#{_serial}",
+                        f"rotary position embeddings of a {label} model, one entry per PE input")
+        _CACHES[owner] = cache
+        weakref.finalize(owner, cache.close)
+        return cache

@@ -1,0 +1,138 @@
+"""Conditioning cache nodes: cached CLIP, VAE and CLIP vision (clones), and the cache's settings."""
+
+from __future__ import annotations
+
+import time
+
+from comfy_api.latest import io, ui
+
+from ..caching.conditioning import CACHE
+from ..caching.settings import SETTINGS
+from ..caching.stats import REGISTRY, format_snapshot
+from ..patches.conditioning import cached_copy, install, mark
+from . import CATEGORY
+
+AREA = f"{CATEGORY}/conditioning"
+
+
+def _require(node: str, name: str, value, *attrs: str):
+    if value is None or not all(hasattr(value, a) for a in attrs):
+        raise ValueError(f"{node}: input '{name}' is not a {name.upper().replace('_', ' ')} "
+                         f"(got {type(value).__name__})")
+
+
+class CachedCLIP(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ReuseKitCachedCLIP",
+            display_name="ReuseKit Cached CLIP",
+            category=AREA,
+            description="Returns a copy of the CLIP whose text encodes go through ReuseKit's conditioning "
+                        "cache, even with global mode off: the same tokens on the same encoder (and the "
+                        "same LoRA at the same strength) reuse the stored output, bit for bit.",
+            inputs=[
+                io.Clip.Input("clip", tooltip="The text encoder to cache; it is cloned, never changed."),
+                io.Boolean.Input("device_hot", default=False,
+                                 tooltip="Keep this encoder's outputs on its device between runs (use it "
+                                         "for the negative prompt's CLIP); counts against the same budget."),
+            ],
+            outputs=[io.Clip.Output(display_name="CLIP", tooltip="A clone routed through the cache.")],
+        )
+
+    @classmethod
+    def execute(cls, clip, device_hot=False) -> io.NodeOutput:
+        _require("ReuseKit Cached CLIP", "clip", clip, "patcher", "clone")
+        install()
+        out = clip.clone()
+        mark(out.patcher, device_hot)
+        return io.NodeOutput(out)
+
+
+class _CachedCopy(io.ComfyNode):
+    """A node that returns a copy of a VAE / CLIP vision object, routed through the cache."""
+
+    NODE_ID = DISPLAY = DESCRIPTION = INPUT = ""
+    KIND: type = io.Vae
+    NEEDS: tuple[str, ...] = ()
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        label = cls.INPUT.upper()
+        return io.Schema(
+            node_id=cls.NODE_ID, display_name=cls.DISPLAY, category=AREA, description=cls.DESCRIPTION,
+            inputs=[cls.KIND.Input(cls.INPUT, tooltip=f"The {label} to cache; it is copied, never changed.")],
+            outputs=[cls.KIND.Output(display_name=label, tooltip="A copy routed through the cache.")],
+        )
+
+    @classmethod
+    def execute(cls, **inputs) -> io.NodeOutput:
+        value = inputs.get(cls.INPUT)
+        _require(cls.DISPLAY, cls.INPUT, value, "patcher", *cls.NEEDS)
+        install()
+        out = cached_copy(value)
+        mark(out.patcher, False)
+        return io.NodeOutput(out)
+
+
+class CachedVAE(_CachedCopy):
+    NODE_ID, DISPLAY, INPUT, KIND, NEEDS = "ReuseKitCachedVAE", "ReuseKit Cached VAE", "vae", io.Vae, ("first_stage_model",)
+    DESCRIPTION = ("Returns a copy of the VAE whose encodes (plain and tiled) go through the conditioning cache: "
+                   "the same pixels give the stored latent, bit for bit. Decoding is unchanged.")
+
+
+class CachedCLIPVision(_CachedCopy):
+    NODE_ID, DISPLAY, INPUT, KIND = "ReuseKitCachedCLIPVision", "ReuseKit Cached CLIP Vision", "clip_vision", io.ClipVision
+    NEEDS = ("encode_image",)
+    DESCRIPTION = ("Returns a copy of the CLIP vision model whose image encodes go through the conditioning "
+                   "cache (the image by content, the crop option in the key).")
+
+
+class ConditioningCacheSettings(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ReuseKitConditioningCacheSettings",
+            display_name="ReuseKit Conditioning Cache Settings",
+            category=AREA,
+            description="Sets the conditioning cache for this ComfyUI process (the panel changes the same "
+                        "settings) and shows what it holds.",
+            inputs=[
+                io.Boolean.Input("global_mode", default=True,
+                                 tooltip="Every text, CLIP-vision and VAE encode of every workflow goes through "
+                                         "the cache, without extra nodes."),
+                io.Int.Input("budget_mib", default=512, min=0, max=1 << 20,
+                             tooltip="MiB the cache may hold, CPU and device together; 0 disables it."),
+                io.Int.Input("max_entries", default=128, min=0, max=1 << 20,
+                             tooltip="Entries the cache may hold; 0 disables it."),
+                io.Boolean.Input("device_hot_negatives", default=True,
+                                 tooltip="Let entries marked device-hot (Cached CLIP's option) stay on the device."),
+                io.Boolean.Input("clear", default=False, tooltip="Drop every entry now."),
+            ],
+            outputs=[io.String.Output(display_name="text", tooltip="The cache's stats after the change.")],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, **kwargs) -> float:
+        return time.time()  # applies and reports each run
+
+    @classmethod
+    def execute(cls, global_mode=True, budget_mib=512, max_entries=128, device_hot_negatives=True,
+                clear=False) -> io.NodeOutput:
+        try:
+            SETTINGS.update({"conditioning.enabled": global_mode, "conditioning.budget_mib": budget_mib,
+                             "conditioning.max_entries": max_entries,
+                             "conditioning.device_hot_negatives": device_hot_negatives})
+        except ValueError as exc:
+            raise ValueError(f"ReuseKit Conditioning Cache Settings: {exc}") from None
+        install()
+        if clear:
+            CACHE.clear()
+        snap = REGISTRY.snapshot()
+        snap["caches"] = [c for c in snap["caches"] if c["name"] == "conditioning"]
+        text = format_snapshot(snap)
+        return io.NodeOutput(text, ui=ui.PreviewText(text))
+
+
+NODES = [CachedCLIP, CachedVAE, CachedCLIPVision, ConditioningCacheSettings]

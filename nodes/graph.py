@@ -1,0 +1,114 @@
+"""ReuseKit Graph Capture (a MODEL node) and ReuseKit Graph KSampler (KSampler with capture)."""
+
+from __future__ import annotations
+
+import comfy.samplers
+import torch
+from comfy_api.latest import io
+
+import nodes as comfy_nodes
+
+from ..caching.graph_reuse import DISABLE_ENV
+from ..patches import graph_capture
+from . import CATEGORY
+
+MAX_GRAPHS = 8
+
+ENABLE_TOOLTIP = (f"Capture the diffusion model's forward as a CUDA graph and replay it on the following "
+                  f"steps. Off: the model runs as usual. The environment variable {DISABLE_ENV}=1 turns "
+                  f"it off everywhere.")
+MAX_GRAPHS_TOOLTIP = ("How many captured graphs to keep per model (e.g. cond-only and cond+uncond batches, "
+                      "or two resolutions); the least recently used one is released beyond it.")
+
+
+def switches(enable_name: str) -> list:
+    """The two inputs both nodes share: the on/off switch and how many graphs to keep."""
+    return [io.Boolean.Input(enable_name, default=True, tooltip=ENABLE_TOOLTIP),
+            io.Int.Input("max_graphs", default=2, min=1, max=MAX_GRAPHS, tooltip=MAX_GRAPHS_TOOLTIP)]
+
+
+def _check(node: str, enable, max_graphs) -> None:
+    if not isinstance(enable, bool):
+        raise ValueError(f"{node}: 'enable' must be true or false, got {enable!r}")
+    if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or not 1 <= max_graphs <= MAX_GRAPHS:
+        raise ValueError(f"{node}: 'max_graphs' must be a whole number from 1 to {MAX_GRAPHS}, got {max_graphs!r}")
+
+
+def with_capture(node: str, model, enable: bool, max_graphs: int):
+    _check(node, enable, max_graphs)
+    if model is None or not hasattr(model, "clone") or not hasattr(model, "model_options"):
+        raise ValueError(f"{node}: 'model' must be a MODEL, got {type(model).__name__}")
+    model = model.clone()
+    if enable:
+        if not torch.cuda.is_available():
+            graph_capture.say_once("nocuda", "ReuseKit graph: no CUDA device, the model runs eagerly "
+                                   "(the reuse decision still runs and is counted)")
+        graph_capture.enable(model, max_graphs=max_graphs)
+    else:
+        graph_capture.disable(model)
+    return model
+
+
+class GraphCaptureNode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ReuseKitGraphCapture",
+            display_name="ReuseKit Graph Capture",
+            category=f"{CATEGORY}/graph",
+            description="Captures the diffusion model's forward once as a CUDA graph and replays it on every "
+                        "following step while shapes, batch and weights stay the same; rebuilds (and says why) "
+                        "when they change. Partially loaded (lowvram) models, per-step weight hooks and "
+                        "uncapturable inputs run eagerly with the same result. Without CUDA: eager.",
+            inputs=[
+                io.Model.Input("model", tooltip="The diffusion model to capture (it is cloned, never changed)."),
+                *switches("enable"),
+            ],
+            outputs=[io.Model.Output(tooltip="The model with graph capture.")],
+        )
+
+    @classmethod
+    def execute(cls, model, enable=True, max_graphs=2) -> io.NodeOutput:
+        return io.NodeOutput(with_capture("ReuseKit Graph Capture", model, enable, max_graphs))
+
+
+class GraphKSamplerNode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ReuseKitGraphKSampler",
+            display_name="ReuseKit Graph KSampler",
+            category=f"{CATEGORY}/graph",
+            description="KSampler with CUDA graph capture of the diffusion model: the same result as KSampler, "
+                        "with the per-step launch overhead removed on replayed steps.",
+            inputs=[
+                io.Model.Input("model", tooltip="The model used for denoising (cloned, never changed)."),
+                io.Int.Input("seed", default=0, min=0, max=0xffffffffffffffff, control_after_generate=True,
+                             tooltip="The random seed used for creating the noise."),
+                io.Int.Input("steps", default=20, min=1, max=10000, tooltip="The number of denoising steps."),
+                io.Float.Input("cfg", default=8.0, min=0.0, max=100.0, step=0.1, round=0.01,
+                               tooltip="Classifier-free guidance scale."),
+                io.Combo.Input("sampler_name", options=comfy.samplers.KSampler.SAMPLERS,
+                               tooltip="The sampling algorithm."),
+                io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS,
+                               tooltip="The noise schedule."),
+                io.Conditioning.Input("positive", tooltip="What to include in the image."),
+                io.Conditioning.Input("negative", tooltip="What to exclude from the image."),
+                io.Latent.Input("latent_image", tooltip="The latent image to denoise."),
+                io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01,
+                               tooltip="The amount of denoising applied."),
+                *switches("enable_graphs"),
+            ],
+            outputs=[io.Latent.Output(tooltip="The denoised latent.")],
+        )
+
+    @classmethod
+    def execute(cls, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
+                denoise=1.0, enable_graphs=True, max_graphs=2) -> io.NodeOutput:
+        model = with_capture("ReuseKit Graph KSampler", model, enable_graphs, max_graphs)
+        (latent,) = comfy_nodes.common_ksampler(model, seed, steps, cfg, sampler_name, scheduler, positive,
+                                                negative, latent_image, denoise=denoise)
+        return io.NodeOutput(latent)
+
+
+NODES = [GraphCaptureNode, GraphKSamplerNode]

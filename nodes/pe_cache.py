@@ -1,0 +1,53 @@
+"""ReuseKit PE Cache: rotary position embeddings built once per geometry and reused, bit-exact."""
+
+from __future__ import annotations
+
+import comfy.model_patcher
+import comfy.patcher_extension
+from comfy_api.latest import io
+
+from ..patches import rope
+from . import CATEGORY
+
+WRAPPER_KEY = "reusekit_pe_cache"
+
+
+class PECacheNode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ReuseKitPECache",
+            display_name="ReuseKit PE Cache",
+            category=f"{CATEGORY}/pe_cache",
+            description="Builds the model's rotary position embeddings once per geometry and reuses them on "
+                        "every following step, cond and uncond, and run, while the size, text length, reference "
+                        "images and rope options stay the same. The result is bit-identical.",
+            inputs=[
+                io.Model.Input("model", tooltip="The diffusion model (Flux, Chroma, Wan, HunyuanVideo, Qwen-Image, "
+                                                "Lumina2/Z-Image, HiDream, LTXV, Cosmos, Mochi, HunyuanDiT, OmniGen2)."),
+                io.Boolean.Input("enabled", default=True,
+                                 tooltip="Off: this model never uses the PE cache, even when the server-wide "
+                                         "default 'pe_cache.default_enabled' is on."),
+            ],
+            outputs=[io.Model.Output(tooltip="A clone of the model that reuses its position embeddings.")],
+        )
+
+    @classmethod
+    def execute(cls, model, enabled=True) -> io.NodeOutput:
+        if not isinstance(model, comfy.model_patcher.ModelPatcher):
+            raise ValueError(f"ReuseKit PE Cache: input 'model' must be a MODEL, got {type(model).__name__}")
+        if not isinstance(enabled, bool):
+            raise ValueError(f"ReuseKit PE Cache: input 'enabled' must be true or false, got {enabled!r}")
+        rope.install()  # idempotent; the entrypoint normally did it already
+        model = model.clone()
+        wrappers = comfy.patcher_extension.WrappersMP
+        for kind in (wrappers.APPLY_MODEL, wrappers.OUTER_SAMPLE):
+            model.remove_wrappers_with_key(kind, WRAPPER_KEY)
+        model.add_wrapper_with_key(wrappers.APPLY_MODEL, WRAPPER_KEY, rope.ApplyModelWrapper(enabled))
+        if enabled:
+            model.add_wrapper_with_key(wrappers.OUTER_SAMPLE, WRAPPER_KEY, rope.RunSummary())
+            rope.model_cache(model.model)  # registered now, so the panel lists it before the first step
+        return io.NodeOutput(model)
+
+
+NODES = [PECacheNode]

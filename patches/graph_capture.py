@@ -1,0 +1,637 @@
+"""Graph capture: the CUDA backend of graph reuse, hooked through ModelPatcher wrappers.
+
+``enable(patcher, max_graphs)`` adds three keyed wrappers to a patcher (clone it first):
+
+- OUTER_SAMPLE: one run summary per sampling run (``last_run`` in the stats, one log line);
+- APPLY_MODEL: tells the inner wrapper which BaseModel (patcher, weights, lowvram state) it runs;
+- DIFFUSION_MODEL: decides per call (caching/graph_reuse.py) and replays or captures.
+
+Only the innermost original forward is captured: other DIFFUSION_MODEL wrappers (a step cache,
+EasyCache) keep running in Python around it, so a skipped step never replays and their decisions
+stay outside the graph. A call runs eagerly, with the same result, when the model is partially
+loaded (lowvram), when hooks or weight wrappers change weights per step, when transformer patches
+run Python inside the forward, under torch.compile, or when an input cannot be captured.
+
+Captured graphs are released when any patcher loads or unloads the model's weights (listeners on
+``ModelPatcher.load / unpatch_model / partially_unload`` through patches/lifecycle.py;
+:func:`install` and :func:`uninstall`). Where the host captures per-block graphs itself
+(``comfy/model_prefetch.py``) this backend defers to it. Without CUDA the decision still runs (the stats show what would be
+reused) and every forward runs eagerly.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import importlib.util
+import inspect
+import logging
+import os
+import threading
+import weakref
+from typing import Any
+
+import comfy.model_management
+import comfy.patcher_extension as pe
+import torch
+
+from ..caching import graph_reuse as gr
+from ..caching.settings import SETTINGS
+from . import lifecycle
+
+log = logging.getLogger("reusekit")
+
+KEY = gr.OPTIONS_KEY
+FORCE_BACKEND: str | None = None
+"""``None`` (auto: ``cuda`` on a CUDA model, decisions only elsewhere), ``"eager"`` (decisions
+only), ``"emulate"`` (static buffers updated in place and the forward re-run on them, no graph:
+checks the input plumbing on any device) or ``"cuda"``."""
+
+STATS = gr.GraphStats()
+_SETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # BaseModel -> GraphSet
+_SETS_LOCK = threading.RLock()  # re-entered when a model is collected while it is held
+_MODEL = contextvars.ContextVar("reusekit_graph_model", default=None)
+_RUN = contextvars.ContextVar("reusekit_graph_run", default=None)
+_said: set[str] = set()
+_params: dict[Any, tuple[list[str], bool]] = {}
+
+if "graph_reuse.enabled" not in SETTINGS.snapshot():
+    SETTINGS.define("graph_reuse.enabled", bool, True,
+                    "Capture and replay CUDA graphs of the diffusion model (where a node asks for it).")
+
+
+def env_disabled() -> bool:
+    return os.environ.get(gr.DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def say_once(key: str, msg: str, *args, level: int = logging.INFO) -> None:
+    if key not in _said:
+        _said.add(key)
+        log.log(level, msg, *args)
+
+
+_host_graphs: bool | None = None
+
+
+def host_captures_graphs() -> bool:
+    """True where the host core captures per-block CUDA graphs itself (never capture twice)."""
+    global _host_graphs
+    if _host_graphs is None:
+        try:
+            present = importlib.util.find_spec("comfy.model_prefetch") is not None
+        except (ImportError, ValueError):
+            present = False
+        import comfy.cli_args
+
+        _host_graphs = present and not getattr(comfy.cli_args.args, "disable_cuda_graphs", False)
+    return _host_graphs
+
+
+# ---- weights change: release ----------------------------------------------------------------
+
+def graph_set(base_model, max_graphs: int) -> gr.GraphSet:
+    with _SETS_LOCK:
+        gs = _SETS.get(base_model)
+        if gs is None:
+            # its graphs go with the model: say so (registered first, so it runs after the
+            # dictionary has dropped the entry)
+            weakref.finalize(base_model, _publish_memory)
+            gs = _SETS[base_model] = gr.GraphSet(max_graphs=max_graphs)
+    if gs.max_graphs != max_graphs:
+        evicted = gs.resize(max_graphs)
+        if evicted:
+            STATS.incr("evictions", len(evicted))
+            _drop(evicted)
+            _publish_memory()
+    return gs
+
+
+def _publish_memory() -> None:
+    with _SETS_LOCK:
+        sets = list(_SETS.values())
+    STATS.memory(sum(s.nbytes for s in sets), sum(len(s.entries) for s in sets))
+
+
+def _drop(entries: list[gr.Entry]) -> None:
+    for e in entries:
+        if e.runner is not None:
+            e.runner.release()
+            e.runner = None
+
+
+def release_model(base_model, reason: str, detail: str = "") -> int:
+    """Drop every graph of ``base_model`` (its weights moved or changed); returns how many."""
+    with _SETS_LOCK:
+        gs = _SETS.get(base_model)
+    if gs is None:
+        return 0
+    dropped = gs.release(reason, detail)
+    if dropped:
+        _drop(dropped)
+        STATS.incr(f"releases.{reason}", len(dropped))
+        _publish_memory()
+    return len(dropped)
+
+
+def release_all(reason: str = "cleared") -> int:
+    with _SETS_LOCK:
+        models = list(_SETS.keys())
+    n = sum(release_model(m, reason) for m in models)
+    _publish_memory()
+    return n
+
+
+STATS.set_clear(release_all)
+STATS.info("backend", "cuda (graphs captured and replayed)" if torch.cuda.is_available()
+           else "eager: decisions only (no CUDA)")  # the panel lists the cache from the start
+
+def _on_load(patcher, *args, **kwargs) -> None:
+    release_model(patcher.model, "reloaded", "ModelPatcher.load")
+
+
+def _on_unpatch(patcher, device_to=None, unpatch_weights=True, *args, **kwargs) -> None:
+    if unpatch_weights:  # without it only object patches move; the weights stay where they are
+        release_model(patcher.model, "unloaded", "ModelPatcher.unpatch_model")
+
+
+def _on_partial_unload(patcher, *args, **kwargs) -> None:
+    release_model(patcher.model, "unloaded", "ModelPatcher.partially_unload")
+
+
+_LISTENERS = (("load", _on_load), ("unpatch_model", _on_unpatch), ("partially_unload", _on_partial_unload))
+
+
+def install() -> bool:
+    """Release graphs whenever any patcher loads, unloads or re-patches a model's weights
+    (listeners on patches/lifecycle.py). Idempotent; False when the host lacks those methods."""
+    for event, fn in _LISTENERS:
+        lifecycle.add_listener(event, fn)
+    if not lifecycle.installed():
+        say_once("probe", "ReuseKit graph: this ComfyUI's ModelPatcher cannot be followed; graphs are "
+                 "only released when cleared", level=logging.WARNING)
+        return False
+    return True
+
+
+def uninstall() -> None:
+    """Stop following weight changes and drop every graph (idempotent)."""
+    for event, fn in _LISTENERS:
+        lifecycle.remove_listener(event, fn)
+    release_all("uninstalled")
+
+
+def installed() -> bool:
+    return all(lifecycle.listening(event, fn) for event, fn in _LISTENERS)
+
+
+# ---- runners --------------------------------------------------------------------------------
+
+def _clone_tree(out):
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, (list, tuple)) and all(isinstance(o, torch.Tensor) for o in out):
+        return type(out)(o.clone() for o in out)
+    raise TypeError(f"the forward returned a {type(out).__name__}, not tensors")
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # a tensor without storage (a subclass wrapper): nothing to keep
+        return 0
+
+
+def _tensors_in(values):
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from (x for x in v if isinstance(x, torch.Tensor))
+
+
+class KeepExternal(torch.overrides.TorchFunctionMode):
+    """Active while a forward is captured: every tensor the forward reads that existed before the
+    capture (weights, buffers, a PE cache's stored tensors) is kept alive with the graph, so the
+    memory a replay reads is never freed and reused while the graph lives (a cache may drop its
+    own reference when its key changes). Tensors made during the capture are not kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: set[int] = set()
+        self.kept: dict[int, torch.Tensor] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in _tensors_in(args):
+            self._see(t)
+        for t in _tensors_in(kwargs.values()):
+            self._see(t)
+        out = func(*args, **kwargs)
+        for t in _tensors_in((out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (list, tuple)) else ()):
+            self.made.add(_storage_ptr(t))
+        return out
+
+    def _see(self, t: torch.Tensor) -> None:
+        ptr = _storage_ptr(t)
+        if ptr and ptr not in self.made and ptr not in self.kept:
+            self.kept[ptr] = t
+
+
+class StaticRunner:
+    """Static input buffers (allocated outside any graph pool), updated in place on every call.
+    This base re-runs the forward eagerly on them (the ``emulate`` backend)."""
+
+    def __init__(self, fn, named: list[tuple[str, Any]], n_pos: int, spec: gr.CallSpec, device):
+        self.fn = fn
+        self.n_pos = n_pos
+        self.static = [torch.empty_like(t).copy_(t) for t in spec.tensors]
+        self.args = gr.substitute(named, self.static, device)
+        self.nbytes = _nbytes(self.static)
+
+    def _call(self):
+        pos = [v for _, v in self.args[:self.n_pos]]
+        kw = dict(self.args[self.n_pos:])
+        return self.fn(*pos, **kw)
+
+    def copy_in(self, tensors: list[torch.Tensor]) -> None:
+        for s, t in zip(self.static, tensors, strict=True):
+            if s.data_ptr() != t.data_ptr():
+                s.copy_(t)
+
+    kept: dict = {}
+
+    def capture(self, warmup: int):
+        """Returns (first output, failure text or "")."""
+        with KeepExternal() as keep:
+            out = self._call()
+        self.kept = keep.kept
+        return _clone_tree(out), ""
+
+    def replay(self, tensors):
+        self.copy_in(tensors)
+        return _clone_tree(self._call())
+
+    def release(self) -> None:
+        self.static, self.args, self.fn, self.kept = [], [], None, {}
+
+
+class CudaGraphRunner(StaticRunner):
+    """Warm-up on a side stream, capture into a private pool, replay, return a clone of the
+    static output (callers never see a buffer the next replay overwrites)."""
+
+    graph = None
+    static_out = None
+    pool_bytes = 0
+
+    def capture(self, warmup: int):
+        device = self.static[0].device if self.static else torch.device("cuda", torch.cuda.current_device())
+        with torch.cuda.device(device):
+            return self._capture(device, warmup)
+
+    def _capture(self, device, warmup: int):
+        current = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for _ in range(max(1, warmup)):
+                out = self._call()  # eager: an error here is the model's own, raised as is
+        current.wait_stream(side)
+        eager_out = _clone_tree(out)
+        del out
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved(device)
+        keep = KeepExternal()
+        try:
+            with torch.cuda.graph(graph, **_graph_kwargs()), keep:
+                static_out = self._call()
+            if isinstance(static_out, torch.Tensor):
+                pass
+            elif not (isinstance(static_out, (list, tuple)) and all(isinstance(o, torch.Tensor) for o in static_out)):
+                raise TypeError(f"the forward returned a {type(static_out).__name__}, not tensors")
+        except comfy.model_management.InterruptProcessingException:
+            graph = None
+            raise
+        except Exception as exc:  # not capturable (a sync, a CPU op...): this step stays eager
+            graph = keep = None
+            if isinstance(exc.__context__, comfy.model_management.InterruptProcessingException):
+                raise exc.__context__ from None  # a cancel, then the capture could not end cleanly
+            try:
+                torch.cuda.synchronize(device)
+            except Exception:
+                log.debug("ReuseKit graph: synchronize after a failed capture", exc_info=True)
+            return eager_out, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+        self.pool_bytes = max(0, torch.cuda.memory_reserved(device) - reserved)
+        self.graph, self.static_out, self.kept = graph, static_out, keep.kept
+        self.nbytes = _nbytes(self.static) + self.pool_bytes
+        self.args, self.fn = [], None  # a replay needs only the buffers and the graph
+        graph.replay()
+        return _clone_tree(static_out), ""
+
+    def replay(self, tensors):
+        self.copy_in(tensors)
+        self.graph.replay()
+        return _clone_tree(self.static_out)
+
+    def release(self) -> None:
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph = self.static_out = None
+        super().release()
+
+
+RUNNERS = {"emulate": StaticRunner, "cuda": CudaGraphRunner}
+CHECK_LIVENESS = os.environ.get("REUSEKIT_GRAPH_CHECK_LIVENESS") == "1"
+"""Debug: ask torch (where it can) to raise when a tensor a graph reads was freed before a replay."""
+
+
+def _graph_kwargs() -> dict:
+    kwargs = {"capture_error_mode": "thread_local"}
+    if CHECK_LIVENESS and "check_input_liveness" in inspect.signature(torch.cuda.graph.__init__).parameters:
+        kwargs["check_input_liveness"] = True
+    return kwargs
+
+
+# ---- the wrappers ---------------------------------------------------------------------------
+
+def _param_names(fn) -> tuple[list[str], bool]:
+    key = getattr(fn, "__func__", fn)
+    found = _params.get(key)
+    if found is None:
+        names, var = [], False
+        for p in inspect.signature(fn).parameters.values():
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                names.append(p.name)
+            elif p.kind == p.VAR_POSITIONAL:
+                var = True
+        found = _params[key] = (names, var)
+    return found
+
+
+def _bind(fn, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    names, _ = _param_names(fn)
+    named = [(names[i] if i < len(names) else f"arg{i}", v) for i, v in enumerate(args)]
+    named.extend(kwargs.items())
+    return named
+
+
+def _backend(device: torch.device) -> str:
+    if FORCE_BACKEND is not None:
+        if FORCE_BACKEND == "cuda" and device.type != "cuda":
+            return "eager"
+        return FORCE_BACKEND
+    return "cuda" if device.type == "cuda" and torch.cuda.is_available() else "eager"
+
+
+_BACKEND_LABELS = {"cuda": "cuda (graphs captured and replayed)", "emulate": "emulate (static buffers, no graph)",
+                   "eager": "eager: decisions only"}
+_last_label: list[str] = [""]
+
+
+def _say_backend(backend: str, device: torch.device) -> None:
+    label = _BACKEND_LABELS.get(backend, backend)
+    if backend == "eager":
+        label += (" (no CUDA)" if device.type != "cuda" else " (forced)" if FORCE_BACKEND == "eager"
+                  else " (the host captures graphs itself)")
+    if label != _last_label[0]:
+        _last_label[0] = label
+        STATS.info("backend", label)
+
+
+def _state_bypass(base_model, compiled: bool) -> tuple[str, str] | None:
+    if compiled or torch.compiler.is_compiling():
+        return "torch_compile", "the model runs through torch.compile"
+    if getattr(base_model, "model_lowvram", False) or getattr(base_model, "lowvram_patch_counter", 0):
+        return "partial_load", "weights are partially loaded (lowvram): they move during the forward"
+    patcher = getattr(base_model, "current_patcher", None)
+    if patcher is not None:
+        if getattr(patcher, "hook_patches", None) or getattr(patcher, "current_hooks", None) is not None:
+            return "weight_hooks", "hooks change weights per step"
+        if getattr(patcher, "weight_wrapper_patches", None):
+            return "weight_wrappers", "weight wrappers run on every forward"
+    if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+        return "autograd", "gradients are enabled"
+    return None
+
+
+def _state_fields(base_model, device: torch.device, backend: str) -> tuple:
+    patcher = getattr(base_model, "current_patcher", None)
+    weights = (getattr(patcher, "patches_uuid", None), getattr(base_model, "current_weight_patches_uuid", None))
+    autocast = torch.is_autocast_enabled(device.type)
+    mode = (torch.is_inference_mode_enabled(), torch.is_grad_enabled(), autocast,
+            torch.get_autocast_dtype(device.type) if autocast else None)
+    objects = getattr(patcher, "object_patches", None)
+    objects = tuple((k, id(v)) for k, v in objects.items()) if objects else ()
+    return (("model.weights", "weights", weights), ("model.object_patches", "object_patches", objects),
+            ("mode", "mode", mode + (backend,)))
+
+
+def _count(run: gr.RunSummary | None, group: str, reason: str) -> None:
+    STATS.incr(f"{group}.{reason}")
+    if run is not None:
+        d = run.rebuilds if group == "rebuilds" else run.bypasses
+        d[reason] = d.get(reason, 0) + 1
+
+
+def _eager(run, fn, args, kwargs):
+    STATS.incr("eager_steps")
+    if run is not None:
+        run.eager += 1
+    return fn(*args, **kwargs)
+
+
+def graph_call(original, args: tuple, kwargs: dict, opts: dict, ctx):
+    """One diffusion-model forward through the graph decision (``original`` is the innermost
+    forward; ``ctx`` is (BaseModel, compiled) from the APPLY_MODEL wrapper or None)."""
+    if torch.compiler.is_compiling():  # traced by torch.compile: stay out of its way
+        return original(*args, **kwargs)
+    run: gr.RunSummary | None = _RUN.get()
+    if run is not None:
+        run.steps += 1
+    if env_disabled() or not opts.get("enabled", True) or not SETTINGS.get("graph_reuse.enabled"):
+        why = f"{gr.DISABLE_ENV} is set" if env_disabled() else "disabled"
+        if run is not None:
+            run.backend = "disabled"
+            run.note(f"graph capture disabled ({why})")
+        _count(run, "bypasses", "disabled")
+        return _eager(run, original, args, kwargs)
+    if ctx is None:
+        _count(run, "bypasses", "no_context")
+        return _eager(run, original, args, kwargs)
+    base_model, compiled = ctx
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None) or next(
+        (v.device for v in kwargs.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    backend = _backend(device)
+    if backend == "cuda" and host_captures_graphs():
+        say_once("host", "ReuseKit graph: this ComfyUI captures per-block CUDA graphs itself "
+                 "(comfy/model_prefetch.py); ReuseKit defers to it and does not capture")
+        backend = "eager"
+    if backend == "eager" and device.type != "cuda":
+        say_once("nocuda", "ReuseKit graph: no CUDA device, the model runs eagerly "
+                 "(the reuse decision still runs and is counted)")
+    _say_backend(backend, device)
+    if run is not None:
+        run.backend = backend
+    bypass = _state_bypass(base_model, compiled)
+    if bypass is not None:
+        _count(run, "bypasses", bypass[0])
+        say_once(f"bypass:{bypass[0]}", "ReuseKit graph: running eagerly: %s", bypass[1])
+        if run is not None:
+            run.note(bypass[1])
+        return _eager(run, original, args, kwargs)
+    named = _bind(original, args, kwargs)
+    spec = gr.analyse_call(named, _state_fields(base_model, device, backend), device)
+    STATS.incr("checks")
+    if spec.bypass is not None:
+        _count(run, "bypasses", spec.bypass)
+        say_once(f"bypass:{spec.bypass}:{spec.detail}", "ReuseKit graph: running eagerly: %s", spec.detail)
+        if run is not None:
+            run.note(spec.detail)
+        return _eager(run, original, args, kwargs)
+    gs = graph_set(base_model, int(opts.get("max_graphs", 2)))
+    decision = gs.decide(spec.signature)
+    if decision.hit:
+        entry = decision.entry
+        if entry.failed:
+            _count(run, "bypasses", "capture_failed")
+            return _eager(run, original, args, kwargs)
+        STATS.incr("hits")
+        if run is not None:
+            run.hits += 1
+            run.misses_in_row = 0
+        if entry.runner is None:
+            return _eager(run, original, args, kwargs)
+        # ComfyUI checks for a cancel in every op of the forward; a replay runs none of them
+        comfy.model_management.throw_exception_if_processing_interrupted()
+        out = entry.runner.replay(spec.tensors)
+        STATS.incr("replays")
+        if run is not None:
+            run.replays += 1
+        return out
+    STATS.incr("misses")
+    if decision.reason != "first":
+        _count(run, "rebuilds", decision.reason)
+        log.debug("ReuseKit graph: rebuild (%s): %s", decision.reason, decision.detail)
+        if run is not None:
+            run.note(f"rebuild ({decision.reason}): {decision.detail}")
+    runner_cls = RUNNERS.get(backend)
+    if run is not None and runner_cls is not None:
+        run.misses_in_row += 1
+        if run.capture_stopped or run.misses_in_row > gr.THRASH_LIMIT:
+            # every call needs a new graph (more batches or shapes than max_graphs, an option that
+            # changes per step): a capture costs a few forwards, so this run captures no more
+            # (kept graphs still replay)
+            if not run.capture_stopped:
+                run.capture_stopped = True
+                run.note(f"{run.misses_in_row} rebuilds in a row: no more captures in this run "
+                         f"(last: {decision.reason}; raise max_graphs?)")
+            _count(run, "bypasses", "unstable_inputs")
+            return _eager(run, original, args, kwargs)
+    if runner_cls is None:  # decisions only
+        _drop(gs.add(gr.Entry(spec.signature)))
+        _publish_memory()
+        return _eager(run, original, args, kwargs)
+    runner = runner_cls(original, named, len(args), spec, device)
+    try:
+        out, failure = runner.capture(int(opts.get("warmup", 1)))
+    except BaseException:
+        runner.release()
+        raise
+    if failure:
+        runner.release()
+        STATS.incr("capture_failures")
+        say_once(f"fail:{failure}", "ReuseKit graph: could not capture this forward, it runs "
+                 "eagerly: %s", failure, level=logging.WARNING)
+        if run is not None:
+            run.note(f"capture failed: {failure}")
+        evicted = gs.add(gr.Entry(spec.signature, failed=failure))
+    else:
+        STATS.incr("captures")
+        if run is not None:
+            run.captures += 1
+        evicted = gs.add(gr.Entry(spec.signature, runner, runner.nbytes))
+    if evicted:
+        STATS.incr("evictions", len(evicted))
+        _drop(evicted)
+    _publish_memory()
+    return out
+
+
+def _options(transformer_options) -> dict:
+    if isinstance(transformer_options, dict):
+        value = transformer_options.get(KEY)
+        if isinstance(value, dict):
+            return value
+    return {}
+
+
+def diffusion_model_wrapper(executor, *args, **kwargs):
+    original = executor.original
+    to = kwargs.get("transformer_options")
+    if to is None:
+        names, _ = _param_names(original)
+        if "transformer_options" in names and names.index("transformer_options") < len(args):
+            to = args[names.index("transformer_options")]
+    opts = _options(to)
+    ctx = _MODEL.get()
+
+    def captured(*a, **k):
+        return graph_call(original, a, k, opts, ctx)
+
+    inner = executor.wrappers[executor.idx + 1:]
+    if inner:  # other wrappers stay in Python around the captured original
+        return pe.WrapperExecutor.new_class_executor(captured, executor.class_obj, inner).execute(*args, **kwargs)
+    return captured(*args, **kwargs)
+
+
+def apply_model_wrapper(executor, *args, **kwargs):
+    to = kwargs.get("transformer_options", args[5] if len(args) > 5 else None)
+    wrappers = to.get("wrappers", {}) if isinstance(to, dict) else {}
+    compiled = "torch.compile" in wrappers.get("apply_model", {})
+    token = _MODEL.set((executor.class_obj, compiled))
+    try:
+        return executor(*args, **kwargs)
+    finally:
+        _MODEL.reset(token)
+
+
+def outer_sample_wrapper(executor, *args, **kwargs):
+    run = gr.RunSummary()
+    token = _RUN.set(run)
+    try:
+        return executor(*args, **kwargs)
+    finally:
+        _RUN.reset(token)
+        summary = run.as_dict()
+        STATS.info("last_run", summary)
+        if run.backend:
+            STATS.info("backend_last_run", run.backend)
+        rebuilds = ", ".join(f"{k}={v}" for k, v in run.rebuilds.items()) or "none"
+        log.info("ReuseKit graph: %d forwards (%s): %d captured, %d replayed, %d eager; rebuilds: %s",
+                 run.steps, run.backend or "-", run.captures, run.replays, run.eager, rebuilds)
+
+
+def enable(patcher, max_graphs: int = 2, warmup: int = 1) -> None:
+    """Add graph capture to ``patcher`` (a clone: this mutates it)."""
+    install()
+    disable(patcher)
+    patcher.model_options.setdefault("transformer_options", {})[KEY] = {
+        "enabled": True, "max_graphs": int(max_graphs), "warmup": int(warmup)}
+    patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, KEY, outer_sample_wrapper)
+    patcher.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, KEY, apply_model_wrapper)
+    patcher.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, KEY, diffusion_model_wrapper)
+
+
+def disable(patcher) -> None:
+    """Remove graph capture from ``patcher`` (a clone)."""
+    for kind in (pe.WrappersMP.OUTER_SAMPLE, pe.WrappersMP.APPLY_MODEL, pe.WrappersMP.DIFFUSION_MODEL):
+        patcher.remove_wrappers_with_key(kind, KEY)
+    patcher.model_options.get("transformer_options", {}).pop(KEY, None)
+
+
+def is_enabled(patcher) -> bool:
+    return KEY in patcher.model_options.get("transformer_options", {})

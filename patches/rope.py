@@ -1,0 +1,379 @@
+"""RoPE builder patches: each family's position-embedding builder asks its model's PE cache.
+
+Which cache: a *scope* (a context variable) names the PE cache of the model whose ``apply_model``
+is running. The ReuseKit PE Cache node opens it with an APPLY_MODEL wrapper; the global
+``BaseModel.apply_model`` patch opens it for every model when the server-wide default
+``pe_cache.default_enabled`` is on, and otherwise closes it, so one model's scope never leaks into
+another model's call. With no scope, every patched builder runs unchanged.
+
+Names: each builder call inside one ``apply_model`` call gets ``<builder>[<n>]|<cond_or_uncond>``
+(its n-th call there, for that cond/uncond batch), so PE inputs that coexist in a step (text and
+image, cond and uncond run separately, Wan's reference frames) have independent entries; when two
+names of one builder hold an equal key they share one table (see ``caching/pe_cache.py``).
+
+The builder runs unchanged (counted as a bypass) when its inputs require grad, and while a CUDA
+graph is being captured (no host sync, no tensor from the graph's pool kept).
+
+A listener on ``ModelPatcher.detach`` (patches/lifecycle.py) drops a model's device-held tables
+when ComfyUI unloads it from its device.
+
+Each patch has one install and one uninstall (idempotent, guarded by a probe that the host has
+the function); ``install()`` / ``uninstall()`` apply them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..caching.pe_cache import PECacheKey, cache_for, default_enabled
+from . import lifecycle
+
+log = logging.getLogger("reusekit")
+
+MARK = "__reusekit_pe__"
+
+
+# ---- the scope -----------------------------------------------------------------------------
+
+class _Scope:
+    __slots__ = ("cache", "suffix", "counts")
+
+    def __init__(self, cache, transformer_options: dict | None):
+        self.cache = cache
+        cou = (transformer_options or {}).get("cond_or_uncond")
+        self.suffix = "|" + ",".join(str(c) for c in cou) if cou else ""
+        self.counts: dict[str, int] = {}
+
+    def name(self, builder: str) -> str:
+        n = self.counts.get(builder, 0)
+        self.counts[builder] = n + 1
+        return f"{builder}[{n}]{self.suffix}"
+
+
+_SCOPE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("reusekit_pe_scope", default=None)
+
+
+@contextlib.contextmanager
+def scope(cache, transformer_options: dict | None = None):
+    """Inside, patched builders use ``cache`` (``None``: they run unchanged)."""
+    token = _SCOPE.set(_Scope(cache, transformer_options) if cache is not None else None)
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+def model_cache(base_model, create: bool = True):
+    """The PE cache owned by a ComfyUI model (``ModelPatcher.model``)."""
+    label = type(getattr(base_model, "diffusion_model", base_model)).__name__
+    return cache_for(base_model, label, create=create)
+
+
+def _transformer_options(args: tuple, kwargs: dict) -> dict | None:
+    # apply_model(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
+    if len(args) > 5:
+        return args[5]
+    return kwargs.get("transformer_options")
+
+
+class ApplyModelWrapper:
+    """The node's APPLY_MODEL wrapper: opens (or, disabled, closes) the model's PE scope."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+
+    def __call__(self, executor, *args, **kwargs):
+        cache = model_cache(executor.class_obj) if self.enabled else None
+        with scope(cache, _transformer_options(args, kwargs)):
+            return executor(*args, **kwargs)
+
+
+class RunSummary:
+    """The node's OUTER_SAMPLE wrapper: after each sampling run, the run's hits, misses,
+    replacements and shared tables go in the model cache's ``last_run`` info and one log line."""
+
+    COUNTERS = ("hits", "misses", "replacements", "shared", "mutated", "bypasses")
+
+    def __call__(self, executor, *args, **kwargs):
+        patcher = getattr(executor.class_obj, "model_patcher", None)
+        cache = model_cache(patcher.model) if patcher is not None else None
+        stats = cache.stats if cache is not None else None
+        if stats is None:
+            return executor(*args, **kwargs)
+        before = {c: stats.counter(c) for c in self.COUNTERS}
+        saved_before = stats.snapshot()["time_saved_s"]
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            run = {c: stats.counter(c) - before[c] for c in self.COUNTERS}
+            run["time_saved_s"] = round(stats.snapshot()["time_saved_s"] - saved_before, 6)
+            stats.set_info("last_run", run)
+            log.info("ReuseKit PE cache (%s): %d hits, %d misses, %d replacements, %d shared, %.1f ms saved",
+                     stats.name, run["hits"], run["misses"], run["replacements"], run["shared"],
+                     run["time_saved_s"] * 1e3)
+
+
+def _capturing() -> bool:
+    """A CUDA graph is being captured: no host sync (key compares) and no storing of tensors
+    allocated from the graph's private pool; the builder then runs inside the graph unchanged."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def _requires_grad(args, kwargs) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return any(isinstance(v, torch.Tensor) and v.requires_grad for v in (*args, *kwargs.values()))
+
+
+def cached(builder: str, make_key: Callable[[PECacheKey], Any], compute: Callable[[], Any],
+           args: tuple = (), kwargs: dict | None = None):
+    """Run ``compute`` through the current scope's cache under the next name for ``builder``.
+
+    ``make_key`` fills the key (return ``False`` to bypass: not cacheable). While ``compute``
+    runs on a miss the scope is closed, so nested builders do not store a second copy."""
+    sc = _SCOPE.get()
+    if sc is None:
+        return compute()
+    name = sc.name(builder)
+    if _requires_grad(args, kwargs or {}) or _capturing():
+        sc.cache.bypass(name)
+        return compute()
+    key = PECacheKey(name, group=builder)  # one builder's names may share equal tables
+    if make_key(key) is False:
+        sc.cache.bypass(name)
+        return compute()
+
+    def build():
+        token = _SCOPE.set(None)
+        try:
+            return compute()
+        finally:
+            _SCOPE.reset(token)
+
+    return sc.cache.get_or_create(key, build)
+
+
+def _add_bound(key: PECacheKey, sig: inspect.Signature, args, kwargs, skip: tuple = ()) -> PECacheKey:
+    """Every argument of a call, by parameter name and in order, defaults applied."""
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    for pname, value in bound.arguments.items():
+        if pname in skip:
+            continue
+        key.add(pname).add(value)
+    return key
+
+
+# ---- patch plumbing ------------------------------------------------------------------------
+
+class Patch:
+    """One monkey-patch of ``module.<owner>.<attr>`` (or ``module.<attr>``) with install/uninstall."""
+
+    def __init__(self, family: str, module: str, attr: str, make: Callable[[Callable], Callable]):
+        self.family, self.module, self.attr, self.make = family, module, attr, make
+        self._original = None
+        self._replacement = None
+
+    def _target(self):
+        mod = importlib.import_module(self.module)
+        *owner_path, leaf = self.attr.split(".")
+        owner = mod
+        for part in owner_path:
+            owner = getattr(owner, part)
+        return owner, leaf
+
+    def available(self) -> bool:
+        """The feature probe: the host has this builder, defined where we expect it."""
+        try:
+            owner, leaf = self._target()
+        except (ImportError, AttributeError):
+            return False
+        fn = owner.__dict__.get(leaf) if inspect.isclass(owner) else getattr(owner, leaf, None)
+        return callable(fn)
+
+    @property
+    def installed(self) -> bool:
+        return self._original is not None
+
+    def original(self) -> Callable:
+        if self._original is not None:
+            return self._original
+        owner, leaf = self._target()
+        return owner.__dict__[leaf] if inspect.isclass(owner) else getattr(owner, leaf)
+
+    def install(self) -> bool:
+        if self.installed:
+            return True
+        if not self.available():
+            log.info("ReuseKit PE cache: %s.%s not found on this ComfyUI; %s not covered",
+                     self.module, self.attr, self.family)
+            return False
+        owner, leaf = self._target()
+        original = owner.__dict__[leaf] if inspect.isclass(owner) else getattr(owner, leaf)
+        if getattr(original, MARK, False):  # another copy of the pack patched it: leave it
+            return False
+        replacement = functools.wraps(original)(self.make(original))
+        setattr(replacement, MARK, True)
+        setattr(owner, leaf, replacement)
+        self._original, self._replacement = original, replacement
+        return True
+
+    def uninstall(self) -> None:
+        if not self.installed:
+            return
+        owner, leaf = self._target()
+        current = owner.__dict__.get(leaf) if inspect.isclass(owner) else getattr(owner, leaf, None)
+        if current is self._replacement:
+            setattr(owner, leaf, self._original)
+        else:
+            log.warning("ReuseKit PE cache: %s.%s was patched again by someone else; left as it is",
+                        self.module, self.attr)
+        self._original = self._replacement = None
+
+
+# ---- the builders --------------------------------------------------------------------------
+
+def _embednd(builder: str):
+    """flux.layers.EmbedND / hidream.EmbedND ``forward(self, ids)``: keyed by the ids' shape and
+    values, theta and axes (dtype and device come with the ids)."""
+    def make(original):
+        def forward(self, ids):
+            def key(k):
+                k.add(type(self).__qualname__).add(self.theta).add(list(self.axes_dim)).add(ids)
+            return cached(builder, key, lambda: original(self, ids), (ids,))
+        return forward
+    return make
+
+
+def _rope_options(transformer_options) -> Any:
+    opts = (transformer_options or {}).get("rope_options")
+    return dict(opts) if opts is not None else None
+
+
+def _wan_rope_encode(original):
+    """WanModel.rope_encode(t, h, w, t_start, steps_*, device, dtype, transformer_options): keyed
+    by the geometry, so a hit skips building the ids as well as the table."""
+    sig = inspect.signature(original)
+
+    def rope_encode(self, *args, **kwargs):
+        def key(k):
+            bound = sig.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            a = dict(bound.arguments)
+            a.pop("self")
+            to = a.pop("transformer_options", None)
+            for pname, value in a.items():
+                k.add(pname).add(value)
+            emb = self.rope_embedder
+            k.add(tuple(self.patch_size)).add(_rope_options(to))
+            k.add(type(emb).__qualname__).add(getattr(emb, "theta", None)).add(list(getattr(emb, "axes_dim", ())))
+        return cached("wan.rope_encode", key, lambda: original(self, *args, **kwargs))
+    return rope_encode
+
+
+def _function(builder: str, skip: tuple = ()):
+    """A module-level builder whose every argument decides the result (tensors by value)."""
+    def make(original):
+        sig = inspect.signature(original)
+
+        def fn(*args, **kwargs):
+            return cached(builder, lambda k: _add_bound(k, sig, args, kwargs, skip),
+                          lambda: original(*args, **kwargs), args, kwargs)
+        return fn
+    return make
+
+
+def _cosmos_generate(original):
+    """VideoRopePosition3DEmb.generate_embeddings: keyed by the full B,T,H,W,C size, fps, the ntk
+    factors, dtype, device and the module's frequency ranges and fps settings."""
+    sig = inspect.signature(original)
+
+    def generate_embeddings(self, *args, **kwargs):
+        def key(k):
+            _add_bound(k, sig, (self, *args), kwargs, skip=("self",))
+            k.add(self.base_fps).add(self.enable_fps_modulation)
+            k.add(self.h_ntk_factor).add(self.w_ntk_factor).add(self.t_ntk_factor)
+            k.add(self.dim_spatial_range).add(self.dim_temporal_range)
+        return cached("cosmos.rope3d", key, lambda: original(self, *args, **kwargs), args, kwargs)
+    return generate_embeddings
+
+
+def _hydit_calc_rope(original):
+    """hydit calc_rope(x, patch_size, head_size): only x's height, width, dtype and device count."""
+    def calc_rope(x, patch_size, head_size):
+        def key(k):
+            k.add_shape(x.shape[2:4]).add(x.dtype).add(x.device).add(patch_size).add(head_size)
+        return cached("hydit.rope", key, lambda: original(x, patch_size, head_size))
+    return calc_rope
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch("flux, chroma, chroma radiance, hunyuan video, qwen-image, lumina2/z-image, omnigen2, wan",
+          "comfy.ldm.flux.layers", "EmbedND.forward", _embednd("EmbedND")),
+    Patch("hidream", "comfy.ldm.hidream.model", "EmbedND.forward", _embednd("hidream.EmbedND")),
+    Patch("wan (geometry)", "comfy.ldm.wan.model", "WanModel.rope_encode", _wan_rope_encode),
+    Patch("ltxv", "comfy.ldm.lightricks.model", "precompute_freqs_cis", _function("ltxv.freqs_cis")),
+    Patch("cosmos", "comfy.ldm.cosmos.position_embedding", "VideoRopePosition3DEmb.generate_embeddings",
+          _cosmos_generate),
+    Patch("mochi (positions)", "comfy.ldm.genmo.joint_model.asymm_models_joint", "create_position_matrix",
+          _function("mochi.positions")),
+    Patch("mochi", "comfy.ldm.genmo.joint_model.asymm_models_joint", "compute_mixed_rotation",
+          _function("mochi.rotation")),
+    Patch("hunyuan dit", "comfy.ldm.hydit.models", "calc_rope", _hydit_calc_rope),
+    Patch("hunyuan dit controlnet", "comfy.ldm.hydit.controlnet", "calc_rope", _hydit_calc_rope),
+)
+
+
+def _apply_model(original):
+    """BaseModel.apply_model: every model call opens its own scope (the model's cache when the
+    server-wide default is on, else none); the node's APPLY_MODEL wrapper runs inside and wins."""
+    def apply_model(self, *args, **kwargs):
+        cache = model_cache(self) if default_enabled() else None
+        with scope(cache, _transformer_options(args, kwargs)):
+            return original(self, *args, **kwargs)
+    return apply_model
+
+
+SCOPE_PATCH = Patch("every model (scope)", "comfy.model_base", "BaseModel.apply_model", _apply_model)
+
+
+def release_device_tables(patcher, unpatch_all=True, *args, **kwargs) -> None:
+    """Before ``ModelPatcher.detach`` (a lifecycle listener): when ComfyUI unloads a model from its
+    device (``unpatch_all``), the tables its PE cache holds on that device go too, so an offloaded
+    model keeps no VRAM through it (node or server-wide default alike); CPU tables stay (no VRAM,
+    and they save the rebuild). ``detach(unpatch_all=False)`` only means another clone of the
+    model took its place."""
+    if unpatch_all:
+        cache = model_cache(patcher.model, create=False)
+        if cache is not None and cache.nbytes().get("device"):
+            cache.clear()
+
+
+GLOBAL_PATCHES = (SCOPE_PATCH,)
+
+
+def install() -> list[str]:
+    """Install every builder patch the host supports (idempotent); returns the families covered."""
+    for p in GLOBAL_PATCHES:
+        p.install()
+    lifecycle.add_listener("detach", release_device_tables)
+    return [p.family for p in PATCHES if p.install()]
+
+
+def uninstall() -> None:
+    for p in (*PATCHES, *GLOBAL_PATCHES):
+        p.uninstall()
+    lifecycle.remove_listener("detach", release_device_tables)
+
+
+def installed() -> bool:
+    return all(p.installed for p in GLOBAL_PATCHES) and any(p.installed for p in PATCHES)

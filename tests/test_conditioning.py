@@ -1,0 +1,565 @@
+"""Conditioning cache: exactness, isolation, no stale hits, budget, concurrency, memory hooks."""
+
+import threading
+
+import numpy as np
+import pytest
+import rkharness
+import torch
+
+pytestmark = pytest.mark.conditioning
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def cc():
+    """The cache module, with global mode on, default limits and an empty cache around each test."""
+    mod = rkharness.pack("caching.conditioning")
+    settings = rkharness.pack("caching.settings").SETTINGS
+    keys = ("conditioning.enabled", "conditioning.budget_mib", "conditioning.max_entries",
+            "conditioning.device_hot_negatives")
+    saved = {k: settings.get(k) for k in keys}
+    settings.update({"conditioning.enabled": True, "conditioning.budget_mib": 512,
+                     "conditioning.max_entries": 128, "conditioning.device_hot_negatives": True})
+    mod.CACHE.clear()
+    mod.CACHE.reset_counts()
+    yield mod
+    settings.update(saved)
+    mod.CACHE.configure(saved["conditioning.budget_mib"] * MIB, saved["conditioning.max_entries"])
+    mod.CACHE.clear()
+
+
+@pytest.fixture
+def uncached():
+    """Run a function with the cache's routing off (global mode off), as plain ComfyUI would."""
+    settings = rkharness.pack("caching.settings").SETTINGS
+
+    def run(fn, *args, **kwargs):
+        before = settings.get("conditioning.enabled")
+        settings.set("conditioning.enabled", False)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            settings.set("conditioning.enabled", before)
+
+    return run
+
+
+def same(a, b):
+    """Bit-equal trees of tensors, containers and plain values (same types, same keys)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if hasattr(a, "__dict__") and not isinstance(a, type):
+        return same(vars(a), vars(b))
+    return a == b
+
+
+@pytest.fixture(scope="module")
+def clip(tiny):
+    return tiny.tiny_clip(0)
+
+
+@pytest.fixture(scope="module")
+def vae(tiny):
+    return tiny.tiny_vae(0)
+
+
+@pytest.fixture(scope="module")
+def vision(tiny):
+    return tiny.tiny_clip_vision(0)
+
+
+def image(seed, size=64, dtype=torch.float32):
+    return torch.rand(1, size, size, 3, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+PROMPTS = ["a red square on a blue field", "a (red:1.3) square, (blue:0.8) field", "",
+           "embedding-free text with a very long tail " * 12]
+
+
+# ---- exactness ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", PROMPTS)
+@pytest.mark.parametrize("options", [{}, {"return_pooled": True}, {"return_pooled": "unprojected"},
+                                     {"return_pooled": True, "return_dict": True}])
+def test_text_hit_equals_uncached_bit_for_bit(cc, uncached, clip, text, options):
+    tokens = clip.tokenize(text)
+    reference = uncached(clip.encode_from_tokens, tokens, **options)
+    miss = clip.encode_from_tokens(tokens, **options)
+    hit = clip.encode_from_tokens(tokens, **options)
+    assert same(reference, miss) and same(reference, hit)
+    assert cc.CACHE.count("misses.text") == 1 and cc.CACHE.count("hits.text") == 1
+
+
+def test_text_nodes_and_scheduled_path_are_exact(cc, uncached, clip):
+    import nodes
+
+    reference = uncached(nodes.CLIPTextEncode().encode, clip, "a (red:1.3) cat")[0]
+    first = nodes.CLIPTextEncode().encode(clip, "a (red:1.3) cat")[0]
+    second = nodes.CLIPTextEncode().encode(clip, "a (red:1.3) cat")[0]
+    assert same(reference, first) and same(reference, second)
+    tokens = clip.tokenize("a (red:1.3) cat")
+    sched = clip.encode_from_tokens_scheduled(tokens, add_dict={"guidance": 3.5})
+    assert same(uncached(clip.encode_from_tokens_scheduled, tokens, add_dict={"guidance": 3.5}), sched)
+    assert cc.CACHE.count("hits.text") >= 2
+
+
+@pytest.mark.parametrize("crop", [True, False])
+def test_vision_hit_equals_uncached_with_every_output(cc, uncached, vision, crop):
+    img = image(1, size=48)
+    reference = uncached(vision.encode_image, img, crop=crop)
+    miss = vision.encode_image(img, crop=crop)
+    hit = vision.encode_image(img, crop=crop)
+    assert type(hit) is type(reference) and same(reference, miss) and same(reference, hit)
+    assert set(vars(hit)) >= {"last_hidden_state", "image_embeds", "penultimate_hidden_states"}
+    other_crop = vision.encode_image(img, crop=not crop)  # the crop option is part of the key
+    assert cc.CACHE.count("misses.vision") == 2 and cc.CACHE.count("hits.vision") == 1
+    assert same(uncached(vision.encode_image, img, crop=not crop), other_crop)
+
+
+def test_vae_encode_and_tiled_encode_are_bit_exact(cc, uncached, vae):
+    import nodes
+
+    img = image(2, size=72)
+    for call in (lambda: vae.encode(img),
+                 lambda: vae.encode_tiled(img, tile_x=64, tile_y=64, overlap=16),
+                 lambda: nodes.VAEEncode().encode(vae, img)[0]["samples"],
+                 lambda: nodes.VAEEncodeTiled().encode(vae, img, 64, 16)[0]["samples"]):
+        reference = uncached(call)
+        assert same(reference, call()) and same(reference, call())
+    tiled_other = vae.encode_tiled(img, tile_x=64, tile_y=64, overlap=8)  # tiling parameters in the key
+    assert same(uncached(vae.encode_tiled, img, tile_x=64, tile_y=64, overlap=8), tiled_other)
+    # VAEEncode reuses encode's entry; VAEEncodeTiled passes temporal options: its own key
+    assert cc.CACHE.count("hits.vae") == 5 and cc.CACHE.count("misses.vae") == 4
+
+
+# ---- isolation ----------------------------------------------------------------------------------
+
+def test_mutating_returned_values_never_changes_the_next_hit(cc, uncached, clip, vae, vision):
+    tokens = clip.tokenize("isolation test")
+    reference = uncached(clip.encode_from_tokens, tokens, return_pooled=True, return_dict=True)
+    for _ in range(3):
+        out = clip.encode_from_tokens(tokens, return_pooled=True, return_dict=True)
+        assert same(reference, out)
+        out["cond"].add_(1.0)
+        out["pooled_output"].mul_(0)
+        out["extra"] = "changed"
+    img = image(3)
+    latent_ref = uncached(vae.encode, img)
+    for _ in range(3):
+        latent = vae.encode(img)
+        assert same(latent_ref, latent)
+        latent.fill_(7.0)
+    vision_ref = uncached(vision.encode_image, img)
+    for _ in range(3):
+        out = vision.encode_image(img)
+        assert same(vision_ref, out)
+        out.image_embeds.zero_()
+        out["last_hidden_state"] = None
+
+
+def test_changing_the_input_after_a_miss_does_not_change_the_key(cc, vae):
+    img = image(4)
+    first = vae.encode(img)
+    img.add_(0.5)  # the caller reuses its buffer for another image
+    second = vae.encode(img)
+    assert not torch.equal(first, second)
+    assert cc.CACHE.count("misses.vae") == 2
+
+
+# ---- no stale or foreign hits -------------------------------------------------------------------
+
+def test_different_inputs_and_encoders_miss(cc, tiny, clip, vae):
+    a = clip.encode_from_tokens(clip.tokenize("a red square"))
+    b = clip.encode_from_tokens(clip.tokenize("a red circle"))
+    assert not torch.equal(a, b) and cc.CACHE.count("misses.text") == 2
+    other = tiny.tiny_clip(1)  # separately loaded encoder with other weights
+    c = other.encode_from_tokens(other.tokenize("a red square"))
+    assert not torch.equal(a, c) and cc.CACHE.count("misses.text") == 3
+    clip.encode_from_tokens(clip.tokenize("a red square"), return_pooled=True)  # other call option
+    assert cc.CACHE.count("misses.text") == 4
+    vae.encode(image(5))
+    vae.encode(image(6))  # a different image of the same size
+    vae.encode(image(5, dtype=torch.float64))  # same pixels, another dtype
+    assert cc.CACHE.count("misses.vae") == 3 and cc.CACHE.count("hits.vae") == 0
+
+
+def test_layer_and_weight_reload_change_the_key(cc, tiny):
+    clip = tiny.tiny_clip(0)
+    tokens = clip.tokenize("clip skip")
+    full = clip.encode_from_tokens(tokens)
+    skipped = clip.clone()
+    skipped.clip_layer(-2)
+    assert not torch.equal(full, skipped.encode_from_tokens(tokens))
+    assert cc.CACHE.count("misses.text") == 2
+    sd = {k: v.clone() * 1.5 for k, v in clip.cond_stage_model.state_dict().items()}
+    clip.load_sd(sd, full_model=True)  # weights replaced in place: a new generation, old entries dropped
+    assert not torch.equal(full, clip.encode_from_tokens(tokens))
+    assert cc.CACHE.count("misses.text") == 3
+
+
+def test_lora_strength_changes_miss_and_same_lora_on_a_new_clone_hits(cc, uncached, tiny):
+    import comfy.sd
+    import comfy.utils
+    import folder_paths
+
+    loras = __import__(f"{tiny.__name__}.conditioning", fromlist=["write_lora"])
+    name = loras.write_lora("rk_test_strength.safetensors", seed=1, flux=False)
+    path = folder_paths.get_full_path_or_raise("loras", name)
+    clip = tiny.tiny_clip(0)
+    tokens = clip.tokenize("a lora test")
+    base = clip.encode_from_tokens(tokens)
+
+    def with_lora(strength, reload=False):
+        lora = comfy.utils.load_torch_file(path, safe_load=True) if reload else LORA
+        return comfy.sd.load_lora_for_models(None, clip, lora, 0.0, strength)[1]
+
+    LORA = comfy.utils.load_torch_file(path, safe_load=True)
+    one = with_lora(1.0)
+    out_one = one.encode_from_tokens(tokens)
+    assert not torch.equal(base, out_one)
+    half = with_lora(0.5)
+    out_half = half.encode_from_tokens(tokens)
+    assert same(uncached(with_lora(0.5).encode_from_tokens, tokens), out_half)
+    assert cc.CACHE.count("misses.text") == 3 and cc.CACHE.count("hits.text") == 0
+    again = with_lora(1.0)  # new clone, new patches_uuid, same LoRA and strength
+    assert again.patcher.patches_uuid != one.patcher.patches_uuid
+    assert same(out_one, again.encode_from_tokens(tokens))
+    reloaded = with_lora(1.0, reload=True)  # the file read again: new tensors, same contents
+    assert same(out_one, reloaded.encode_from_tokens(tokens))
+    assert cc.CACHE.count("hits.text") == 2
+    assert same(base, clip.encode_from_tokens(tokens))  # the un-patched encoder still hits its own entry
+    assert cc.CACHE.count("hits.text") == 3
+
+
+def test_a_vae_encode_that_uses_randomness_is_never_stored(cc, uncached, tiny):
+    """A sampling posterior must draw on every request: same seeds, same outputs as without cache."""
+    import comfy.ldm.models.autoencoder as ae
+
+    vae = tiny.tiny_vae(0)
+    vae.first_stage_model.regularization = ae.DiagonalGaussianRegularizer(sample=True)
+    img = image(7)
+    torch.manual_seed(11)
+    expected = [uncached(vae.encode, img) for _ in range(2)]
+    torch.manual_seed(11)
+    got = [vae.encode(img) for _ in range(2)]
+    assert same(expected, got) and not torch.equal(got[0], got[1])
+    assert len(cc.CACHE) == 0 and cc.CACHE.count("bypasses.vae") == 2
+
+
+def test_a_plain_vae_encode_that_fell_back_to_tiles_is_not_stored(cc, tiny):
+    import comfy.model_management as mm
+
+    vae = tiny.tiny_vae(0)
+    img = image(9)
+
+    def out_of_memory(*args, **kwargs):
+        raise mm.OOM_EXCEPTION("simulated")
+
+    estimate, vae.memory_used_encode = vae.memory_used_encode, out_of_memory  # inside encode's try: tiles
+    vae.encode(img)
+    assert len(cc.CACHE) == 0 and cc.CACHE.count("bypasses.vae") == 1
+    vae.memory_used_encode = estimate
+    plain = vae.encode(img)
+    assert len(cc.CACHE) == 1 and same(plain, vae.encode(img)) and cc.CACHE.count("hits.vae") == 1
+
+
+@pytest.mark.parametrize("schedule_clip", [False, True])
+def test_clip_with_lora_hooks_bypasses_and_stays_exact(cc, uncached, tiny, schedule_clip):
+    import comfy_extras.nodes_hooks as hooks_nodes
+
+    import nodes
+
+    loras = __import__(f"{tiny.__name__}.conditioning", fromlist=["write_lora"])
+    name = loras.write_lora("rk_test_hooks.safetensors", seed=5, flux=False)
+    clip = tiny.tiny_clip(0)
+    (hooks,) = hooks_nodes.CreateHookLora().create_hook(name, 0.0, 1.0)
+    (hooked,) = hooks_nodes.SetClipHooks().apply_hooks(clip, schedule_clip, False, hooks)
+    encode = nodes.CLIPTextEncode().encode
+    reference = uncached(encode, hooked, "a hooked prompt")[0]
+    assert same(reference, encode(hooked, "a hooked prompt")[0])
+    assert same(reference, encode(hooked, "a hooked prompt")[0])
+    assert len(cc.CACHE) == 0 and cc.CACHE.count("bypasses.text") >= 2
+    base = uncached(encode, clip, "a hooked prompt")[0]
+    assert not same(base, reference) and same(base, encode(clip, "a hooked prompt")[0])
+
+
+def test_hooks_and_autograd_bypass(cc, clip):
+    tokens = clip.tokenize("bypass")
+    base = clip.encode_from_tokens(tokens)
+    patched = clip.clone()
+    patched.patcher.add_object_patch("clip_l.transformer.text_model.final_layer_norm", torch.nn.Identity())
+    assert not torch.equal(base, patched.encode_from_tokens(tokens))  # not keyed: runs, never stored
+    assert torch.equal(base, clip.encode_from_tokens(tokens))
+    with torch.inference_mode(False), torch.enable_grad():
+        clip.encode_from_tokens(tokens)
+    assert cc.CACHE.count("bypasses.text") == 2 and len(cc.CACHE) == 1 and cc.CACHE.count("hits.text") == 1
+
+
+# ---- bounds and LRU order -------------------------------------------------------------------------
+
+def _key(cc, i, kind="text", owners=(1,)):
+    return cc.Key(kind, (cc.encode_value(i),), owners=owners)
+
+
+def test_byte_and_entry_limits_hold_under_a_stream(cc):
+    cache = cc.ConditioningCache(budget_bytes=10_000, max_entries=5)
+    for i in range(50):
+        value = torch.full((100 + 37 * (i % 7),), float(i))
+        cache.fetch(_key(cc, i), lambda v=value: v)
+        assert len(cache) <= 5 and cache.total_bytes() <= 10_000
+    assert cache.count("evictions") >= 40
+    cache.configure(max_entries=2)
+    assert len(cache) == 2
+    cache.configure(budget_bytes=500)
+    assert cache.total_bytes() <= 500
+
+
+def test_oversized_entries_are_not_admitted_and_capacity_zero_disables(cc):
+    cache = cc.ConditioningCache(budget_bytes=1_000, max_entries=8)
+    big = torch.zeros(1_000)
+    assert cache.fetch(_key(cc, "big"), lambda: big) is big
+    assert len(cache) == 0 and cache.count("rejected") == 1
+    cache.configure(budget_bytes=0)
+    calls = []
+    for _ in range(2):
+        cache.fetch(_key(cc, "small"), lambda: calls.append(1) or torch.ones(2))
+    assert len(calls) == 2 and len(cache) == 0 and cache.count("hits") == 0
+
+
+def test_an_image_larger_than_the_budget_bypasses_before_any_copy(cc, vision):
+    settings = rkharness.pack("caching.settings").SETTINGS
+    settings.set("conditioning.budget_mib", 1)
+    big = image(10, size=600)  # 4.3 MB of pixels
+    vision.encode_image(big)
+    vision.encode_image(image(10, size=200))  # 0.5 MB: admitted
+    assert cc.CACHE.count("bypasses.vision") == 1 and len(cc.CACHE) == 1
+
+
+def test_lru_order(cc):
+    cache = cc.ConditioningCache(budget_bytes=1 << 20, max_entries=2)
+    for name in ("A", "B"):
+        cache.fetch(_key(cc, name), lambda: torch.ones(4))
+    cache.fetch(_key(cc, "A"), lambda: pytest.fail("A must hit"))  # A becomes most recent
+    cache.fetch(_key(cc, "C"), lambda: torch.ones(4))  # evicts B, the least recently used
+    assert [k.fields[0] for k in cache.keys()] == ["A", "C"]
+
+
+def test_global_budget_setting_applies_at_once(cc, clip):
+    settings = rkharness.pack("caching.settings").SETTINGS
+    for i in range(6):
+        clip.encode_from_tokens(clip.tokenize(f"prompt {i}"))
+    assert len(cc.CACHE) == 6
+    settings.set("conditioning.max_entries", 2)
+    assert len(cc.CACHE) == 2
+    settings.set("conditioning.budget_mib", 0)
+    assert len(cc.CACHE) == 0
+    clip.encode_from_tokens(clip.tokenize("prompt 0"))
+    assert len(cc.CACHE) == 0
+    with pytest.raises(ValueError, match="conditioning.max_entries"):
+        settings.set("conditioning.max_entries", -1)
+
+
+# ---- keys -----------------------------------------------------------------------------------------
+
+def test_keys_compare_typed_complete_fields(cc):
+    ev = cc.encode_value
+    assert ev(1) != ev(1.0) != ev(True) and ev(0.0) != ev(-0.0)
+    assert ev(5) == ev(np.int64(5)) and ev([1, 2]) != ev((1, 2)) and ev({"a": 1}) == ev({"a": 1})
+    a, b = torch.arange(6.0), torch.arange(6.0)
+    assert ev(a) == ev(b) and ev(a) != ev(a.reshape(2, 3)) and ev(a) != ev(a.double())
+    assert cc.Key("text", (ev(a),)) == cc.Key("text", (ev(b),))
+    assert cc.Key("text", (ev(a),)) != cc.Key("vae", (ev(a),))
+    with pytest.raises(cc.Uncacheable):
+        ev(object())
+
+
+def test_identity_serials_are_never_reused(cc):
+    seen, ids = set(), set()
+    for _ in range(50):
+        module = torch.nn.Linear(2, 2)
+        serial = cc.identity(module)
+        assert serial not in seen and cc.identity(module) == serial
+        seen.add(serial)
+        ids.add(id(module))
+        del module  # freed at once: the next module often gets the same address
+    assert len(ids) < len(seen)  # addresses were reused, serials were not
+
+
+def test_weight_sets_are_interned_by_content(cc):
+    w = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    one = cc.intern_weights({"k": [(1.0, (w,), 1.0, None, None)]})
+    same_content = cc.intern_weights({"k": [(1.0, (w.clone(),), 1.0, None, None)]})
+    other_strength = cc.intern_weights({"k": [(0.5, (w,), 1.0, None, None)]})
+    changed = w.clone()
+    changed[3, 3] += 1  # a value the bucket sampler may not look at
+    other_values = cc.intern_weights({"k": [(1.0, (changed,), 1.0, None, None)]})
+    assert one is same_content and one is not other_strength and one is not other_values
+    assert cc.intern_weights({}) is None
+
+
+def test_dead_encoders_drop_their_entries(cc, tiny):
+    import gc
+
+    clip = tiny.tiny_clip(2)
+    clip.encode_from_tokens(clip.tokenize("short lived"))
+    assert len(cc.CACHE) == 1
+    del clip
+    gc.collect()
+    cc.CACHE.reap()
+    assert len(cc.CACHE) == 0
+
+
+# ---- device entries and ComfyUI's memory management ----------------------------------------------
+
+def test_device_entries_are_freed_for_comfyui_and_on_unload(cc, tiny, monkeypatch):
+    """Device-hot entries (meta tensors stand in for a GPU here) leave when ComfyUI needs memory."""
+    import comfy.model_management as mm
+
+    clip = tiny.tiny_clip(0)
+    owner = cc.identity(clip.cond_stage_model)
+    for i in range(3):
+        cc.CACHE.fetch(cc.Key("text", (i,), owners=(owner,)), lambda: torch.empty(256, device="meta"),
+                       keep_device=True)
+    assert cc.CACHE.device_bytes("meta") == 3 * 1024 and cc.CACHE.bytes_by_tier()["device"] == 3 * 1024
+    monkeypatch.setattr(mm, "get_free_memory", lambda *a, torch_free_too=False, **k: (0, 0) if torch_free_too else 0)
+    monkeypatch.setattr(mm, "soft_empty_cache", lambda *a, **k: None)
+    mm.free_memory(1500, torch.device("meta"))  # ComfyUI asks for 1500 bytes: two entries go, LRU first
+    assert cc.CACHE.device_bytes() == 1024 and [k.fields[0] for k in cc.CACHE.keys()] == [2]
+    clip.patcher.detach()  # unloading the encoder drops its remaining device entries
+    assert cc.CACHE.device_bytes() == 0
+
+
+# ---- concurrency ------------------------------------------------------------------------------------
+
+@pytest.mark.hardening
+def test_threads_encoding_and_reading_stats_never_corrupt_the_cache(cc, uncached, clip):
+    registry = rkharness.pack("caching.stats").REGISTRY
+    texts = [f"thread prompt {i % 5}" for i in range(40)]
+    expected = {t: uncached(clip.encode_from_tokens, clip.tokenize(t), return_pooled=True) for t in set(texts)}
+    cc.CACHE.configure(max_entries=3)  # force evictions while threads run
+    errors = []
+
+    def encoder(offset):
+        try:
+            with torch.inference_mode():
+                for t in texts[offset:] + texts[:offset]:
+                    assert same(expected[t], clip.encode_from_tokens(clip.tokenize(t), return_pooled=True))
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    def reader():
+        for _ in range(200):
+            snap = registry.snapshot()
+            assert any(c["name"] == "conditioning" for c in snap["caches"])
+
+    threads = [threading.Thread(target=encoder, args=(i * 7,)) for i in range(4)] + [threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(cc.CACHE) <= 3
+    entries = list(cc.CACHE._entries.values())
+    assert cc.CACHE.total_bytes() == sum(e.own_bytes for e in entries)
+
+
+# ---- stats, switches, patches ---------------------------------------------------------------------
+
+def test_stats_report_tiers_budgets_counters_and_time_saved(cc, clip):
+    registry = rkharness.pack("caching.stats").REGISTRY
+    tokens = clip.tokenize("stats")
+    clip.encode_from_tokens(tokens)
+    clip.encode_from_tokens(tokens)
+    (snap,) = [c for c in registry.snapshot()["caches"] if c["name"] == "conditioning"]
+    assert snap["kind"] == "conditioning" and snap["clearable"] and snap["entries"] == 1
+    assert snap["counters"]["hits"] == 1 and snap["counters"]["misses"] == 1
+    assert snap["bytes"]["cpu"] > 0 and snap["bytes"]["device"] == 0
+    assert snap["budgets"]["cpu"] == snap["budgets"]["device"] == 512 * MIB
+    assert snap["time_saved_s"] > 0 and snap["info"]["by_kind"]["text"]["entries"] == 1
+    assert registry.clear("conditioning") == ["conditioning"] and len(cc.CACHE) == 0
+
+
+def test_global_mode_off_leaves_encoders_alone_but_the_cached_node_still_caches(cc, clip):
+    nodes_mod = rkharness.pack("nodes.conditioning")
+    settings = rkharness.pack("caching.settings").SETTINGS
+    settings.set("conditioning.enabled", False)
+    tokens = clip.tokenize("node path")
+    clip.encode_from_tokens(tokens)
+    assert len(cc.CACHE) == 0 and cc.CACHE.count("misses") == 0
+    cached = nodes_mod.CachedCLIP.execute(clip, device_hot=True).result[0]
+    assert cached is not clip and "reusekit_conditioning" not in clip.patcher.model_options
+    first = cached.encode_from_tokens(tokens)
+    assert same(first, cached.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 1
+    downstream = cached.clone()  # LoraLoader and friends clone: the mark travels with model_options
+    downstream.encode_from_tokens(tokens)
+    assert cc.CACHE.count("hits.text") == 2
+
+
+def test_cached_vae_and_vision_nodes_copy_and_validate(cc, vae, vision):
+    nodes_mod = rkharness.pack("nodes.conditioning")
+    settings = rkharness.pack("caching.settings").SETTINGS
+    settings.set("conditioning.enabled", False)
+    new_vae = nodes_mod.CachedVAE.execute(vae=vae).result[0]
+    new_vision = nodes_mod.CachedCLIPVision.execute(clip_vision=vision).result[0]
+    assert new_vae is not vae and new_vae.patcher is not vae.patcher
+    assert "reusekit_conditioning" not in vae.patcher.model_options
+    img = image(8)
+    assert same(new_vae.encode(img), new_vae.encode(img))
+    assert same(new_vision.encode_image(img), new_vision.encode_image(img))
+    vae.encode(img)  # the original is untouched: not routed
+    assert cc.CACHE.count("hits.vae") == 1 and cc.CACHE.count("hits.vision") == 1 and cc.CACHE.count("misses.vae") == 1
+    with pytest.raises(ValueError, match="ReuseKit Cached VAE.*'vae'"):
+        nodes_mod.CachedVAE.execute(vae="not a vae")
+    with pytest.raises(ValueError, match="ReuseKit Cached CLIP.*'clip'"):
+        nodes_mod.CachedCLIP.execute(None)
+
+
+def test_install_and_uninstall_are_idempotent(cc, clip):
+    import comfy.sd
+
+    patches = rkharness.pack("patches.conditioning")
+    assert patches.installed() and getattr(comfy.sd.CLIP.encode_from_tokens, "__reusekit__", False)
+    try:
+        patches.uninstall()
+        patches.uninstall()
+        assert not patches.installed() and not hasattr(comfy.sd.CLIP.encode_from_tokens, "__reusekit__")
+        clip.encode_from_tokens(clip.tokenize("unpatched"))
+        assert cc.CACHE.count("misses") == 0
+    finally:
+        assert patches.install() and patches.install()
+    assert getattr(comfy.sd.CLIP.encode_from_tokens, "__reusekit__", False)
+
+
+def test_environment_switch_values(monkeypatch, cc):
+    for value, expected in (("0", False), ("off", False), ("false", False), ("1", True), ("", True)):
+        monkeypatch.setenv("REUSEKIT_CONDITIONING", value)
+        assert cc._env_enabled() is expected, value
+
+
+def test_environment_switch_sets_the_global_mode_default():
+    """A fresh interpreter imports caching/ alone (no ComfyUI): the setting follows REUSEKIT_CONDITIONING."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('rkc', {str(rkharness.ROOT / 'caching' / '__init__.py')!r},"
+        f" submodule_search_locations=[{str(rkharness.ROOT / 'caching')!r}])\n"
+        "m = importlib.util.module_from_spec(spec); sys.modules['rkc'] = m; spec.loader.exec_module(m)\n"
+        "import rkc.conditioning as c\n"
+        "assert 'comfy' not in sys.modules\n"
+        "print(c.SETTINGS.get('conditioning.enabled'))\n"
+    )
+    env = {**os.environ, "REUSEKIT_CONDITIONING": "0"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,60 @@
+"""The conditioning cache on CUDA: encoders on the GPU stay exact, device-hot entries live on the
+device, are returned as private device copies, and leave when ComfyUI needs VRAM or unloads."""
+
+import pytest
+import rkharness
+import torch
+
+pytestmark = [pytest.mark.conditioning, pytest.mark.gpu]
+
+
+@pytest.fixture
+def cc():
+    cc = rkharness.pack("caching.conditioning")
+    rkharness.pack("caching.stats").REGISTRY.clear("conditioning")
+    yield cc
+    rkharness.pack("caching.stats").REGISTRY.clear("conditioning")
+
+
+def test_gpu_encoders_hit_bit_exact(cc, tiny):
+    import comfy.model_management as mm
+
+    clip, vae = tiny.tiny_clip(0), tiny.tiny_vae(0)
+    tokens = clip.tokenize("a (red:1.3) square")
+    first = clip.encode_from_tokens(tokens, return_pooled=True)
+    assert clip.patcher.load_device.type == "cuda"
+    hits = cc.CACHE.count("hits")
+    again = clip.encode_from_tokens(tokens, return_pooled=True)
+    assert cc.CACHE.count("hits") == hits + 1
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    mm.unload_all_models()
+    assert torch.equal(clip.encode_from_tokens(tokens, return_pooled=True)[0], first[0])  # after an unload
+
+    image = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(0))
+    latent = vae.encode(image)
+    hits = cc.CACHE.count("hits")
+    assert torch.equal(vae.encode(image), latent) and cc.CACHE.count("hits") == hits + 1
+
+
+def test_device_hot_entries_are_private_device_copies_that_comfyui_can_reclaim(cc, tiny):
+    import comfy.model_management as mm
+
+    clip = tiny.tiny_clip(0)
+    owner = cc.identity(clip.cond_stage_model)
+    value = torch.arange(4096, dtype=torch.float32, device="cuda")
+    key = cc.Key("text", ("negative",), owners=(owner,))
+    cc.CACHE.fetch(key, lambda: value.clone(), keep_device=True)
+    assert cc.CACHE.device_bytes() == value.numel() * 4 and cc.CACHE.bytes_by_tier()["device"] > 0
+    hit = cc.CACHE.fetch(key, lambda: pytest.fail("a hit must not recompute"), keep_device=True)
+    assert hit.device.type == "cuda" and torch.equal(hit, value)
+    hit.add_(1)  # the caller owns its copy
+    assert torch.equal(cc.CACHE.fetch(key, lambda: None, keep_device=True), value)
+
+    device = mm.get_torch_device()
+    mm.free_memory(mm.get_total_memory(device) * 4, device)  # ComfyUI needs more VRAM than there is
+    assert cc.CACHE.device_bytes() == 0
+
+    cc.CACHE.fetch(cc.Key("text", ("again",), owners=(owner,)), lambda: value.clone(), keep_device=True)
+    assert cc.CACHE.device_bytes() > 0
+    clip.patcher.detach()  # unloading the encoder drops its device entries
+    assert cc.CACHE.device_bytes() == 0

@@ -1,0 +1,540 @@
+"""Graph reuse on the CPU: the decision (signature, can_reuse, rebuild reasons, graphs kept per
+model) with real tiny models through the real sampler, the eager fallback bit for bit, the
+``emulate`` backend (static buffers updated in place, no graph), invalidation by LoRA and unload,
+bypasses, the disable switches, the nodes and the stats."""
+
+import logging
+
+import pytest
+import rkharness
+import torch
+from graph_helpers import LATENTS, capture, conds_fixture, counters, gc_fixture, last_run, sample, tiny_lora  # noqa: F401  (the fixtures gc and conds)
+
+pytestmark = pytest.mark.graph
+DEFAULT_BACKEND = "eager"  # decisions only, on any device (these tests also run on a GPU machine)
+ON_CUDA = rkharness.USE_CUDA and torch.cuda.is_available()
+
+# ---- the decision, on real call arguments -----------------------------------------------------
+
+def call_args(x_shape=(2, 16, 8, 8), cond_or_uncond=(1, 0), **extra):
+    opts = {"wrappers": {}, "callbacks": {}, "cond_or_uncond": list(cond_or_uncond),
+            "uuids": [object(), object()], "sigmas": torch.ones(1), "sample_sigmas": torch.linspace(1, 0, 4)}
+    opts.update(extra.pop("options", {}))
+    args = [("x", torch.zeros(x_shape)), ("timestep", torch.ones(x_shape[0])),
+            ("context", torch.zeros(x_shape[0], 77, 32)), ("transformer_options", opts)]
+    args.extend(extra.items())
+    return args
+
+
+def reason(gr, a, b):
+    sa, sb = gr.analyse_call(a).signature, gr.analyse_call(b).signature
+    ok, why, detail = gr.can_reuse(sa, sb)
+    return ok, why, detail
+
+
+def test_same_shapes_reuse_and_each_change_names_its_reason():
+    gr = rkharness.pack("caching.graph_reuse")
+    base = call_args()
+    assert reason(gr, base, call_args()) == (True, "", "")  # new values, uuids, holders: same graph
+    ok, why, detail = reason(gr, base, call_args(x_shape=(2, 16, 16, 16)))
+    assert (ok, why) == (False, "shape") and detail.startswith("x:")
+    assert reason(gr, base, call_args(cond_or_uncond=(0, 1)))[1] == "cond_batch"
+    assert reason(gr, base, call_args(options={"rope_options": {"scale_x": 2.0}}))[1] == "options"
+    assert reason(gr, call_args(options={"rope_options": {"scale_x": 1.0}}),
+                  call_args(options={"rope_options": {"scale_x": 2.0}}))[1] == "options"
+    assert reason(gr, base, call_args(attention_mask=torch.ones(2, 77)))[1] == "mask"
+    assert reason(gr, call_args(control=None), call_args(control={"input": [torch.zeros(2, 4)]}))[1] == "control"
+    assert reason(gr, call_args(guidance=torch.ones(2)), call_args(guidance=torch.ones(2, dtype=torch.float64)))[1] == "dtype"
+    assert reason(gr, call_args(guidance=torch.ones(2)), call_args(guidance=torch.ones(4)[::2]))[1] == "layout"
+    assert reason(gr, call_args(num=3), call_args(num=4))[1] == "value"
+
+
+def test_python_side_objects_in_options_count_by_type_and_patches_bypass():
+    gr = rkharness.pack("caching.graph_reuse")
+
+    class Holder:  # a step cache's state holder: a new instance per run must not rebuild
+        pass
+
+    a = gr.analyse_call(call_args(options={"stepcache": Holder()}))
+    b = gr.analyse_call(call_args(options={"stepcache": Holder()}))
+    assert a.bypass is None and a.signature == b.signature
+    assert gr.can_reuse(a.signature, gr.analyse_call(call_args()).signature)[0] is False
+    patched = gr.analyse_call(call_args(options={"patches": {"attn1_patch": [print]}}))
+    assert patched.bypass == "transformer_patches" and patched.signature is None
+    assert gr.analyse_call(call_args(options={"patches": {}})).bypass is None
+    odd = gr.analyse_call(call_args(extra_arg=object()))
+    assert odd.bypass == "uncapturable_input" and "extra_arg" in odd.detail
+
+
+def test_tensors_off_the_model_device_are_compared_by_value_not_buffered():
+    gr = rkharness.pack("caching.graph_reuse")
+    meta = torch.device("meta")  # stands for the model's device: every CPU tensor here is "foreign"
+
+    def args(sigma):
+        return [("x", torch.zeros(2, 4, device=meta)),
+                ("transformer_options", {"sigmas": torch.full((1,), sigma), "cond_or_uncond": [1, 0]})]
+
+    a = gr.analyse_call(args(1.0), device=meta)
+    assert a.bypass is None and len(a.tensors) == 1  # only x goes into a static buffer
+    assert gr.analyse_call(args(1.0), device=meta).signature == a.signature
+    b = gr.analyse_call(args(0.5), device=meta)
+    assert gr.can_reuse(a.signature, b.signature)[:2] == (False, "options")
+    big = [("x", torch.zeros(gr.SMALL_FOREIGN_TENSOR + 1))]
+    assert gr.analyse_call(big, device=meta).bypass == "uncapturable_input"
+
+
+def test_substitute_puts_static_buffers_where_the_tensors_were():
+    gr = rkharness.pack("caching.graph_reuse")
+    args = call_args(control={"input": [torch.zeros(2, 4), None]}, ref=[torch.ones(3)])
+    spec = gr.analyse_call(args)
+    static = [t.clone() for t in spec.tensors]
+    out = dict(gr.substitute(args, static))
+    assert out["x"] is static[0] and out["timestep"] is static[1]
+    assert any(out["transformer_options"]["sigmas"] is s for s in static)
+    assert out["control"]["input"][0] is static[-2] and out["control"]["input"][1] is None
+    assert out["ref"][0] is static[-1]
+    assert out["transformer_options"]["cond_or_uncond"] == [1, 0]
+    assert gr.analyse_call(list(out.items())).signature == spec.signature
+
+
+def test_graph_set_keeps_a_few_graphs_lru_and_release_names_the_reason():
+    gr = rkharness.pack("caching.graph_reuse")
+    s1, s2, s3 = (gr.analyse_call(call_args(x_shape=(2, 16, n, n))).signature for n in (8, 16, 24))
+    gs = gr.GraphSet(max_graphs=2)
+    assert gs.decide(s1).reason == "first"
+    gs.add(gr.Entry(s1))
+    d = gs.decide(s2)
+    assert not d.hit and d.reason == "shape"
+    assert gs.add(gr.Entry(s2)) == []
+    assert gs.decide(s1).hit and gs.decide(s2).hit  # two resolutions alternate without rebuilds
+    evicted = gs.add(gr.Entry(s3))
+    assert [e.signature for e in evicted] == [s1]  # least recently used goes
+    assert not gs.decide(s1).hit and gs.decide(s3).hit
+    assert len(gs.release("unloaded")) == 2
+    d = gs.decide(s3)
+    assert not d.hit and d.reason == "unloaded"
+    assert gs.decide(s1).reason == "shape"  # a real difference is named before the release
+
+
+# ---- real tiny models through the real sampler -------------------------------------------------
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_eager_fallback_equals_the_plain_run_bit_for_bit_and_counts_reuse(gc, tiny, conds, family):
+    model = tiny.BUILDERS[family](0)
+    plain = sample(model, conds, LATENTS[family], steps=4)
+    out = sample(capture(model), conds, LATENTS[family], steps=4)
+    assert torch.equal(out, plain)
+    run = last_run(gc)
+    assert run["backend"] == "eager" and run["steps"] == 4 and run["eager_steps"] == 4
+    assert run["hits"] == 3 and run["captures"] == 0 and run["rebuilds"] == {}
+    assert counters(gc)["misses"] == 1
+    again = sample(capture(model), conds, LATENTS[family], steps=4)
+    assert torch.equal(again, plain) and last_run(gc)["hits"] == 4  # kept across runs
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_emulated_static_buffers_updated_in_place_equal_the_plain_run(gc, monkeypatch, tiny, conds, family):
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.BUILDERS[family](1)
+    plain = sample(model, conds, LATENTS[family], steps=4)
+    captured = capture(model)
+    out = sample(captured, conds, LATENTS[family], steps=4)
+    assert torch.equal(out, plain)
+    run = last_run(gc)
+    assert (run["captures"], run["replays"], run["eager_steps"]) == (1, 3, 0)
+    # a different seed: new noise flows through the same static buffers
+    assert torch.equal(sample(captured, conds, LATENTS[family], steps=4, seed=11),
+                       sample(model, conds, LATENTS[family], steps=4, seed=11))
+    assert last_run(gc)["replays"] == 4 and last_run(gc)["captures"] == 0
+
+
+def test_resolution_and_cond_batch_changes_rebuild_with_the_right_reason(gc, monkeypatch, tiny, conds):
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.tiny_flux(0)
+    captured = capture(model, max_graphs=2)
+    sample(captured, conds, (1, 16, 8, 8))
+    big = sample(captured, conds, (1, 16, 12, 12))
+    assert last_run(gc)["rebuilds"] == {"shape": 1}
+    assert torch.equal(big, sample(model, conds, (1, 16, 12, 12)))
+    sample(captured, conds, (1, 16, 8, 8))  # both resolutions kept: no rebuild
+    assert last_run(gc)["rebuilds"] == {} and last_run(gc)["captures"] == 0
+    single = sample(captured, conds, (1, 16, 8, 8), cfg=1.0)  # cfg 1: the uncond is not computed
+    assert last_run(gc)["rebuilds"] == {"cond_batch": 1}
+    assert torch.equal(single, sample(model, conds, (1, 16, 8, 8), cfg=1.0))
+    assert counters(gc)["evictions"] == 1
+    assert counters(gc)["rebuilds.shape"] == 1 and counters(gc)["rebuilds.cond_batch"] == 1
+
+
+def test_capture_keeps_alive_what_the_forward_reads_from_outside_and_nothing_it_made(gc, monkeypatch, tiny, conds):
+    """A graph reads addresses: weights, buffers and tensors held by caches (a PE cache drops
+    its reference when its key changes) stay alive with the graph; intermediates do not."""
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.tiny_flux(0)
+    sample(capture(model), conds, steps=2)
+    (entry,) = gc._SETS[model.model].entries.values()
+    kept = set(entry.runner.kept)
+    params = {p.untyped_storage().data_ptr() for p in model.model.diffusion_model.parameters()}
+    static = {t.untyped_storage().data_ptr() for t in entry.runner.static}
+    img_in = model.model.diffusion_model.img_in.weight.untyped_storage().data_ptr()
+    assert img_in in kept and len(kept & params) > len(params) // 2
+    assert kept <= params | static, "a tensor made during the capture was kept"
+
+
+def test_interleaved_cond_and_uncond_calls_keep_one_graph_each(gc, monkeypatch, tiny, conds):
+    """A negative set to an area cannot batch with the positive: every step makes two calls with
+    different batches and shapes, which alternate between two kept graphs."""
+    import nodes
+
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    pos, neg = conds
+    (neg_area,) = nodes.ConditioningSetArea().append(neg, 32, 32, 0, 0, 1.0)
+    model = tiny.tiny_flux(0)
+    plain = sample(model, (pos, neg_area), steps=3)
+    assert torch.equal(sample(capture(model, max_graphs=2), (pos, neg_area), steps=3), plain)
+    run = last_run(gc)
+    assert (run["steps"], run["captures"], run["replays"]) == (6, 2, 4)
+    assert run["rebuilds"] == {"cond_batch": 1}
+    out = sample(capture(model, max_graphs=1), (pos, neg_area), steps=4)
+    run = last_run(gc)  # one graph only: rebuilt on every call, says why, then stops capturing
+    assert torch.equal(out, sample(model, (pos, neg_area), steps=4))
+    assert run["steps"] == 8 and run["rebuilds"]["cond_batch"] >= 6
+    assert run["captures"] == 4 and run["bypasses"]["unstable_inputs"] >= 2, run
+    assert run["captures"] + run["replays"] + run["eager_steps"] == 8
+    assert any("raise max_graphs" in n for n in run["notes"])
+
+
+def test_a_lora_applied_in_between_invalidates_and_reapplying_the_base_rebuilds(gc, monkeypatch, tiny, conds):
+    import comfy.sd
+
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.tiny_flux(0)
+    captured = capture(model)
+    first = sample(captured, conds)
+    (lora_model, _) = comfy.sd.load_lora_for_models(captured, None, tiny_lora(), 1.0, 0)
+    with_lora = sample(lora_model, conds)
+    assert last_run(gc)["rebuilds"] == {"weights": 1}
+    assert counters(gc).get("releases.unloaded", 0) + counters(gc).get("releases.reloaded", 0) >= 1
+    (plain_lora, _) = comfy.sd.load_lora_for_models(model, None, tiny_lora(), 1.0, 0)
+    assert torch.equal(with_lora, sample(plain_lora, conds))
+    assert not torch.equal(with_lora, first)
+    back = sample(captured, conds)
+    assert last_run(gc)["rebuilds"] == {"weights": 1} and last_run(gc)["captures"] == 1
+    assert torch.equal(back, first)
+
+
+def test_an_object_patch_in_between_rebuilds(gc, monkeypatch, tiny, conds):
+    """Object patches (a replaced submodule) keep patches_uuid: they are part of the signature."""
+    import copy
+
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.tiny_flux(0)
+    captured = capture(model)
+    first = sample(captured, conds)
+    other = copy.deepcopy(model.model.diffusion_model.img_in)
+    with torch.no_grad():
+        other.weight.mul_(0.5)
+    patched = captured.clone()
+    patched.add_object_patch("diffusion_model.img_in", other)
+    out = sample(patched, conds)
+    assert last_run(gc)["rebuilds"] == {"object_patches": 1} and not torch.equal(out, first)
+    plain = model.clone()
+    plain.add_object_patch("diffusion_model.img_in", other)
+    assert torch.equal(out, sample(plain, conds))
+    assert torch.equal(sample(captured, conds), first)
+
+
+def test_unloading_the_model_releases_its_graphs(gc, monkeypatch, tiny, conds):
+    import comfy.model_management as mm
+
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.tiny_flux(0)
+    captured = capture(model)
+    first = sample(captured, conds)
+    assert gc.STATS.handle.snapshot()["entries"] == 1 and gc.STATS.handle.snapshot()["bytes"]["device"] > 0
+    mm.unload_all_models()
+    snap = gc.STATS.handle.snapshot()
+    assert snap["entries"] == 0 and snap["bytes"]["device"] == 0 and snap["counters"]["releases.unloaded"] == 1
+    assert torch.equal(sample(captured, conds), first)
+    assert last_run(gc)["rebuilds"] == {"unloaded": 1}
+
+
+def test_interrupt_mid_run_leaves_graphs_usable(gc, monkeypatch, tiny, conds):
+    import comfy.model_management as mm
+
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.tiny_flux(0)
+    captured = capture(model)
+
+    def interrupt(step, *args):
+        if step == 1:
+            mm.interrupt_current_processing()
+
+    with pytest.raises(mm.InterruptProcessingException):
+        sample(captured, conds, steps=4, callback=interrupt)
+    assert last_run(gc)["steps"] >= 2  # the summary is published on the way out
+    assert torch.equal(sample(captured, conds, steps=4), sample(model, conds, steps=4))
+
+
+def test_cancel_during_capture_keeps_nothing_half_built(gc, monkeypatch, tiny, conds):
+    import comfy.model_management as mm
+    import comfy.patcher_extension as pe
+
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.tiny_flux(0)
+    captured = capture(model)
+
+    calls = []
+
+    def cancel_first_forward(executor, *args, **kwargs):  # Python around the captured forward
+        calls.append(1)
+        if len(calls) == 1:
+            mm.interrupt_current_processing()
+        return executor(*args, **kwargs)
+
+    captured.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "test_cancel", cancel_first_forward)
+    with pytest.raises(mm.InterruptProcessingException):
+        sample(captured, conds, steps=3)
+    snap = gc.STATS.handle.snapshot()
+    assert snap["entries"] == 0 and snap["counters"].get("captures", 0) == 0
+    assert torch.equal(sample(captured, conds, steps=3), sample(model, conds, steps=3))
+    assert last_run(gc)["captures"] == 1
+
+
+def test_step_cache_skips_do_not_replay_and_the_result_stays_the_same(gc, monkeypatch, tiny, conds):
+    from comfy_extras.nodes_easycache import EasyCacheNode
+
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.tiny_flux(0)
+    easy = EasyCacheNode.execute(model, reuse_threshold=3.0, start_percent=0.0, end_percent=1.0,
+                                 verbose=False).args[0]
+    plain = sample(easy, conds, steps=8)
+    for outer in (capture(easy), EasyCacheNode.execute(capture(model), reuse_threshold=3.0, start_percent=0.0,
+                                                       end_percent=1.0, verbose=False).args[0]):
+        assert torch.equal(sample(outer, conds, steps=8), plain)
+        run = last_run(gc)
+        assert 1 <= run["steps"] < 8 and run["captures"] + run["replays"] == run["steps"]
+
+
+def test_a_partially_loaded_model_runs_eagerly_with_the_reason(gc, monkeypatch, tiny):
+    """A real lowvram state (ComfyUI's partially_unload): weights move during the forward."""
+    import comfy.model_management as mm
+    import comfy.patcher_extension as pe
+
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = capture(tiny.tiny_flux(0))
+    mm.load_models_gpu([model])
+    try:
+        model.partially_unload(model.offload_device, memory_to_free=model.model_size() // 2)
+        assert model.model.model_lowvram
+        options = pe.copy_nested_dicts(model.model_options["transformer_options"])
+        options.update(wrappers=pe.copy_nested_dicts(model.wrappers), cond_or_uncond=[0])
+        gen, dev = torch.Generator().manual_seed(0), model.load_device
+        x, ctx, y = (torch.randn(*shape, generator=gen).to(dev) for shape in ((1, 16, 8, 8), (1, 77, 32), (1, 32)))
+        t = torch.full((1,), 0.5, device=dev)
+        kwargs = dict(c_crossattn=ctx, y=y, guidance=torch.full((1,), 3.5, device=dev))
+        out = model.model.apply_model(x, t, transformer_options=options, **kwargs)
+        assert counters(gc)["bypasses.partial_load"] == 1 and "captures" not in counters(gc)
+        assert torch.equal(out, model.model.apply_model(x, t, transformer_options={}, **kwargs))
+    finally:
+        mm.unload_all_models()
+
+
+@pytest.mark.parametrize("pe_first", [True, False])
+def test_with_the_pe_cache_in_either_order_the_result_stays_the_same(gc, monkeypatch, tiny, conds, pe_first):
+    PE = rkharness.pack("nodes.pe_cache").PECacheNode
+
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.tiny_flux(0)
+    plain = sample(model, conds, steps=4)
+    both = capture(PE.execute(model).args[0]) if pe_first else PE.execute(capture(model)).args[0]
+    assert torch.equal(sample(both, conds, steps=4), plain)
+    run = last_run(gc)
+    assert (run["captures"], run["replays"], run["bypasses"]) == (1, 3, {})
+
+
+def test_weight_wrappers_and_transformer_patches_run_eagerly_with_a_reason(gc, monkeypatch, tiny, conds):
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.tiny_flux(0)
+    wrapped = capture(model)
+    wrapped.add_weight_wrapper("diffusion_model.img_in.weight", lambda w: w * 1.0)
+    assert torch.equal(sample(wrapped, conds), sample(model, conds))
+    assert last_run(gc)["bypasses"] == {"weight_wrappers": 3} and last_run(gc)["captures"] == 0
+
+    def identity_patch(h, *args, **kwargs):  # a transformer patch runs Python inside the forward
+        return h
+
+    patched = capture(model)
+    patched.set_model_patch_replace(lambda args, extra: extra["original_block"](args), "dit", "double_block", 0)
+    assert torch.equal(sample(patched, conds), sample(model, conds))
+    assert last_run(gc)["bypasses"] == {"transformer_patches": 3}
+
+
+def test_disable_switches_env_node_and_setting(gc, monkeypatch, tiny, conds, caplog):
+    settings = rkharness.pack("caching.settings").SETTINGS
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.tiny_flux(0)
+    plain = sample(model, conds)
+    monkeypatch.setenv("REUSEKIT_DISABLE_CUDA_GRAPHS", "1")
+    assert torch.equal(sample(capture(model), conds), plain)
+    run = last_run(gc)
+    assert run["backend"] == "disabled" and run["bypasses"] == {"disabled": 3} and run["captures"] == 0
+    assert "checks" not in counters(gc)
+    assert any("REUSEKIT_DISABLE_CUDA_GRAPHS" in n for n in run["notes"])
+    monkeypatch.delenv("REUSEKIT_DISABLE_CUDA_GRAPHS")
+
+    off = capture(capture(model), enable=False)  # the node's switch removes capture entirely
+    assert not rkharness.pack("patches.graph_capture").is_enabled(off)
+    before = gc.STATS.handle.snapshot()["counters"]
+    assert torch.equal(sample(off, conds), plain)
+    assert gc.STATS.handle.snapshot()["counters"] == before
+
+    settings.set("graph_reuse.enabled", False)
+    try:
+        assert torch.equal(sample(capture(model), conds), plain)
+        assert last_run(gc)["backend"] == "disabled"
+    finally:
+        settings.set("graph_reuse.enabled", True)
+
+
+@pytest.mark.skipif(ON_CUDA, reason="the models are on CUDA here")
+def test_without_cuda_it_says_so_once_in_the_log_and_in_the_stats(gc, tiny, conds, caplog, monkeypatch):
+    monkeypatch.setattr(gc, "FORCE_BACKEND", None)
+    monkeypatch.setattr(gc, "_said", set())
+    model = tiny.tiny_flux(0)
+    with caplog.at_level(logging.INFO, logger="reusekit"):
+        sample(capture(model), conds)
+        sample(capture(model), conds)
+    said = [r.getMessage() for r in caplog.records if "no CUDA" in r.getMessage()]
+    assert len(said) == 1
+    assert "no CUDA" in gc.STATS.handle.snapshot()["info"]["backend"]
+    summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ReuseKit graph: 3 forwards")]
+    assert len(summary) == 2
+
+
+def test_host_with_its_own_per_block_graphs_is_detected(gc, monkeypatch):
+    import importlib.util
+
+    import comfy.cli_args
+
+    monkeypatch.setattr(gc, "_host_graphs", None)
+    assert gc.host_captures_graphs() is False  # ComfyUI 0.3.75 has no comfy/model_prefetch.py
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "comfy.model_prefetch" else real(name, *a))
+    monkeypatch.setattr(gc, "_host_graphs", None)
+    assert gc.host_captures_graphs() is True
+    monkeypatch.setattr(comfy.cli_args.args, "disable_cuda_graphs", True, raising=False)
+    monkeypatch.setattr(gc, "_host_graphs", None)
+    assert gc.host_captures_graphs() is False  # the host's graphs are off: ReuseKit may capture
+    monkeypatch.setattr(gc, "_host_graphs", None)
+
+
+def test_weight_listeners_install_once_and_uninstall_releases(gc, tiny, conds, monkeypatch):
+    lifecycle = rkharness.pack("patches.lifecycle")
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    captured = capture(tiny.tiny_flux(0))  # the node installs the listeners
+    gc.install()
+    assert gc.installed() and all(lifecycle._listeners[e].count(fn) == 1 for e, fn in gc._LISTENERS)
+    sample(captured, conds)
+    assert gc.STATS.handle.snapshot()["entries"] == 1
+    gc.uninstall()
+    assert not gc.installed() and gc.STATS.handle.snapshot()["entries"] == 0
+    gc.uninstall()  # idempotent
+    gc.install()
+    assert gc.installed()
+
+
+# ---- the nodes ---------------------------------------------------------------------------------
+
+@pytest.mark.hardening
+def test_capture_node_clones_and_validates(gc, tiny):
+    graph = rkharness.pack("nodes.graph")
+    model = tiny.tiny_flux(0)
+    out = capture(model)
+    assert out is not model and gc.is_enabled(out) and not gc.is_enabled(model)
+    assert all(gc.KEY not in by_key for by_key in model.wrappers.values())
+    assert any(gc.KEY in by_key for by_key in out.wrappers.values())
+    with pytest.raises(ValueError, match="ReuseKit Graph Capture.*max_graphs"):
+        graph.GraphCaptureNode.execute(model, enable=True, max_graphs=0)
+    with pytest.raises(ValueError, match="ReuseKit Graph Capture.*'model'"):
+        graph.GraphCaptureNode.execute("not a model", enable=True, max_graphs=2)
+    with pytest.raises(ValueError, match="ReuseKit Graph KSampler.*enable"):
+        graph.GraphKSamplerNode.execute(model, 0, 2, 2.0, "euler", "simple", [], [], {}, 1.0, "yes", 2)
+
+
+def graph_ksampler_prompt(seed=3):
+    return {
+        "1": {"class_type": "RKTestTinyCheckpoint", "inputs": {"family": "flux", "seed": 0}},
+        "2": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": "a red square"}},
+        "3": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": "blurry"}},
+        "4": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "5": {"class_type": "ReuseKitGraphKSampler",
+              "inputs": {"model": ["1", 0], "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0],
+                         "seed": seed, "steps": 3, "cfg": 2.0, "sampler_name": "euler", "scheduler": "simple",
+                         "denoise": 1.0, "enable_graphs": True, "max_graphs": 2}},
+        "6": {"class_type": "KSampler",
+              "inputs": {"model": ["1", 0], "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0],
+                         "seed": seed, "steps": 3, "cfg": 2.0, "sampler_name": "euler", "scheduler": "simple",
+                         "denoise": 1.0}},
+        "7": {"class_type": "ReuseKitCacheStats", "inputs": {"after": ["5", 0]}},
+        "8": {"class_type": "ReuseKitCacheStats", "inputs": {"after": ["6", 0]}},
+    }
+
+
+def test_graph_ksampler_workflow_through_the_real_executor(gc):
+    ex = rkharness.Executor()
+    result = ex.run(graph_ksampler_prompt())
+    assert "[graph] graph_reuse" in result["outputs"]["7"]["text"][0]
+
+    def latent(node_id):
+        return ex.executor.caches.outputs.get(node_id).outputs[0][0]["samples"]
+
+    assert torch.equal(latent("5"), latent("6"))
+    assert last_run(gc)["hits"] == 2
+
+
+@pytest.mark.workflows
+def test_example_workflow_runs_on_tiny_models_with_the_same_image(gc):
+    workflow = rkharness.load_workflow("graph_capture_flux.json")
+    notes = [n["widgets_values"][0] for n in workflow["nodes"] if n["type"] == "Note"]
+    assert notes and "What to expect" in notes[0]
+    prompt = rkharness.workflow_to_prompt(workflow, overrides={"7": {"width": 64, "height": 64}})
+    del prompt["11"]  # SaveImage: the tests write no files
+    assert prompt["4"] == {"class_type": "ReuseKitGraphCapture",
+                           "inputs": {"model": ["1", 0], "enable": True, "max_graphs": 2}}
+    assert prompt["8"]["inputs"]["model"] == ["4", 0] and prompt["8"]["inputs"]["steps"] == 4
+    ex = rkharness.Executor()
+    text = ex.run(prompt)["outputs"]["12"]["text"][0]
+    assert "[graph] graph_reuse" in text and "last_run" in text
+    run = last_run(gc)
+    assert run["steps"] == 4 and run["hits"] == 3 and run["rebuilds"] == {}
+    image = ex.executor.caches.outputs.get("10").outputs[0][0]
+
+    plain = {k: v for k, v in prompt.items() if k != "4"}
+    plain["8"] = {**prompt["8"], "inputs": {**prompt["8"]["inputs"], "model": ["1", 0]}}
+    ex2 = rkharness.Executor()
+    ex2.run(plain)
+    assert torch.equal(ex2.executor.caches.outputs.get("10").outputs[0][0], image)
+
+
+@pytest.mark.workflows
+def test_real_server_runs_graph_capture_and_the_panel_routes_show_and_switch_it(comfy_server):
+    def graph_stats():
+        (entry,) = [c for c in comfy_server.get("/reusekit/stats")["caches"] if c["name"] == "graph_reuse"]
+        return entry
+
+    assert graph_stats()["kind"] == "graph"  # listed before any run
+    entry = comfy_server.wait_for_prompt(comfy_server.queue(graph_ksampler_prompt(seed=5)))
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    stats = graph_stats()
+    assert stats["info"]["last_run"]["steps"] == 3 and stats["counters"]["hits"] >= 2
+    assert "no CUDA" in stats["info"]["backend"] or stats["info"]["last_run"]["backend"] == "cuda"
+    comfy_server.post("/reusekit/settings", {"graph_reuse.enabled": False})
+    try:
+        entry = comfy_server.wait_for_prompt(comfy_server.queue(graph_ksampler_prompt(seed=6)))
+        assert entry["status"]["status_str"] == "success"
+        assert graph_stats()["info"]["last_run"]["backend"] == "disabled"
+    finally:
+        comfy_server.post("/reusekit/settings", {"graph_reuse.enabled": True})
+    assert comfy_server.post("/reusekit/clear", {"cache": "graph_reuse"})["cleared"] == ["graph_reuse"]
+    assert graph_stats()["entries"] == 0

@@ -1,0 +1,149 @@
+"""Graph reuse on CUDA (marker ``gpu``: run with REUSEKIT_TEST_CUDA=1 on a GPU machine, skipped
+elsewhere): replayed output equals eager output for Flux and Wan, interleaved cond/uncond graphs,
+two resolutions, a cancel mid-run and during capture, a LoRA in between, and unload releasing the
+private pools."""
+
+import pytest
+import rkharness
+import torch
+from graph_helpers import LATENTS, capture, conds_fixture, counters, gc_fixture, last_run, sample, tiny_lora  # noqa: F401  (the fixtures gc and conds)
+
+pytestmark = [pytest.mark.graph, pytest.mark.gpu]
+
+# eager vs replayed kernels on the same device: usually bit-exact, always within float tolerance
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+
+def close(a, b):
+    torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.fixture(autouse=True)
+def _on_cuda(tiny, gc, monkeypatch):
+    assert torch.cuda.is_available()
+    assert tiny.tiny_flux(0).load_device.type == "cuda", "the harness must not force the CPU here"
+    # torch raises on a replay that reads a freed tensor (where this torch can check it)
+    monkeypatch.setattr(gc, "CHECK_LIVENESS", True)
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_replay_matches_eager(gc, tiny, conds, family):
+    model = tiny.BUILDERS[family](0)
+    plain = sample(model, conds, LATENTS[family], steps=6)
+    captured = capture(model)
+    out = sample(captured, conds, LATENTS[family], steps=6)
+    run = last_run(gc)
+    assert run["backend"] == "cuda"
+    assert (run["captures"], run["replays"], run["eager_steps"]) == (1, 5, 0), run
+    close(out, plain)
+    snap = gc.STATS.handle.snapshot()
+    assert snap["bytes"]["device"] > 0 and snap["entries"] == 1
+    # another seed: new noise through the same graph, no capture
+    close(sample(captured, conds, LATENTS[family], steps=6, seed=11),
+          sample(model, conds, LATENTS[family], steps=6, seed=11))
+    assert last_run(gc)["replays"] == 6 and last_run(gc)["captures"] == 0
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_with_the_pe_cache_replay_matches_eager(gc, tiny, conds, family):
+    """The PE cache serves the warm-up and steps aside during the capture; two resolutions make it
+    replace its tables while both graphs are kept (torch's liveness check is on here)."""
+    pe_node = rkharness.pack("nodes.pe_cache").PECacheNode
+    model = tiny.BUILDERS[family](0)
+    both = capture(pe_node.execute(model).args[0], max_graphs=2)
+    small, big = LATENTS[family], LATENTS[family][:-2] + (12, 12)
+    for shape in (small, big, small, big):
+        close(sample(both, conds, shape, steps=4), sample(model, conds, shape, steps=4))
+    assert counters(gc)["captures"] == 2 and last_run(gc)["replays"] == 4
+
+
+def test_interleaved_cond_and_uncond_graphs(gc, tiny, conds):
+    import nodes
+
+    pos, neg = conds
+    (neg_area,) = nodes.ConditioningSetArea().append(neg, 32, 32, 0, 0, 1.0)
+    model = tiny.tiny_flux(0)
+    plain = sample(model, (pos, neg_area), steps=4)
+    out = sample(capture(model, max_graphs=2), (pos, neg_area), steps=4)
+    run = last_run(gc)
+    assert (run["steps"], run["captures"], run["replays"]) == (8, 2, 6), run
+    close(out, plain)
+
+
+def test_two_resolutions_alternate_without_rebuilds(gc, tiny, conds):
+    model = tiny.tiny_flux(0)
+    captured = capture(model, max_graphs=2)
+    for shape in [(1, 16, 8, 8), (1, 16, 12, 12), (1, 16, 8, 8), (1, 16, 12, 12)]:
+        close(sample(captured, conds, shape), sample(model, conds, shape))
+    assert counters(gc)["captures"] == 2 and counters(gc)["rebuilds.shape"] == 1
+    assert last_run(gc)["replays"] == 3
+
+
+def test_cancel_mid_run_stops_between_replays_and_graphs_stay_valid(gc, tiny, conds):
+    import comfy.model_management as mm
+
+    model = tiny.tiny_flux(0)
+    captured = capture(model)
+    seen = []
+
+    def cancel(step, *args):
+        seen.append(step)
+        if step == 1:
+            mm.interrupt_current_processing()
+
+    with pytest.raises(mm.InterruptProcessingException):
+        sample(captured, conds, steps=6, callback=cancel)
+    assert seen == [0, 1]  # stopped at the next replay, not at the end of the run
+    close(sample(captured, conds, steps=6), sample(model, conds, steps=6))
+    assert last_run(gc)["captures"] == 0
+
+
+def test_cancel_during_capture_keeps_nothing_half_built(gc, tiny, conds):
+    import comfy.model_management as mm
+    import comfy.patcher_extension as pe
+
+    model = tiny.tiny_flux(0)
+    captured = capture(model)
+    calls = []
+
+    def cancel_first_forward(executor, *args, **kwargs):  # outer to ours: the cancel hits our capture
+        calls.append(1)
+        if len(calls) == 1:
+            mm.interrupt_current_processing()
+        return executor(*args, **kwargs)
+
+    captured.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "test_cancel", cancel_first_forward)
+    captured.wrappers[pe.WrappersMP.DIFFUSION_MODEL] = dict(  # ours innermost
+        sorted(captured.wrappers[pe.WrappersMP.DIFFUSION_MODEL].items(), key=lambda kv: kv[0] != "test_cancel"))
+    with pytest.raises(mm.InterruptProcessingException):
+        sample(captured, conds, steps=3)
+    assert gc.STATS.handle.snapshot()["entries"] == 0
+    close(sample(captured, conds, steps=3), sample(model, conds, steps=3))
+
+
+def test_lora_in_between_never_replays_a_stale_graph(gc, tiny, conds):
+    import comfy.sd
+
+    model = tiny.tiny_flux(0)
+    captured = capture(model)
+    first = sample(captured, conds)
+    (lora_model, _) = comfy.sd.load_lora_for_models(captured, None, tiny_lora(), 1.0, 0)
+    (plain_lora, _) = comfy.sd.load_lora_for_models(model, None, tiny_lora(), 1.0, 0)
+    close(sample(lora_model, conds), sample(plain_lora, conds))
+    close(sample(captured, conds), first)
+    close(first, sample(model, conds))
+
+
+def test_unload_releases_graphs_and_their_pools(gc, tiny, conds):
+    import comfy.model_management as mm
+
+    model = tiny.tiny_flux(0)
+    captured = capture(model)
+    first = sample(captured, conds)
+    assert gc.STATS.handle.snapshot()["bytes"]["device"] > 0
+    mm.unload_all_models()
+    snap = gc.STATS.handle.snapshot()
+    assert snap["entries"] == 0 and snap["bytes"]["device"] == 0
+    assert snap["counters"]["releases.unloaded"] >= 1
+    close(sample(captured, conds), first)
+    assert last_run(gc)["captures"] == 1 and last_run(gc)["rebuilds"] == {"unloaded": 1}

@@ -1,0 +1,239 @@
+"""Every host family that builds RoPE per call: tiny real models give bit-identical outputs with and
+without the PE cache, hit after the first step, replace on a size change, recompute when sizes
+alternate; each patched builder misses when any single input changes."""
+
+import importlib
+
+import pytest
+import rkharness
+import torch
+
+pytestmark = pytest.mark.pe_cache
+
+
+@pytest.fixture(scope="module")
+def rope():
+    return rkharness.pack("patches.rope")
+
+
+@pytest.fixture(scope="module")
+def families():
+    return importlib.import_module(rkharness.TINY.__name__ + ".families")
+
+
+def cached_options(rope, **extra):
+    """transformer_options that carry the node's APPLY_MODEL wrapper, as sampling does."""
+    import comfy.patcher_extension as pe
+
+    return {"wrappers": {pe.WrappersMP.APPLY_MODEL: {"test": [rope.ApplyModelWrapper()]}}, **extra}
+
+
+def run(model, call, options):
+    x, sigma, kwargs = call
+    return model.model.apply_model(x, sigma, transformer_options=dict(options), **kwargs)
+
+
+def compare(model, calls, options, rope):
+    """Each call without and with the cache: outputs torch.equal; returns the model's cache."""
+    for call in calls:
+        plain = run(model, call, {k: v for k, v in options.items() if k != "wrappers"})
+        assert torch.equal(plain, run(model, call, options))
+    return rope.model_cache(model.model)
+
+
+FAMILIES = ["flux", "wan", "chroma", "chroma_radiance", "hunyuan_video", "qwen_image", "lumina2", "z_image",
+            "hidream", "ltxv", "cosmos", "mochi", "omnigen2"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_is_bit_exact_hits_after_first_step_and_replaces_on_size_change(family, families, rope):
+    spec = families.FAMILY_SPECS[family]
+    model = spec.build(0)
+    a, b = spec.inputs(spec.sizes[0], 1), spec.inputs(spec.sizes[1], 2)
+    cache = compare(model, [a, a, a], cached_options(rope), rope)
+    names = cache.names()
+    assert names, f"{family}: no PE input went through the cache"
+    held = {n: cache.entry(n)[1] for n in names}
+    for n, stats in cache.name_stats().items():
+        assert (stats.get("misses"), stats.get("hits")) == (1, 2), (n, stats)
+    compare(model, [a], cached_options(rope), rope)
+    assert all(cache.entry(n)[1] is held[n] for n in names)  # stable objects across steps
+    compare(model, [b, b, a, b], cached_options(rope), rope)  # a new size replaces; alternating recomputes
+    for n, stats in cache.name_stats().items():
+        assert stats.get("misses") == 4 and stats.get("replacements") == 3 and stats.get("hits") == 4, (n, stats)
+
+
+def test_every_family_with_a_per_call_rope_builder_is_patched(rope):
+    for patch in rope.PATCHES:
+        assert patch.available(), f"{patch.module}.{patch.attr} is missing on this host"
+        assert patch.installed, f"{patch.family} is not patched"
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_rope_options_are_part_of_the_key(family, families, rope):
+    spec = families.FAMILY_SPECS[family]
+    model = spec.build(0)
+    call = spec.inputs(spec.sizes[0], 3)
+    shifted = {"scale_x": 1.5, "scale_y": 0.5, "shift_t": 1.0, "shift_y": 2.0, "shift_x": 0.0}
+    compare(model, [call], cached_options(rope), rope)
+    compare(model, [call], cached_options(rope, rope_options=shifted), rope)
+    compare(model, [call], cached_options(rope, rope_options=dict(shifted, shift_x=0.5)), rope)
+    stats = next(iter(rope.model_cache(model.model).name_stats().values()))
+    assert stats["misses"] == 3 and stats.get("hits", 0) == 0
+
+
+@pytest.mark.parametrize("family", ["flux", "qwen_image"])
+def test_reference_latents_their_sizes_and_order_are_part_of_the_key(family, families, rope):
+    spec = families.FAMILY_SPECS[family]
+    model = spec.build(0)
+    x, sigma, kwargs = spec.inputs(spec.sizes[0], 4)
+    ref_a, ref_b = torch.randn(x.shape), torch.randn((*x.shape[:-2], 4, 6))
+    with_refs = lambda *refs, **kw: (x, sigma, dict(kwargs, ref_latents=list(refs), **kw))  # noqa: E731
+    calls = [with_refs(ref_a), with_refs(ref_a), with_refs(ref_a, ref_b), with_refs(ref_b, ref_a)]
+    if family == "flux":
+        calls.append(with_refs(ref_a, ref_b, ref_latents_method="index"))
+    cache = compare(model, calls, cached_options(rope), rope)
+    (stats,) = cache.name_stats().values()
+    assert stats["hits"] == 1 and stats["misses"] == len(calls) - 1
+
+
+def test_cond_and_uncond_run_separately_keep_separate_entries(families, rope):
+    spec = families.FAMILY_SPECS["flux"]
+    model = spec.build(0)
+    x, sigma, kwargs = spec.inputs(spec.sizes[0], 5)
+    short = (x, sigma, dict(kwargs, c_crossattn=kwargs["c_crossattn"][:, :3]))
+    for _ in range(3):  # different text lengths: two apply_model calls per step
+        compare(model, [(x, sigma, kwargs)], cached_options(rope, cond_or_uncond=[0]), rope)
+        compare(model, [short], cached_options(rope, cond_or_uncond=[1]), rope)
+    stats = rope.model_cache(model.model).name_stats()
+    assert set(stats) == {"EmbedND[0]|0", "EmbedND[0]|1"}
+    assert all(s["misses"] == 1 and s["hits"] == 2 for s in stats.values())
+
+
+# ---- each patched builder, called directly: one changed input -> a miss, values equal ---------
+
+def _embednd_case(module):
+    mod = importlib.import_module(module)
+    kw = {"dim": 32} if module.endswith("flux.layers") else {}
+    ids = torch.arange(30.0).reshape(1, 10, 3)
+
+    def call(theta=10000, axes=(8, 12, 12), ids=ids):
+        return mod.EmbedND(theta=theta, axes_dim=list(axes), **kw)(ids)
+    return call, [dict(theta=256), dict(axes=(12, 8, 12)), dict(ids=ids + 0.5), dict(ids=ids[:, :9]),
+                  dict(ids=ids.double())]
+
+
+def _wan_case():
+    import comfy.ldm.wan.model as wan
+
+    model = rkharness.TINY.tiny_wan(0).model.diffusion_model
+
+    def call(t=3, h=8, w=8, t_start=0, steps_t=None, steps_h=None, steps_w=None, dtype=torch.float32, opts=None):
+        to = {"rope_options": opts} if opts is not None else {}
+        return wan.WanModel.rope_encode(model, t, h, w, t_start=t_start, steps_t=steps_t, steps_h=steps_h,
+                                        steps_w=steps_w, device=torch.device("cpu"), dtype=dtype,
+                                        transformer_options=to)
+    return call, [dict(t=2), dict(h=6), dict(w=10), dict(t_start=-3), dict(steps_t=2), dict(steps_h=3),
+                  dict(steps_w=5), dict(dtype=torch.float64), dict(opts={"scale_t": 2.0}),
+                  dict(opts={"shift_y": 1.0})]
+
+
+def _ltxv_case():
+    import comfy.ldm.lightricks.model as ltxv
+
+    grid = torch.rand(1, 3, 12, generator=torch.Generator().manual_seed(0))
+
+    def call(grid=grid, dim=96, out_dtype=torch.float32, theta=10000.0, max_pos=(20, 2048, 2048)):
+        return ltxv.precompute_freqs_cis(grid, dim=dim, out_dtype=out_dtype, theta=theta, max_pos=list(max_pos))
+    return call, [dict(grid=grid * 2), dict(dim=102), dict(out_dtype=torch.float16), dict(theta=500.0),
+                  dict(max_pos=(24, 2048, 2048))]
+
+
+def _cosmos_case():
+    import comfy.ldm.cosmos.position_embedding as pos
+
+    emb = pos.VideoRopePosition3DEmb(head_dim=48, len_h=16, len_w=16, len_t=8, h_extrapolation_ratio=2.0)
+    emb2 = pos.VideoRopePosition3DEmb(head_dim=48, len_h=16, len_w=16, len_t=8, base_fps=30)
+
+    def call(shape=(1, 2, 4, 6, 16), fps=None, h_ntk=None, module=emb):
+        return module.generate_embeddings(torch.Size(shape), fps=fps, h_ntk_factor=h_ntk)
+    return call, [dict(shape=(1, 3, 4, 6, 16)), dict(shape=(1, 2, 5, 6, 16)), dict(shape=(2, 2, 4, 6, 16)),
+                  dict(fps=torch.tensor([24.0])), dict(h_ntk=3.0), dict(module=emb2, fps=torch.tensor([24.0]))]
+
+
+def _mochi_case():
+    import comfy.ldm.genmo.joint_model.asymm_models_joint as mochi
+
+    freqs = torch.randn(3, 2, 16, generator=torch.Generator().manual_seed(1))
+    pos = torch.rand(24, 3, generator=torch.Generator().manual_seed(2))
+
+    def call(freqs=freqs, pos=pos):
+        return mochi.compute_mixed_rotation(freqs=freqs, pos=pos)
+    return call, [dict(freqs=freqs * 1.01), dict(pos=pos[:20]), dict(pos=pos.flip(0))]
+
+
+def _mochi_positions_case():
+    import comfy.ldm.genmo.joint_model.asymm_models_joint as mochi
+
+    def call(T=2, pH=4, pW=6, dtype=torch.float32, target_area=36864):
+        return mochi.create_position_matrix(T, pH=pH, pW=pW, device=torch.device("cpu"), dtype=dtype,
+                                            target_area=target_area)
+    return call, [dict(T=3), dict(pH=5), dict(pW=4), dict(target_area=1024)]  # (the host needs float32)
+
+
+def _hydit_case(module):
+    mod = importlib.import_module(module)
+
+    def call(shape=(1, 4, 16, 24), dtype=torch.float32, patch=2, head=88):
+        return mod.calc_rope(torch.zeros(shape, dtype=dtype), patch, head)
+    return call, [dict(shape=(1, 4, 24, 16)), dict(shape=(1, 4, 16, 28)), dict(dtype=torch.float64),
+                  dict(patch=4), dict(head=64)]
+
+
+BUILDER_CASES = {
+    "flux.EmbedND": lambda: _embednd_case("comfy.ldm.flux.layers"),
+    "hidream.EmbedND": lambda: _embednd_case("comfy.ldm.hidream.model"),
+    "wan.rope_encode": _wan_case,
+    "ltxv.precompute_freqs_cis": _ltxv_case,
+    "cosmos.generate_embeddings": _cosmos_case,
+    "mochi.compute_mixed_rotation": _mochi_case,
+    "mochi.create_position_matrix": _mochi_positions_case,
+    "hydit.calc_rope": lambda: _hydit_case("comfy.ldm.hydit.models"),
+    "hydit.controlnet.calc_rope": lambda: _hydit_case("comfy.ldm.hydit.controlnet"),
+}
+
+
+def _equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("case", list(BUILDER_CASES))
+def test_each_builder_misses_when_any_single_input_changes(case, rope):
+    pc = rkharness.pack("caching.pe_cache")
+    call, changes = BUILDER_CASES[case]()
+    reference = [call(**c) for c in [{}, *changes]]  # no scope: the host's own builder
+    cache = pc.PECache()
+    order = [0, 0, *range(1, len(changes) + 1), 0]
+    for i in order:
+        with rope.scope(cache):
+            got = call(**([{}, *changes][i]))
+        assert _equal(got, reference[i]), (case, i)
+    stats = cache.name_stats()
+    assert sum(s.get("hits", 0) for s in stats.values()) == 1, stats
+    assert sum(s.get("misses", 0) for s in stats.values()) == len(changes) + 2, stats
+
+
+def test_cond_and_uncond_of_one_geometry_share_one_table(families, rope):
+    spec = families.FAMILY_SPECS["wan"]
+    model = spec.build(0)
+    call = spec.inputs(spec.sizes[0], 6)
+    for _ in range(2):
+        compare(model, [call], cached_options(rope, cond_or_uncond=[0]), rope)
+        compare(model, [call], cached_options(rope, cond_or_uncond=[1]), rope)
+    cache = rope.model_cache(model.model)
+    stats = cache.name_stats()
+    cond, uncond = "wan.rope_encode[0]|0", "wan.rope_encode[0]|1"
+    assert stats[cond]["misses"] == 1 and stats[uncond]["shared"] == 1 and "misses" not in stats[uncond]
+    assert cache.entry(cond)[1] is cache.entry(uncond)[1]

@@ -1,0 +1,239 @@
+"""The ReuseKit PE Cache node, the server-wide default, install/uninstall, and the example workflow."""
+
+import threading
+
+import pytest
+import rkharness
+import torch
+
+pytestmark = pytest.mark.pe_cache
+
+
+rope = rkharness.pack("patches.rope")  # conftest bootstrapped the host before this import
+pc = rkharness.pack("caching.pe_cache")
+
+
+@pytest.fixture
+def default_on():
+    settings = rkharness.pack("caching.settings").SETTINGS
+    settings.set(pc.DEFAULT_ENABLED_KEY, True)
+    try:
+        yield
+    finally:
+        settings.set(pc.DEFAULT_ENABLED_KEY, False)
+
+
+def node():
+    import nodes
+
+    return nodes.NODE_CLASS_MAPPINGS["ReuseKitPECache"]
+
+
+def sample(model, tiny, shape=(1, 16, 8, 8), steps=3, cfg=2.0, negative="blurry"):
+    import nodes
+
+    clip = tiny.tiny_clip(0)
+    (pos,) = nodes.CLIPTextEncode().encode(clip, "a red circle on a green square")
+    (neg,) = nodes.CLIPTextEncode().encode(clip, negative)
+    (out,) = nodes.common_ksampler(model, 7, steps, cfg, "euler", "simple", pos, neg,
+                                   {"samples": torch.zeros(shape)})
+    return out["samples"]
+
+
+def counters(cache):
+    return dict(cache.stats.snapshot()["counters"]) if cache is not None else {}
+
+
+def test_ksampler_on_tiny_flux_with_the_node_equals_the_run_without(tiny):
+    import comfy.patcher_extension as pe
+
+    model = tiny.tiny_flux(0)
+    plain = sample(model, tiny)
+    assert rope.model_cache(model.model, create=False) is None  # a model without the node is untouched
+    (cached_model,) = node().execute(model, True).result
+    assert cached_model is not model and cached_model.model is model.model
+    assert not model.wrappers.get(pe.WrappersMP.APPLY_MODEL)  # the input MODEL is not changed
+    assert torch.equal(plain, sample(cached_model, tiny))
+    cache = rope.model_cache(model.model)
+    assert counters(cache) == {"misses": 1, "hits": 2}  # cond+uncond batched: one PE per step
+    assert torch.equal(plain, sample(cached_model, tiny))  # the next run hits from its first step
+    assert counters(cache) == {"misses": 1, "hits": 5}
+    before = counters(cache)
+    assert torch.equal(plain, sample(model, tiny))  # the original still runs without the cache
+    assert counters(cache) == before
+    sample(cached_model, tiny, shape=(1, 16, 12, 8), steps=2)  # a new size replaces the entry
+    assert counters(cache) == {"misses": 2, "hits": 6, "replacements": 1}
+    last = cache.stats.snapshot()["info"]["last_run"]
+    assert (last["hits"], last["misses"], last["replacements"], last["shared"]) == (1, 1, 1, 0)
+
+
+def test_wan_sampling_with_the_node_is_bit_exact(tiny):
+    model = tiny.tiny_wan(0)
+    plain = sample(model, tiny, shape=(1, 16, 3, 8, 8), steps=2)
+    (cached_model,) = node().execute(model, True).result
+    assert torch.equal(plain, sample(cached_model, tiny, shape=(1, 16, 3, 8, 8), steps=2))
+    assert counters(rope.model_cache(model.model))["hits"] == 1
+
+
+def test_server_wide_default_enables_models_without_the_node_and_the_node_can_opt_out(tiny, default_on):
+    model = tiny.tiny_flux(0)
+    plain_run = sample(model, tiny, steps=2)
+    cache = rope.model_cache(model.model, create=False)
+    assert cache is not None and counters(cache) == {"misses": 1, "hits": 1}
+    (opted_out,) = node().execute(model, False).result
+    assert torch.equal(plain_run, sample(opted_out, tiny, steps=2))
+    assert counters(cache) == {"misses": 1, "hits": 1}
+
+
+def test_uninstall_restores_the_host_functions_and_install_is_idempotent(tiny):
+    import importlib
+
+    def current(patch):
+        owner, leaf = patch._target()
+        return owner.__dict__[leaf] if isinstance(owner, type) else getattr(owner, leaf)
+
+    patches = (*rope.PATCHES, *rope.GLOBAL_PATCHES)
+    replacements = [current(p) for p in patches]
+    originals = [p.original() for p in patches]
+    assert all(getattr(r, rope.MARK, False) for r in replacements)
+    try:
+        rope.uninstall()
+        rope.uninstall()
+        assert [current(p) for p in patches] == originals
+        assert not any(getattr(current(p), rope.MARK, False) for p in patches)
+        assert importlib.import_module("comfy.ldm.flux.layers").EmbedND.forward is originals[0]
+        model = tiny.tiny_flux(0)
+        (cached_model,) = node().execute(model, True).result  # the node reinstalls what it needs
+        assert rope.installed()
+    finally:
+        rope.install()
+    rope.install()
+    assert all(getattr(current(p), rope.MARK, False) for p in patches)
+    assert [p._original for p in patches] == originals  # a second install wraps nothing twice
+
+
+def test_bad_inputs_name_the_node_and_the_input():
+    with pytest.raises(ValueError, match="ReuseKit PE Cache.*'model'"):
+        node().execute("not a model", True)
+    with pytest.raises(ValueError, match="ReuseKit PE Cache.*'enabled'"):
+        node().execute(rkharness.TINY.tiny_flux(0), "yes")
+
+
+def test_applying_the_node_twice_keeps_one_wrapper(tiny):
+    import comfy.patcher_extension as pe
+
+    (once,) = node().execute(tiny.tiny_flux(0), True).result
+    (twice,) = node().execute(once, False).result
+    (wrapper,) = twice.wrappers[pe.WrappersMP.APPLY_MODEL]["reusekit_pe_cache"]
+    assert wrapper.enabled is False and "reusekit_pe_cache" not in twice.wrappers.get(pe.WrappersMP.OUTER_SAMPLE, {})
+    assert once.wrappers[pe.WrappersMP.APPLY_MODEL]["reusekit_pe_cache"][0].enabled is True
+
+
+@pytest.mark.parametrize("with_node", [True, False])
+def test_unloading_the_model_from_its_device_drops_device_tables_only(tiny, with_node):
+    model = tiny.tiny_flux(0)
+    if with_node:
+        (model,) = node().execute(model, True).result
+    cache = rope.model_cache(model.model)  # (without the node: as the server-wide default makes it)
+    cache.get_or_create(pc.PECacheKey("cpu table").add(1), lambda: torch.zeros(8))
+    model.detach(unpatch_all=True)
+    assert cache.names() == ["cpu table"]  # CPU tables cost no VRAM: kept
+    cache.get_or_create(pc.PECacheKey("device table").add(1), lambda: torch.zeros(8, device="meta"))
+    model.detach(unpatch_all=False)  # another clone of the model took its place: nothing unloaded
+    assert cache.nbytes()["device"] > 0
+    model.detach(unpatch_all=True)
+    assert cache.names() == [] and cache.nbytes() == {}
+    assert rkharness.pack("patches.lifecycle").listening("detach", rope.release_device_tables)
+
+
+@pytest.mark.hardening
+def test_grad_requiring_inputs_bypass_the_cache():
+    import comfy.ldm.genmo.joint_model.asymm_models_joint as mochi
+
+    cache = pc.PECache()
+    with torch.inference_mode(False), torch.enable_grad():
+        freqs = torch.randn(3, 2, 4, requires_grad=True)
+        with rope.scope(cache):
+            cos, _ = mochi.compute_mixed_rotation(freqs=freqs, pos=torch.rand(5, 3))
+    assert cos.grad_fn is not None and cache.names() == []
+    assert cache.name_stats()["mochi.rotation[0]"]["bypasses"] == 1
+
+
+@pytest.mark.hardening
+def test_threads_sharing_one_model_cache_get_their_own_correct_tables():
+    import comfy.ldm.flux.layers as layers
+
+    emb = layers.EmbedND(dim=32, theta=10000, axes_dim=[8, 12, 12])
+    cache = pc.PECache()
+    sizes = [4, 9, 16]
+    expected = {n: emb(torch.arange(n * 3.0).reshape(1, n, 3)) for n in sizes}
+    errors = []
+
+    def worker(n):
+        with torch.inference_mode():
+            for _ in range(20):
+                with rope.scope(cache):
+                    got = emb(torch.arange(n * 3.0).reshape(1, n, 3))
+                if not torch.equal(got, expected[n]):
+                    errors.append(n)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in sizes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+@pytest.mark.workflows
+def test_example_workflow_runs_on_tiny_flux_and_reports_pe_hits():
+    workflow = rkharness.load_workflow("pe_cache_flux.json")
+    types = {n["type"] for n in workflow["nodes"]}
+    assert {"ReuseKitPECache", "UNETLoader", "DualCLIPLoader", "VAELoader", "Note"} <= types
+    prompt = rkharness.workflow_to_prompt(workflow, overrides={"8": {"width": 64, "height": 64},
+                                                               "9": {"steps": 3}})
+    assert prompt["2"] == {"class_type": "ReuseKitPECache", "inputs": {"model": ["1", 0], "enabled": True}}
+    registry = rkharness.pack("caching.stats").REGISTRY
+    before = set(registry.names())
+    result = rkharness.Executor().run(prompt)
+    (name,) = [n for n in registry.names() if n not in before and n.startswith("pe:Flux#")]
+    text = result["outputs"]["12"]["text"][0]
+    (line,) = [line for line in text.splitlines() if f"[pe] {name}:" in line]
+    assert "hits=2" in line and "misses=1" in line, text
+
+
+@pytest.mark.gpu
+def test_on_cuda_tables_stay_on_the_device_and_sampling_is_bit_exact(tiny):
+    model = tiny.tiny_flux(0)
+    plain = sample(model, tiny)
+    (cached_model,) = node().execute(model, True).result
+    assert torch.equal(plain, sample(cached_model, tiny))
+    cache = rope.model_cache(model.model)
+    (name,) = cache.names()
+    _, table = cache.entry(name)
+    assert table.device.type == "cuda"
+    snap = cache.stats.snapshot()
+    assert snap["bytes"]["device"] >= table.numel() * table.element_size() and snap["bytes"]["cpu"] == 0
+    assert snap["counters"]["hits"] == 2
+
+
+@pytest.mark.gpu
+def test_during_cuda_graph_capture_the_builder_runs_inside_the_graph():
+    import comfy.ldm.flux.layers as layers
+
+    emb = layers.EmbedND(dim=32, theta=10000, axes_dim=[8, 12, 12])
+    ids = torch.arange(30.0, device="cuda").reshape(1, 10, 3)
+    cache = pc.PECache()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), rope.scope(cache):
+        warm = emb(ids)  # a miss, stored outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), rope.scope(cache):
+        captured = emb(ids)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert captured is not warm and torch.equal(captured, warm)
+    stats = cache.name_stats()["EmbedND[0]"]
+    assert stats["misses"] == 1 and stats["bypasses"] == 1

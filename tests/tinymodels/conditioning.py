@@ -1,0 +1,96 @@
+"""Test helpers for the conditioning cache: tiny LoRA files for the tiny CLIP (and Flux), and a
+loader node that keeps its models between prompts (as a model manager would), so that cache modes
+that re-run loaders (ComfyUI's --cache-none) still hand the same encoder instance to the graph."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+
+_LORA_DIR: str | None = None
+
+
+def lora_dir() -> str:
+    """A temporary folder registered with ComfyUI as a "loras" folder."""
+    global _LORA_DIR
+    if _LORA_DIR is None:
+        import folder_paths
+
+        _LORA_DIR = tempfile.mkdtemp(prefix="rk_loras_")
+        folder_paths.add_model_folder_path("loras", _LORA_DIR)
+    return _LORA_DIR
+
+
+def write_lora(name: str, seed: int = 0, rank: int = 4, layers: int = 2, width: int = 32,
+               flux: bool = True) -> str:
+    """Write a LoRA for the tiny CLIP's attention projections (and the tiny Flux's first img qkv);
+    returns the file name LoraLoader takes."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    sd = {}
+    for layer in range(layers):
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            base = f"text_encoders.clip_l.transformer.text_model.encoder.layers.{layer}.self_attn.{proj}"
+            sd[f"{base}.lora_up.weight"] = torch.randn(width, rank, generator=gen) * 0.1
+            sd[f"{base}.lora_down.weight"] = torch.randn(rank, width, generator=gen) * 0.1
+    if flux:
+        base = "diffusion_model.double_blocks.0.img_attn.qkv"
+        sd[f"{base}.lora_up.weight"] = torch.randn(192, rank, generator=gen) * 0.1
+        sd[f"{base}.lora_down.weight"] = torch.randn(rank, 64, generator=gen) * 0.1
+    path = os.path.join(lora_dir(), name)
+    save_file(sd, path)
+    return name
+
+
+_SHARED: dict = {}
+
+CLIP_L = {"hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 12,
+          "num_hidden_layers": 12, "projection_dim": 768}
+
+
+def clip_l_sized(seed: int = 0):
+    """A real ``comfy.sd.CLIP`` at CLIP-L size (768 wide, 12 layers, ~123M parameters), random weights,
+    float32 (fp16 matmuls on a CPU would make every number here meaningless)."""
+    import comfy.sd
+    import comfy.sd1_clip
+    import comfy.supported_models_base
+
+    from . import fill_weights
+
+    target = comfy.supported_models_base.ClipTarget(comfy.sd1_clip.SD1Tokenizer, comfy.sd1_clip.SD1ClipModel)
+    clip = comfy.sd.CLIP(target=target, model_options={"clip_l_model_config": dict(CLIP_L), "dtype": torch.float32})
+    fill_weights(clip.cond_stage_model, seed)
+    return clip
+
+
+class RKTestSharedTinyCheckpoint:
+    """Like RKTestTinyCheckpoint, but returns the same objects for the same family and seed."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        from . import FAMILIES
+
+        return {"required": {"family": (list(FAMILIES),), "seed": ("INT", {"default": 0, "min": 0}),
+                             "text": (["tiny", "clip_l"],)}}
+
+    RETURN_TYPES = ("MODEL", "CLIP", "VAE")
+    FUNCTION = "load"
+    CATEGORY = "ReuseKit tests"
+
+    def load(self, family, seed, text="tiny"):
+        from . import BUILDERS, tiny_clip, tiny_vae
+
+        key = (family, seed, text)
+        if key not in _SHARED:
+            if text == "clip_l":
+                dims = {"flux": {"context_in_dim": 768, "vec_in_dim": 768}, "wan": {"text_dim": 768}}[family]
+                _SHARED[key] = (BUILDERS[family](seed, **dims), clip_l_sized(seed), tiny_vae(seed))
+            else:
+                _SHARED[key] = (BUILDERS[family](seed), tiny_clip(seed), tiny_vae(seed))
+        return _SHARED[key]
+
+
+NODE_CLASS_MAPPINGS = {"RKTestSharedTinyCheckpoint": RKTestSharedTinyCheckpoint}

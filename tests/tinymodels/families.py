@@ -1,0 +1,185 @@
+"""More tiny REAL diffusion families, for the PE cache tests (each builds RoPE per forward call).
+
+``FAMILY_SPECS[name]`` gives ``build(seed)`` (a real ``ModelPatcher`` around ComfyUI's own model
+class, weights filled from a seed) and ``inputs(size, seed)`` (the arguments of
+``BaseModel.apply_model`` for a latent of that size: ``(x, sigma, kwargs)``). ``sizes`` lists two
+latent sizes the family accepts. Nothing is faked: these are the host's classes at tiny widths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from . import TEXT_DIM, _from_config, tiny_flux, tiny_wan
+
+
+def _sm():
+    import comfy.supported_models
+
+    return comfy.supported_models
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@dataclass
+class FamilySpec:
+    build: Callable[[int], Any]
+    inputs: Callable[[tuple, int], tuple]
+    sizes: tuple  # two latent shapes, without the batch dimension
+    has_ref_latents: bool = False
+    has_rope_options: bool = False
+
+
+def _ctx(seed: int, tokens: int = 7, dim: int = TEXT_DIM, batch: int = 1):
+    return torch.randn((batch, tokens, dim), generator=_gen(seed + 100))
+
+
+def _x(shape, seed: int, batch: int = 1):
+    return torch.randn((batch, *shape), generator=_gen(seed))
+
+
+def _sigma(batch: int = 1):
+    return torch.full((batch,), 0.7)
+
+
+# ---- flux-like -------------------------------------------------------------------------------
+
+def _flux_inputs(shape, seed, tokens=7):
+    return _x(shape, seed), _sigma(), {"c_crossattn": _ctx(seed, tokens), "guidance": torch.tensor([3.5]),
+                                       "y": torch.randn((1, TEXT_DIM), generator=_gen(seed + 1))}
+
+
+def tiny_chroma(seed: int = 0, radiance: bool = False):
+    cfg = dict(image_model="chroma", in_channels=64, out_channels=64, context_in_dim=TEXT_DIM, hidden_size=64,
+               mlp_ratio=4.0, num_heads=2, depth=1, depth_single_blocks=1, axes_dim=[8, 12, 12], theta=10000,
+               patch_size=2, qkv_bias=True, in_dim=64, out_dim=64, hidden_dim=64, n_layers=1)
+    cls = _sm().Chroma
+    if radiance:
+        cfg.update(image_model="chroma_radiance", in_channels=3, out_channels=3, patch_size=16, nerf_hidden_size=16,
+                   nerf_mlp_ratio=2, nerf_depth=1, nerf_max_freqs=4, nerf_tile_size=0,
+                   nerf_final_head_type="linear", nerf_embedder_dtype=torch.float32)
+        cls = _sm().ChromaRadiance
+    return _from_config(cls, cfg, seed)
+
+
+def _chroma_inputs(shape, seed):
+    return _x(shape, seed), _sigma(), {"c_crossattn": _ctx(seed), "guidance": torch.tensor([0.0])}
+
+
+def tiny_hunyuan_video(seed: int = 0):
+    cfg = dict(image_model="hunyuan_video", in_channels=16, out_channels=16, patch_size=[1, 2, 2],
+               vec_in_dim=TEXT_DIM, context_in_dim=TEXT_DIM, hidden_size=64, mlp_ratio=4.0, num_heads=2, depth=1,
+               depth_single_blocks=1, axes_dim=[8, 12, 12], theta=256, qkv_bias=True, guidance_embed=True,
+               byt5=False, meanflow=False, use_cond_type_embedding=False, vision_in_dim=None)
+    return _from_config(_sm().HunyuanVideo, cfg, seed)
+
+
+def tiny_qwen_image(seed: int = 0):
+    cfg = dict(image_model="qwen_image", in_channels=64, out_channels=16, num_layers=1, attention_head_dim=32,
+               num_attention_heads=2, joint_attention_dim=TEXT_DIM, axes_dims_rope=(8, 12, 12))
+    return _from_config(_sm().QwenImage, cfg, seed)
+
+
+def tiny_lumina2(seed: int = 0, z_image: bool = False):
+    cfg = dict(image_model="lumina2", patch_size=2, in_channels=16, dim=64, cap_feat_dim=TEXT_DIM, n_layers=1,
+               n_refiner_layers=1, n_heads=2, n_kv_heads=2, qk_norm=True, axes_dims=[8, 12, 12],
+               axes_lens=[300, 512, 512], rope_theta=10000.0, ffn_dim_multiplier=4.0, multiple_of=16)
+    cls = _sm().Lumina2
+    if z_image:
+        cfg.update(dim=256, n_heads=2, n_kv_heads=2, axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512],
+                   rope_theta=256.0, ffn_dim_multiplier=1.0, z_image_modulation=True, time_scale=1000.0,
+                   pad_tokens_multiple=32)
+        cls = _sm().ZImage
+    return _from_config(cls, cfg, seed)
+
+
+def tiny_hidream(seed: int = 0):
+    cfg = dict(image_model="hidream", patch_size=2, in_channels=16, out_channels=16, num_layers=1,
+               num_single_layers=1, attention_head_dim=32, num_attention_heads=2,
+               caption_channels=[TEXT_DIM, TEXT_DIM], text_emb_dim=TEXT_DIM, num_routed_experts=2,
+               num_activated_experts=1, axes_dims_rope=[16, 8, 8], max_resolution=[128, 128],
+               llama_layers=[0, 0, 0])
+    return _from_config(_sm().HiDream, cfg, seed)
+
+
+def _hidream_inputs(shape, seed):
+    return _x(shape, seed), _sigma(), {"c_crossattn": _ctx(seed),
+                                       "y": torch.randn((1, TEXT_DIM), generator=_gen(seed + 1)),
+                                       "encoder_hidden_states_llama3": torch.randn((1, 3, 5, TEXT_DIM),
+                                                                                   generator=_gen(seed + 2))}
+
+
+def tiny_ltxv(seed: int = 0):
+    cfg = dict(image_model="ltxv", in_channels=128, cross_attention_dim=64, attention_head_dim=32,
+               num_attention_heads=2, caption_channels=TEXT_DIM, num_layers=1)
+    return _from_config(_sm().LTXV, cfg, seed)
+
+
+def _ltxv_inputs(shape, seed):
+    return _x(shape, seed), _sigma(), {"c_crossattn": _ctx(seed), "frame_rate": 25, "attention_mask": None}
+
+
+def tiny_cosmos(seed: int = 0):
+    cfg = dict(image_model="cosmos_predict2", max_img_h=240, max_img_w=240, max_frames=128, in_channels=16,
+               out_channels=16, patch_spatial=2, patch_temporal=1, model_channels=64, concat_padding_mask=True,
+               crossattn_emb_channels=TEXT_DIM, pos_emb_cls="rope3d", pos_emb_learnable=True,
+               pos_emb_interpolation="crop", min_fps=1, max_fps=30, use_adaln_lora=True, adaln_lora_dim=16,
+               num_blocks=1, num_heads=2, extra_per_block_abs_pos_emb=False, rope_h_extrapolation_ratio=4.0,
+               rope_w_extrapolation_ratio=4.0, rope_t_extrapolation_ratio=1.0,
+               rope_enable_fps_modulation=False)
+    return _from_config(_sm().CosmosT2IPredict2, cfg, seed)
+
+
+def tiny_mochi(seed: int = 0):
+    cfg = dict(image_model="mochi_preview", depth=1, patch_size=2, num_heads=2, hidden_size_x=64,
+               hidden_size_y=32, mlp_ratio_x=192.0, mlp_ratio_y=2.0, learn_sigma=False, in_channels=12,
+               qk_norm=True, qkv_bias=False, out_bias=True, attn_drop=0.0, patch_embed_bias=True,
+               posenc_preserve_area=True, timestep_mlp_bias=True, attend_to_padding=False,
+               timestep_scale=1000.0, use_t5=True, t5_feat_dim=TEXT_DIM, t5_token_length=8, rope_theta=10000.0)
+    return _from_config(_sm().GenmoMochi, cfg, seed)
+
+
+def _mochi_inputs(shape, seed):
+    return _x(shape, seed), _sigma(), {"c_crossattn": _ctx(seed, tokens=8),
+                                       "attention_mask": torch.ones((1, 8), dtype=torch.bool)}
+
+
+def tiny_omnigen2(seed: int = 0):
+    cfg = dict(image_model="omnigen2", axes_dim_rope=[8, 12, 12], axes_lens=[1024, 1664, 1664],
+               ffn_dim_multiplier=None, hidden_size=64, in_channels=16, multiple_of=16, norm_eps=1e-05,
+               num_attention_heads=2, num_kv_heads=2, num_layers=1, num_refiner_layers=1, out_channels=None,
+               patch_size=2, text_feat_dim=TEXT_DIM, timestep_scale=1000.0)
+    return _from_config(_sm().Omnigen2, cfg, seed)
+
+
+def _plain_inputs(shape, seed):
+    return _x(shape, seed), _sigma(), {"c_crossattn": _ctx(seed)}
+
+
+def _tokens_inputs(shape, seed):
+    return _x(shape, seed), _sigma(), {"c_crossattn": _ctx(seed), "num_tokens": 7}
+
+
+FAMILY_SPECS: dict[str, FamilySpec] = {
+    "flux": FamilySpec(tiny_flux, _flux_inputs, ((16, 8, 8), (16, 12, 8)), has_ref_latents=True,
+                       has_rope_options=True),
+    "wan": FamilySpec(tiny_wan, _plain_inputs, ((16, 3, 8, 8), (16, 2, 6, 8)), has_rope_options=True),
+    "chroma": FamilySpec(tiny_chroma, _chroma_inputs, ((16, 8, 8), (16, 12, 8))),
+    "chroma_radiance": FamilySpec(lambda seed=0: tiny_chroma(seed, radiance=True), _chroma_inputs,
+                                  ((3, 32, 32), (3, 48, 32))),
+    "hunyuan_video": FamilySpec(tiny_hunyuan_video, _flux_inputs, ((16, 3, 8, 8), (16, 2, 6, 8))),
+    "qwen_image": FamilySpec(tiny_qwen_image, _plain_inputs, ((16, 1, 8, 8), (16, 1, 12, 8)), has_ref_latents=True),
+    "lumina2": FamilySpec(tiny_lumina2, _tokens_inputs, ((16, 8, 8), (16, 12, 8))),
+    "z_image": FamilySpec(lambda seed=0: tiny_lumina2(seed, z_image=True), _tokens_inputs,
+                          ((16, 8, 8), (16, 12, 8))),
+    "hidream": FamilySpec(tiny_hidream, _hidream_inputs, ((16, 8, 8), (16, 12, 8))),
+    "ltxv": FamilySpec(tiny_ltxv, _ltxv_inputs, ((128, 2, 2, 2), (128, 3, 2, 3))),
+    "cosmos": FamilySpec(tiny_cosmos, _plain_inputs, ((16, 1, 8, 8), (16, 2, 6, 8))),
+    "mochi": FamilySpec(tiny_mochi, _mochi_inputs, ((12, 2, 8, 8), (12, 3, 6, 8))),
+    "omnigen2": FamilySpec(tiny_omnigen2, _tokens_inputs, ((16, 8, 8), (16, 12, 8))),
+}
