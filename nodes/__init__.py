@@ -30,6 +30,30 @@ def load_node_classes() -> list[type[io.ComfyNode]]:
     return classes
 
 
+def ksampler_inputs(cfg: float = 8.0, sampler: str | None = None, scheduler: str | None = None) -> list:
+    """KSampler's own inputs, in its order, for the pack's sampler nodes (a KSampler's widget values
+    carry over when a user swaps nodes)."""
+    import comfy.samplers
+
+    return [
+        io.Model.Input("model", tooltip="The diffusion model (cloned, never changed)."),
+        io.Int.Input("seed", default=0, min=0, max=0xffffffffffffffff, control_after_generate=True,
+                     tooltip="The random seed used for creating the noise."),
+        io.Int.Input("steps", default=20, min=1, max=10000, tooltip="The number of denoising steps."),
+        io.Float.Input("cfg", default=cfg, min=0.0, max=100.0, step=0.1, round=0.01,
+                       tooltip="Classifier-free guidance scale."),
+        io.Combo.Input("sampler_name", options=comfy.samplers.KSampler.SAMPLERS, default=sampler,
+                       tooltip="The sampling algorithm."),
+        io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS, default=scheduler,
+                       tooltip="How the noise levels are spaced."),
+        io.Conditioning.Input("positive", tooltip="What to include in the image."),
+        io.Conditioning.Input("negative", tooltip="What to exclude from the image."),
+        io.Latent.Input("latent_image", tooltip="The latent image to denoise."),
+        io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01,
+                       tooltip="How much of the latent to replace (1.0: all)."),
+    ]
+
+
 class ReuseKitExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         return load_node_classes()

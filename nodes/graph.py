@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import comfy.samplers
 import torch
 from comfy_api.latest import io
 
@@ -10,7 +9,7 @@ import nodes as comfy_nodes
 
 from ..caching.graph_reuse import DISABLE_ENV
 from ..patches import graph_capture
-from . import CATEGORY
+from . import CATEGORY, ksampler_inputs
 
 MAX_GRAPHS = 8
 
@@ -82,21 +81,7 @@ class GraphKSamplerNode(io.ComfyNode):
             description="KSampler with CUDA graph capture of the diffusion model: the same result as KSampler, "
                         "with the per-step launch overhead removed on replayed steps.",
             inputs=[
-                io.Model.Input("model", tooltip="The model used for denoising (cloned, never changed)."),
-                io.Int.Input("seed", default=0, min=0, max=0xffffffffffffffff, control_after_generate=True,
-                             tooltip="The random seed used for creating the noise."),
-                io.Int.Input("steps", default=20, min=1, max=10000, tooltip="The number of denoising steps."),
-                io.Float.Input("cfg", default=8.0, min=0.0, max=100.0, step=0.1, round=0.01,
-                               tooltip="Classifier-free guidance scale."),
-                io.Combo.Input("sampler_name", options=comfy.samplers.KSampler.SAMPLERS,
-                               tooltip="The sampling algorithm."),
-                io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS,
-                               tooltip="The noise schedule."),
-                io.Conditioning.Input("positive", tooltip="What to include in the image."),
-                io.Conditioning.Input("negative", tooltip="What to exclude from the image."),
-                io.Latent.Input("latent_image", tooltip="The latent image to denoise."),
-                io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01,
-                               tooltip="The amount of denoising applied."),
+                *ksampler_inputs(),
                 *switches("enable_graphs"),
             ],
             outputs=[io.Latent.Output(tooltip="The denoised latent.")],

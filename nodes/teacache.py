@@ -6,7 +6,7 @@ from comfy_api.latest import io
 
 from ..caching.teacache import StepCacheConfig
 from ..patches import teacache as patch
-from . import CATEGORY
+from . import CATEGORY, ksampler_inputs
 
 AREA = f"{CATEGORY}/step cache"
 
@@ -119,29 +119,13 @@ class TeaCacheCalibrateNode(io.ComfyNode):
 class CachedKSamplerNode(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        import comfy.samplers
-
         return io.Schema(
             node_id="ReuseKitCachedKSampler",
             display_name="ReuseKit Cached KSampler",
             category=AREA,
             description="KSampler with the TeaCache step cache built in (one node instead of two).",
             inputs=[
-                io.Model.Input("model", tooltip="The diffusion model."),
-                io.Int.Input("seed", default=0, min=0, max=0xffffffffffffffff, control_after_generate=True,
-                             tooltip="The random seed of the noise."),
-                io.Int.Input("steps", default=20, min=1, max=10000, tooltip="Denoising steps."),
-                io.Float.Input("cfg", default=3.5, min=0.0, max=100.0, step=0.1, round=0.01,
-                               tooltip="Classifier-free guidance scale."),
-                io.Combo.Input("sampler_name", options=comfy.samplers.KSampler.SAMPLERS, default="euler",
-                               tooltip="The sampling algorithm."),
-                io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS, default="simple",
-                               tooltip="How the noise levels are spaced."),
-                io.Conditioning.Input("positive", tooltip="What to include."),
-                io.Conditioning.Input("negative", tooltip="What to exclude."),
-                io.Latent.Input("latent_image", tooltip="The latent to denoise."),
-                io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01,
-                               tooltip="How much of the latent to replace (1.0: all)."),
+                *ksampler_inputs(cfg=3.5, sampler="euler", scheduler="simple"),
             ] + _cache_inputs(),
             outputs=[io.Latent.Output(tooltip="The denoised latent.")],
         )
