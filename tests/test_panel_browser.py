@@ -1,7 +1,8 @@
 """The cache panel in a real browser: Debian's Chromium, driven by Playwright, on the real server.
 
-Opens the page, opens the ReuseKit sidebar tab, runs a tiny workflow through the API, sees the
-numbers arrive over the websocket, changes a setting (a bad value shows the server's message and
+Opens the page, opens the ReuseKit sidebar tab, runs a tiny workflow with every cache of the pack
+(conditioning, PE, step, graph) and two test-only ones through the API, sees the numbers arrive
+over the websocket, changes a setting (a bad value shows the server's message and
 changes nothing), presses "Clear all" and sees memory drop. Fails on any console error from the pack.
 Saves test-artifacts/panel.png (the README's picture, docs/panel.png, is a copy of it).
 """
@@ -35,6 +36,21 @@ def browser():
             browser.close()
 
 
+def with_real_caches(prompt: dict) -> dict:
+    """The probe workflow with the pack's own caches on its model: PE cache, TeaCache and graph
+    capture (eager on this CPU machine, said in its stats); its text encodes go through the
+    conditioning cache (global mode)."""
+    prompt = dict(prompt)
+    model = prompt["5"]["inputs"]["model"]
+    prompt["20"] = {"class_type": "ReuseKitPECache", "inputs": {"model": model, "enabled": True}}
+    prompt["21"] = {"class_type": "ReuseKitTeaCache", "inputs": {
+        "model": ["20", 0], "model_type": "auto", "rel_l1_thresh": 0.4, "start_percent": 0.0, "end_percent": 1.0,
+        "max_consecutive_skips": 0, "cache_device": "device", "residual_mode": "extrapolate"}}
+    prompt["22"] = {"class_type": "ReuseKitGraphCapture", "inputs": {"model": ["21", 0], "enable": True, "max_graphs": 2}}
+    prompt["5"] = {**prompt["5"], "inputs": {**prompt["5"]["inputs"], "model": ["22", 0]}}
+    return prompt
+
+
 def bytes_of(page, selector: str) -> int:
     return int(page.locator(selector).first.get_attribute("data-bytes"))
 
@@ -58,19 +74,27 @@ def test_panel_fills_with_real_numbers_and_clear_drops_memory(comfy_server, brow
         counters = {c["name"]: c["counters"] for c in comfy_server.get("/reusekit/stats")["caches"]}
         before, hits_before = (counters.get(MEMO, {}).get(k, 0) for k in ("misses", "hits"))
         seed = 100 + before
-        for _ in range(2):  # the second run decodes the same latent: a memo hit
-            prompt = rkharness.TINY.panelprobe.probe_prompt(seed=seed, steps=3)
+        for text in ("a red square", "a blue circle", "a red square"):  # A, B, A: conditioning hits
+            prompt = with_real_caches(rkharness.TINY.panelprobe.probe_prompt(seed=seed, steps=3, text=text))
             entry = comfy_server.wait_for_prompt(comfy_server.queue(prompt))
             assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:2000]
             page.wait_for_timeout(600)  # a step in the memory chart
+        # every real cache the workflow used shows up, with its numbers
+        conditioning = page.locator('[data-rk-cache="conditioning"]')
+        conditioning.locator("[data-rk-counter=hits] span").filter(has_text="1").first.wait_for()
+        for kind in ("conditioning", "pe", "step", "graph"):
+            page.locator(f'[data-rk-kind="{kind}"]').first.wait_for()
+        page.locator('[data-rk-kind="pe"] [data-rk-counter=hits]').first.wait_for()
+        page.locator('[data-rk-cache="teacache"] [data-rk=last-run]').wait_for()
         memo = page.locator(f'[data-rk-cache="{MEMO}"]')
-        memo.locator("[data-rk-counter=misses] span").filter(has_text=str(before + 1)).wait_for()
+        memo.locator("[data-rk-counter=misses] span").filter(has_text=str(before + 2)).wait_for()
         memo.locator("[data-rk-counter=hits] span").filter(has_text=str(hits_before + 1)).wait_for()
         step = page.locator(f'[data-rk-cache="{STEP}"]')
         step.locator("[data-rk=last-run]").filter(has_text="steps computed").wait_for()
         assert "3" in step.locator("[data-rk=last-run]").inner_text()
         assert bytes_of(page, f'[data-rk-cache="{MEMO}"] [data-rk=cache-bytes][data-tier=cpu]') > 0
         assert "/ 64.0 MiB" in memo.locator("[data-rk=cache-bytes]").inner_text()  # against its budget
+        assert "/ 512.0 MiB" in conditioning.locator("[data-rk=cache-bytes]").first.inner_text()
         assert page.locator('[data-rk-kind="conditioning"]').count() == 1
         assert page.locator('[data-rk-kind="step"]').count() == 1
         assert bytes_of(page, "[data-rk=total-bytes]") > 0

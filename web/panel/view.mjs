@@ -136,8 +136,8 @@ export function createPanel(root, { actions, history }) {
     status, kpis,
     el("h3", { text: "Memory" }), tiers,
     el("h3", { text: "Memory over time" }), chartBox,
-    settingsBox,
-    groups);
+    groups,
+    settingsBox);
   root.replaceChildren(panel);
 
   function renderChart() {
@@ -182,7 +182,7 @@ export function createPanel(root, { actions, history }) {
   }
 
   function settingRow(key, s) {
-    const label = key === BUDGET_KEY ? "Conditioning budget (MiB)" : s.description || humanize(key);
+    const label = key === BUDGET_KEY ? "Conditioning budget (MiB)" : humanize(key);
     const error = el("div", { class: "rk-error", "data-rk": "setting-error" });
     let input;
     if (s.type === "bool") {
@@ -218,7 +218,7 @@ export function createPanel(root, { actions, history }) {
     input.addEventListener("keydown", (e) => {
       if (e.key === "Enter") input.blur();
     });
-    return el("label", { class: "rk-setting", title: key },
+    return el("label", { class: "rk-setting", title: s.description ? `${key}: ${s.description}` : key },
       el("span", { text: label }), input, error);
   }
 
