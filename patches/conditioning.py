@@ -138,6 +138,7 @@ def text_key(clip, tokens, return_pooled, return_dict) -> Key:
     model = clip.cond_stage_model
     serial, generation = _owner(model)
     fields = ("encode_from_tokens", type(model).__module__, type(model).__qualname__, generation,
+              encode_value(clip.patcher.load_device),  # where it runs: CPU and GPU results differ in bits
               encode_value(clip.layer_idx), encode_value(return_pooled), encode_value(return_dict),
               _precision(), encode_value(tokens))
     return Key("text", fields, owners=(serial,), weights=(_weights(clip.patcher),))

@@ -191,6 +191,17 @@ def test_different_inputs_and_encoders_miss(cc, tiny, clip, vae):
     assert cc.CACHE.count("misses.vae") == 3 and cc.CACHE.count("hits.vae") == 0
 
 
+def test_the_device_the_encoder_runs_on_is_part_of_the_key(tiny):
+    """The same encoder run on another device gives other bits: never a hit across devices."""
+    route = rkharness.pack("patches.conditioning")
+    clip = tiny.tiny_clip(0)
+    elsewhere = clip.clone()
+    elsewhere.patcher.load_device = torch.device("cpu", 1)
+    tokens = clip.tokenize("a red square")
+    assert route.text_key(clip, tokens, False, False) == route.text_key(clip.clone(), tokens, False, False)
+    assert route.text_key(clip, tokens, False, False) != route.text_key(elsewhere, tokens, False, False)
+
+
 def test_layer_and_weight_reload_change_the_key(cc, tiny):
     clip = tiny.tiny_clip(0)
     tokens = clip.tokenize("clip skip")
