@@ -261,11 +261,16 @@ def _rope_options(transformer_options) -> Any:
 
 def _wan_rope_encode(original):
     """WanModel.rope_encode(t, h, w, t_start, steps_*, device, dtype, transformer_options): keyed
-    by the geometry, so a hit skips building the ids as well as the table."""
+    by the geometry, so a hit skips building the ids as well as the table. Only while the model's
+    rope_embedder is the host's EmbedND (theta and axes decide it): a module a custom node put there
+    (e.g. RIFLEx, with its own k and frame count) runs every call."""
     sig = inspect.signature(original)
+    host_embednd = importlib.import_module("comfy.ldm.flux.layers").EmbedND
 
     def rope_encode(self, *args, **kwargs):
         def key(k):
+            if type(self.rope_embedder) is not host_embednd:
+                return False
             bound = sig.bind(self, *args, **kwargs)
             bound.apply_defaults()
             a = dict(bound.arguments)

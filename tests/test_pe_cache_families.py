@@ -237,3 +237,34 @@ def test_cond_and_uncond_of_one_geometry_share_one_table(families, rope):
     cond, uncond = "wan.rope_encode[0]|0", "wan.rope_encode[0]|1"
     assert stats[cond]["misses"] == 1 and stats[uncond]["shared"] == 1 and "misses" not in stats[uncond]
     assert cache.entry(cond)[1] is cache.entry(uncond)[1]
+
+
+def test_wan_with_a_rope_embedder_the_key_cannot_describe_runs_it_every_call(families, rope):
+    """Custom nodes swap Wan's rope_embedder for their own module (KJNodes' RIFLEx: an object patch
+    of ``diffusion_model.rope_embedder`` whose ``k`` and ``num_frames`` change the table). The
+    geometry key does not know such a module's settings: a new ``k`` must not get the old table."""
+    from comfy.ldm.flux.math import rope as host_rope
+
+    class RifleXEmbedND(torch.nn.Module):  # as KJNodes' EmbedND_RifleX: the temporal frequency k-1 moved
+        def __init__(self, theta, axes_dim, num_frames, k):
+            super().__init__()
+            self.theta, self.axes_dim, self.num_frames, self.k = theta, axes_dim, num_frames, k
+
+        def forward(self, ids):
+            parts = [host_rope(ids[..., i], self.axes_dim[i], self.theta) for i in range(ids.shape[-1])]
+            d = self.axes_dim[0]
+            omega = 1.0 / (self.theta ** torch.linspace(0, (d - 2) / d, steps=d // 2, dtype=torch.float64))
+            omega[self.k - 1] = 0.9 * 2 * torch.pi / self.num_frames
+            out = torch.einsum("...n,d->...nd", ids[..., 0].to(torch.float32), omega)
+            out = torch.stack([torch.cos(out), -torch.sin(out), torch.sin(out), torch.cos(out)], dim=-1)
+            parts[0] = out.reshape(*out.shape[:-1], 2, 2).to(torch.float32)
+            return torch.cat(parts, dim=-3).unsqueeze(1)
+
+    spec = families.FAMILY_SPECS["wan"]
+    model = spec.build(0)
+    dm = model.model.diffusion_model
+    host = dm.rope_embedder
+    call = spec.inputs(spec.sizes[0], 8)
+    for k in (4, 2, 4):
+        dm.rope_embedder = RifleXEmbedND(host.theta, host.axes_dim, num_frames=3, k=k)
+        compare(model, [call, call], cached_options(rope), rope)
