@@ -307,7 +307,9 @@ class CudaGraphRunner(StaticRunner):
         reserved = torch.cuda.memory_reserved(device)
         keep = KeepExternal()
         try:
-            with torch.cuda.graph(graph, **_graph_kwargs()), keep:
+            # on `side` (this device): torch's default capture stream is one per process, made on
+            # whichever device captured first; a capture there leaves this device's kernels out
+            with torch.cuda.graph(graph, stream=side, **_graph_kwargs()), keep:
                 static_out = self._call()
             if isinstance(static_out, torch.Tensor):
                 pass

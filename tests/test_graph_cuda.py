@@ -147,3 +147,34 @@ def test_unload_releases_graphs_and_their_pools(gc, tiny, conds):
     assert snap["counters"]["releases.unloaded"] >= 1
     close(sample(captured, conds), first)
     assert last_run(gc)["captures"] == 1 and last_run(gc)["rebuilds"] == {"unloaded": 1}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_model_on_another_device_records_its_own_kernels(gc, tiny, monkeypatch):
+    """torch's default capture stream is made once, on the device that captured first: a capture
+    there for a model on another device records none of its kernels, and every replay would return
+    the first step's output."""
+    import copy
+
+    monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", torch.cuda.Stream(torch.device("cuda", 0)))
+    dev = torch.device("cuda", 1)
+    dm = copy.deepcopy(tiny.tiny_flux(0).model.diffusion_model).to(dev)
+    gen = torch.Generator().manual_seed(0)
+
+    def inputs():
+        return [("x", torch.randn(1, 16, 8, 8, generator=gen).to(dev)), ("timestep", torch.rand(1, generator=gen).to(dev)),
+                ("context", torch.randn(1, 7, 32, generator=gen).to(dev)), ("y", torch.randn(1, 32, generator=gen).to(dev)),
+                ("guidance", torch.full((1,), 3.5, device=dev))]
+
+    with torch.inference_mode():
+        first = inputs()
+        runner = gc.CudaGraphRunner(dm._forward, first, len(first), gc.gr.analyse_call(first, (), dev), dev)
+        try:
+            out, failure = runner.capture(1)
+            assert failure == ""
+            close(out, dm._forward(*[v for _, v in first]))
+            for _ in range(2):
+                new = inputs()
+                close(runner.replay(gc.gr.analyse_call(new, (), dev).tensors), dm._forward(*[v for _, v in new]))
+        finally:
+            runner.release()
