@@ -223,20 +223,22 @@ class _Call:
                 return run_block(args)
             chunk = (img.shape[0] // len(self.keys), *img.shape[1:])
             self.skip = self.run.decide(self.keys, self.labels, list(mods), self.may_skip, chunk)
-            if not self.skip:
-                self.stack_in = img.clone()  # blocks add their residuals in place
+            # blocks (and ControlNet between them) add in place; a skip adds the residual to this copy,
+            # which already holds what ControlNet added inside the stack at the last computed step
+            self.stack_in = img.clone()
         if self.skip:
             out = _passthrough(args)
             if last:
                 img = out["img"]
-                n = self.run.conds[self.keys[0]].residual.shape[1]
+                n = self.stack_in.shape[1]
                 res = torch.cat([self.run.residual(k, img, self.sigma) for k in self.keys])
                 if img.shape[1] == n:
-                    out["img"] = img + res
+                    out["img"] = self.stack_in + res
                 elif self.family.image_first:
-                    out["img"] = torch.cat([img[:, :n] + res, img[:, n:]], 1)
+                    out["img"] = torch.cat([self.stack_in + res, img[:, n:]], 1)
                 else:
-                    out["img"] = torch.cat([img[:, :-n], img[:, -n:] + res], 1)
+                    out["img"] = torch.cat([img[:, :-n], self.stack_in + res], 1)
+                self.stack_in = None
             return out
         out = run_block(args)
         if last and self.stack_in is not None:

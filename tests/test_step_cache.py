@@ -304,6 +304,37 @@ def test_other_block_patches_are_chained_and_a_later_one_on_the_first_block_disa
     assert last_run()["calls_skipped"] == 0
 
 
+def test_a_skipped_call_adds_controlnet_once_not_again_on_top_of_the_residual(flux, conds):
+    """ControlNet adds into the image stream between blocks; the stored residual already holds what it
+    added at the last computed call, so a skip must not add this call's control on top of it. Two calls
+    on the same input: the skipped second one must give exactly the computed first one's output."""
+    import comfy.ldm.flux.controlnet
+    import comfy.ops
+
+    trained = tiny_module("trained_flux")
+    cn = comfy.ldm.flux.controlnet.ControlNetFlux(operations=comfy.ops.disable_weight_init,
+                                                  dtype=torch.float32, **trained.CONFIG)
+    trained.init_weights(cn, 5)
+    for block in cn.controlnet_single_blocks:  # only control inside the block stack
+        torch.nn.init.zeros_(block.weight)
+    m = teacache(flux, 1.0, mode="reuse")
+    x = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.5])
+    context, pooled = conds[0][0][0], conds[0][0][1]["pooled_output"]
+    hint = torch.linspace(0, 1, 3 * 64 * 64).reshape(1, 3, 64, 64)
+    control = cn(x, sigma, context, y=pooled, hint=hint)
+    to = m.model_options["transformer_options"].copy()
+    to.update({"wrappers": m.wrappers, "sigmas": sigma, "uuids": ["c"], "cond_or_uncond": [0],
+               P().RUN_KEY: tc().RunState(to[P().KEY].config, (0, 0, 0, 1.0, 0), 1.0, 0.0)})
+    with torch.inference_mode():
+        computed = m.model.apply_model(x, sigma, c_crossattn=context, y=pooled, control=control,
+                                       transformer_options=to)
+        skipped = m.model.apply_model(x, sigma, c_crossattn=context, y=pooled, control=control,
+                                      transformer_options=to)
+    assert to[P().RUN_KEY].conds["c"].pattern == ["C", "S"]
+    assert torch.allclose(skipped, computed, atol=1e-5), rel_err(skipped, computed)
+
+
 @pytest.mark.hardening
 @pytest.mark.parametrize("kwargs,needle", [
     ({"thresh": -0.1}, "rel_l1_thresh"),
