@@ -140,6 +140,9 @@ def model_fingerprint(model_patcher, family: Family) -> str:
     model = model_patcher.model
     params = list(model.diffusion_model.named_parameters())
     sample = params[:2] + params[-2:]
+    # weights as loaded, not as patched by the LoRA of whichever clone of this model sampled last
+    backup = getattr(model_patcher, "backup", None) or {}
+    sample = [(n, getattr(backup.get(f"diffusion_model.{n}"), "weight", t)) for n, t in sample]
     cfg = getattr(getattr(model, "model_config", None), "unet_config", {})
     return tc.fingerprint(family.name, repr(sorted((str(k), repr(v)) for k, v in dict(cfg).items())), sample)
 

@@ -369,6 +369,20 @@ def test_calibration_fits_a_polynomial_that_the_next_run_uses(flux, conds, _isol
     assert rel_err(out, ref) < 0.3
 
 
+def test_a_calibration_is_found_whichever_lora_clone_of_the_model_sampled_before(conds):
+    """The calibration key is read before the run loads its weights, when they may still hold the
+    patches of the clone that sampled last: the key must come from the weights as loaded."""
+    model = tiny_module("trained_flux").build()
+    (cal,) = N().TeaCacheCalibrateNode.execute(model).args
+    sample(cal, conds)
+    lora = model.clone()  # a patch on a sampled weight (img_in), the way LoRA loaders add them
+    weight = model.model.diffusion_model.img_in.weight
+    lora.add_patches({"diffusion_model.img_in.weight": (torch.randn(weight.shape) * 0.1,)}, 1.0)
+    sample(lora, conds)
+    sample(teacache(model, 0.3, model_type="calibrated"), conds)
+    assert last_run()["model_type"] == "calibrated"
+
+
 # ---- other families ---------------------------------------------------------------------
 
 PUBLISHED_DEFAULT = {"wan": "wan2.1_t2v_1.3B_ret_mode", "hunyuan_video": "hunyuan_video"}
