@@ -37,11 +37,14 @@ CALL_KEY = "reusekit_teacache_call"
 # ---- per family: where the modulated input is, where the block stack starts and ends ---------
 
 def _flux_modulated(dm, args):
-    """Flux / HunyuanVideo: the first double block's image norm, modulated by its scale/shift."""
+    """Flux / HunyuanVideo: the first double block's image norm, modulated by its scale/shift (per
+    token range where the block gets ``modulation_dims_img``: HunyuanVideo I2V's guiding frame)."""
+    from comfy.ldm.flux.layers import apply_mod
+
     block = dm.double_blocks[0]
     vec = args["vec"]
     mod1 = vec[0][0] if isinstance(vec, tuple) else block.img_mod(vec)[0]  # tuple: global modulation
-    return torch.addcmul(mod1.shift, block.img_norm1(args["img"]), 1 + mod1.scale)
+    return apply_mod(block.img_norm1(args["img"]), 1 + mod1.scale, mod1.shift, args.get("modulation_dims_img"))
 
 
 def _qwen_modulated(dm, args):

@@ -408,6 +408,19 @@ def test_other_families_calibrate_and_skip_through_the_real_ksampler(tiny, conds
     assert out.shape == ref.shape and torch.isfinite(out).all()
 
 
+def test_hunyuan_video_with_a_guiding_frame_reads_its_per_frame_modulation_and_skips(tiny, conds):
+    """HunyuanVideo I2V ("v2 (replace)") modulates the guiding frame and the rest with two vectors
+    (modulation_dims); the modulated input must be read the block's way, or the family never skips."""
+    model = tiny_module("step_families").tiny_hunyuan_video(0)
+    guided = tuple([[c, {**extra, "guiding_frame_index": 0}] for c, extra in cond] for cond in conds)
+    shape = (1, 16, 2, 8, 8)
+    ref = sample(model, guided, steps=6, cfg=1.0, shape=shape)
+    assert torch.equal(sample(teacache(model, 0.0, model_type="hunyuan_video"), guided, steps=6, cfg=1.0,
+                                 shape=shape), ref)
+    out = sample(teacache(model, 10.0, model_type="hunyuan_video"), guided, steps=6, cfg=1.0, shape=shape)
+    assert last_run()["calls_skipped"] >= 1 and torch.isfinite(out).all()
+
+
 def test_an_unsupported_family_is_a_clear_error(tiny):
     import comfy.supported_models
 
