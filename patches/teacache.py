@@ -300,6 +300,9 @@ def _diffusion_model(executor, *args, **kwargs):
     sigma = sigmas.max().float() if sigmas is not None else None  # stays on its device: no sync here
     may_skip = False if sigma is None else run.in_window(sigma)
     keys = list(to.get("uuids") or []) or ["cond"]
+    cond_or_uncond = list(to.get("cond_or_uncond") or [])
+    if len(cond_or_uncond) == len(keys):  # core gives an area cond's made-up uncond the cond's uuid
+        keys = list(zip(keys, cond_or_uncond, strict=True))
     call = _Call(run, settings.family, executor.class_obj, keys, _labels(to, len(keys)), may_skip, sigma)
     to[CALL_KEY] = call
     t0 = time.perf_counter()

@@ -212,6 +212,33 @@ def test_cond_and_uncond_keep_separate_distances_under_cfg(flux, conds):
     assert traces["cond"] != traces["uncond"]
 
 
+def test_an_area_cond_and_the_uncond_core_makes_for_it_keep_separate_state(flux, conds):
+    """For a cond with an area ComfyUI adds an uncond of that area carrying the cond's uuid, batched
+    with it: one state for both would hand the uncond the cond's residual on a skip."""
+    import nodes
+
+    (area,) = nodes.ConditioningSetArea().append(conds[0], 32, 32, 0, 0, 1.0)
+    (pos,) = nodes.ConditioningCombine().combine(conds[0], area)
+    sample(teacache(flux, 0.6), (pos, conds[1]))
+    run = last_run()
+    assert run["calls_skipped"] >= 1
+    assert all(len(c["pattern"]) == STEPS for c in run["conds"].values()), run["conds"]
+    # such a batch twice on the same input: the skipped second call gives each half its own output
+    m = teacache(flux, 1.0, mode="reuse")
+    x = torch.randn(2, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.5, 0.5])
+    context = torch.cat([conds[1][0][0], conds[0][0][0]])
+    pooled = torch.cat([conds[1][0][1]["pooled_output"], conds[0][0][1]["pooled_output"]])
+    to = m.model_options["transformer_options"].copy()
+    to.update({"wrappers": m.wrappers, "sigmas": sigma, "uuids": ["u", "u"], "cond_or_uncond": [1, 0],
+               P().RUN_KEY: tc().RunState(to[P().KEY].config, (0, 0, 0, 1.0, 0), 1.0, 0.0)})
+    with torch.inference_mode():
+        computed = m.model.apply_model(x, sigma, c_crossattn=context, y=pooled, transformer_options=to)
+        skipped = m.model.apply_model(x, sigma, c_crossattn=context, y=pooled, transformer_options=to)
+    assert torch.allclose(skipped, computed, atol=1e-5), rel_err(skipped, computed)
+    assert all(s.pattern == ["C", "S"] for s in to[P().RUN_KEY].conds.values())
+
+
 def test_start_and_end_percent_bound_where_steps_may_be_skipped(flux, conds):
     import comfy.samplers
 
@@ -331,7 +358,7 @@ def test_a_skipped_call_adds_controlnet_once_not_again_on_top_of_the_residual(fl
                                        transformer_options=to)
         skipped = m.model.apply_model(x, sigma, c_crossattn=context, y=pooled, control=control,
                                       transformer_options=to)
-    assert to[P().RUN_KEY].conds["c"].pattern == ["C", "S"]
+    assert [s.pattern for s in to[P().RUN_KEY].conds.values()] == [["C", "S"]]
     assert torch.allclose(skipped, computed, atol=1e-5), rel_err(skipped, computed)
 
 
