@@ -37,11 +37,14 @@ CALL_KEY = "reusekit_teacache_call"
 # ---- per family: where the modulated input is, where the block stack starts and ends ---------
 
 def _flux_modulated(dm, args):
-    """Flux / HunyuanVideo: the first double block's image norm, modulated by its scale/shift."""
+    """Flux / HunyuanVideo: the first double block's image norm, modulated by its scale/shift (per
+    token range where the block gets ``modulation_dims_img``: HunyuanVideo I2V's guiding frame)."""
+    from comfy.ldm.flux.layers import apply_mod
+
     block = dm.double_blocks[0]
     vec = args["vec"]
     mod1 = vec[0][0] if isinstance(vec, tuple) else block.img_mod(vec)[0]  # tuple: global modulation
-    return torch.addcmul(mod1.shift, block.img_norm1(args["img"]), 1 + mod1.scale)
+    return apply_mod(block.img_norm1(args["img"]), 1 + mod1.scale, mod1.shift, args.get("modulation_dims_img"))
 
 
 def _qwen_modulated(dm, args):
@@ -140,6 +143,9 @@ def model_fingerprint(model_patcher, family: Family) -> str:
     model = model_patcher.model
     params = list(model.diffusion_model.named_parameters())
     sample = params[:2] + params[-2:]
+    # weights as loaded, not as patched by the LoRA of whichever clone of this model sampled last
+    backup = getattr(model_patcher, "backup", None) or {}
+    sample = [(n, getattr(backup.get(f"diffusion_model.{n}"), "weight", t)) for n, t in sample]
     cfg = getattr(getattr(model, "model_config", None), "unet_config", {})
     return tc.fingerprint(family.name, repr(sorted((str(k), repr(v)) for k, v in dict(cfg).items())), sample)
 
@@ -223,20 +229,22 @@ class _Call:
                 return run_block(args)
             chunk = (img.shape[0] // len(self.keys), *img.shape[1:])
             self.skip = self.run.decide(self.keys, self.labels, list(mods), self.may_skip, chunk)
-            if not self.skip:
-                self.stack_in = img.clone()  # blocks add their residuals in place
+            # blocks (and ControlNet between them) add in place; a skip adds the residual to this copy,
+            # which already holds what ControlNet added inside the stack at the last computed step
+            self.stack_in = img.clone()
         if self.skip:
             out = _passthrough(args)
             if last:
                 img = out["img"]
-                n = self.run.conds[self.keys[0]].residual.shape[1]
+                n = self.stack_in.shape[1]
                 res = torch.cat([self.run.residual(k, img, self.sigma) for k in self.keys])
                 if img.shape[1] == n:
-                    out["img"] = img + res
+                    out["img"] = self.stack_in + res
                 elif self.family.image_first:
-                    out["img"] = torch.cat([img[:, :n] + res, img[:, n:]], 1)
+                    out["img"] = torch.cat([self.stack_in + res, img[:, n:]], 1)
                 else:
-                    out["img"] = torch.cat([img[:, :-n], img[:, -n:] + res], 1)
+                    out["img"] = torch.cat([img[:, :-n], self.stack_in + res], 1)
+                self.stack_in = None
             return out
         out = run_block(args)
         if last and self.stack_in is not None:
@@ -292,6 +300,9 @@ def _diffusion_model(executor, *args, **kwargs):
     sigma = sigmas.max().float() if sigmas is not None else None  # stays on its device: no sync here
     may_skip = False if sigma is None else run.in_window(sigma)
     keys = list(to.get("uuids") or []) or ["cond"]
+    cond_or_uncond = list(to.get("cond_or_uncond") or [])
+    if len(cond_or_uncond) == len(keys):  # core gives an area cond's made-up uncond the cond's uuid
+        keys = list(zip(keys, cond_or_uncond, strict=True))
     call = _Call(run, settings.family, executor.class_obj, keys, _labels(to, len(keys)), may_skip, sigma)
     to[CALL_KEY] = call
     t0 = time.perf_counter()

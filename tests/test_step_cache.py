@@ -212,6 +212,33 @@ def test_cond_and_uncond_keep_separate_distances_under_cfg(flux, conds):
     assert traces["cond"] != traces["uncond"]
 
 
+def test_an_area_cond_and_the_uncond_core_makes_for_it_keep_separate_state(flux, conds):
+    """For a cond with an area ComfyUI adds an uncond of that area carrying the cond's uuid, batched
+    with it: one state for both would hand the uncond the cond's residual on a skip."""
+    import nodes
+
+    (area,) = nodes.ConditioningSetArea().append(conds[0], 32, 32, 0, 0, 1.0)
+    (pos,) = nodes.ConditioningCombine().combine(conds[0], area)
+    sample(teacache(flux, 0.6), (pos, conds[1]))
+    run = last_run()
+    assert run["calls_skipped"] >= 1
+    assert all(len(c["pattern"]) == STEPS for c in run["conds"].values()), run["conds"]
+    # such a batch twice on the same input: the skipped second call gives each half its own output
+    m = teacache(flux, 1.0, mode="reuse")
+    x = torch.randn(2, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.5, 0.5])
+    context = torch.cat([conds[1][0][0], conds[0][0][0]])
+    pooled = torch.cat([conds[1][0][1]["pooled_output"], conds[0][0][1]["pooled_output"]])
+    to = m.model_options["transformer_options"].copy()
+    to.update({"wrappers": m.wrappers, "sigmas": sigma, "uuids": ["u", "u"], "cond_or_uncond": [1, 0],
+               P().RUN_KEY: tc().RunState(to[P().KEY].config, (0, 0, 0, 1.0, 0), 1.0, 0.0)})
+    with torch.inference_mode():
+        computed = m.model.apply_model(x, sigma, c_crossattn=context, y=pooled, transformer_options=to)
+        skipped = m.model.apply_model(x, sigma, c_crossattn=context, y=pooled, transformer_options=to)
+    assert torch.allclose(skipped, computed, atol=1e-5), rel_err(skipped, computed)
+    assert all(s.pattern == ["C", "S"] for s in to[P().RUN_KEY].conds.values())
+
+
 def test_start_and_end_percent_bound_where_steps_may_be_skipped(flux, conds):
     import comfy.samplers
 
@@ -304,6 +331,37 @@ def test_other_block_patches_are_chained_and_a_later_one_on_the_first_block_disa
     assert last_run()["calls_skipped"] == 0
 
 
+def test_a_skipped_call_adds_controlnet_once_not_again_on_top_of_the_residual(flux, conds):
+    """ControlNet adds into the image stream between blocks; the stored residual already holds what it
+    added at the last computed call, so a skip must not add this call's control on top of it. Two calls
+    on the same input: the skipped second one must give exactly the computed first one's output."""
+    import comfy.ldm.flux.controlnet
+    import comfy.ops
+
+    trained = tiny_module("trained_flux")
+    cn = comfy.ldm.flux.controlnet.ControlNetFlux(operations=comfy.ops.disable_weight_init,
+                                                  dtype=torch.float32, **trained.CONFIG)
+    trained.init_weights(cn, 5)
+    for block in cn.controlnet_single_blocks:  # only control inside the block stack
+        torch.nn.init.zeros_(block.weight)
+    m = teacache(flux, 1.0, mode="reuse")
+    x = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.5])
+    context, pooled = conds[0][0][0], conds[0][0][1]["pooled_output"]
+    hint = torch.linspace(0, 1, 3 * 64 * 64).reshape(1, 3, 64, 64)
+    control = cn(x, sigma, context, y=pooled, hint=hint)
+    to = m.model_options["transformer_options"].copy()
+    to.update({"wrappers": m.wrappers, "sigmas": sigma, "uuids": ["c"], "cond_or_uncond": [0],
+               P().RUN_KEY: tc().RunState(to[P().KEY].config, (0, 0, 0, 1.0, 0), 1.0, 0.0)})
+    with torch.inference_mode():
+        computed = m.model.apply_model(x, sigma, c_crossattn=context, y=pooled, control=control,
+                                       transformer_options=to)
+        skipped = m.model.apply_model(x, sigma, c_crossattn=context, y=pooled, control=control,
+                                      transformer_options=to)
+    assert [s.pattern for s in to[P().RUN_KEY].conds.values()] == [["C", "S"]]
+    assert torch.allclose(skipped, computed, atol=1e-5), rel_err(skipped, computed)
+
+
 @pytest.mark.hardening
 @pytest.mark.parametrize("kwargs,needle", [
     ({"thresh": -0.1}, "rel_l1_thresh"),
@@ -338,6 +396,20 @@ def test_calibration_fits_a_polynomial_that_the_next_run_uses(flux, conds, _isol
     assert rel_err(out, ref) < 0.3
 
 
+def test_a_calibration_is_found_whichever_lora_clone_of_the_model_sampled_before(conds):
+    """The calibration key is read before the run loads its weights, when they may still hold the
+    patches of the clone that sampled last: the key must come from the weights as loaded."""
+    model = tiny_module("trained_flux").build()
+    (cal,) = N().TeaCacheCalibrateNode.execute(model).args
+    sample(cal, conds)
+    lora = model.clone()  # a patch on a sampled weight (img_in), the way LoRA loaders add them
+    weight = model.model.diffusion_model.img_in.weight
+    lora.add_patches({"diffusion_model.img_in.weight": (torch.randn(weight.shape) * 0.1,)}, 1.0)
+    sample(lora, conds)
+    sample(teacache(model, 0.3, model_type="calibrated"), conds)
+    assert last_run()["model_type"] == "calibrated"
+
+
 # ---- other families ---------------------------------------------------------------------
 
 PUBLISHED_DEFAULT = {"wan": "wan2.1_t2v_1.3B_ret_mode", "hunyuan_video": "hunyuan_video"}
@@ -361,6 +433,19 @@ def test_other_families_calibrate_and_skip_through_the_real_ksampler(tiny, conds
     run = last_run()
     assert run["family"] == family and run["model_type"] == "calibrated" and run["calls_skipped"] >= 1
     assert out.shape == ref.shape and torch.isfinite(out).all()
+
+
+def test_hunyuan_video_with_a_guiding_frame_reads_its_per_frame_modulation_and_skips(tiny, conds):
+    """HunyuanVideo I2V ("v2 (replace)") modulates the guiding frame and the rest with two vectors
+    (modulation_dims); the modulated input must be read the block's way, or the family never skips."""
+    model = tiny_module("step_families").tiny_hunyuan_video(0)
+    guided = tuple([[c, {**extra, "guiding_frame_index": 0}] for c, extra in cond] for cond in conds)
+    shape = (1, 16, 2, 8, 8)
+    ref = sample(model, guided, steps=6, cfg=1.0, shape=shape)
+    assert torch.equal(sample(teacache(model, 0.0, model_type="hunyuan_video"), guided, steps=6, cfg=1.0,
+                                 shape=shape), ref)
+    out = sample(teacache(model, 10.0, model_type="hunyuan_video"), guided, steps=6, cfg=1.0, shape=shape)
+    assert last_run()["calls_skipped"] >= 1 and torch.isfinite(out).all()
 
 
 def test_an_unsupported_family_is_a_clear_error(tiny):
