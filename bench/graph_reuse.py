@@ -8,7 +8,7 @@ On CUDA: tiny Flux/Wan at two resolutions, a small realistic Flux (real width 30
 where it runs (REUSEKIT_BENCH_COMPILE=0 skips it). Each config runs through the real sampler
 (cfg 2, cond and uncond batched): a warm run (captures), then a timed run; a step is one
 apply_model call timed between two synchronizations, the median over the timed run.
-On CPU it measures the check only. Last line: RESULT step_replay_over_eager=<ratio|n/a> check_us=<µs>.
+On CPU it measures the check, and (both) ReuseKit TeaCache alone vs TeaCache + capture. Last line: RESULT step_replay_over_eager=<ratio|n/a> check_us=<µs>.
 """
 
 from __future__ import annotations
@@ -130,12 +130,44 @@ def check_cost(c) -> float:
     return best * 1e6
 
 
+def with_teacache(c) -> None:
+    """ReuseKit TeaCache alone vs TeaCache + capture on the trained Flux (10 steps, threshold 0.4),
+    whole runs interleaved, median of 5: on CUDA computed steps replay; on a CPU the capture runs
+    decisions only, so the ratio is what the eager probe up to TeaCache's first block costs."""
+    import importlib
+
+    tea_node = rkharness.pack("nodes.teacache").TeaCacheNode
+    model = importlib.import_module(f"{tiny.__name__}.trained_flux").build()
+    tea = tea_node.execute(model, "flux", 0.4, 0.0, 1.0, 0, "device", "extrapolate").args[0]
+    both = graph_nodes.with_capture("bench", tea, True, 2)
+    times: dict[str, list[float]] = {"teacache": [], "teacache+capture": []}
+    outs = {}
+    with torch.inference_mode():
+        for _ in range(6):
+            for name, m in (("teacache", tea), ("teacache+capture", both)):
+                if CUDA:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                outs[name] = run(m, c, (1, 16, 8, 8), 10)
+                if CUDA:
+                    torch.cuda.synchronize()
+                times[name].append(time.perf_counter() - t0)
+    snap = gc.STATS.handle.snapshot()["info"].get("last_run", {})
+    a, b = (statistics.median(t[1:]) * 1e3 for t in times.values())  # the first run captures
+    diff = (outs["teacache+capture"].float() - outs["teacache"].float()).abs().max().item()
+    print(f"TeaCache on the trained Flux, 10 steps: alone {a:.1f} ms, with capture {b:.1f} ms per run "
+          f"(ratio {b / a:.2f}, max|diff| {diff:.1e}; last run: {snap.get('replays')} replays, "
+          f"{snap.get('eager_steps')} eager, {snap.get('step_cache_skips')} skipped by TeaCache)")
+    gc.release_all("bench")
+
+
 def main() -> None:
     torch.manual_seed(0)
     with torch.inference_mode():
         c = conds()
     check_us = check_cost(c)
     print(f"reuse check (bind + signature + lookup) on a real Flux call: {check_us:.1f} us per step")
+    with_teacache(c)
     if not CUDA:
         print("no CUDA device: graphs are not captured here; the decision runs, the model runs eagerly")
         print(f"RESULT step_replay_over_eager=n/a check_us={check_us:.1f}")

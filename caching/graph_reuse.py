@@ -31,13 +31,30 @@ from .stats import REGISTRY, CacheStats
 DISABLE_ENV = "REUSEKIT_DISABLE_CUDA_GRAPHS"
 OPTIONS_NAME = "transformer_options"
 OPTIONS_KEY = "reusekit_graph"  # our own settings inside transformer_options
+STEP_HOOK = "reusekit_step_hook"
+"""transformer_options key of a step cache's per-call object, which graph capture drives so that
+the skip decision stays outside the graph (a skipped step never replays):
+
+- ``hook.probe(forward)``: ``forward()`` runs the model eagerly; the hook decides inside it and
+  either lets it finish (a skipped step: its output is returned and nothing is replayed) or stops
+  it at the decision and returns ``None`` (a computed step: the graph replays or captures).
+  Where nothing would replay (decisions only) the forward runs once without a probe and
+  ``hook.skip`` says afterwards whether the hook skipped it.
+- ``hook.graph_outputs()``: after a forward, the tensors the hook's patches made inside it (the
+  step cache's new residual), which a replay must hand back too;
+- ``hook.take_graph_outputs(tensors)``: copies of those tensors after a replay.
+"""
+GRAPH_SAFE = "reusekit_graph_safe"
+"""Attribute marking a transformer patch that may run inside a captured forward: it launches the
+same kernels on every call of one signature and reads no Python state that changes between calls
+(its per-call state reaches it through :data:`STEP_HOOK`). Any other patch makes the call eager."""
 
 # transformer_options keys that never change what the captured forward computes: Python-side
-# machinery (wrappers run outside the graph, callbacks are not called in the forward), and the
-# per-run cond uuids (only read by patches, and a call with patches is never captured).
+# machinery (wrappers run outside the graph, callbacks are not called in the forward) and the
+# per-run cond uuids (read only by patches; the graph-safe ones that may be captured do not).
 IGNORED_OPTIONS = frozenset({"wrappers", "callbacks", "uuids", OPTIONS_KEY})
 # transformer_options keys whose callables run inside the forward with Python-side state: a call
-# carrying any of them runs eagerly.
+# carrying any of them runs eagerly, unless every one is marked GRAPH_SAFE.
 PATCH_OPTIONS = ("patches", "patches_replace")
 PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, functools.partial)
@@ -145,6 +162,21 @@ class _Walker:
         self.fail("uncapturable_input", f"{path} is a {type(v).__qualname__}")
         return v
 
+    def patches(self, path: str, v: Any) -> None:
+        """Transformer patches (``{name: [fn, ...]}`` or ``{"dit": {(block, i): fn}}``): each
+        counts by identity when marked :data:`GRAPH_SAFE`; any other makes the call eager."""
+        if isinstance(v, dict):
+            for k, x in v.items():
+                self.patches(f"{path}.{k}", x)
+        elif isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                self.patches(f"{path}[{i}]", x)
+        elif getattr(v, GRAPH_SAFE, False):
+            if self.sub is None:
+                self.fields.append((path, "object", (type(v).__qualname__, id(v))))
+        else:
+            self.fail("transformer_patches", f"{path} is {getattr(v, '__qualname__', type(v).__qualname__)}")
+
     def options(self, opts: dict):
         out = {} if self.sub is not None else None
         for key, v in opts.items():
@@ -155,7 +187,7 @@ class _Walker:
             path = f"{OPTIONS_NAME}.{key}"
             if key in PATCH_OPTIONS:
                 if v:
-                    self.fail("transformer_patches", f"{path} holds {', '.join(map(str, v))}")
+                    self.patches(path, v)
                 if out is not None:
                     out[key] = v
                 continue
@@ -384,6 +416,7 @@ class RunSummary:
     captures: int = 0
     hits: int = 0
     eager: int = 0
+    step_skips: int = 0       # forwards a step cache's hook skipped (nothing replayed)
     rebuilds: dict = field(default_factory=dict)
     bypasses: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
@@ -396,5 +429,5 @@ class RunSummary:
 
     def as_dict(self) -> dict:
         return {"backend": self.backend, "steps": self.steps, "hits": self.hits, "replays": self.replays,
-                "captures": self.captures, "eager_steps": self.eager, "rebuilds": dict(self.rebuilds),
+                "captures": self.captures, "eager_steps": self.eager, "step_cache_skips": self.step_skips, "rebuilds": dict(self.rebuilds),
                 "bypasses": dict(self.bypasses), "notes": list(self.notes)}

@@ -6,17 +6,20 @@
 - APPLY_MODEL: tells the inner wrapper which BaseModel (patcher, weights, lowvram state) it runs;
 - DIFFUSION_MODEL: decides per call (caching/graph_reuse.py) and replays or captures.
 
-Only the innermost original forward is captured: other DIFFUSION_MODEL wrappers (a step cache,
-EasyCache) keep running in Python around it, so a skipped step never replays and their decisions
-stay outside the graph. A call runs eagerly, with the same result, when the model is partially
-loaded (lowvram), when hooks or weight wrappers change weights per step, when transformer patches
-run Python inside the forward, under torch.compile, or when an input cannot be captured.
+Only the innermost original forward is captured: other DIFFUSION_MODEL wrappers (EasyCache,
+LazyCache) keep running in Python around it, so a skipped step never replays and their decisions
+stay outside the graph. A step cache that decides inside the forward (ReuseKit's TeaCache, in its
+first block patch) does so through a step hook: an eager probe up to its decision, then a replay
+of computed steps only (caching/graph_reuse.py, ``STEP_HOOK``). A call runs eagerly, with the
+same result, when the model is partially loaded (lowvram), when hooks or weight wrappers change
+weights per step, when transformer patches not marked graph-safe run Python inside the forward,
+under torch.compile, or when an input cannot be captured.
 
 Captured graphs are released when any patcher loads or unloads the model's weights (listeners on
 ``ModelPatcher.load / unpatch_model / partially_unload`` through patches/lifecycle.py;
 :func:`install` and :func:`uninstall`). Where the host captures per-block graphs itself
-(``comfy/model_prefetch.py``) this backend defers to it. Without CUDA the decision still runs (the stats show what would be
-reused) and every forward runs eagerly.
+(``comfy/model_prefetch.py``) this backend defers to it. Without CUDA the decision still runs
+(the stats show what would be reused) and every forward runs eagerly.
 """
 
 from __future__ import annotations
@@ -185,11 +188,17 @@ def installed() -> bool:
 
 # ---- runners --------------------------------------------------------------------------------
 
+def _tensor_tree(out) -> bool:
+    if isinstance(out, (list, tuple)):
+        return all(_tensor_tree(o) for o in out)
+    return isinstance(out, torch.Tensor)
+
+
 def _clone_tree(out):
     if isinstance(out, torch.Tensor):
         return out.clone()
-    if isinstance(out, (list, tuple)) and all(isinstance(o, torch.Tensor) for o in out):
-        return type(out)(o.clone() for o in out)
+    if isinstance(out, (list, tuple)):
+        return type(out)(_clone_tree(o) for o in out)
     raise TypeError(f"the forward returned a {type(out).__name__}, not tensors")
 
 
@@ -249,12 +258,18 @@ class StaticRunner:
         self.n_pos = n_pos
         self.static = [torch.empty_like(t).copy_(t) for t in spec.tensors]
         self.args = gr.substitute(named, self.static, device)
+        self.hook = _step_hook(self.args)
         self.nbytes = _nbytes(self.static)
 
     def _call(self):
+        """The forward on the static buffers: its output, and with a step hook ``(output,
+        tensors the hook's patches made)``."""
         pos = [v for _, v in self.args[:self.n_pos]]
         kw = dict(self.args[self.n_pos:])
-        return self.fn(*pos, **kw)
+        out = self.fn(*pos, **kw)
+        if self.hook is None:
+            return out
+        return out, tuple(self.hook.graph_outputs())
 
     def copy_in(self, tensors: list[torch.Tensor]) -> None:
         for s, t in zip(self.static, tensors, strict=True):
@@ -275,7 +290,7 @@ class StaticRunner:
         return _clone_tree(self._call())
 
     def release(self) -> None:
-        self.static, self.args, self.fn, self.kept = [], [], None, {}
+        self.static, self.args, self.fn, self.hook, self.kept = [], [], None, None, {}
 
 
 class CudaGraphRunner(StaticRunner):
@@ -311,9 +326,7 @@ class CudaGraphRunner(StaticRunner):
             # whichever device captured first; a capture there leaves this device's kernels out
             with torch.cuda.graph(graph, stream=side, **_graph_kwargs()), keep:
                 static_out = self._call()
-            if isinstance(static_out, torch.Tensor):
-                pass
-            elif not (isinstance(static_out, (list, tuple)) and all(isinstance(o, torch.Tensor) for o in static_out)):
+            if not _tensor_tree(static_out):
                 raise TypeError(f"the forward returned a {type(static_out).__name__}, not tensors")
         except comfy.model_management.InterruptProcessingException:
             graph = None
@@ -330,7 +343,7 @@ class CudaGraphRunner(StaticRunner):
         self.pool_bytes = max(0, torch.cuda.memory_reserved(device) - reserved)
         self.graph, self.static_out, self.kept = graph, static_out, keep.kept
         self.nbytes = _nbytes(self.static) + self.pool_bytes
-        self.args, self.fn = [], None  # a replay needs only the buffers and the graph
+        self.args, self.fn, self.hook = [], None, None  # a replay needs only the buffers and the graph
         graph.replay()
         return _clone_tree(static_out), ""
 
@@ -432,6 +445,9 @@ def _state_fields(base_model, device: torch.device, backend: str) -> tuple:
             ("mode", "mode", mode + (backend,)))
 
 
+_NOT_RUN = object()
+
+
 def _count(run: gr.RunSummary | None, group: str, reason: str) -> None:
     STATS.incr(f"{group}.{reason}")
     if run is not None:
@@ -439,11 +455,12 @@ def _count(run: gr.RunSummary | None, group: str, reason: str) -> None:
         d[reason] = d.get(reason, 0) + 1
 
 
-def _eager(run, fn, args, kwargs):
+def _eager(run, fn, args, kwargs, done=_NOT_RUN):
+    """The forward run eagerly (``done``: its output, where it already ran)."""
     STATS.incr("eager_steps")
     if run is not None:
         run.eager += 1
-    return fn(*args, **kwargs)
+    return fn(*args, **kwargs) if done is _NOT_RUN else done
 
 
 def graph_call(original, args: tuple, kwargs: dict, opts: dict, ctx):
@@ -494,33 +511,49 @@ def graph_call(original, args: tuple, kwargs: dict, opts: dict, ctx):
         if run is not None:
             run.note(spec.detail)
         return _eager(run, original, args, kwargs)
+    runner_cls = RUNNERS.get(backend)
+    hook = _step_hook(named)
+    done = _NOT_RUN
+    if hook is not None:
+        if runner_cls is None:  # decisions only: nothing replays, so no probe; one eager pass decides
+            done = original(*args, **kwargs)
+            skipped = bool(hook.skip)
+        else:
+            probed = hook.probe(lambda: original(*args, **kwargs))
+            skipped = probed is not None
+            if skipped:
+                done = probed
+        if skipped:  # the step cache skipped this step eagerly: nothing replays
+            STATS.incr("step_cache_skips")
+            if run is not None:
+                run.step_skips += 1
+            return done
     gs = graph_set(base_model, int(opts.get("max_graphs", 2)))
     decision = gs.decide(spec.signature)
     if decision.hit:
         entry = decision.entry
         if entry.failed:
             _count(run, "bypasses", "capture_failed")
-            return _eager(run, original, args, kwargs)
+            return _eager(run, original, args, kwargs, done)
         STATS.incr("hits")
         if run is not None:
             run.hits += 1
             run.misses_in_row = 0
         if entry.runner is None:
-            return _eager(run, original, args, kwargs)
+            return _eager(run, original, args, kwargs, done)
         # ComfyUI checks for a cancel in every op of the forward; a replay runs none of them
         comfy.model_management.throw_exception_if_processing_interrupted()
         out = entry.runner.replay(spec.tensors)
         STATS.incr("replays")
         if run is not None:
             run.replays += 1
-        return out
+        return _hand_back(out, hook)
     STATS.incr("misses")
     if decision.reason != "first":
         _count(run, "rebuilds", decision.reason)
         log.debug("ReuseKit graph: rebuild (%s): %s", decision.reason, decision.detail)
         if run is not None:
             run.note(f"rebuild ({decision.reason}): {decision.detail}")
-    runner_cls = RUNNERS.get(backend)
     if run is not None and runner_cls is not None:
         run.misses_in_row += 1
         if run.capture_stopped or run.misses_in_row > gr.THRASH_LIMIT:
@@ -532,11 +565,11 @@ def graph_call(original, args: tuple, kwargs: dict, opts: dict, ctx):
                 run.note(f"{run.misses_in_row} rebuilds in a row: no more captures in this run "
                          f"(last: {decision.reason}; raise max_graphs?)")
             _count(run, "bypasses", "unstable_inputs")
-            return _eager(run, original, args, kwargs)
+            return _eager(run, original, args, kwargs, done)
     if runner_cls is None:  # decisions only
         _drop(gs.add(gr.Entry(spec.signature)))
         _publish_memory()
-        return _eager(run, original, args, kwargs)
+        return _eager(run, original, args, kwargs, done)
     runner = runner_cls(original, named, len(args), spec, device)
     try:
         out, failure = runner.capture(int(opts.get("warmup", 1)))
@@ -560,6 +593,21 @@ def graph_call(original, args: tuple, kwargs: dict, opts: dict, ctx):
         STATS.incr("evictions", len(evicted))
         _drop(evicted)
     _publish_memory()
+    return _hand_back(out, hook)
+
+
+def _step_hook(named: list[tuple[str, Any]]):
+    """The step cache's per-call hook in a call's transformer_options (caching/graph_reuse.py)."""
+    to = dict(named).get(gr.OPTIONS_NAME)
+    return to.get(gr.STEP_HOOK) if isinstance(to, dict) else None
+
+
+def _hand_back(out, hook):
+    """A runner's output; with a step hook, hands it the tensors its patches made in the graph."""
+    if hook is None:
+        return out
+    out, made = out
+    hook.take_graph_outputs(list(made))
     return out
 
 

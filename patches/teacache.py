@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..caching import graph_reuse as gr
 from ..caching import teacache as tc
 from ..caching.stats import REGISTRY
 
@@ -31,7 +32,7 @@ log = logging.getLogger("reusekit")
 
 KEY = "reusekit_teacache"          # wrapper key and transformer_options key of the node's settings
 RUN_KEY = "reusekit_teacache_run"  # transformer_options key of the current run's state
-CALL_KEY = "reusekit_teacache_call"
+CALL_KEY = gr.STEP_HOOK            # the current call; graph capture drives it (a skip never replays)
 
 
 # ---- per family: where the modulated input is, where the block stack starts and ends ---------
@@ -197,6 +198,9 @@ def _block_patch(first: bool, last: bool, prior):
         return call.block(args, run_block, first, last)
 
     patch._reusekit_prior = prior
+    # on a computed call it launches the same kernels every time (the decision is made before, in
+    # _Call.probe), so graph capture may record it; another node's patch beneath it may not be
+    setattr(patch, gr.GRAPH_SAFE, prior is None)
     return patch
 
 
@@ -204,34 +208,67 @@ def _passthrough(args) -> dict:
     return {k: args[k] for k in ("img", "txt") if k in args}
 
 
+class _Computed(Exception):
+    """Ends a probe at the decision: this call is computed (graph capture replays it)."""
+
+
 class _Call:
-    """One diffusion-model call: the conds in the batch and the skip decision."""
+    """One diffusion-model call: the conds in the batch, the skip decision and, on a computed
+    call, the new residual (stored by the wrapper after the forward).
+
+    Alone it decides at the first block in one eager pass. Under graph capture the decision stays
+    outside the graph: :meth:`probe` runs the forward eagerly up to the decision; a skip finishes
+    there, a computed call stops and the graph replays it, its block patches making the residual
+    in the graph (:meth:`graph_outputs` / :meth:`take_graph_outputs`)."""
 
     def __init__(self, run: tc.RunState, family: Family, dm, keys: list, labels: list[str], may_skip: bool,
                  sigma: torch.Tensor | None):
         self.run, self.family, self.dm, self.sigma = run, family, dm, sigma
         self.keys, self.labels, self.may_skip = keys, labels, may_skip
         self.skip: bool | None = None
+        self.probing = False
         self.stack_in: torch.Tensor | None = None
+        self.residual: torch.Tensor | None = None
+
+    def probe(self, forward):
+        self.probing = True
+        try:
+            return forward()  # finished: a skipped call (or our first block never ran)
+        except _Computed:
+            return None
+        finally:
+            self.probing = False
+
+    def graph_outputs(self) -> list[torch.Tensor]:
+        return [self.residual]
+
+    def take_graph_outputs(self, tensors: list[torch.Tensor]) -> None:
+        (self.residual,) = tensors
+
+    def _decide(self, args: dict) -> None:
+        img = args["img"]
+        if img.shape[0] % len(self.keys):  # a batch we cannot split per cond: treat as one
+            self.keys, self.labels = [tuple(self.keys)], ["batch"]
+        try:
+            mods = self.family.modulated(self.dm, args).chunk(len(self.keys))
+        except (AttributeError, TypeError, IndexError, KeyError, RuntimeError) as exc:
+            _warn_once(self.family.name, exc)  # a variant we do not know: compute, never skip
+            self.skip = False
+            return
+        chunk = (img.shape[0] // len(self.keys), *img.shape[1:])
+        self.skip = self.run.decide(self.keys, self.labels, list(mods), self.may_skip, chunk)
 
     def block(self, args: dict, run_block, first: bool, last: bool) -> dict:
-        if not first and self.skip is None:  # our first-block patch was replaced later: stay out
-            return run_block(args)
         if first:
-            img = args["img"]
-            if img.shape[0] % len(self.keys):  # a batch we cannot split per cond: treat as one
-                self.keys, self.labels = [tuple(self.keys)], ["batch"]
-            try:
-                mods = self.family.modulated(self.dm, args).chunk(len(self.keys))
-            except (AttributeError, TypeError, IndexError, KeyError, RuntimeError) as exc:
-                _warn_once(self.family.name, exc)  # a variant we do not know: compute, never skip
-                self.skip = False
-                return run_block(args)
-            chunk = (img.shape[0] // len(self.keys), *img.shape[1:])
-            self.skip = self.run.decide(self.keys, self.labels, list(mods), self.may_skip, chunk)
+            if self.skip is None:
+                self._decide(args)
+            if self.probing and not self.skip:
+                raise _Computed
             # blocks (and ControlNet between them) add in place; a skip adds the residual to this copy,
             # which already holds what ControlNet added inside the stack at the last computed step
-            self.stack_in = img.clone()
+            self.stack_in = args["img"].clone()
+        elif self.skip is None:  # our first-block patch was replaced later: stay out
+            return run_block(args)
         if self.skip:
             out = _passthrough(args)
             if last:
@@ -250,11 +287,16 @@ class _Call:
         if last and self.stack_in is not None:
             n = self.stack_in.shape[1]
             image = out["img"][:, :n] if self.family.image_first else out["img"][:, -n:]
-            residual = image - self.stack_in
-            for key, r in zip(self.keys, residual.chunk(len(self.keys)), strict=True):
-                self.run.store_residual(key, r, self.sigma)
+            self.residual = image - self.stack_in
             self.stack_in = None
         return out
+
+    def store_residual(self) -> None:
+        """After a computed forward: keep its residual per cond."""
+        if self.residual is not None:
+            for key, r in zip(self.keys, self.residual.chunk(len(self.keys)), strict=True):
+                self.run.store_residual(key, r, self.sigma)
+            self.residual = None
 
 
 _warned: set[str] = set()
@@ -315,6 +357,7 @@ def _diffusion_model(executor, *args, **kwargs):
         run.calls_skipped += 1
         run.time_skipped += dt
     elif call.skip is not None:
+        call.store_residual()
         run.calls_computed += 1
         run.time_computed += dt
         mem = run.residual_bytes()

@@ -49,7 +49,7 @@ def test_same_shapes_reuse_and_each_change_names_its_reason():
     assert reason(gr, call_args(num=3), call_args(num=4))[1] == "value"
 
 
-def test_python_side_objects_in_options_count_by_type_and_patches_bypass():
+def test_python_side_objects_in_options_count_by_type_and_patches_bypass_unless_graph_safe():
     gr = rkharness.pack("caching.graph_reuse")
 
     class Holder:  # a step cache's state holder: a new instance per run must not rebuild
@@ -62,6 +62,20 @@ def test_python_side_objects_in_options_count_by_type_and_patches_bypass():
     patched = gr.analyse_call(call_args(options={"patches": {"attn1_patch": [print]}}))
     assert patched.bypass == "transformer_patches" and patched.signature is None
     assert gr.analyse_call(call_args(options={"patches": {}})).bypass is None
+
+    def safe_patch():  # marked graph-safe (ReuseKit's TeaCache block patches): counted by identity
+        def patch(args, extra):
+            return extra["original_block"](args)
+
+        setattr(patch, gr.GRAPH_SAFE, True)
+        return {"patches_replace": {"dit": {("double_block", 0): patch}}}
+
+    one, two = safe_patch(), safe_patch()
+    a, b = (gr.analyse_call(call_args(options=o)) for o in (one, two))
+    assert a.bypass is None and a.signature == gr.analyse_call(call_args(options=one)).signature
+    assert gr.can_reuse(a.signature, b.signature)[:2] == (False, "options")
+    mixed = {"patches_replace": {"dit": {**one["patches_replace"]["dit"], ("double_block", 1): print}}}
+    assert gr.analyse_call(call_args(options=mixed)).bypass == "transformer_patches"
     odd = gr.analyse_call(call_args(extra_arg=object()))
     assert odd.bypass == "uncapturable_input" and "extra_arg" in odd.detail
 
@@ -313,6 +327,51 @@ def test_step_cache_skips_do_not_replay_and_the_result_stays_the_same(gc, monkey
         assert torch.equal(sample(outer, conds, steps=8), plain)
         run = last_run(gc)
         assert 1 <= run["steps"] < 8 and run["captures"] + run["replays"] == run["steps"]
+
+
+@pytest.fixture(scope="module")
+def trained_flux():
+    import importlib
+
+    return importlib.import_module(f"{rkharness.TINY.__name__}.trained_flux").build()
+
+
+def teacache(model, thresh=0.4):
+    node = rkharness.pack("nodes.teacache").TeaCacheNode
+    return node.execute(model, "flux", thresh, 0.0, 1.0, 0, "device", "extrapolate").args[0]
+
+
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+@pytest.mark.parametrize("capture_first", [True, False])
+def test_teacache_decides_outside_the_graph_and_its_skips_never_replay(gc, monkeypatch, trained_flux, conds,
+                                                                       backend, capture_first):
+    """ReuseKit's TeaCache decides in a block patch, inside the forward: under capture it probes
+    the forward eagerly up to that decision; a skip finishes there, a computed step replays and
+    the graph hands back the residual the next skips add. Same latent as TeaCache alone."""
+    stats = rkharness.pack("patches.teacache").stats
+    monkeypatch.setattr(gc, "FORCE_BACKEND", backend)
+    both = capture(teacache(trained_flux)) if capture_first else teacache(capture(trained_flux))
+    for seed in (7, 11):  # the second run replays what the first one captured
+        alone = sample(teacache(trained_flux), conds, steps=10, seed=seed)
+        expected = stats().snapshot()["info"]["last_run"]
+        assert torch.equal(sample(both, conds, steps=10, seed=seed), alone)
+        tea, run = stats().snapshot()["info"]["last_run"], last_run(gc)
+        assert (tea["calls_computed"], tea["calls_skipped"]) == (expected["calls_computed"], expected["calls_skipped"])
+        assert run["bypasses"] == {} and run["step_cache_skips"] == tea["calls_skipped"] > 0
+        computed = run["replays"] + run["captures"] + run["eager_steps"]
+        assert computed == tea["calls_computed"] and run["steps"] == computed + run["step_cache_skips"]
+        if backend == "emulate":
+            assert (run["captures"], run["eager_steps"]) == ((1, 0) if seed == 7 else (0, 0))
+
+
+def test_teacache_over_another_nodes_block_patch_runs_eagerly(gc, monkeypatch, trained_flux, conds):
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    patched = trained_flux.clone()
+    patched.set_model_patch_replace(lambda args, extra: extra["original_block"](args), "dit", "double_block", 0)
+    alone = sample(teacache(patched), conds, steps=6)
+    assert torch.equal(sample(capture(teacache(patched)), conds, steps=6), alone)
+    run = last_run(gc)
+    assert run["captures"] == 0 and set(run["bypasses"]) == {"transformer_patches"}
 
 
 def test_a_partially_loaded_model_runs_eagerly_with_the_reason(gc, monkeypatch, tiny):

@@ -1,7 +1,7 @@
 """Graph reuse on CUDA (marker ``gpu``: run with REUSEKIT_TEST_CUDA=1 on a GPU machine, skipped
-elsewhere): replayed output equals eager output for Flux and Wan, interleaved cond/uncond graphs,
-two resolutions, a cancel mid-run and during capture, a LoRA in between, and unload releasing the
-private pools."""
+elsewhere): replayed output equals eager output for Flux and Wan, with the PE cache and with
+TeaCache, interleaved cond/uncond graphs, two resolutions, a cancel mid-run and during capture, a
+LoRA in between, and unload releasing the private pools."""
 
 import pytest
 import rkharness
@@ -55,6 +55,29 @@ def test_with_the_pe_cache_replay_matches_eager(gc, tiny, conds, family):
     for shape in (small, big, small, big):
         close(sample(both, conds, shape, steps=4), sample(model, conds, shape, steps=4))
     assert counters(gc)["captures"] == 2 and last_run(gc)["replays"] == 4
+
+
+def test_with_teacache_computed_steps_replay_and_skips_do_not(gc, conds):
+    """TeaCache decides outside the graph (an eager probe up to its first block); computed steps
+    replay and hand back the residual that the skipped steps add."""
+    import importlib
+
+    tea_node = rkharness.pack("nodes.teacache").TeaCacheNode
+    stats = rkharness.pack("patches.teacache").stats
+    model = importlib.import_module(f"{rkharness.TINY.__name__}.trained_flux").build()
+
+    def teacache(m):
+        return tea_node.execute(m, "flux", 0.4, 0.0, 1.0, 0, "device", "extrapolate").args[0]
+
+    alone = sample(teacache(model), conds, steps=10)
+    expected = stats().snapshot()["info"]["last_run"]
+    out = sample(capture(teacache(model)), conds, steps=10)
+    tea, run = stats().snapshot()["info"]["last_run"], last_run(gc)
+    assert (tea["calls_computed"], tea["calls_skipped"]) == (expected["calls_computed"], expected["calls_skipped"])
+    assert run["backend"] == "cuda" and run["bypasses"] == {}, run
+    assert (run["captures"], run["replays"]) == (1, tea["calls_computed"] - 1), run
+    assert run["step_cache_skips"] == tea["calls_skipped"] > 0
+    close(out, alone)
 
 
 def test_interleaved_cond_and_uncond_graphs(gc, tiny, conds):
