@@ -310,6 +310,8 @@ class CalibrationStore:
         return tuple(float(c) for c in coeffs)
 
     def put(self, fingerprint: str, coefficients: tuple[float, ...], **info: Any) -> None:
+        """Keep a calibration in memory, then in the file; OSError when the file cannot be written
+        (the calibration stays in memory for this process, the file is left as it was)."""
         entry = {"coefficients": list(coefficients), "time": time.time(), **info}
         with self._lock:
             self._memory[fingerprint] = entry
@@ -319,9 +321,13 @@ class CalibrationStore:
             data[fingerprint] = entry
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".teacache-", suffix=".json")
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1)
-            os.replace(tmp, self.path)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(data, f, indent=1)
+                os.replace(tmp, self.path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
 
     def clear_memory(self) -> None:
         with self._lock:

@@ -430,7 +430,11 @@ def _finish(run: tc.RunState, settings: Settings, used_type: str, fp: str, total
         except ValueError as exc:
             log.warning("ReuseKit TeaCache Calibrate: no polynomial fitted (%s)", exc)
         else:
-            STORE.put(fp, coeffs, family=settings.family.name, points=len(xs))
+            try:
+                STORE.put(fp, coeffs, family=settings.family.name, points=len(xs))
+            except OSError as exc:  # never lose the run for the file: it is kept in memory
+                log.warning("ReuseKit TeaCache Calibrate: could not save the calibration to %s (%s); "
+                            "it is used until ComfyUI restarts", STORE.path, exc)
             summary["calibration"] = {"coefficients": list(coeffs), "points": len(xs), "fingerprint": fp}
             s.set_info("last_calibration", summary["calibration"])
             log.info("ReuseKit TeaCache Calibrate (%s): fitted %s from %d steps; later runs of this model "

@@ -396,6 +396,22 @@ def test_calibration_fits_a_polynomial_that_the_next_run_uses(flux, conds, _isol
     assert rel_err(out, ref) < 0.3
 
 
+def test_a_calibration_file_that_cannot_be_written_keeps_the_run_and_the_calibration(flux, conds, monkeypatch,
+                                                                                     tmp_path, caplog):
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("a file where the calibration folder should be")
+    monkeypatch.setattr(P(), "STORE", tc().CalibrationStore(blocker / "reusekit" / "teacache_calibration.json"))
+    (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
+    with caplog.at_level(logging.WARNING, logger="reusekit"):
+        out = sample(cal, conds)
+    assert torch.equal(out, sample(flux, conds))
+    assert "could not save the calibration" in caplog.text and str(blocker) in caplog.text
+    assert last_run()["calibration"]["points"] == STEPS - 1
+    sample(teacache(flux, 0.3, model_type="calibrated"), conds)  # kept in memory for this process
+    assert last_run()["model_type"] == "calibrated"
+    assert list(tmp_path.iterdir()) == [blocker]
+
+
 def test_a_calibration_is_found_whichever_lora_clone_of_the_model_sampled_before(conds):
     """The calibration key is read before the run loads its weights, when they may still hold the
     patches of the clone that sampled last: the key must come from the weights as loaded."""
