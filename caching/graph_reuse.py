@@ -16,7 +16,8 @@ update the changing inputs in place, and when the check fails rebuild and record
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import contextvars
 import threading
 import types
 from collections import OrderedDict
@@ -57,7 +58,6 @@ IGNORED_OPTIONS = frozenset({"wrappers", "callbacks", "uuids", OPTIONS_KEY})
 # carrying any of them runs eagerly, unless every one is marked GRAPH_SAFE.
 PATCH_OPTIONS = ("patches", "patches_replace")
 PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
-FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, functools.partial)
 SMALL_FOREIGN_TENSOR = 4096  # elements: a tensor on another device is compared by value up to this
 THRASH_LIMIT = 4  # misses in a row within one run after which it stops capturing (eager, same result)
 
@@ -96,6 +96,14 @@ class CallSpec:
 
 def tensor_field(t: torch.Tensor) -> tuple:
     return (t.shape, t.dtype, t.device, t.stride())
+
+
+def _identity(fn: Any) -> Any:
+    """What a callable is: itself, or for a bound method (made anew on every attribute access)
+    its object and function."""
+    if isinstance(fn, types.MethodType):
+        return id(fn.__self__), id(fn.__func__)
+    return id(fn)
 
 
 class _Walker:
@@ -152,11 +160,12 @@ class _Walker:
             out = {k: self.value(f"{path}.{k}", x, in_options) for k, x in v.items()}
             return out if self.sub is not None else v
         if in_options:
-            # A function the forward may call (an attention override...) counts by identity; a
-            # state holder of a wrapper (a step cache, EasyCache), which the forward never reads
-            # and which is copied with every clone, counts by its type only.
+            # Anything the forward may call (an attention override: a function, a bound method, a
+            # callable object) counts by identity; a state holder of a wrapper (a step cache,
+            # EasyCache), which the forward never reads and which is copied with every clone,
+            # counts by its type only.
             if self.sub is None:
-                ident = id(v) if isinstance(v, FUNCTIONS) else None
+                ident = _identity(v) if callable(v) else None
                 self.fields.append((path, "object", (type(v).__qualname__, ident)))
             return v
         self.fail("uncapturable_input", f"{path} is a {type(v).__qualname__}")
@@ -282,6 +291,27 @@ def can_reuse(prev: Signature | None, new: Signature) -> tuple[bool, str, str]:
 def _short(v: Any) -> str:
     s = repr(v)
     return s if len(s) <= 60 else s[:57] + "..."
+
+
+# ---- capture under way ----------------------------------------------------------------------
+
+_PREPARING = contextvars.ContextVar("reusekit_graph_preparing", default=False)
+
+
+@contextlib.contextmanager
+def preparing_capture():
+    """Open while a backend warms up and captures a forward: caches the forward consults (the PE
+    cache) must neither compare tensors on the device (a host sync cannot be captured) nor keep
+    tensors made there (on the warm-up stream or in the graph's private pool)."""
+    token = _PREPARING.set(True)
+    try:
+        yield
+    finally:
+        _PREPARING.reset(token)
+
+
+def capture_underway() -> bool:
+    return _PREPARING.get()
 
 
 # ---- the graphs of one model ----------------------------------------------------------------

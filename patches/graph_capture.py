@@ -24,12 +24,14 @@ Captured graphs are released when any patcher loads or unloads the model's weigh
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import importlib.util
 import inspect
 import logging
 import os
 import threading
+import traceback
 import weakref
 from typing import Any
 
@@ -293,58 +295,179 @@ class StaticRunner:
         self.static, self.args, self.fn, self.hook, self.kept = [], [], None, None, {}
 
 
+class ConstantUploads(torch.overrides.TorchFunctionMode):
+    """CPU tensors the forward copies to the device: a copy from pageable host memory syncs, and
+    a sync cannot be captured (Wan's time embedding builds an ``arange`` on the CPU and moves it
+    on every call). The warm-up records each such upload in order (its CPU source and a copy of
+    the result); the capture replays them as device copies of the recorded results, each only
+    while its source still equals the recorded one (otherwise the capture fails and the call runs
+    eagerly). Like every Python branch of a captured forward, such a source may depend only on
+    what the signature holds."""
+
+    METHODS = frozenset({torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type_as})
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # None: stayed on the CPU
+        self.replaying = False
+        self._next = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        src = args[0] if args else None
+        if func not in self.METHODS or not isinstance(src, torch.Tensor) or src.device.type != "cpu":
+            return func(*args, **kwargs)
+        if not self.replaying:
+            with _sync_debug(0):  # this copy is the one a capture will not make
+                out = func(*args, **kwargs)
+            self.records.append((src.clone(), out.clone()) if out.device.type != "cpu" else None)
+            return out
+        i, self._next = self._next, self._next + 1
+        rec = self.records[i] if i < len(self.records) else ()
+        if rec is None:
+            return func(*args, **kwargs)
+        if not rec or rec[0].shape != src.shape or rec[0].dtype != src.dtype or not torch.equal(rec[0], src):
+            raise RuntimeError("the forward copies a CPU tensor to the device that differs from its warm-up's")
+        return rec[1].clone()
+
+
+@contextlib.contextmanager
+def _sync_debug(mode):
+    """torch's sync debug mode (``"error"``: an implicit host sync raises), restored after; a
+    no-op where CUDA is not in use (nothing to sync with)."""
+    if not torch.cuda.is_initialized():
+        yield
+        return
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:200]
+
+
+def _where(exc: BaseException) -> str:
+    """The innermost frame of ``exc`` outside torch: the line of the model that synced."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f"{os.sep}torch{os.sep}" not in f.filename]
+    if not frames:
+        return "?"
+    f = frames[-1]
+    return f"{os.path.join(*f.filename.split(os.sep)[-3:])}:{f.lineno}"
+
+
+def _graph_memory(device) -> int:
+    """Device memory in use by the caching allocator, or (cudaMallocAsync, whose graph memory is
+    outside its pool's counters) on the whole device."""
+    if torch.cuda.get_allocator_backend() == "native":
+        return torch.cuda.memory_reserved(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+def _abandon_pool(device, pool) -> None:
+    """A capture that could not end leaves its pool open: route allocations back and release it
+    (as torch's own ``use_mem_pool`` does on exit)."""
+    try:
+        torch._C._cuda_endAllocateToPool(device.index, pool)
+        torch._C._cuda_releasePool(device.index, pool)
+    except Exception:  # a torch without these: the pool stays until the process ends
+        log.warning("ReuseKit graph: could not release the memory pool of a failed capture", exc_info=True)
+
+
 class CudaGraphRunner(StaticRunner):
     """Warm-up on a side stream, capture into a private pool, replay, return a clone of the
-    static output (callers never see a buffer the next replay overwrites)."""
+    static output (callers never see a buffer the next replay overwrites).
+
+    A forward that syncs the host is found in the warm-up (torch's sync debug mode) and never
+    captured; a capture that fails anyway ends with its pool released and the caller's stream
+    current again."""
 
     graph = None
     static_out = None
     pool_bytes = 0
+    uploads = None
 
     def capture(self, warmup: int):
         device = self.static[0].device if self.static else torch.device("cuda", torch.cuda.current_device())
         with torch.cuda.device(device):
             return self._capture(device, warmup)
 
+    def _warm_up(self, current, side, uploads: ConstantUploads, warmup: int):
+        """(output, sync error or None); an error of the model's own is raised as is."""
+        side.wait_stream(current)
+        try:
+            with torch.cuda.stream(side):
+                try:
+                    with _sync_debug("error"), uploads:
+                        out = self._call()
+                except RuntimeError as exc:
+                    if "synchronizing CUDA operation" not in str(exc):
+                        raise
+                    return None, exc
+                for _ in range(warmup - 1):
+                    out = self._call()
+                return out, None
+        finally:
+            current.wait_stream(side)  # also after an error: the buffers outlive nothing on `side`
+
     def _capture(self, device, warmup: int):
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            for _ in range(max(1, warmup)):
-                out = self._call()  # eager: an error here is the model's own, raised as is
-        current.wait_stream(side)
+        uploads = ConstantUploads()
+        out, sync = self._warm_up(current, side, uploads, warmup)
+        if sync is not None:  # never captured: the step runs eagerly
+            return _clone_tree(self._call()), f"the forward syncs the host at {_where(sync)}"
         eager_out = _clone_tree(out)
         del out
-        graph = torch.cuda.CUDAGraph()
+        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-        reserved = torch.cuda.memory_reserved(device)
+        before = _graph_memory(device)
         keep = KeepExternal()
-        try:
-            # on `side` (this device): torch's default capture stream is one per process, made on
-            # whichever device captured first; a capture there leaves this device's kernels out
-            with torch.cuda.graph(graph, stream=side, **_graph_kwargs()), keep:
-                static_out = self._call()
-            if not _tensor_tree(static_out):
-                raise TypeError(f"the forward returned a {type(static_out).__name__}, not tensors")
-        except comfy.model_management.InterruptProcessingException:
-            graph = None
-            raise
-        except Exception as exc:  # not capturable (a sync, a CPU op...): this step stays eager
-            graph = keep = None
-            if isinstance(exc.__context__, comfy.model_management.InterruptProcessingException):
-                raise exc.__context__ from None  # a cancel, then the capture could not end cleanly
+        uploads.replaying = True
+        failure = static_out = None
+        # on `side` (this device): torch's default capture stream is one per process, made on
+        # whichever device captured first; a capture there leaves this device's kernels out. The
+        # outer stream context restores the caller's stream even where capture_end raises.
+        with torch.cuda.stream(side):
+            graph.capture_begin(pool=pool, **_capture_kwargs())
+            try:
+                with keep, uploads:
+                    static_out = self._call()
+                if not _tensor_tree(static_out):
+                    raise TypeError(f"the forward returned a {type(static_out).__name__}, not tensors")
+            except BaseException as exc:  # the capture must end before anything else
+                failure = exc
+            try:
+                graph.capture_end()
+            except Exception as exc:  # the capture was invalidated (a sync, a CPU op...)
+                _abandon_pool(device, pool)
+                graph = None
+                failure = failure or exc
+        if failure is not None:
+            if graph is not None:
+                graph.reset()
+            graph = keep = static_out = None
+            if not isinstance(failure, Exception) or isinstance(failure, comfy.model_management.InterruptProcessingException):
+                raise failure
+            if isinstance(failure.__context__, comfy.model_management.InterruptProcessingException):
+                raise failure.__context__ from None  # a cancel, then the capture could not end cleanly
             try:
                 torch.cuda.synchronize(device)
             except Exception:
                 log.debug("ReuseKit graph: synchronize after a failed capture", exc_info=True)
-            return eager_out, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
-        self.pool_bytes = max(0, torch.cuda.memory_reserved(device) - reserved)
-        self.graph, self.static_out, self.kept = graph, static_out, keep.kept
+            return eager_out, _first_line(failure)
+        graph.replay()
+        torch.cuda.synchronize(device)
+        self.pool_bytes = max(0, _graph_memory(device) - before)
+        self.graph, self.static_out, self.kept, self.uploads = graph, static_out, keep.kept, uploads.records
         self.nbytes = _nbytes(self.static) + self.pool_bytes
         self.args, self.fn, self.hook = [], None, None  # a replay needs only the buffers and the graph
-        graph.replay()
         return _clone_tree(static_out), ""
 
     def replay(self, tensors):
@@ -355,7 +478,7 @@ class CudaGraphRunner(StaticRunner):
     def release(self) -> None:
         if self.graph is not None:
             self.graph.reset()
-        self.graph = self.static_out = None
+        self.graph = self.static_out = self.uploads = None
         super().release()
 
 
@@ -364,10 +487,14 @@ CHECK_LIVENESS = os.environ.get("REUSEKIT_GRAPH_CHECK_LIVENESS") == "1"
 """Debug: ask torch (where it can) to raise when a tensor a graph reads was freed before a replay."""
 
 
-def _graph_kwargs() -> dict:
+def _capture_kwargs() -> dict:
     kwargs = {"capture_error_mode": "thread_local"}
-    if CHECK_LIVENESS and "check_input_liveness" in inspect.signature(torch.cuda.graph.__init__).parameters:
-        kwargs["check_input_liveness"] = True
+    if CHECK_LIVENESS:
+        try:
+            if "check_input_liveness" in inspect.signature(torch.cuda.CUDAGraph.capture_begin).parameters:
+                kwargs["check_input_liveness"] = True
+        except (TypeError, ValueError):  # an older torch's bound C++ method: no such check there
+            pass
     return kwargs
 
 
@@ -515,6 +642,8 @@ def graph_call(original, args: tuple, kwargs: dict, opts: dict, ctx):
     hook = _step_hook(named)
     done = _NOT_RUN
     if hook is not None:
+        # the forward may write into its options (Flux: block indices); buffers follow the signature
+        named = [(k, dict(v) if k == gr.OPTIONS_NAME and isinstance(v, dict) else v) for k, v in named]
         if runner_cls is None:  # decisions only: nothing replays, so no probe; one eager pass decides
             done = original(*args, **kwargs)
             skipped = bool(hook.skip)
@@ -572,7 +701,8 @@ def graph_call(original, args: tuple, kwargs: dict, opts: dict, ctx):
         return _eager(run, original, args, kwargs, done)
     runner = runner_cls(original, named, len(args), spec, device)
     try:
-        out, failure = runner.capture(int(opts.get("warmup", 1)))
+        with gr.preparing_capture():
+            out, failure = runner.capture(int(opts.get("warmup", 1)))
     except BaseException:
         runner.release()
         raise

@@ -12,7 +12,7 @@ image, cond and uncond run separately, Wan's reference frames) have independent 
 names of one builder hold an equal key they share one table (see ``caching/pe_cache.py``).
 
 The builder runs unchanged (counted as a bypass) when its inputs require grad, and while a CUDA
-graph is being captured (no host sync, no tensor from the graph's pool kept).
+graph is being warmed up or captured (no host sync, no tensor from the graph's pool kept).
 
 A listener on ``ModelPatcher.detach`` (patches/lifecycle.py) drops a model's device-held tables
 when ComfyUI unloads it from its device.
@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..caching.graph_reuse import capture_underway
 from ..caching.pe_cache import PECacheKey, cache_for, default_enabled
 from . import lifecycle
 
@@ -123,9 +124,10 @@ class RunSummary:
 
 
 def _capturing() -> bool:
-    """A CUDA graph is being captured: no host sync (key compares) and no storing of tensors
-    allocated from the graph's private pool; the builder then runs inside the graph unchanged."""
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    """A CUDA graph is being warmed up or captured: no host sync (key compares) and no storing
+    of tensors allocated on the warm-up stream or from the graph's private pool; the builder then
+    runs inside the graph unchanged."""
+    return capture_underway() or (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
 
 
 def _requires_grad(args, kwargs) -> bool:

@@ -58,6 +58,15 @@ def test_python_side_objects_in_options_count_by_type_and_patches_bypass_unless_
     a = gr.analyse_call(call_args(options={"stepcache": Holder()}))
     b = gr.analyse_call(call_args(options={"stepcache": Holder()}))
     assert a.bypass is None and a.signature == b.signature
+
+    class Attention:  # anything the forward may call counts by identity: a bound method too
+        def run(self, *args):
+            return args
+
+    one, two = Attention(), Attention()
+    sig = {k: gr.analyse_call(call_args(options={"optimized_attention_override": v})).signature
+           for k, v in (("one", one.run), ("two", two.run), ("one_again", one.run))}
+    assert sig["one"] == sig["one_again"] and gr.can_reuse(sig["one"], sig["two"])[:2] == (False, "options")
     assert gr.can_reuse(a.signature, gr.analyse_call(call_args()).signature)[0] is False
     patched = gr.analyse_call(call_args(options={"patches": {"attn1_patch": [print]}}))
     assert patched.bypass == "transformer_patches" and patched.signature is None
@@ -409,6 +418,48 @@ def test_with_the_pe_cache_in_either_order_the_result_stays_the_same(gc, monkeyp
     assert torch.equal(sample(both, conds, steps=4), plain)
     run = last_run(gc)
     assert (run["captures"], run["replays"], run["bypasses"]) == (1, 3, {})
+    # the PE cache steps aside while a forward is warmed up and captured: nothing made there is
+    # kept (on CUDA: no host sync in its key compare, no table from the warm-up stream or the pool)
+    pe_run = rkharness.pack("patches.rope").model_cache(model.model).stats.snapshot()["info"]["last_run"]
+    assert pe_run["bypasses"] == 1 and pe_run["misses"] + pe_run["hits"] == 3
+
+
+def test_constant_uploads_replay_wans_cpu_built_time_embedding_as_device_copies(gc):
+    """Wan's time embedding moves a CPU ``arange`` to the device on every call, a host copy that
+    a capture cannot hold: the warm-up records it, the capture gives a device copy of the record
+    (here the "device" is ``meta``: the bookkeeping, without CUDA)."""
+    from comfy.ldm.wan.model import sinusoidal_embedding_1d
+
+    t = torch.rand(2, device="meta")
+    uploads = gc.ConstantUploads()
+    with uploads:  # the warm-up: real copies, recorded
+        warm = sinusoidal_embedding_1d(16, t)
+    assert len(uploads.records) == 1 and uploads.records[0][1].device.type == "meta"
+    moved = uploads.records[0][1]
+    uploads.replaying = True
+    seen = []
+
+    class Spy(torch.overrides.TorchFunctionMode):  # below ConstantUploads: what reaches torch
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", ""))
+            return func(*args, **(kwargs or {}))
+
+    with Spy(), uploads:
+        again = sinusoidal_embedding_1d(16, t)
+    assert again.shape == warm.shape and "to" not in seen and "clone" in seen  # no copy from the host
+    assert uploads.records[0][1] is moved
+    uploads._next = 0
+    with uploads, pytest.raises(RuntimeError, match="differs from its warm-up"):
+        sinusoidal_embedding_1d(32, t)  # another CPU source than recorded: not a constant
+    mixed = gc.ConstantUploads()
+    for replaying in (False, True):  # CPU -> CPU conversions run as they are, in their place
+        mixed.replaying = replaying
+        with mixed:
+            assert torch.arange(3).to(torch.float32).dtype == torch.float32
+            assert torch.arange(8).to(t).device.type == "meta"
+    assert mixed.records[0] is None and len(mixed.records) == 2
+    with mixed, pytest.raises(RuntimeError, match="differs from its warm-up"):
+        torch.arange(8).to(t)  # one upload more than the warm-up made
 
 
 def test_weight_wrappers_and_transformer_patches_run_eagerly_with_a_reason(gc, monkeypatch, tiny, conds):

@@ -1,7 +1,13 @@
 """Graph reuse on CUDA (marker ``gpu``: run with REUSEKIT_TEST_CUDA=1 on a GPU machine, skipped
 elsewhere): replayed output equals eager output for Flux and Wan, with the PE cache and with
-TeaCache, interleaved cond/uncond graphs, two resolutions, a cancel mid-run and during capture, a
-LoRA in between, and unload releasing the private pools."""
+TeaCache, a forward that syncs the host (never captured, CUDA left usable), interleaved
+cond/uncond graphs, two resolutions, a cancel mid-run and during capture, a LoRA in between, and
+unload releasing the private pools; replays and a failed capture again under cudaMallocAsync
+(ComfyUI's default allocator backend)."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 import rkharness
@@ -44,6 +50,19 @@ def test_replay_matches_eager(gc, tiny, conds, family):
     assert last_run(gc)["replays"] == 6 and last_run(gc)["captures"] == 0
 
 
+@pytest.mark.skipif(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").find("cudaMallocAsync") >= 0,
+                    reason="this run already uses cudaMallocAsync")
+def test_replay_matches_eager_under_cuda_malloc_async():
+    """ComfyUI's main.py turns on torch's cudaMallocAsync backend (cuda_malloc.py), whose graph
+    memory lies outside the allocator's counters: the replay tests again, in a process with it."""
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
+    tests = [f"{__file__}::test_replay_matches_eager", f"{__file__}::test_a_forward_that_syncs_runs_eagerly_and_leaves_cuda_usable"]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1]
+
+
 @pytest.mark.parametrize("family", ["flux", "wan"])
 def test_with_the_pe_cache_replay_matches_eager(gc, tiny, conds, family):
     """The PE cache serves the warm-up and steps aside during the capture; two resolutions make it
@@ -78,6 +97,43 @@ def test_with_teacache_computed_steps_replay_and_skips_do_not(gc, conds):
     assert (run["captures"], run["replays"]) == (1, tea["calls_computed"] - 1), run
     assert run["step_cache_skips"] == tea["calls_skipped"] > 0
     close(out, alone)
+
+
+def _syncing_patch(gr, only_in_capture: bool):
+    """A block patch marked graph-safe that syncs the host (always, or only inside a capture)."""
+    def patch(args, extra):
+        if not only_in_capture or torch.cuda.is_current_stream_capturing():
+            args["img"].sum().item()
+        return extra["original_block"](args)
+
+    setattr(patch, gr.GRAPH_SAFE, True)
+    return patch
+
+
+@pytest.mark.parametrize("only_in_capture", [False, True])
+def test_a_forward_that_syncs_runs_eagerly_and_leaves_cuda_usable(gc, tiny, conds, caplog, only_in_capture):
+    """Found in the warm-up (sync debug mode), or failing the capture itself: either way the step
+    runs eagerly, the caller's stream is current again, the failed pool is released and the next
+    capture of another model works."""
+    model = tiny.tiny_flux(0)
+    syncing = capture(model)
+    syncing.set_model_patch_replace(_syncing_patch(gc.gr, only_in_capture), "dit", "double_block", 0)
+    plain = sample(model, conds, steps=3)
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved()
+    stream = torch.cuda.current_stream()
+    with caplog.at_level("WARNING", logger="reusekit"):
+        close(sample(syncing, conds, steps=3), plain)
+    assert torch.cuda.current_stream() == stream
+    run = last_run(gc)
+    assert run["captures"] == 0 and run["bypasses"] == {"capture_failed": 2}, run
+    if not only_in_capture:
+        assert "the forward syncs the host at" in caplog.text and "test_graph_cuda.py" in caplog.text
+    gc.release_all("test")
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() <= reserved + (1 << 20)  # no pool left behind
+    close(sample(capture(model), conds, steps=3), plain)  # and the next capture works
+    assert last_run(gc)["captures"] == 1 and last_run(gc)["replays"] == 2
 
 
 def test_interleaved_cond_and_uncond_graphs(gc, tiny, conds):
