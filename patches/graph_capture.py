@@ -215,6 +215,11 @@ def _storage_ptr(t: torch.Tensor) -> int:
         return 0
 
 
+def _keep_key(t: torch.Tensor):
+    """A tensor's storage address, or for a wrapper subclass without storage its identity."""
+    return _storage_ptr(t) or ("object", id(t))
+
+
 def _tensors_in(values):
     for v in values:
         if isinstance(v, torch.Tensor):
@@ -231,8 +236,8 @@ class KeepExternal(torch.overrides.TorchFunctionMode):
 
     def __init__(self):
         super().__init__()
-        self.made: set[int] = set()
-        self.kept: dict[int, torch.Tensor] = {}
+        self.made: set = set()  # keys (see _keep_key) of what the forward made
+        self.kept: dict = {}  # key -> the storage (or wrapper tensor) kept alive
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -242,13 +247,15 @@ class KeepExternal(torch.overrides.TorchFunctionMode):
             self._see(t)
         out = func(*args, **kwargs)
         for t in _tensors_in((out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (list, tuple)) else ()):
-            self.made.add(_storage_ptr(t))
+            self.made.add(_keep_key(t))
         return out
 
     def _see(self, t: torch.Tensor) -> None:
-        ptr = _storage_ptr(t)
-        if ptr and ptr not in self.made and ptr not in self.kept:
-            self.kept[ptr] = t
+        key = _keep_key(t)
+        if key not in self.made and key not in self.kept:
+            # the memory itself (even where a .data is swapped later), or a wrapper subclass (a
+            # quantized weight) whole, and so what it wraps
+            self.kept[key] = t.untyped_storage() if isinstance(key, int) else t
 
 
 class StaticRunner:

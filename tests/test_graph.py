@@ -201,6 +201,8 @@ def test_capture_keeps_alive_what_the_forward_reads_from_outside_and_nothing_it_
     img_in = model.model.diffusion_model.img_in.weight.untyped_storage().data_ptr()
     assert img_in in kept and len(kept & params) > len(params) // 2
     assert kept <= params | static, "a tensor made during the capture was kept"
+    # the memory itself: alive even where a parameter's .data is swapped for another tensor
+    assert isinstance(entry.runner.kept[img_in], torch.UntypedStorage)
 
 
 def test_interleaved_cond_and_uncond_calls_keep_one_graph_each(gc, monkeypatch, tiny, conds):
