@@ -346,6 +346,7 @@ class GraphSet:
     last: Signature | None = None
     pending_reason: tuple[str, str] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    shared: dict = field(default_factory=dict)  # the backend's state for all of them (a memory pool)
 
     def decide(self, sig: Signature) -> Decision:
         with self.lock:

@@ -262,8 +262,10 @@ class StaticRunner:
     """Static input buffers (allocated outside any graph pool), updated in place on every call.
     This base re-runs the forward eagerly on them (the ``emulate`` backend)."""
 
-    def __init__(self, fn, named: list[tuple[str, Any]], n_pos: int, spec: gr.CallSpec, device):
+    def __init__(self, fn, named: list[tuple[str, Any]], n_pos: int, spec: gr.CallSpec, device,
+                 shared: dict | None = None):
         self.fn = fn
+        self.shared = {} if shared is None else shared  # state shared by one model's runners
         self.n_pos = n_pos
         self.static = [torch.empty_like(t).copy_(t) for t in spec.tensors]
         self.args = gr.substitute(named, self.static, device)
@@ -387,8 +389,8 @@ def _abandon_pool(device, pool) -> None:
 
 
 class CudaGraphRunner(StaticRunner):
-    """Warm-up on a side stream, capture into a private pool, replay, return a clone of the
-    static output (callers never see a buffer the next replay overwrites).
+    """Warm-up on a side stream, capture into the model's private pool, replay, return a clone of
+    the static output (callers never see a buffer the next replay overwrites).
 
     A forward that syncs the host is found in the warm-up (torch's sync debug mode) and never
     captured; a capture that fails anyway ends with its pool released and the caller's stream
@@ -431,7 +433,11 @@ class CudaGraphRunner(StaticRunner):
             return _clone_tree(self._call()), f"the forward syncs the host at {_where(sync)}"
         eager_out = _clone_tree(out)
         del out
-        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+        # one pool for all graphs of this model on this device: replays run one at a time on one
+        # stream and each output is copied at once, so one graph's intermediates may reuse
+        # another's (torch's "sharing memory across captures"); their outputs stay apart
+        graph = torch.cuda.CUDAGraph()
+        pool = self.shared.setdefault(("pool", device), torch.cuda.graph_pool_handle())
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         before = _graph_memory(device)
@@ -706,7 +712,7 @@ def graph_call(original, args: tuple, kwargs: dict, opts: dict, ctx):
         _drop(gs.add(gr.Entry(spec.signature)))
         _publish_memory()
         return _eager(run, original, args, kwargs, done)
-    runner = runner_cls(original, named, len(args), spec, device)
+    runner = runner_cls(original, named, len(args), spec, device, gs.shared)
     try:
         with gr.preparing_capture():
             out, failure = runner.capture(int(opts.get("warmup", 1)))
