@@ -158,6 +158,18 @@ def test_two_resolutions_alternate_without_rebuilds(gc, tiny, conds):
     assert last_run(gc)["replays"] == 3
 
 
+def test_a_models_graphs_share_one_pool(gc, tiny, conds):
+    """A smaller second graph fits in the memory the first one's intermediates left."""
+    model = tiny.tiny_flux(0)
+    captured = capture(model, max_graphs=2)
+    for shape in [(1, 16, 64, 64), (1, 16, 32, 32), (1, 16, 64, 64)]:
+        close(sample(captured, conds, shape), sample(model, conds, shape))
+    runners = (e.runner for e in gc._SETS[model.model].entries.values())
+    big, small = sorted(runners, key=lambda r: r.static[0].numel(), reverse=True)
+    assert big.pool_bytes > 0 and small.pool_bytes <= big.pool_bytes // 2, (big.pool_bytes, small.pool_bytes)
+    assert last_run(gc)["captures"] == 0
+
+
 def test_cancel_mid_run_stops_between_replays_and_graphs_stay_valid(gc, tiny, conds):
     import comfy.model_management as mm
 
