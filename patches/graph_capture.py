@@ -437,7 +437,9 @@ class CudaGraphRunner(StaticRunner):
         # stream and each output is copied at once, so one graph's intermediates may reuse
         # another's (torch's "sharing memory across captures"); their outputs stay apart
         graph = torch.cuda.CUDAGraph()
-        pool = self.shared.setdefault(("pool", device), torch.cuda.graph_pool_handle())
+        pool = self.shared.get(("pool", device))
+        if pool is None:
+            pool = self.shared[("pool", device)] = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         before = _graph_memory(device)

@@ -1,0 +1,202 @@
+"""The CUDA backend's control flow on any machine: the paths a GPU cannot be asked to take on
+purpose (a sync found in the warm-up, a capture that cannot end, a cancel inside the capture) run
+here with torch's CUDA entry points replaced by a recorder, around a real tiny Flux forward on the
+CPU. What the recorder stands for is checked on a GPU by tests/test_graph_cuda.py; this file checks
+that each path ends the capture, releases the pool, joins the warm-up stream, gives the caller's
+stream back and returns the eager result or raises the cancel."""
+
+import contextlib
+
+import pytest
+import rkharness
+import torch
+from graph_helpers import gc_fixture  # noqa: F401  (the fixture gc)
+
+pytestmark = pytest.mark.graph
+
+SYNC_ERROR = "called a synchronizing CUDA operation"
+
+
+class FakeCuda:
+    """torch.cuda as the backend uses it, recording every call."""
+
+    def __init__(self, monkeypatch, end_fails=False):
+        self.calls: list = []
+        self.end_fails = end_fails
+        self.sync_mode = 0
+        self.current = "main"
+        self.pools = 0
+        fake = self
+
+        class Stream:
+            name = "side"
+
+            def __init__(self, device=None):
+                pass
+
+            def wait_stream(self, other):
+                fake.calls.append(("wait", self.name, other.name))
+
+        class Graph:
+            def capture_begin(self, pool=None, **kwargs):
+                fake.calls.append(("begin", pool, fake.current, kwargs.get("capture_error_mode")))
+
+            def capture_end(self):
+                fake.calls.append(("end",))
+                if fake.end_fails:
+                    raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+            def replay(self):
+                fake.calls.append(("replay",))
+
+            def reset(self):
+                fake.calls.append(("reset",))
+
+        @contextlib.contextmanager
+        def stream(s):
+            prev, self.current = self.current, getattr(s, "name", s)
+            try:
+                yield
+            finally:
+                self.current = prev
+
+        def pool_handle():
+            self.pools += 1
+            return (0, self.pools)
+
+        def set_mode(mode):
+            self.sync_mode = mode
+
+        class MainStream(Stream):
+            name = "main"
+
+        cuda = torch.cuda
+        for name, value in {
+            "Stream": Stream, "CUDAGraph": Graph, "stream": stream, "graph_pool_handle": pool_handle,
+            "current_stream": lambda device=None: MainStream(), "device": lambda d: contextlib.nullcontext(),
+            "synchronize": lambda device=None: None, "empty_cache": lambda: None,
+            "get_allocator_backend": lambda: "native", "memory_reserved": lambda device=None: 1000 + 10 * len(self.calls),
+            "is_initialized": lambda: True, "get_sync_debug_mode": lambda: self.sync_mode,
+            "set_sync_debug_mode": set_mode,
+        }.items():
+            monkeypatch.setattr(cuda, name, value)
+        monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda dev, pool: self.calls.append(("end_pool", pool)),
+                            raising=False)
+        monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda dev, pool: self.calls.append(("release_pool", pool)),
+                            raising=False)
+
+    def kinds(self):
+        return [c[0] for c in self.calls]
+
+
+def flux_call(tiny, patch=None, eager=True):
+    """A tiny Flux's forward, real arguments (``patch``: a graph-safe block patch on block 0) and
+    (``eager``) its eager output."""
+    gr = rkharness.pack("caching.graph_reuse")
+    dm = tiny.tiny_flux(0).model.diffusion_model
+    gen = torch.Generator().manual_seed(0)
+    opts = {}
+    if patch is not None:
+        setattr(patch, gr.GRAPH_SAFE, True)
+        opts["patches_replace"] = {"dit": {("double_block", 0): patch}}
+    named = [("x", torch.randn(1, 16, 8, 8, generator=gen)), ("timestep", torch.rand(1, generator=gen)),
+             ("context", torch.randn(1, 7, 32, generator=gen)), ("y", torch.randn(1, 32, generator=gen)),
+             ("guidance", torch.full((1,), 3.5)), ("transformer_options", opts)]
+    out = dm._forward(*[v for _, v in named[:N_POS]], transformer_options=opts) if eager else None
+    return dm._forward, named, out
+
+
+N_POS = 5  # x, timestep, context, y, guidance by position; transformer_options by name
+
+
+def runner_for(gc, fn, named, shared=None):
+    spec = gc.gr.analyse_call(named, (), torch.device("cpu"))
+    assert spec.bypass is None
+    return gc.CudaGraphRunner(fn, named, N_POS, spec, torch.device("cpu"), shared)
+
+
+def test_a_clean_capture_ends_replays_once_and_shares_the_models_pool(gc, tiny, monkeypatch):
+    fake = FakeCuda(monkeypatch)
+    fn, named, eager = flux_call(tiny)
+    shared = {}
+    with torch.inference_mode():
+        out, failure = runner_for(gc, fn, named, shared).capture(1)
+        assert failure == "" and torch.equal(out, eager)
+        assert fake.kinds() == ["wait", "wait", "begin", "end", "replay"]
+        assert fake.calls[2][2:] == ("side", "thread_local") and fake.current == "main"
+        runner_for(gc, fn, named, shared).capture(1)
+    pools = [c[1] for c in fake.calls if c[0] == "begin"]
+    assert pools[0] == pools[1] and fake.pools == 1  # one pool for the model's graphs
+
+
+def test_a_sync_found_in_the_warm_up_is_never_captured(gc, tiny, monkeypatch):
+    fake = FakeCuda(monkeypatch)
+
+    def syncs(args, extra):
+        if fake.sync_mode == "error":  # what torch does for .item() in this mode
+            raise RuntimeError(SYNC_ERROR)
+        return extra["original_block"](args)
+
+    fn, named, eager = flux_call(tiny, syncs)
+    with torch.inference_mode():
+        out, failure = runner_for(gc, fn, named).capture(1)
+    assert torch.equal(out, eager) and failure.startswith("the forward syncs the host at")
+    assert "test_graph_capture_paths.py" in failure
+    assert "begin" not in fake.kinds() and fake.kinds() == ["wait", "wait"]  # joined, never captured
+    assert fake.sync_mode == 0 and fake.current == "main"
+
+
+def test_a_capture_that_cannot_end_releases_its_pool_and_the_stream(gc, tiny, monkeypatch):
+    fake = FakeCuda(monkeypatch, end_fails=True)
+    fn, named, eager = flux_call(tiny)
+    with torch.inference_mode():
+        out, failure = runner_for(gc, fn, named).capture(1)
+    assert torch.equal(out, eager) and "operation not permitted when stream is capturing" in failure
+    pool = fake.calls[2][1]
+    assert fake.kinds()[2:] == ["begin", "end", "end_pool", "release_pool"]
+    assert fake.calls[-2:] == [("end_pool", pool), ("release_pool", pool)] and fake.current == "main"
+
+
+def test_an_error_in_the_captured_forward_ends_the_capture_and_drops_the_graph(gc, tiny, monkeypatch):
+    fake = FakeCuda(monkeypatch)
+    seen = []
+
+    def fails_in_capture(args, extra):
+        seen.append(fake.current)
+        if any(c[0] == "begin" for c in fake.calls):
+            raise TypeError("not capturable")
+        return extra["original_block"](args)
+
+    fn, named, eager = flux_call(tiny, fails_in_capture)
+    with torch.inference_mode():
+        out, failure = runner_for(gc, fn, named).capture(1)
+    assert torch.equal(out, eager) and failure == "TypeError: not capturable"
+    assert fake.kinds()[2:] == ["begin", "end", "reset"] and seen[-2:] == ["side", "side"]
+
+
+def test_a_cancel_in_the_capture_ends_it_and_is_raised(gc, tiny, monkeypatch):
+    import comfy.model_management as mm
+
+    fake = FakeCuda(monkeypatch)
+
+    def cancelled_in_capture(args, extra):
+        if any(c[0] == "begin" for c in fake.calls):
+            raise mm.InterruptProcessingException()
+        return extra["original_block"](args)
+
+    fn, named, _ = flux_call(tiny, cancelled_in_capture)
+    with torch.inference_mode(), pytest.raises(mm.InterruptProcessingException):
+        runner_for(gc, fn, named).capture(1)
+    assert fake.kinds()[2:] == ["begin", "end", "reset"] and fake.current == "main"
+
+
+def test_a_model_error_in_the_warm_up_is_raised_after_joining_the_stream(gc, tiny, monkeypatch):
+    fake = FakeCuda(monkeypatch)
+
+    def broken(args, extra):
+        raise ValueError("the model's own error")
+
+    fn, named, _ = flux_call(tiny, broken, eager=False)
+    with torch.inference_mode(), pytest.raises(ValueError, match="the model's own error"):
+        runner_for(gc, fn, named).capture(1)
+    assert fake.kinds() == ["wait", "wait"] and fake.sync_mode == 0 and fake.current == "main"
