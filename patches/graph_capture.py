@@ -462,6 +462,9 @@ class CudaGraphRunner(StaticRunner):
                 graph.capture_end()
             except Exception as exc:  # the capture was invalidated (a sync, a CPU op...)
                 _abandon_pool(device, pool)
+                tracker = getattr(graph, "_tracker", None)  # torch's liveness check (debug) ends with the capture
+                if tracker is not None:
+                    tracker.stop()
                 graph = None
                 failure = failure or exc
         if failure is not None:
