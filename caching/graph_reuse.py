@@ -98,12 +98,31 @@ def tensor_field(t: torch.Tensor) -> tuple:
     return (t.shape, t.dtype, t.device, t.stride())
 
 
+class Same:
+    """Equal only to a ``Same`` of the very same object, which it holds (so its address is never
+    reused by another object while a signature names it)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __repr__(self) -> str:
+        return f"<{type(self.obj).__qualname__} at {id(self.obj):#x}>"
+
+
 def _identity(fn: Any) -> Any:
     """What a callable is: itself, or for a bound method (made anew on every attribute access)
     its object and function."""
     if isinstance(fn, types.MethodType):
-        return id(fn.__self__), id(fn.__func__)
-    return id(fn)
+        return Same(fn.__self__), Same(fn.__func__)
+    return Same(fn)
 
 
 class _Walker:
@@ -182,7 +201,7 @@ class _Walker:
                 self.patches(f"{path}[{i}]", x)
         elif getattr(v, GRAPH_SAFE, False):
             if self.sub is None:
-                self.fields.append((path, "object", (type(v).__qualname__, id(v))))
+                self.fields.append((path, "object", (type(v).__qualname__, Same(v))))
         else:
             self.fail("transformer_patches", f"{path} is {getattr(v, '__qualname__', type(v).__qualname__)}")
 

@@ -430,11 +430,12 @@ class CudaGraphRunner(StaticRunner):
         uploads = ConstantUploads()
         out, sync = self._warm_up(current, side, uploads, warmup)
         if sync is not None:  # never captured: the step runs eagerly
-            return _clone_tree(self._call()), f"the forward syncs the host at {_where(sync)}"
+            where, sync = _where(sync), None  # its traceback holds the warm-up's activations
+            return _clone_tree(self._call()), f"the forward syncs the host at {where}"
         eager_out = _clone_tree(out)
         del out
-        # one pool for all graphs of this model on this device: replays run one at a time on one
-        # stream and each output is copied at once, so one graph's intermediates may reuse
+        # one pool for all live graphs of this model on this device: replays run one at a time on
+        # one stream and each output is copied at once, so one graph's intermediates may reuse
         # another's (torch's "sharing memory across captures"); their outputs stay apart
         graph = torch.cuda.CUDAGraph()
         pool = self.shared.get(("pool", device))
@@ -450,7 +451,10 @@ class CudaGraphRunner(StaticRunner):
         # whichever device captured first; a capture there leaves this device's kernels out. The
         # outer stream context restores the caller's stream even where capture_end raises.
         with torch.cuda.stream(side):
-            graph.capture_begin(pool=pool, **_capture_kwargs())
+            try:
+                graph.capture_begin(pool=pool, **_capture_kwargs())
+            except Exception as exc:  # nothing began: nothing to end
+                return eager_out, _first_line(exc)
             try:
                 with keep, uploads:
                     static_out = self._call()
@@ -471,15 +475,16 @@ class CudaGraphRunner(StaticRunner):
             if graph is not None:
                 graph.reset()
             graph = keep = static_out = None
-            if not isinstance(failure, Exception) or isinstance(failure, comfy.model_management.InterruptProcessingException):
-                raise failure
-            if isinstance(failure.__context__, comfy.model_management.InterruptProcessingException):
-                raise failure.__context__ from None  # a cancel, then the capture could not end cleanly
             try:
-                torch.cuda.synchronize(device)
-            except Exception:
-                log.debug("ReuseKit graph: synchronize after a failed capture", exc_info=True)
-            return eager_out, _first_line(failure)
+                if not isinstance(failure, Exception) or isinstance(failure, comfy.model_management.InterruptProcessingException):
+                    raise failure
+                try:
+                    torch.cuda.synchronize(device)
+                except Exception:
+                    log.debug("ReuseKit graph: synchronize after a failed capture", exc_info=True)
+                return eager_out, _first_line(failure)
+            finally:
+                failure = None  # no cycle through this frame: the capture's tensors go at once
         graph.replay()
         torch.cuda.synchronize(device)
         self.pool_bytes = max(0, _graph_memory(device) - before)
@@ -664,13 +669,14 @@ def graph_call(original, args: tuple, kwargs: dict, opts: dict, ctx):
         named = [(k, dict(v) if k == gr.OPTIONS_NAME and isinstance(v, dict) else v) for k, v in named]
         if runner_cls is None:  # decisions only: nothing replays, so no probe; one eager pass decides
             done = original(*args, **kwargs)
-            skipped = bool(hook.skip)
         else:
             probed = hook.probe(lambda: original(*args, **kwargs))
-            skipped = probed is not None
-            if skipped:
+            if probed is not None and not hook.skip:  # finished without deciding: it ran eagerly
+                _count(run, "bypasses", "step_hook_undecided")
+                return _eager(run, original, args, kwargs, probed)
+            if probed is not None:
                 done = probed
-        if skipped:  # the step cache skipped this step eagerly: nothing replays
+        if hook.skip:  # the step cache skipped this step eagerly: nothing replays
             STATS.incr("step_cache_skips")
             if run is not None:
                 run.step_skips += 1
@@ -717,6 +723,8 @@ def graph_call(original, args: tuple, kwargs: dict, opts: dict, ctx):
         _drop(gs.add(gr.Entry(spec.signature)))
         _publish_memory()
         return _eager(run, original, args, kwargs, done)
+    if not any(e.runner is not None for e in gs.entries.values()):
+        gs.shared.clear()  # no graph holds the backend's pool any more: the next one starts anew
     runner = runner_cls(original, named, len(args), spec, device, gs.shared)
     try:
         with gr.preparing_capture():

@@ -10,7 +10,7 @@ import contextlib
 import pytest
 import rkharness
 import torch
-from graph_helpers import gc_fixture  # noqa: F401  (the fixture gc)
+from graph_helpers import conds_fixture, gc_fixture  # noqa: F401  (the fixtures gc and conds)
 
 pytestmark = pytest.mark.graph
 
@@ -23,6 +23,7 @@ class FakeCuda:
     def __init__(self, monkeypatch, end_fails=False):
         self.calls: list = []
         self.end_fails = end_fails
+        self.begin_fails = False
         self.sync_mode = 0
         self.current = "main"
         self.pools = 0
@@ -46,6 +47,8 @@ class FakeCuda:
                 self._tracker = Tracker()
 
             def capture_begin(self, pool=None, **kwargs):
+                if fake.begin_fails:
+                    raise RuntimeError("CUDA error: out of memory")
                 fake.calls.append(("begin", pool, fake.current, kwargs.get("capture_error_mode")))
 
             def capture_end(self):
@@ -201,9 +204,65 @@ def test_a_model_error_in_the_warm_up_is_raised_after_joining_the_stream(gc, tin
     fake = FakeCuda(monkeypatch)
 
     def broken(args, extra):
-        raise ValueError("the model's own error")
+        raise RuntimeError("the model's own error")  # a RuntimeError, but not a sync
 
     fn, named, _ = flux_call(tiny, broken, eager=False)
-    with torch.inference_mode(), pytest.raises(ValueError, match="the model's own error"):
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="the model's own error"):
         runner_for(gc, fn, named).capture(1)
     assert fake.kinds() == ["wait", "wait"] and fake.sync_mode == 0 and fake.current == "main"
+
+
+def test_a_capture_that_cannot_begin_runs_eagerly_and_ends_nothing(gc, tiny, monkeypatch):
+    fake = FakeCuda(monkeypatch)
+    fake.begin_fails = True
+    fn, named, eager = flux_call(tiny)
+    with torch.inference_mode():
+        out, failure = runner_for(gc, fn, named).capture(1)
+    assert torch.equal(out, eager) and failure == "RuntimeError: CUDA error: out of memory"
+    assert fake.kinds() == ["wait", "wait"] and fake.current == "main"
+
+
+def test_a_step_hooks_outputs_come_back_from_capture_and_replay(gc, tiny, monkeypatch):
+    """A step cache's patch makes a tensor inside the graph (TeaCache: the residual); the runner
+    returns it beside the output, and a replay returns copies of the same static tensors."""
+    gr = rkharness.pack("caching.graph_reuse")
+    fake = FakeCuda(monkeypatch)
+
+    class Hook:
+        made = None
+
+        def graph_outputs(self):
+            return [self.made]
+
+    def makes(args, extra):
+        args["transformer_options"][gr.STEP_HOOK].made = args["img"] * 2
+        return extra["original_block"](args)
+
+    fn, named, _ = flux_call(tiny, makes, eager=False)
+    hook = Hook()
+    named[-1][1][gr.STEP_HOOK] = hook
+    with torch.inference_mode():
+        runner = runner_for(gc, fn, named)
+        out, made = runner.capture(1)[0]
+        assert runner.hook is None and runner.fn is None  # nothing of the capture's call is kept
+        assert torch.equal(made[0], hook.made) and made[0] is not hook.made
+        static = runner.static_out[1][0]
+        again, made_again = runner.replay(gc.gr.analyse_call(named, (), torch.device("cpu")).tensors)
+        assert torch.equal(made_again[0], static) and made_again[0] is not static and torch.equal(again, out)
+    assert fake.kinds().count("replay") == 2
+
+
+def test_a_models_pool_starts_anew_once_no_graph_holds_it(gc, tiny, conds, monkeypatch):
+    """torch frees a pool whose last graph went; asking for it again by its id would fail."""
+    from graph_helpers import capture, sample
+
+    fake = FakeCuda(monkeypatch, end_fails=True)
+    monkeypatch.setattr(gc, "_backend", lambda device: "cuda")
+    model = capture(tiny.tiny_flux(0), max_graphs=2)
+    with torch.inference_mode():
+        sample(model, conds, (1, 16, 8, 8), steps=1)  # fails: its pool is released
+        fake.end_fails = False
+        sample(model, conds, (1, 16, 12, 12), steps=1)  # a new pool
+        sample(model, conds, (1, 16, 8, 12), steps=1)  # shares the live one
+    pools = [c[1] for c in fake.calls if c[0] == "begin"]
+    assert len(pools) == 3 and pools[0] != pools[1] == pools[2]

@@ -398,18 +398,18 @@ def test_calibration_fits_a_polynomial_that_the_next_run_uses(flux, conds, _isol
 
 def test_a_calibration_file_that_cannot_be_written_keeps_the_run_and_the_calibration(flux, conds, monkeypatch,
                                                                                      tmp_path, caplog):
-    blocker = tmp_path / "not_a_folder"
-    blocker.write_text("a file where the calibration folder should be")
-    monkeypatch.setattr(P(), "STORE", tc().CalibrationStore(blocker / "reusekit" / "teacache_calibration.json"))
+    target = tmp_path / "reusekit" / "teacache_calibration.json"
+    target.mkdir(parents=True)  # a folder where the file should be: the final rename fails
+    monkeypatch.setattr(P(), "STORE", tc().CalibrationStore(target))
     (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
     with caplog.at_level(logging.WARNING, logger="reusekit"):
         out = sample(cal, conds)
     assert torch.equal(out, sample(flux, conds))
-    assert "could not save the calibration" in caplog.text and str(blocker) in caplog.text
+    assert "could not save the calibration" in caplog.text and str(target) in caplog.text
     assert last_run()["calibration"]["points"] == STEPS - 1
     sample(teacache(flux, 0.3, model_type="calibrated"), conds)  # kept in memory for this process
     assert last_run()["model_type"] == "calibrated"
-    assert list(tmp_path.iterdir()) == [blocker]
+    assert list(target.parent.iterdir()) == [target] and not any(target.iterdir())  # no temporary file left
 
 
 def test_a_calibration_is_found_whichever_lora_clone_of_the_model_sampled_before(conds):
