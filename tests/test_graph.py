@@ -67,6 +67,10 @@ def test_python_side_objects_in_options_count_by_type_and_patches_bypass_unless_
     sig = {k: gr.analyse_call(call_args(options={"optimized_attention_override": v})).signature
            for k, v in (("one", one.run), ("two", two.run), ("one_again", one.run))}
     assert sig["one"] == sig["one_again"] and gr.can_reuse(sig["one"], sig["two"])[:2] == (False, "options")
+    # a signature holds what it names: a new override never takes a freed one's address and graph
+    kept = [gr.analyse_call(call_args(options={"optimized_attention_override": Attention().run})).signature
+            for _ in range(20)]
+    assert len(set(kept)) == 20
     assert gr.can_reuse(a.signature, gr.analyse_call(call_args()).signature)[0] is False
     patched = gr.analyse_call(call_args(options={"patches": {"attn1_patch": [print]}}))
     assert patched.bypass == "transformer_patches" and patched.signature is None
