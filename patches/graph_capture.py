@@ -308,10 +308,10 @@ class ConstantUploads(torch.overrides.TorchFunctionMode):
     """CPU tensors the forward copies to the device: a copy from pageable host memory syncs, and
     a sync cannot be captured (Wan's time embedding builds an ``arange`` on the CPU and moves it
     on every call). The warm-up records each such upload in order (its CPU source and a copy of
-    the result); the capture replays them as device copies of the recorded results, each only
-    while its source still equals the recorded one (otherwise the capture fails and the call runs
-    eagerly). Like every Python branch of a captured forward, such a source may depend only on
-    what the signature holds."""
+    the result); the capture replays them as device copies of the recorded results, each checked
+    once, at the capture, to equal its source (otherwise the capture fails and the call runs
+    eagerly). Replays do not look again: like every Python branch of a captured forward, such a
+    source may depend only on what the signature holds."""
 
     METHODS = frozenset({torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type_as})
 
