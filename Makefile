@@ -1,4 +1,4 @@
-# ReuseKit: `make run` starts ComfyUI with the pack loaded; `make test` runs the whole suite.
+# ReuseKit: `make run` starts ComfyUI with the pack loaded; `make test` runs the whole suite on both hosts.
 # Both set everything up first (scripts/setup.sh; fast when already done).
 PORT ?= 8188
 HOST_DIR := $(or $(COMFYUI_PATH),$(CURDIR)/.host/ComfyUI)
@@ -17,10 +17,9 @@ run: setup
 	echo "ReuseKit: starting ComfyUI with the pack at http://127.0.0.1:$(PORT)$${cpu:+ (no GPU found: CPU mode)}"; \
 	cd "$(HOST_DIR)" && exec $(PY) main.py $$cpu --listen 127.0.0.1 --port $(PORT) --disable-auto-launch
 
-# pytest's own launcher, not `python -m pytest`: that would put this folder on sys.path and the
-# pack's nodes/ and tests/ would shadow ComfyUI's.
-test: setup-test
-	@.venv/bin/pytest $(PYTEST_ARGS)
+# Every host of the matrix (ComfyUI 0.3.75 and 0.33); REUSEKIT_HOST=0.33 picks one.
+test:
+	@scripts/test.sh $(PYTEST_ARGS)
 
 lint: setup-test
 	@.venv/bin/python -m pip install -q ruff && .venv/bin/ruff check .

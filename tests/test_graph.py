@@ -603,7 +603,7 @@ def test_graph_ksampler_workflow_through_the_real_executor(gc):
     assert "[graph] graph_reuse" in result["outputs"]["7"]["text"][0]
 
     def latent(node_id):
-        return ex.executor.caches.outputs.get(node_id).outputs[0][0]["samples"]
+        return ex.output(node_id)[0][0]["samples"]
 
     assert torch.equal(latent("5"), latent("6"))
     assert last_run(gc)["hits"] == 2
@@ -624,13 +624,13 @@ def test_example_workflow_runs_on_tiny_models_with_the_same_image(gc):
     assert "[graph] graph_reuse" in text and "last_run" in text
     run = last_run(gc)
     assert run["steps"] == 4 and run["hits"] == 3 and run["rebuilds"] == {}
-    image = ex.executor.caches.outputs.get("10").outputs[0][0]
+    image = ex.output("10")[0][0]
 
     plain = {k: v for k, v in prompt.items() if k != "4"}
     plain["8"] = {**prompt["8"], "inputs": {**prompt["8"]["inputs"], "model": ["1", 0]}}
     ex2 = rkharness.Executor()
     ex2.run(plain)
-    assert torch.equal(ex2.executor.caches.outputs.get("10").outputs[0][0], image)
+    assert torch.equal(ex2.output("10")[0][0], image)
 
 
 @pytest.mark.workflows

@@ -45,6 +45,26 @@ def _patcher(model):
                                             offload_device=mm.unet_offload_device())
 
 
+# Model parameters that newer hosts require and the bundled 0.3.75 does not know (each model class
+# builds a params dataclass from its whole config): set only where the host's dataclass has them.
+HOST_FIELDS = {
+    "comfy.ldm.flux.model:FluxParams": {"txt_ids_dims": []},
+    "comfy.ldm.chroma.model:ChromaParams": {"txt_ids_dims": [], "vec_in_dim": None},
+    "comfy.ldm.chroma_radiance.model:ChromaRadianceParams": {"txt_ids_dims": [], "vec_in_dim": None,
+                                                             "use_x0": False, "use_sequential_txt_ids": False},
+    "comfy.ldm.hunyuan_video.model:HunyuanVideoParams": {"meanflow_sum": False},
+}
+
+
+def with_host_fields(cfg: dict, params: str) -> dict:
+    """``cfg`` plus the fields of :data:`HOST_FIELDS` that this host's ``params`` dataclass has."""
+    import importlib
+
+    module, _, name = params.partition(":")
+    fields = getattr(getattr(importlib.import_module(module), name), "__dataclass_fields__", {})
+    return {**{k: v for k, v in HOST_FIELDS[params].items() if k in fields}, **cfg}
+
+
 def _from_config(model_config_cls, unet_config: dict, seed: int):
     model_config = model_config_cls(unet_config)
     model_config.set_inference_dtype(torch.float32, None)
@@ -62,7 +82,7 @@ def tiny_flux(seed: int = 0, **overrides):
                depth_single_blocks=1, axes_dim=[8, 12, 12], theta=10000, patch_size=2,
                qkv_bias=True, guidance_embed=True)
     cfg.update(overrides)
-    return _from_config(comfy.supported_models.Flux, cfg, seed)
+    return _from_config(comfy.supported_models.Flux, with_host_fields(cfg, "comfy.ldm.flux.model:FluxParams"), seed)
 
 
 def tiny_wan(seed: int = 0, **overrides):

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import TEXT_DIM, _from_config, tiny_flux, tiny_wan
+from . import TEXT_DIM, _from_config, tiny_flux, tiny_wan, with_host_fields
 
 
 def _sm():
@@ -64,7 +64,8 @@ def tiny_chroma(seed: int = 0, radiance: bool = False):
                    nerf_mlp_ratio=2, nerf_depth=1, nerf_max_freqs=4, nerf_tile_size=0,
                    nerf_final_head_type="linear", nerf_embedder_dtype=torch.float32)
         cls = _sm().ChromaRadiance
-    return _from_config(cls, cfg, seed)
+    params = "comfy.ldm.chroma_radiance.model:ChromaRadianceParams" if radiance else "comfy.ldm.chroma.model:ChromaParams"
+    return _from_config(cls, with_host_fields(cfg, params), seed)
 
 
 def _chroma_inputs(shape, seed):
@@ -76,7 +77,8 @@ def tiny_hunyuan_video(seed: int = 0):
                vec_in_dim=TEXT_DIM, context_in_dim=TEXT_DIM, hidden_size=64, mlp_ratio=4.0, num_heads=2, depth=1,
                depth_single_blocks=1, axes_dim=[8, 12, 12], theta=256, qkv_bias=True, guidance_embed=True,
                byt5=False, meanflow=False, use_cond_type_embedding=False, vision_in_dim=None)
-    return _from_config(_sm().HunyuanVideo, cfg, seed)
+    return _from_config(_sm().HunyuanVideo, with_host_fields(cfg, "comfy.ldm.hunyuan_video.model:HunyuanVideoParams"),
+                        seed)
 
 
 def tiny_qwen_image(seed: int = 0):

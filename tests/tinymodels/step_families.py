@@ -20,7 +20,7 @@ def tiny_hunyuan_video(seed: int = 0, **overrides):
     """HunyuanVideo (5-D latents) at hidden 64, 2 heads, 1 double + 1 single block."""
     import comfy.supported_models
 
-    from . import TEXT_DIM, _from_config
+    from . import TEXT_DIM, _from_config, with_host_fields
 
     cfg = dict(image_model="hunyuan_video", in_channels=16, out_channels=16, vec_in_dim=TEXT_DIM,
                context_in_dim=TEXT_DIM, hidden_size=64, mlp_ratio=4.0, num_heads=2, depth=1,
@@ -28,4 +28,5 @@ def tiny_hunyuan_video(seed: int = 0, **overrides):
                guidance_embed=False, byt5=False, meanflow=False, use_cond_type_embedding=False,
                vision_in_dim=None)
     cfg.update(overrides)
-    return _from_config(comfy.supported_models.HunyuanVideo, cfg, seed)
+    return _from_config(comfy.supported_models.HunyuanVideo,
+                        with_host_fields(cfg, "comfy.ldm.hunyuan_video.model:HunyuanVideoParams"), seed)

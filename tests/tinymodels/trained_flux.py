@@ -113,7 +113,11 @@ def build(load_weights: bool = True, family: str = "flux"):
     import comfy.model_patcher
     import comfy.supported_models
 
+    from . import with_host_fields
+
     cls_name, config, weights = FAMILIES[family]
+    if family == "flux":
+        config = with_host_fields(config, "comfy.ldm.flux.model:FluxParams")
     model_config = getattr(comfy.supported_models, cls_name)(dict(config))
     model_config.set_inference_dtype(torch.float32, None)
     model = model_config.get_model({})
@@ -121,7 +125,8 @@ def build(load_weights: bool = True, family: str = "flux"):
         from safetensors.torch import load_file
 
         sd = {k: v.float() for k, v in load_file(str(weights)).items()}
-        model.diffusion_model.load_state_dict(sd, strict=True)
+        # the host's own key conversion (0.33's torch RMSNorm names `*_norm.scale` `*_norm.weight`)
+        model.diffusion_model.load_state_dict(model_config.process_unet_state_dict(sd), strict=True)
     return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
                                             offload_device=mm.unet_offload_device())
 
