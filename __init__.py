@@ -8,12 +8,22 @@ WEB_DIRECTORY = "./web"
 
 
 async def comfy_entrypoint():
+    from .caching.settings import SETTINGS
     from .nodes import ReuseKitExtension
-    from .patches import rope
+    from .patches import host, rope
     from .patches.conditioning import install as install_conditioning_cache
     from .routes import register as register_routes
 
-    install_conditioning_cache()  # global mode (on unless REUSEKIT_CONDITIONING=0) routes every encode
+    # global mode (on unless REUSEKIT_CONDITIONING=0) routes every encode
+    if not install_conditioning_cache():
+        host.set_layer("conditioning cache", "off", "; ".join(host.off_features().values()) or "see the warning")
+    elif SETTINGS.get("conditioning.enabled"):
+        host.set_layer("conditioning cache", "on")
+    else:
+        host.set_layer("conditioning cache", "on for ReuseKit Cached nodes only", "global mode is off")
     rope.install()  # RoPE builders ask the PE cache; pass-through for models without it
-    register_routes()  # the panel's /reusekit/ routes and stats push, where a server runs
+    if register_routes():  # the panel's /reusekit/ routes and stats push, where a server runs
+        host.set_layer("panel", "on")
+    else:
+        host.set_layer("panel", "off", "no ComfyUI server in this process")
     return ReuseKitExtension()

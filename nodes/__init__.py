@@ -54,6 +54,23 @@ def ksampler_inputs(cfg: float = 8.0, sampler: str | None = None, scheduler: str
     ]
 
 
+def pack_version() -> str:
+    """The ``version`` of pyproject.toml's ``[project]`` table (tomllib needs Python 3.11)."""
+    import re
+    from pathlib import Path
+
+    try:
+        text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    except OSError:
+        return "(version unknown)"
+    found = re.search(r'^version\s*=\s*"([^"]+)"', text, re.MULTILINE)
+    return found.group(1) if found else "(version unknown)"
+
+
 class ReuseKitExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return load_node_classes()
+        from ..patches import host
+
+        classes = load_node_classes()
+        log.info("%s", host.startup_line(pack_version()))  # which layers are on, and why the others are off
+        return classes
