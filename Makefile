@@ -1,25 +1,26 @@
 # ReuseKit: `make run` starts ComfyUI with the pack loaded; `make test` runs the whole suite on both hosts.
 # Both set everything up first (scripts/setup.sh; fast when already done).
 PORT ?= 8188
-HOST_DIR := $(or $(COMFYUI_PATH),$(CURDIR)/.host/ComfyUI)
-PY := $(CURDIR)/.venv/bin/python
+# `make run` starts the bundled ComfyUI 0.3.75; REUSEKIT_HOST=0.33 starts the current host instead
+RUN_HOST := $(or $(REUSEKIT_HOST),0.3.75)
 
 .PHONY: setup setup-test run test bench lint
 
 setup:
-	@scripts/setup.sh
+	@scripts/setup.sh --host $(RUN_HOST)
 
 setup-test:
-	@scripts/setup.sh --test
+	@scripts/setup.sh --test --host $(RUN_HOST)
 
 run: setup
-	@cpu=$$($(PY) -c 'import torch; print("" if torch.cuda.is_available() else "--cpu")'); \
-	echo "ReuseKit: starting ComfyUI with the pack at http://127.0.0.1:$(PORT)$${cpu:+ (no GPU found: CPU mode)}"; \
-	cd "$(HOST_DIR)" && exec $(PY) main.py $$cpu --listen 127.0.0.1 --port $(PORT) --disable-auto-launch
+	@set -- $$(scripts/setup.sh --print-host $(RUN_HOST)); \
+	cpu=$$("$$1/bin/python" -c 'import torch; print("" if torch.cuda.is_available() else "--cpu")'); \
+	echo "ReuseKit: starting ComfyUI ($$2) with the pack at http://127.0.0.1:$(PORT)$${cpu:+ (no GPU found: CPU mode)}"; \
+	cd "$$2" && exec "$$1/bin/python" main.py $$cpu --listen 127.0.0.1 --port $(PORT) --disable-auto-launch
 
 # Every host of the matrix (ComfyUI 0.3.75 and 0.33); REUSEKIT_HOST=0.33 picks one.
 test:
 	@scripts/test.sh $(PYTEST_ARGS)
 
 lint: setup-test
-	@.venv/bin/python -m pip install -q ruff && .venv/bin/ruff check .
+	@.venv/bin/ruff check .
