@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import importlib
+import inspect
+
 import torch
 
 from . import TEXT_DIM, _from_config, tiny_flux, tiny_wan, with_host_fields
@@ -33,6 +36,19 @@ class FamilySpec:
     sizes: tuple  # two latent shapes, without the batch dimension
     has_ref_latents: bool = False
     has_rope_options: bool = False
+    requires: tuple = ()  # "module:Class" or "module:Class(param)" the family needs; older hosts lack some
+
+    def missing(self) -> str | None:
+        """The first required host class (or parameter of one) this ComfyUI lacks (``None``: none)."""
+        for path in self.requires:
+            module, _, name = path.partition(":")
+            name, _, param = name.rstrip(")").partition("(")
+            cls = getattr(importlib.import_module(module), name, None)
+            if cls is None:
+                return f"{module}.{name}"
+            if param and param not in inspect.signature(cls).parameters:
+                return f"{module}.{name}({param}=...)"
+        return None
 
 
 def _ctx(seed: int, tokens: int = 7, dim: int = TEXT_DIM, batch: int = 1):
@@ -167,6 +183,91 @@ def _tokens_inputs(shape, seed):
     return _x(shape, seed), _sigma(), {"c_crossattn": _ctx(seed), "num_tokens": 7}
 
 
+# ---- families of the newer hosts (0.33: Flux.2, Qwen-Image-Edit-2511, HunyuanVideo 1.5, LTX-2, Wan 2.2) ----
+
+def tiny_flux2(seed: int = 0, klein: bool = False):
+    """Flux.2 (dev: guidance embed; Klein: none) at hidden 64, 2 heads, 1 double + 1 single block."""
+    cfg = dict(image_model="flux2", in_channels=128, out_channels=128, vec_in_dim=None, context_in_dim=TEXT_DIM,
+               hidden_size=64, mlp_ratio=3.0, num_heads=2, depth=1, depth_single_blocks=1, axes_dim=[8, 8, 8, 8],
+               theta=2000, patch_size=1, qkv_bias=False, guidance_embed=not klein, global_modulation=True,
+               mlp_silu_act=True, ops_bias=False, default_ref_method="index", ref_index_scale=10.0)
+    if "txt_ids_dims" in importlib.import_module("comfy.ldm.flux.model").FluxParams.__dataclass_fields__:
+        cfg["txt_ids_dims"] = [3]  # as 0.33's detection sets for Flux.2 (0.3.75 has no text positions)
+    return _from_config(_sm().Flux2, cfg, seed)
+
+
+def _flux2_inputs(shape, seed, klein=False):
+    kwargs = {"c_crossattn": _ctx(seed)}
+    if not klein:
+        kwargs["guidance"] = torch.tensor([3.5])
+    return _x(shape, seed), _sigma(), kwargs
+
+
+def tiny_qwen_image_edit_2511(seed: int = 0):
+    """Qwen-Image-Edit-2511: reference latents at timestep zero (``index_timestep_zero``)."""
+    cfg = dict(image_model="qwen_image", in_channels=64, out_channels=16, num_layers=1, attention_head_dim=32,
+               num_attention_heads=2, joint_attention_dim=TEXT_DIM, axes_dims_rope=(8, 12, 12),
+               default_ref_method="index_timestep_zero")
+    return _from_config(_sm().QwenImage, cfg, seed)
+
+
+def _qwen_edit_inputs(shape, seed):
+    x, sigma, kwargs = _plain_inputs(shape, seed)
+    ref = torch.randn((1, *shape[:-2], 4, 6), generator=_gen(seed + 3))
+    return x, sigma, dict(kwargs, ref_latents=[ref])
+
+
+HV15_VISION_DIM = 16
+
+
+def tiny_hunyuan_video15(seed: int = 0):
+    """HunyuanVideo 1.5 (patch 1, image concat + mask, vision tokens, cond-type embedding) at hidden 64."""
+    cfg = dict(image_model="hunyuan_video", in_channels=33, out_channels=16, patch_size=[1, 1, 1], vec_in_dim=None,
+               context_in_dim=TEXT_DIM, hidden_size=64, mlp_ratio=4.0, num_heads=2, depth=1, depth_single_blocks=1,
+               axes_dim=[8, 12, 12], theta=256, qkv_bias=True, guidance_embed=False, byt5=False, meanflow=False,
+               use_cond_type_embedding=True, vision_in_dim=HV15_VISION_DIM)
+    return _from_config(_sm().HunyuanVideo15,
+                        with_host_fields(cfg, "comfy.ldm.hunyuan_video.model:HunyuanVideoParams"), seed)
+
+
+def _hv15_inputs(shape, seed):
+    concat = torch.randn((1, shape[0] + 1, *shape[1:]), generator=_gen(seed + 4))
+    return _x(shape, seed), _sigma(), {"c_crossattn": _ctx(seed), "c_concat": concat,
+                                       "clip_fea": torch.randn((1, 5, HV15_VISION_DIM), generator=_gen(seed + 5))}
+
+
+def tiny_ltx2(seed: int = 0):
+    """LTX-2 (audio + video) at 2 heads of 32 (video) and 2 of 16 (audio), 1 layer."""
+    cfg = dict(image_model="ltxav", in_channels=128, audio_in_channels=128, cross_attention_dim=64,
+               audio_cross_attention_dim=32, attention_head_dim=32, audio_attention_head_dim=16,
+               num_attention_heads=2, audio_num_attention_heads=2, caption_channels=TEXT_DIM, num_layers=1,
+               connector_attention_head_dim=16, connector_num_attention_heads=2, connector_num_layers=1)
+    return _from_config(_sm().LTXAV, cfg, seed)
+
+
+def _ltx2_inputs(shape, seed):
+    """Video latent ``shape`` and an audio latent of twice its frames, packed as the sampler does."""
+    import comfy.utils
+
+    video = _x(shape, seed)
+    audio = torch.randn((1, 8, 2 * shape[1], 16), generator=_gen(seed + 6))
+    x, shapes = comfy.utils.pack_latents([video, audio])
+    ctx = torch.randn((1, 7, 2 * TEXT_DIM), generator=_gen(seed + 100))  # video and audio text, processed
+    return x, _sigma(), {"c_crossattn": ctx, "frame_rate": 25, "latent_shapes": shapes}
+
+
+def tiny_wan22(seed: int = 0, expert_14b: bool = False):
+    """Wan 2.2: the 5B text/image-to-video layout (48-channel latents), or a 14B expert (Wan 2.1 layout)."""
+    if expert_14b:
+        return tiny_wan(seed)
+    cfg = dict(image_model="wan2.1", model_type="t2v", patch_size=(1, 2, 2), text_len=512, in_dim=48, dim=64,
+               ffn_dim=128, freq_dim=32, text_dim=TEXT_DIM, out_dim=48, num_heads=2, num_layers=1,
+               window_size=(-1, -1), qk_norm=True, cross_attn_norm=True, eps=1e-6)
+    return _from_config(_sm().WAN22_T2V, cfg, seed)
+
+
+_SM = "comfy.supported_models:"
+
 FAMILY_SPECS: dict[str, FamilySpec] = {
     "flux": FamilySpec(tiny_flux, _flux_inputs, ((16, 8, 8), (16, 12, 8)), has_ref_latents=True,
                        has_rope_options=True),
@@ -184,4 +285,21 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
     "cosmos": FamilySpec(tiny_cosmos, _plain_inputs, ((16, 1, 8, 8), (16, 2, 6, 8))),
     "mochi": FamilySpec(tiny_mochi, _mochi_inputs, ((12, 2, 8, 8), (12, 3, 6, 8))),
     "omnigen2": FamilySpec(tiny_omnigen2, _tokens_inputs, ((16, 8, 8), (16, 12, 8))),
+    "flux2": FamilySpec(tiny_flux2, _flux2_inputs, ((128, 8, 8), (128, 12, 8)), has_ref_latents=True,
+                        has_rope_options=True, requires=(_SM + "Flux2",)),
+    "flux2_klein": FamilySpec(lambda seed=0: tiny_flux2(seed, klein=True),
+                              lambda shape, seed: _flux2_inputs(shape, seed, klein=True),
+                              ((128, 8, 8), (128, 12, 8)), has_ref_latents=True, has_rope_options=True,
+                              requires=(_SM + "Flux2",)),
+    "qwen_image_edit": FamilySpec(tiny_qwen_image_edit_2511, _qwen_edit_inputs, ((16, 1, 8, 8), (16, 1, 12, 8)),
+                                  has_ref_latents=True,
+                                  requires=("comfy.ldm.qwen_image.model:QwenImageTransformer2DModel"
+                                            "(default_ref_method)",)),
+    "hunyuan_video15": FamilySpec(tiny_hunyuan_video15, _hv15_inputs, ((16, 3, 8, 8), (16, 2, 6, 8)),
+                                  requires=(_SM + "HunyuanVideo15",)),
+    "ltx2": FamilySpec(tiny_ltx2, _ltx2_inputs, ((128, 2, 2, 2), (128, 3, 2, 3)), requires=(_SM + "LTXAV",)),
+    "wan22": FamilySpec(tiny_wan22, _plain_inputs, ((48, 3, 8, 8), (48, 2, 6, 8)), has_rope_options=True,
+                        requires=(_SM + "WAN22_T2V",)),
+    "wan22_14b": FamilySpec(lambda seed=0: tiny_wan22(seed, expert_14b=True), _plain_inputs,
+                            ((16, 3, 8, 8), (16, 2, 6, 8)), has_rope_options=True),
 }
