@@ -27,6 +27,7 @@ import torch
 from ..caching import graph_reuse as gr
 from ..caching import teacache as tc
 from ..caching.stats import REGISTRY
+from . import host
 
 log = logging.getLogger("reusekit")
 
@@ -37,22 +38,40 @@ CALL_KEY = gr.STEP_HOOK            # the current call; graph capture drives it (
 
 # ---- per family: where the modulated input is, where the block stack starts and ends ---------
 
+def _reference_tokens(args) -> int:
+    """How many reference-image tokens (Kontext, Flux.2, Qwen-Image-Edit) end the image stream."""
+    to = args.get("transformer_options") or {}
+    return sum(to.get("reference_image_num_tokens") or ())
+
+
 def _flux_modulated(dm, args):
-    """Flux / HunyuanVideo: the first double block's image norm, modulated by its scale/shift (per
-    token range where the block gets ``modulation_dims_img``: HunyuanVideo I2V's guiding frame)."""
+    """Flux / HunyuanVideo: the first double block's image norm, modulated by its scale/shift the
+    block's way: per token range where the block gets ``modulation_dims_img`` (HunyuanVideo I2V's
+    guiding frame), and with the reference tokens on the timestep-zero row where the host doubled the
+    modulation (Flux.2 ``index_timestep_zero``: its block patch is not handed those ranges)."""
     from comfy.ldm.flux.layers import apply_mod
 
     block = dm.double_blocks[0]
-    vec = args["vec"]
+    vec, img = args["vec"], args["img"]
     mod1 = vec[0][0] if isinstance(vec, tuple) else block.img_mod(vec)[0]  # tuple: global modulation
-    return apply_mod(block.img_norm1(args["img"]), 1 + mod1.scale, mod1.shift, args.get("modulation_dims_img"))
+    dims = args.get("modulation_dims_img")
+    if dims is None and mod1.scale.ndim == 3 and mod1.scale.shape[1] == 2:  # doubled: timestep zero
+        n = img.shape[1] - _reference_tokens(args)
+        dims = [(0, n, 0), (n, img.shape[1], 1)]
+    return apply_mod(block.img_norm1(img), 1 + mod1.scale, mod1.shift, dims)
 
 
 def _qwen_modulated(dm, args):
-    """Qwen-Image: the first block's image norm, modulated by the first half of its img_mod."""
+    """Qwen-Image: the first block's image norm, modulated by the first half of its img_mod (the
+    reference tokens by the timestep-zero half where the host doubled the batch of ``vec``:
+    Qwen-Image-Edit-2511's ``index_timestep_zero``)."""
     block = dm.transformer_blocks[0]
-    img_mod1 = block.img_mod(args["vec"]).chunk(2, dim=-1)[0]
-    return block._modulate(block.img_norm1(args["img"]), img_mod1)[0]
+    img, vec = args["img"], args["vec"]
+    img_mod1 = block.img_mod(vec).chunk(2, dim=-1)[0]
+    if vec.shape[0] == 2 * img.shape[0]:
+        zero_from = img.shape[1] - _reference_tokens(args)
+        return block._modulate(block.img_norm1(img), img_mod1, timestep_zero_index=zero_from)[0]
+    return block._modulate(block.img_norm1(img), img_mod1)[0]
 
 
 def _wan_modulated(dm, args):
@@ -67,7 +86,9 @@ class Family:
     classes: tuple[str, ...]  # "module:Class" of the diffusion model
     modulated: Callable[[Any, dict], torch.Tensor]
     blocks: Callable[[Any], list[tuple[str, int]]]
-    image_first: bool = False  # the last block's stream is (image, text) rather than (text, image)
+    image_first: bool = False  # a single stream without ``img_slice`` is (image, text) (HunyuanVideo < 0.14)
+    bases: tuple[str, ...] = ()  # "module:Class" of the BaseModel, where one diffusion class serves several
+    seams: tuple[tuple[str, tuple[str, ...]], ...] = ()  # ("module:attr.path", parameter names) it calls
 
 
 def _double_single(dm):
@@ -75,41 +96,66 @@ def _double_single(dm):
             + [("single_block", i) for i in range(len(getattr(dm, "single_blocks", ())))])
 
 
+def _transformer_blocks(dm):
+    return [("double_block", i) for i in range(len(dm.transformer_blocks))]
+
+
+def _wan_blocks(dm):
+    return [("double_block", i) for i in range(len(dm.blocks))]
+
+
+FLUX, HUNYUAN, WAN = ("comfy.ldm.flux.model:Flux",), ("comfy.ldm.hunyuan_video.model:HunyuanVideo",), \
+    ("comfy.ldm.wan.model:WanModel",)
+QWEN = ("comfy.ldm.qwen_image.model:QwenImageTransformer2DModel",)
+APPLY_MOD = (("comfy.ldm.flux.layers:apply_mod", ("tensor", "m_mult", "m_add", "modulation_dims")),)
+QWEN_MODULATE = (("comfy.ldm.qwen_image.model:QwenImageTransformerBlock._modulate", ("x", "mod_params")),)
+
+# the first family whose classes (and BaseModel, where given) match is the model's
 FAMILIES = (
-    Family("flux", "flux", ("comfy.ldm.flux.model:Flux",), _flux_modulated, _double_single),
-    Family("hunyuan_video", "hunyuan_video", ("comfy.ldm.hunyuan_video.model:HunyuanVideo",),
-           _flux_modulated, _double_single, image_first=True),
-    Family("wan", "wan2.1_t2v_1.3B_ret_mode", ("comfy.ldm.wan.model:WanModel",), _wan_modulated,
-           lambda dm: [("double_block", i) for i in range(len(dm.blocks))]),
-    Family("qwen_image", "calibrated", ("comfy.ldm.qwen_image.model:QwenImageTransformer2DModel",),
-           _qwen_modulated, lambda dm: [("double_block", i) for i in range(len(dm.transformer_blocks))]),
+    Family("flux2", "calibrated", FLUX, _flux_modulated, _double_single, bases=("comfy.model_base:Flux2",),
+           seams=APPLY_MOD),
+    Family("flux", "flux", FLUX, _flux_modulated, _double_single, seams=APPLY_MOD),
+    Family("hunyuan_video15", "calibrated", HUNYUAN, _flux_modulated, _double_single, image_first=True,
+           bases=("comfy.model_base:HunyuanVideo15",), seams=APPLY_MOD),
+    Family("hunyuan_video", "hunyuan_video", HUNYUAN, _flux_modulated, _double_single, image_first=True,
+           seams=APPLY_MOD),
+    Family("wan22", "calibrated", WAN, _wan_modulated, _wan_blocks, bases=("comfy.model_base:WAN22",)),
+    Family("wan", "wan2.1_t2v_1.3B_ret_mode", WAN, _wan_modulated, _wan_blocks),
+    Family("qwen_image", "calibrated", QWEN, _qwen_modulated, _transformer_blocks, seams=QWEN_MODULATE),
 )
 TYPE_FAMILY = {"flux": "flux", "flux-kontext": "flux", "hunyuan_video": "hunyuan_video",
                **{k: "wan" for k in tc.COEFFICIENTS if k.startswith("wan")}}
 MODEL_TYPES = ("auto", "calibrated", *tc.COEFFICIENTS)
 
 
-def _classes(family: Family) -> list[type]:
+def _resolve(spec: str):
+    """The object at "module:attr.path", or None where this host has no such thing."""
     import importlib
 
-    out = []
-    for spec in family.classes:
-        module, _, name = spec.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module), name, None)
-        except ImportError:  # feature probe: this host has no such model
-            cls = None
-        if cls is not None:
-            out.append(cls)
-    return out
+    module, _, path = spec.partition(":")
+    try:
+        obj = importlib.import_module(module)
+    except ImportError:  # feature probe: this host has no such model
+        return None
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _matches(family: Family, model) -> bool:
+    dm = getattr(model, "diffusion_model", None)
+    if not any(isinstance(dm, cls) for cls in map(_resolve, family.classes) if cls is not None):
+        return False
+    return not family.bases or any(isinstance(model, cls) for cls in map(_resolve, family.bases) if cls is not None)
 
 
 def detect_family(model_patcher) -> Family:
     """The family of a ModelPatcher's diffusion model; ValueError when TeaCache does not cover it."""
-    dm = getattr(getattr(model_patcher, "model", None), "diffusion_model", None)
+    model = getattr(model_patcher, "model", None)
     for family in FAMILIES:
-        if any(isinstance(dm, cls) for cls in _classes(family)):
+        if _matches(family, model):
             return family
+    dm = getattr(model, "diffusion_model", None)
     supported = ", ".join(f.name for f in FAMILIES)
     raise ValueError(f"model: the step cache does not support {type(dm).__name__} models yet "
                      f"(supported: {supported})")
@@ -166,6 +212,8 @@ class Settings:
 def apply(model_patcher, config: tc.StepCacheConfig):
     """A clone of ``model_patcher`` with the step cache attached (the input is not changed)."""
     family = detect_family(model_patcher)
+    if not all(host.check(f"TeaCache ({family.name})", where, _resolve(where), params) for where, params in family.seams):
+        return model_patcher.clone()  # this host reshaped what the family reads: it runs uncached
     if config.model_type not in MODEL_TYPES:
         raise ValueError(f"model_type: unknown {config.model_type!r} (one of {', '.join(MODEL_TYPES)})")
     wanted = TYPE_FAMILY.get(config.model_type)
@@ -226,6 +274,7 @@ class _Call:
         self.run, self.family, self.dm, self.sigma = run, family, dm, sigma
         self.keys, self.labels, self.may_skip = keys, labels, may_skip
         self.skip: bool | None = None
+        self.undecided = False  # the decision could not run: computed, and no residual is kept
         self.probing = False
         self.stack_in: torch.Tensor | None = None
         self.residual: torch.Tensor | None = None
@@ -251,9 +300,12 @@ class _Call:
             self.keys, self.labels = [tuple(self.keys)], ["batch"]
         try:
             mods = self.family.modulated(self.dm, args).chunk(len(self.keys))
-        except (AttributeError, TypeError, IndexError, KeyError, RuntimeError) as exc:
-            _warn_once(self.family.name, exc)  # a variant we do not know: compute, never skip
-            self.skip = False
+        except (AttributeError, TypeError, IndexError, KeyError, RuntimeError, ValueError) as exc:
+            # a variant we do not know: compute, never skip
+            host.say_once(f"teacache-modulated:{self.family.name}", "ReuseKit TeaCache: cannot read the modulated "
+                          "input of this %s model (%s: %s); computing every step", self.family.name,
+                          type(exc).__name__, exc, level=logging.WARNING)
+            self.skip, self.undecided = False, True
             return
         chunk = (img.shape[0] // len(self.keys), *img.shape[1:])
         self.skip = self.run.decide(self.keys, self.labels, list(mods), self.may_skip, chunk)
@@ -262,6 +314,8 @@ class _Call:
         if first:
             if self.skip is None:
                 self._decide(args)
+            if self.undecided:  # runs to the end eagerly (graph capture: "undecided")
+                return run_block(args)
             if self.probing and not self.skip:
                 raise _Computed
             # blocks (and ControlNet between them) add in place; a skip adds the residual to this copy,
@@ -273,23 +327,30 @@ class _Call:
             out = _passthrough(args)
             if last:
                 img = out["img"]
-                n = self.stack_in.shape[1]
+                start, end = self._image_tokens(args, img.shape[1])
                 res = torch.cat([self.run.residual(k, img, self.sigma) for k in self.keys])
-                if img.shape[1] == n:
-                    out["img"] = self.stack_in + res
-                elif self.family.image_first:
-                    out["img"] = torch.cat([self.stack_in + res, img[:, n:]], 1)
-                else:
-                    out["img"] = torch.cat([img[:, :-n], self.stack_in + res], 1)
+                out["img"] = torch.cat([img[:, :start], self.stack_in + res, img[:, end:]], 1)
                 self.stack_in = None
             return out
         out = run_block(args)
         if last and self.stack_in is not None:
-            n = self.stack_in.shape[1]
-            image = out["img"][:, :n] if self.family.image_first else out["img"][:, -n:]
-            self.residual = image - self.stack_in
+            start, end = self._image_tokens(args, out["img"].shape[1])
+            self.residual = out["img"][:, start:end] - self.stack_in
             self.stack_in = None
         return out
+
+    def _image_tokens(self, args: dict, total: int) -> tuple[int, int]:
+        """Where the image tokens are in the last block's stream: the single stream's ``img_slice``
+        where the host sets it (Flux, Chroma, HunyuanVideo from ComfyUI 0.14: text first), else the
+        family's layout."""
+        n = self.stack_in.shape[1]
+        if "txt" not in args:  # a single (joint) stream
+            sl = (args.get("transformer_options") or {}).get("img_slice")
+            if isinstance(sl, (list, tuple)) and len(sl) == 2 and sl[1] - sl[0] == n and sl[1] <= total:
+                return int(sl[0]), int(sl[1])
+        if total == n or self.family.image_first:
+            return 0, n
+        return total - n, total
 
     def store_residual(self) -> None:
         """After a computed forward: keep its residual per cond."""
@@ -297,16 +358,6 @@ class _Call:
             for key, r in zip(self.keys, self.residual.chunk(len(self.keys)), strict=True):
                 self.run.store_residual(key, r, self.sigma)
             self.residual = None
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(family: str, exc: Exception) -> None:
-    if family not in _warned:
-        _warned.add(family)
-        log.warning("ReuseKit TeaCache: cannot read the modulated input of this %s model (%s: %s); "
-                    "computing every step", family, type(exc).__name__, exc)
 
 
 def _transformer_options(args, kwargs) -> dict:

@@ -339,8 +339,9 @@ def test_a_skipped_call_adds_controlnet_once_not_again_on_top_of_the_residual(fl
     import comfy.ops
 
     trained = tiny_module("trained_flux")
+    config = rkharness.TINY.with_host_fields(trained.CONFIG, "comfy.ldm.flux.model:FluxParams")
     cn = comfy.ldm.flux.controlnet.ControlNetFlux(operations=comfy.ops.disable_weight_init,
-                                                  dtype=torch.float32, **trained.CONFIG)
+                                                  dtype=torch.float32, **config)
     trained.init_weights(cn, 5)
     for block in cn.controlnet_single_blocks:  # only control inside the block stack
         torch.nn.init.zeros_(block.weight)
@@ -462,6 +463,97 @@ def test_hunyuan_video_with_a_guiding_frame_reads_its_per_frame_modulation_and_s
                                  shape=shape), ref)
     out = sample(teacache(model, 10.0, model_type="hunyuan_video"), guided, steps=6, cfg=1.0, shape=shape)
     assert last_run()["calls_skipped"] >= 1 and torch.isfinite(out).all()
+
+
+def family_spec(name):
+    """FAMILY_SPECS[name] (tests/tinymodels/families.py), or a skip naming the class this host lacks."""
+    spec = tiny_module("families").FAMILY_SPECS[name]
+    missing = spec.missing() if hasattr(spec, "missing") else None
+    if missing:
+        pytest.skip(f"this ComfyUI has no {missing}")
+    return spec
+
+
+def batched(x, sigma, kwargs):
+    """One model call's inputs as cond and uncond batched together (the uncond's latent differs)."""
+    def two(v):
+        if isinstance(v, list):  # reference latents
+            return [two(r) for r in v]
+        return torch.cat([v, v]) if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == 1 else v
+
+    return torch.cat([x, x.flip(-1)]), two(sigma), {k: two(v) for k, v in kwargs.items()}
+
+
+def two_calls(model, x, sigma, kwargs, keys=("c", "u")):
+    """The same input twice through the cached model: (first output, second output, run state)."""
+    to = model.model_options["transformer_options"].copy()
+    to.update({"wrappers": model.wrappers, "sigmas": sigma, "uuids": list(keys), "cond_or_uncond": [0, 1][:len(keys)],
+               P().RUN_KEY: tc().RunState(to[P().KEY].config, (0, 0, 0, 1.0, 0), 1.0, 0.0)})
+    with torch.inference_mode():
+        first = model.model.apply_model(x, sigma, transformer_options=to, **kwargs)
+        second = model.model.apply_model(x, sigma, transformer_options=to, **kwargs)
+    return first, second, to[P().RUN_KEY]
+
+
+# family (in tests/tinymodels/families.py), the step cache's name for it, extra call inputs
+RESULT_FAMILIES = {
+    "flux": ("flux", {}),
+    "hunyuan_video": ("hunyuan_video", {}),
+    "wan": ("wan", {}),
+    "qwen_image": ("qwen_image", {}),
+    "flux2": ("flux2", {}),
+    "flux2_klein": ("flux2", {}),
+    "flux2_index_timestep_zero": ("flux2", {"ref_latents_method": "index_timestep_zero"}),
+    "qwen_image_edit": ("qwen_image", {}),
+    "hunyuan_video15": ("hunyuan_video15", {}),
+    "wan22": ("wan22", {}),
+    "wan22_14b": ("wan", {}),
+}
+
+
+@pytest.mark.parametrize("name", list(RESULT_FAMILIES))
+def test_a_skipped_step_on_the_same_input_returns_the_computed_output(name):
+    """Per family, cond and uncond batched: the second call on the same input skips and must give the
+    first one's output, so the residual is taken from and added to the image tokens, wherever the
+    host puts them (HunyuanVideo's single stream is text first from ComfyUI 0.14) and however the
+    block is modulated (the doubled timestep-zero modulation of Flux.2 / Qwen-Image-Edit-2511)."""
+    spec_name = "flux2_klein" if name == "flux2_index_timestep_zero" else name  # the host doubles no guidance
+    family, extra = RESULT_FAMILIES[name]
+    spec = family_spec(spec_name)
+    model = spec.build(0)
+    x, sigma, kwargs = spec.inputs(spec.sizes[0], 0)
+    if extra.get("ref_latents_method"):
+        if "index_timestep_zero" not in __import__("inspect").getsource(type(model.model.diffusion_model)._forward):
+            pytest.skip("this ComfyUI's Flux has no index_timestep_zero reference method")
+        kwargs = dict(kwargs, ref_latents=[torch.randn((1, *spec.sizes[0][:-2], 4, 6),
+                                                       generator=torch.Generator().manual_seed(7))], **extra)
+    x, sigma, kwargs = batched(x, sigma, kwargs)
+    cached = teacache(model, 1.0, model_type="auto", mode="reuse")
+    assert cached.model_options["transformer_options"][P().KEY].family.name == family
+    first, second, run = two_calls(cached, x, sigma, kwargs)
+    assert [s.pattern for s in run.conds.values()] == [["C", "S"], ["C", "S"]]
+    assert torch.allclose(second, first, atol=1e-5, rtol=1e-5), rel_err(second, first)
+
+
+def test_a_step_whose_decision_cannot_run_is_computed_and_never_crashes(flux, conds, monkeypatch, caplog):
+    """A model variant whose modulated input cannot be read: every step computed (the uncached
+    latent exactly), no residual kept for a decision that never ran, one warning."""
+    import dataclasses
+
+    def unreadable(dm, args):
+        raise RuntimeError("a layout this pack does not know")
+
+    families = tuple(dataclasses.replace(f, modulated=unreadable) if f.name == "flux" else f for f in P().FAMILIES)
+    monkeypatch.setattr(P(), "FAMILIES", families)
+    ref = sample(flux, conds)
+    with caplog.at_level(logging.WARNING, logger="reusekit"):
+        out = sample(teacache(flux, 5.0), conds)
+        again = sample(teacache(flux, 5.0), conds)
+    assert torch.equal(out, ref) and torch.equal(again, ref)
+    run = last_run()
+    assert run["calls_skipped"] == 0 and run["calls_computed"] == STEPS
+    warnings = [r for r in caplog.records if "cannot read the modulated input" in r.getMessage()]
+    assert len(warnings) <= 1
 
 
 def test_an_unsupported_family_is_a_clear_error(tiny):
