@@ -15,7 +15,8 @@ def _cache_inputs() -> list:
     return [
         io.Combo.Input("model_type", options=list(patch.MODEL_TYPES), default="auto",
                        tooltip="Which rescale polynomial to use. auto: this model's calibration if one was "
-                               "made, else the published one for its family (Flux, HunyuanVideo, Wan). "
+                               "made, else the published one for its family (Flux.1, HunyuanVideo, Wan 2.1; "
+                               "Flux.2, Qwen-Image, HunyuanVideo 1.5 and Wan 2.2 5B need a calibration). "
                                "calibrated: only a calibration (see ReuseKit TeaCache Calibrate)."),
         io.Float.Input("rel_l1_thresh", default=0.4, min=0.0, max=10.0, step=0.01,
                        tooltip="Skip while the accumulated predicted change stays under this. 0 computes "
@@ -79,7 +80,8 @@ class TeaCacheNode(io.ComfyNode):
             description="Skips transformer steps whose output would barely change, reusing the last residual "
                         "(TeaCache). Separate state per cond/uncond; starts clean on every run and on any "
                         "shape change. Works with any sampler; reports skipped steps in the log and the panel.",
-            inputs=[io.Model.Input("model", tooltip="The diffusion model (Flux, HunyuanVideo, Wan, Qwen-Image).")]
+            inputs=[io.Model.Input("model", tooltip="The diffusion model (Flux, Flux.2, HunyuanVideo, HunyuanVideo 1.5, "
+                                                    "Wan 2.1/2.2, Qwen-Image incl. Edit).")]
             + _cache_inputs(),
             outputs=[io.Model.Output(tooltip="A copy of the model with the step cache attached.")],
         )

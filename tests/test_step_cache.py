@@ -57,12 +57,13 @@ def _isolated_calibrations(monkeypatch, tmp_path):
     return store
 
 
-def sample(model, conds, steps=STEPS, cfg=3.0, shape=(1, 16, 8, 8), seed=3):
+def sample(model, conds, steps=STEPS, cfg=3.0, shape=(1, 16, 8, 8), seed=3, fill=0.0):
+    """``fill``: a latent that is not empty, so the sampler keeps its channels as given."""
     import nodes
 
     pos, neg = conds
     (out,) = nodes.common_ksampler(model, seed, steps, cfg, "euler", "simple", pos, neg,
-                                   {"samples": torch.zeros(shape)})
+                                   {"samples": torch.full(shape, fill)})
     return out["samples"]
 
 
@@ -533,6 +534,84 @@ def test_a_skipped_step_on_the_same_input_returns_the_computed_output(name):
     first, second, run = two_calls(cached, x, sigma, kwargs)
     assert [s.pattern for s in run.conds.values()] == [["C", "S"], ["C", "S"]]
     assert torch.allclose(second, first, atol=1e-5, rtol=1e-5), rel_err(second, first)
+
+
+# family (families.py), the step cache's name, latent shape, extra cond values, latent fill
+NEW_FAMILIES = {
+    "flux2": ("flux2", (1, 128, 8, 8), {}, 0.0),
+    "flux2_klein_index_timestep_zero": ("flux2", (1, 128, 8, 8), {"reference_latents_method": "index_timestep_zero"},
+                                        0.0),
+    "qwen_image_edit": ("qwen_image", (1, 16, 1, 8, 8), {}, 0.0),
+    "hunyuan_video15": ("hunyuan_video15", (1, 16, 2, 8, 8), {}, 0.1),  # tiny: 16 latent channels, not 32
+    "wan22": ("wan22", (1, 48, 2, 8, 8), {}, 0.0),
+}
+
+
+@pytest.mark.parametrize("name", list(NEW_FAMILIES))
+def test_families_of_the_current_host_calibrate_then_skip_through_the_real_ksampler(conds, name):
+    """cond and uncond batched under CFG, reference latents where the family takes them (Flux.2
+    Klein and Qwen-Image-Edit-2511 at timestep zero: these crashed the sampler): no published
+    coefficients, so a clear error until calibrated, then skipped steps and a finite latent."""
+    family, shape, extra, fill = NEW_FAMILIES[name]
+    spec = family_spec(name.removesuffix("_index_timestep_zero"))
+    model = spec.build(0)
+    if spec.has_ref_latents:
+        ref = torch.randn((1, *shape[1:-2], 4, 6), generator=torch.Generator().manual_seed(7))
+        extra = {"reference_latents": [ref], **extra}
+    conds = tuple([[c, {**e, **extra}] for c, e in cond] for cond in conds)
+    ref_out = sample(model, conds, steps=6, shape=shape, fill=fill)
+    with pytest.raises(ValueError, match="ReuseKit TeaCache: model_type: no calibration"):
+        sample(teacache(model, 0.0, model_type="auto"), conds, steps=6, shape=shape, fill=fill)
+    (cal,) = N().TeaCacheCalibrateNode.execute(model).args
+    assert torch.equal(sample(cal, conds, steps=6, shape=shape, fill=fill), ref_out)
+    assert last_run()["calibration"]["points"] >= 2
+    out = sample(teacache(model, 3.0, model_type="auto"), conds, steps=6, shape=shape, fill=fill)
+    run = last_run()
+    assert run["family"] == family and run["model_type"] == "calibrated" and run["calls_skipped"] >= 1
+    assert set(run["conds"]) == {"cond", "uncond"}
+    assert out.shape == ref_out.shape and torch.isfinite(out).all()
+
+
+def test_the_two_wan22_experts_keep_separate_state_and_calibrations(conds):
+    """Wan 2.2 14B samples with a high-noise and a low-noise expert, one after the other: each has
+    its own calibration and its own run state (the second starts clean, never reusing the first's
+    residual)."""
+    import nodes
+
+    spec = family_spec("wan22_14b")
+    high, low = spec.build(0), spec.build(1)
+    shape = (1, 16, 1, 8, 8)
+    latent = {"samples": torch.zeros(shape)}
+    for expert in (high, low):
+        (cal,) = N().TeaCacheCalibrateNode.execute(expert).args
+        sample(cal, conds, steps=6, shape=shape)
+    pos, neg = conds
+    adv = nodes.KSamplerAdvanced()
+    runs = []
+    (half,) = adv.sample(teacache(high, 3.0, model_type="calibrated"), "enable", 3, 8, 3.0, "euler", "simple",
+                         pos, neg, latent, 0, 4, "enable")
+    runs.append(last_run())
+    (done,) = adv.sample(teacache(low, 3.0, model_type="calibrated"), "disable", 3, 8, 3.0, "euler", "simple",
+                         pos, neg, half, 4, 8, "disable")
+    runs.append(last_run())
+    assert torch.isfinite(done["samples"]).all()
+    for run in runs:
+        assert run["model_type"] == "calibrated" and run["family"] == "wan"
+        assert all(c["pattern"][0] == "C" and len(c["pattern"]) == 4 for c in run["conds"].values())
+    assert P().STORE.get(P().model_fingerprint(high, P().FAMILIES[5])) != P().STORE.get(
+        P().model_fingerprint(low, P().FAMILIES[5]))
+
+
+@pytest.mark.parametrize("name,cls", [("ltx2", "LTXAVModel"), ("z_image", "NextDiT")])
+def test_a_family_without_block_seams_is_a_clear_error_at_the_node(name, cls):
+    """LTX-2 (a joint audio/video stream) and Z-Image (no block-replace seam) cannot be hooked
+    without copying a core forward: the node says so, naming itself and the input."""
+    model = family_spec(name).build(0)
+    for node in (N().TeaCacheNode, ):
+        with pytest.raises(ValueError, match=f"ReuseKit TeaCache: model: .*does not support {cls}"):
+            node.execute(model, "auto", 0.4, 0.0, 1.0, 0, "device", "reuse")
+    with pytest.raises(ValueError, match=f"ReuseKit TeaCache Calibrate: model: .*does not support {cls}"):
+        N().TeaCacheCalibrateNode.execute(model)
 
 
 def test_a_step_whose_decision_cannot_run_is_computed_and_never_crashes(flux, conds, monkeypatch, caplog):
