@@ -9,6 +9,10 @@ it, before the host method runs, as ``fn(patcher, *args, **kwargs)``. A listener
 logged and never breaks ComfyUI's memory management.
 
 Events (the ModelPatcher methods): ``load``, ``unpatch_model``, ``partially_unload``, ``detach``.
+Subclasses that override one (ComfyUI 0.16+'s ``ModelPatcherDynamic``, a custom node's patcher)
+are wrapped too, also those defined later; a call fires its listeners once, with the outermost
+method's arguments, even where the override calls ``super()``. A method whose parameters differ
+from what the listeners expect stays unwrapped, with one warning (patches/host.py).
 """
 
 from __future__ import annotations
@@ -17,63 +21,130 @@ import logging
 import threading
 from collections.abc import Callable
 
+from . import host
+
 log = logging.getLogger("reusekit")
 
 EVENTS = ("load", "unpatch_model", "partially_unload", "detach")
+PARAMS = {"load": ("self", "device_to"), "unpatch_model": ("self", "device_to", "unpatch_weights"),
+          "partially_unload": ("self", "device_to", "memory_to_free"), "detach": ("self", "unpatch_all")}
+"""The parameters (in order) the listeners rely on for each event."""
 MARK = "__reusekit_lifecycle__"
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _listeners: dict[str, list[Callable]] = {e: [] for e in EVENTS}
-_originals: dict[str, Callable] = {}
+_originals: dict[tuple[type, str], Callable] = {}  # (class, event) -> the class's own method
+_base: list[type] = []  # the ModelPatcher class, while installed
+_active = threading.local()  # (event, id(patcher)) calls in progress on this thread
 
 
 def _wrap(event: str, original: Callable) -> Callable:
     def wrapper(self, *args, **kwargs):
+        running = _active.__dict__.setdefault("calls", set())
+        key = (event, id(self))
+        if key in running:  # an override's super() call: its listeners already ran
+            return original(self, *args, **kwargs)
         for fn in list(_listeners[event]):
             try:
                 fn(self, *args, **kwargs)
             except Exception:
                 log.exception("ReuseKit: a %s listener failed (ignored)", event)
-        return original(self, *args, **kwargs)
+        running.add(key)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            running.discard(key)
 
-    wrapper.__name__ = wrapper.__qualname__ = original.__name__
+    wrapper.__name__ = original.__name__
+    wrapper.__qualname__ = getattr(original, "__qualname__", original.__name__)
     wrapper.__doc__ = original.__doc__
     wrapper.__wrapped__ = original
     setattr(wrapper, MARK, True)
     return wrapper
 
 
+def _wrap_class(cls: type) -> None:
+    """Wrap the lifecycle methods ``cls`` defines itself (not inherited), once each."""
+    for event in EVENTS:
+        method = cls.__dict__.get(event)
+        if not callable(method) or getattr(method, MARK, False) or (cls, event) in _originals:
+            continue
+        where = f"{cls.__module__}.{cls.__qualname__}.{event}"
+        if not host.check(f"cache release on {cls.__qualname__}.{event}", where, method, PARAMS[event]):
+            continue
+        _originals[(cls, event)] = method
+        setattr(cls, event, _wrap(event, method))
+
+
+def _subclasses(cls: type) -> list[type]:
+    found, todo = [], list(cls.__subclasses__())
+    while todo:
+        sub = todo.pop()
+        if sub not in found:
+            found.append(sub)
+            todo.extend(sub.__subclasses__())
+    return found
+
+
+def _is_hook(attr) -> bool:
+    return getattr(attr, "__func__", None) is _init_subclass
+
+
+def _init_subclass(cls, **kwargs) -> None:
+    """Installed as ``ModelPatcher.__init_subclass__``: a subclass defined later is wrapped too."""
+    hooked = next(b for b in cls.__mro__[1:] if _is_hook(b.__dict__.get("__init_subclass__")))
+    super(hooked, cls).__init_subclass__(**kwargs)
+    with _lock:
+        if _base:
+            _wrap_class(cls)
+
+
 def install() -> bool:
-    """Wrap the lifecycle methods once (idempotent); False when the host lacks one (nothing changes)."""
+    """Wrap the lifecycle methods of ModelPatcher and its subclasses (idempotent); False when
+    ModelPatcher cannot be followed at all (nothing changes)."""
     import comfy.model_patcher
 
     cls = comfy.model_patcher.ModelPatcher
     with _lock:
-        if _originals:
+        if _base:
             return True
-        if not all(callable(cls.__dict__.get(e)) for e in EVENTS):
-            log.warning("ReuseKit: this ComfyUI's ModelPatcher lacks one of %s; caches will not follow "
-                        "model unloads (device entries stay until cleared)", ", ".join(EVENTS))
-            return False
-        for event in EVENTS:
-            _originals[event] = cls.__dict__[event]
-            setattr(cls, event, _wrap(event, _originals[event]))
-        return True
+        if "__init_subclass__" in cls.__dict__:  # a host that hooks its own subclasses: stay out of it
+            log.warning("ReuseKit: this ComfyUI's ModelPatcher defines __init_subclass__; patchers defined "
+                        "after start-up will not be followed")
+        else:
+            cls.__init_subclass__ = classmethod(_init_subclass)
+        _base.append(cls)
+        for c in (cls, *_subclasses(cls)):
+            _wrap_class(c)
+        return any((cls, e) in _originals for e in EVENTS)
 
 
 def uninstall() -> None:
     """Put the host methods back (idempotent); listeners stay registered for a later install."""
-    import comfy.model_patcher
-
-    cls = comfy.model_patcher.ModelPatcher
     with _lock:
-        for event, original in _originals.items():
-            setattr(cls, event, original)
+        if not _base:
+            return
+        cls = _base.pop()
+        if _is_hook(cls.__dict__.get("__init_subclass__")):
+            del cls.__init_subclass__
+        for (owner, event), original in _originals.items():
+            current = owner.__dict__.get(event)
+            if getattr(current, "__wrapped__", None) is original and getattr(current, MARK, False):
+                setattr(owner, event, original)
+            else:
+                log.warning("ReuseKit: %s.%s was replaced by someone else; left as it is",
+                            owner.__qualname__, event)
         _originals.clear()
 
 
 def installed() -> bool:
-    return bool(_originals)
+    return bool(_base)
+
+
+def wrapped(cls: type, event: str) -> bool:
+    """True when ``cls``'s own ``event`` method fires the listeners."""
+    with _lock:
+        return (cls, event) in _originals
 
 
 def add_listener(event: str, fn: Callable) -> None:
@@ -93,6 +164,6 @@ def remove_listener(event: str, fn: Callable) -> None:
 
 
 def listening(event: str, fn: Callable) -> bool:
-    """True when ``fn`` hears ``event`` now (registered, and the wrap installed)."""
+    """True when ``fn`` hears ``event`` now (registered, and ModelPatcher's method wrapped)."""
     with _lock:
-        return bool(_originals) and fn in _listeners.get(event, [])
+        return bool(_base) and (_base[0], event) in _originals and fn in _listeners.get(event, [])

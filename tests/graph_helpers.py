@@ -63,3 +63,26 @@ def tiny_lora(strength_seed=0):
     gen = torch.Generator().manual_seed(strength_seed)
     return {"diffusion_model.img_in.lora_up.weight": torch.randn(64, 4, generator=gen) * 0.5,
             "diffusion_model.img_in.lora_down.weight": torch.randn(4, 64, generator=gen) * 0.5}
+
+
+def dynamic_patcher(model):
+    """A real ComfyUI ``ModelPatcherDynamic`` (dynamic VRAM) over ``model``'s BaseModel. Its load
+    device is named CUDA (on a CPU one ComfyUI returns a plain ModelPatcher instead); comfy-aimdo's
+    host library is loaded first, as main.py does before ComfyUI binds it."""
+    import importlib
+
+    import comfy.model_patcher
+
+    cls = getattr(comfy.model_patcher, "ModelPatcherDynamic", None)
+    if cls is None:
+        pytest.skip("this ComfyUI has no comfy.model_patcher.ModelPatcherDynamic (dynamic VRAM, v0.16+)")
+    import comfy_aimdo.control
+    import comfy_aimdo.host_buffer
+
+    if comfy_aimdo.host_buffer.lib is None:
+        if not comfy_aimdo.control.init():
+            pytest.skip("comfy-aimdo's library does not load on this machine")
+        importlib.reload(comfy_aimdo.host_buffer)  # it binds the library when imported
+    patcher = cls(model.model, torch.device("cuda", 0), model.offload_device)
+    assert type(patcher) is cls and patcher.is_dynamic()
+    return patcher
