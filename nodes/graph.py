@@ -8,7 +8,7 @@ from comfy_api.latest import io
 import nodes as comfy_nodes
 
 from ..caching.graph_reuse import DISABLE_ENV
-from ..patches import graph_capture
+from ..patches import graph_capture, host
 from . import CATEGORY, ksampler_inputs
 
 MAX_GRAPHS = 8
@@ -40,8 +40,8 @@ def with_capture(node: str, model, enable: bool, max_graphs: int):
     model = model.clone()
     if enable:
         if not torch.cuda.is_available():
-            graph_capture.say_once("nocuda", "ReuseKit graph: no CUDA device, the model runs eagerly "
-                                   "(the reuse decision still runs and is counted)")
+            host.say_once("graph:nocuda", "ReuseKit graph: no CUDA device, the model runs eagerly "
+                          "(the reuse decision still runs and is counted)")
         graph_capture.enable(model, max_graphs=max_graphs)
     else:
         graph_capture.disable(model)
@@ -57,8 +57,9 @@ class GraphCaptureNode(io.ComfyNode):
             category=f"{CATEGORY}/graph",
             description="Captures the diffusion model's forward once as a CUDA graph and replays it on every "
                         "following step while shapes, batch and weights stay the same; rebuilds (and says why) "
-                        "when they change. Partially loaded (lowvram) models, per-step weight hooks and "
-                        "uncapturable inputs run eagerly with the same result. Without CUDA: eager.",
+                        "when they change. Partially loaded (lowvram) models, models under dynamic VRAM, per-step "
+                        "weight hooks and uncapturable inputs run eagerly with the same result. Without CUDA: "
+                        "eager.",
             inputs=[
                 io.Model.Input("model", tooltip="The diffusion model to capture (it is cloned, never changed)."),
                 *switches("enable"),

@@ -15,21 +15,23 @@ same result, when the model is partially loaded (lowvram), when hooks or weight 
 weights per step, when transformer patches not marked graph-safe run Python inside the forward,
 under torch.compile, or when an input cannot be captured.
 
-Captured graphs are released when any patcher loads or unloads the model's weights (listeners on
-``ModelPatcher.load / unpatch_model / partially_unload`` through patches/lifecycle.py;
-:func:`install` and :func:`uninstall`). Where the host captures per-block graphs itself
-(``comfy/model_prefetch.py``) this backend defers to it. Without CUDA the decision still runs
-(the stats show what would be reused) and every forward runs eagerly.
+Captured graphs are released when any patcher (subclasses included) loads or unloads the model's
+weights (listeners on ``load / unpatch_model / partially_unload`` through patches/lifecycle.py;
+:func:`install` and :func:`uninstall`). A model runs eagerly, with the reason counted, where the
+host captures its blocks as graphs itself (``comfy/model_prefetch.py``) and under dynamic VRAM
+(ComfyUI's ``ModelPatcherDynamic``: weights stream in during every forward, so a replay could read
+evicted memory). Without CUDA the decision still runs (the stats show what would be reused) and
+every forward runs eagerly.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import importlib.util
 import inspect
 import logging
 import os
+import sys
 import threading
 import traceback
 import weakref
@@ -41,7 +43,7 @@ import torch
 
 from ..caching import graph_reuse as gr
 from ..caching.settings import SETTINGS
-from . import lifecycle
+from . import host, lifecycle
 
 log = logging.getLogger("reusekit")
 
@@ -56,7 +58,6 @@ _SETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # BaseModel -> G
 _SETS_LOCK = threading.RLock()  # re-entered when a model is collected while it is held
 _MODEL = contextvars.ContextVar("reusekit_graph_model", default=None)
 _RUN = contextvars.ContextVar("reusekit_graph_run", default=None)
-_said: set[str] = set()
 _params: dict[Any, tuple[list[str], bool]] = {}
 
 if "graph_reuse.enabled" not in SETTINGS.snapshot():
@@ -68,27 +69,45 @@ def env_disabled() -> bool:
     return os.environ.get(gr.DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def say_once(key: str, msg: str, *args, level: int = logging.INFO) -> None:
-    if key not in _said:
-        _said.add(key)
-        log.log(level, msg, *args)
+def host_captures_graphs(diffusion_model) -> bool:
+    """True where the host captures blocks of this diffusion model as CUDA graphs itself: one of
+    its modules is in the registries of blocks ``comfy/model_prefetch.py`` warmed up or captured
+    (ComfyUI 0.33 does so for text-encoder layers only). Never capture around them."""
+    prefetch = sys.modules.get("comfy.model_prefetch")
+    marked = [s for s in (getattr(prefetch, "GRAPH_WARMED_MODULES", None), getattr(prefetch, "GRAPH_MODULES", None))
+              if s]
+    if not marked or not isinstance(diffusion_model, torch.nn.Module):
+        return False
+    return any(m in s for m in diffusion_model.modules() for s in marked)
 
 
-_host_graphs: bool | None = None
+def is_dynamic(patcher) -> bool:
+    """True for a patcher under dynamic VRAM (ComfyUI's ``ModelPatcherDynamic``)."""
+    probe = getattr(patcher, "is_dynamic", None)
+    return bool(probe()) if callable(probe) else False
 
 
-def host_captures_graphs() -> bool:
-    """True where the host core captures per-block CUDA graphs itself (never capture twice)."""
-    global _host_graphs
-    if _host_graphs is None:
-        try:
-            present = importlib.util.find_spec("comfy.model_prefetch") is not None
-        except (ImportError, ValueError):
-            present = False
-        import comfy.cli_args
+def _dynamic_vram_default() -> bool:
+    """True where this ComfyUI made dynamic VRAM its default patcher at start-up."""
+    memory = sys.modules.get("comfy.memory_management")
+    return bool(getattr(memory, "aimdo_enabled", False))
 
-        _host_graphs = present and not getattr(comfy.cli_args.args, "disable_cuda_graphs", False)
-    return _host_graphs
+
+def report_layer(followed: bool = True) -> None:
+    """The graph layer's state for the start-up line (patches/host.py); ``followed``: False where
+    weight changes cannot be followed."""
+    notes = []
+    if env_disabled():
+        state, notes = "off", [f"{gr.DISABLE_ENV} is set"]
+    elif not torch.cuda.is_available():
+        state = "eager: no CUDA"
+    else:
+        state = "on"
+        if _dynamic_vram_default():
+            notes.append("models under dynamic VRAM run eagerly")
+    if not followed:
+        notes.append("graphs are released only when cleared")
+    host.set_layer("graph capture", state, "; ".join(notes))
 
 
 # ---- weights change: release ----------------------------------------------------------------
@@ -149,6 +168,7 @@ STATS.set_clear(release_all)
 STATS.info("backend", "cuda (graphs captured and replayed)" if torch.cuda.is_available()
            else "eager: decisions only (no CUDA)")  # the panel lists the cache from the start
 
+
 def _on_load(patcher, *args, **kwargs) -> None:
     release_model(patcher.model, "reloaded", "ModelPatcher.load")
 
@@ -170,9 +190,10 @@ def install() -> bool:
     (listeners on patches/lifecycle.py). Idempotent; False when the host lacks those methods."""
     for event, fn in _LISTENERS:
         lifecycle.add_listener(event, fn)
-    if not lifecycle.installed():
-        say_once("probe", "ReuseKit graph: this ComfyUI's ModelPatcher cannot be followed; graphs are "
-                 "only released when cleared", level=logging.WARNING)
+    report_layer(installed())
+    if not installed():
+        host.say_once("graph:probe", "ReuseKit graph: this ComfyUI's ModelPatcher cannot be followed; graphs "
+                      "are only released when cleared", level=logging.WARNING)
         return False
     return True
 
@@ -186,6 +207,9 @@ def uninstall() -> None:
 
 def installed() -> bool:
     return all(lifecycle.listening(event, fn) for event, fn in _LISTENERS)
+
+
+report_layer()
 
 
 # ---- runners --------------------------------------------------------------------------------
@@ -560,8 +584,7 @@ _last_label: list[str] = [""]
 def _say_backend(backend: str, device: torch.device) -> None:
     label = _BACKEND_LABELS.get(backend, backend)
     if backend == "eager":
-        label += (" (no CUDA)" if device.type != "cuda" else " (forced)" if FORCE_BACKEND == "eager"
-                  else " (the host captures graphs itself)")
+        label += " (no CUDA)" if device.type != "cuda" else " (forced)"
     if label != _last_label[0]:
         _last_label[0] = label
         STATS.info("backend", label)
@@ -570,9 +593,14 @@ def _say_backend(backend: str, device: torch.device) -> None:
 def _state_bypass(base_model, compiled: bool) -> tuple[str, str] | None:
     if compiled or torch.compiler.is_compiling():
         return "torch_compile", "the model runs through torch.compile"
+    if host_captures_graphs(getattr(base_model, "diffusion_model", None)):
+        return "host_graphs", "ComfyUI captures this model's blocks as CUDA graphs itself (comfy/model_prefetch.py)"
+    patcher = getattr(base_model, "current_patcher", None)
+    if is_dynamic(patcher):
+        return "dynamic_vram", ("the model runs under dynamic VRAM: its weights stream in during every forward, "
+                                "so a replay could read evicted memory")
     if getattr(base_model, "model_lowvram", False) or getattr(base_model, "lowvram_patch_counter", 0):
         return "partial_load", "weights are partially loaded (lowvram): they move during the forward"
-    patcher = getattr(base_model, "current_patcher", None)
     if patcher is not None:
         if getattr(patcher, "hook_patches", None) or getattr(patcher, "current_hooks", None) is not None:
             return "weight_hooks", "hooks change weights per step"
@@ -635,20 +663,16 @@ def graph_call(original, args: tuple, kwargs: dict, opts: dict, ctx):
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), None) or next(
         (v.device for v in kwargs.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
     backend = _backend(device)
-    if backend == "cuda" and host_captures_graphs():
-        say_once("host", "ReuseKit graph: this ComfyUI captures per-block CUDA graphs itself "
-                 "(comfy/model_prefetch.py); ReuseKit defers to it and does not capture")
-        backend = "eager"
     if backend == "eager" and device.type != "cuda":
-        say_once("nocuda", "ReuseKit graph: no CUDA device, the model runs eagerly "
-                 "(the reuse decision still runs and is counted)")
+        host.say_once("graph:nocuda", "ReuseKit graph: no CUDA device, the model runs eagerly "
+                      "(the reuse decision still runs and is counted)")
     _say_backend(backend, device)
     if run is not None:
         run.backend = backend
     bypass = _state_bypass(base_model, compiled)
     if bypass is not None:
         _count(run, "bypasses", bypass[0])
-        say_once(f"bypass:{bypass[0]}", "ReuseKit graph: running eagerly: %s", bypass[1])
+        host.say_once(f"graph:bypass:{bypass[0]}", "ReuseKit graph: running eagerly: %s", bypass[1])
         if run is not None:
             run.note(bypass[1])
         return _eager(run, original, args, kwargs)
@@ -657,7 +681,8 @@ def graph_call(original, args: tuple, kwargs: dict, opts: dict, ctx):
     STATS.incr("checks")
     if spec.bypass is not None:
         _count(run, "bypasses", spec.bypass)
-        say_once(f"bypass:{spec.bypass}:{spec.detail}", "ReuseKit graph: running eagerly: %s", spec.detail)
+        host.say_once(f"graph:bypass:{spec.bypass}:{spec.detail}", "ReuseKit graph: running eagerly: %s",
+                      spec.detail)
         if run is not None:
             run.note(spec.detail)
         return _eager(run, original, args, kwargs)
@@ -735,8 +760,8 @@ def graph_call(original, args: tuple, kwargs: dict, opts: dict, ctx):
     if failure:
         runner.release()
         STATS.incr("capture_failures")
-        say_once(f"fail:{failure}", "ReuseKit graph: could not capture this forward, it runs "
-                 "eagerly: %s", failure, level=logging.WARNING)
+        host.say_once(f"graph:fail:{failure}", "ReuseKit graph: could not capture this forward, it runs "
+                      "eagerly: %s", failure, level=logging.WARNING)
         if run is not None:
             run.note(f"capture failed: {failure}")
         evicted = gs.add(gr.Entry(spec.signature, failed=failure))

@@ -515,7 +515,7 @@ def test_disable_switches_env_node_and_setting(gc, monkeypatch, tiny, conds, cap
 @pytest.mark.skipif(ON_CUDA, reason="the models are on CUDA here")
 def test_without_cuda_it_says_so_once_in_the_log_and_in_the_stats(gc, tiny, conds, caplog, monkeypatch):
     monkeypatch.setattr(gc, "FORCE_BACKEND", None)
-    monkeypatch.setattr(gc, "_said", set())
+    monkeypatch.setattr(rkharness.pack("patches.host"), "_said", set())
     model = tiny.tiny_flux(0)
     with caplog.at_level(logging.INFO, logger="reusekit"):
         sample(capture(model), conds)
@@ -527,22 +527,91 @@ def test_without_cuda_it_says_so_once_in_the_log_and_in_the_stats(gc, tiny, cond
     assert len(summary) == 2
 
 
-def test_host_with_its_own_per_block_graphs_is_detected(gc, monkeypatch):
-    import importlib.util
+def cuda_decisions(gc, monkeypatch):
+    """The CUDA backend's decisions on this CPU: its runner is the ``emulate`` one (static buffers)."""
+    monkeypatch.setattr(gc, "_backend", lambda device: "cuda")
+    monkeypatch.setitem(gc.RUNNERS, "cuda", gc.StaticRunner)
 
-    import comfy.cli_args
 
-    monkeypatch.setattr(gc, "_host_graphs", None)
-    assert gc.host_captures_graphs() is False  # ComfyUI 0.3.75 has no comfy/model_prefetch.py
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "comfy.model_prefetch" else real(name, *a))
-    monkeypatch.setattr(gc, "_host_graphs", None)
-    assert gc.host_captures_graphs() is True
-    monkeypatch.setattr(comfy.cli_args.args, "disable_cuda_graphs", True, raising=False)
-    monkeypatch.setattr(gc, "_host_graphs", None)
-    assert gc.host_captures_graphs() is False  # the host's graphs are off: ReuseKit may capture
-    monkeypatch.setattr(gc, "_host_graphs", None)
+def test_the_host_captures_no_diffusion_model_block_so_reusekit_does(gc, monkeypatch, tiny, conds):
+    """ComfyUI 0.33's comfy/model_prefetch.py captures text-encoder layers only (under dynamic
+    VRAM): a DiT's forward is captured by ReuseKit on both hosts."""
+    cuda_decisions(gc, monkeypatch)
+    model = tiny.tiny_flux(0)
+    assert gc.host_captures_graphs(model.model.diffusion_model) is False
+    plain = sample(model, conds)
+    assert torch.equal(sample(capture(model), conds), plain)
+    run = last_run(gc)
+    assert run["backend"] == "cuda" and run["captures"] == 1 and run["replays"] == 2 and run["bypasses"] == {}
+
+
+def test_a_model_whose_blocks_the_host_captures_runs_eagerly_with_the_reason(gc, monkeypatch, tiny, conds):
+    """Where ComfyUI warms up (then captures) a block of this very model, ReuseKit does not capture
+    around it until ComfyUI's end-of-prompt cleanup drops its graphs."""
+    try:
+        import comfy.model_prefetch as prefetch
+    except ImportError:
+        pytest.skip("this ComfyUI has no comfy.model_prefetch (per-block graphs, v0.33+)")
+    cuda_decisions(gc, monkeypatch)
+    model = tiny.tiny_flux(0)
+    plain = sample(model, conds)
+    dm = model.model.diffusion_model
+    prefetch.GRAPH_WARMED_MODULES.add(dm.double_blocks[0])  # what prefetch_queue_pop records
+    try:
+        assert gc.host_captures_graphs(dm) is True
+        assert gc.host_captures_graphs(tiny.tiny_flux(1).model.diffusion_model) is False  # another model
+        assert torch.equal(sample(capture(model), conds), plain)
+        run = last_run(gc)
+        assert run["captures"] == 0 and run["bypasses"] == {"host_graphs": 3}
+    finally:
+        prefetch.cleanup_prefetch_queues()  # ComfyUI's own cleanup after every prompt
+    assert gc.host_captures_graphs(dm) is False
+    assert torch.equal(sample(capture(model), conds), plain)
+    assert last_run(gc)["captures"] == 1
+
+
+def test_a_model_under_dynamic_vram_runs_eagerly_with_the_reason_said_once(gc, monkeypatch, tiny, caplog):
+    """ComfyUI's real ModelPatcherDynamic streams weights in during the forward: no capture."""
+    import comfy.patcher_extension as pe
+    from graph_helpers import dynamic_patcher
+
+    host = rkharness.pack("patches.host")
+    monkeypatch.setattr(host, "_said", set())
+    cuda_decisions(gc, monkeypatch)
+    base = tiny.tiny_flux(0)
+    model = capture(dynamic_patcher(base))
+    assert model.is_dynamic()
+    model.pre_run()  # as ComfyUI does before sampling: the model's current patcher
+    try:
+        options = pe.copy_nested_dicts(model.model_options["transformer_options"])
+        options.update(wrappers=pe.copy_nested_dicts(model.wrappers), cond_or_uncond=[0])
+        gen = torch.Generator().manual_seed(0)
+        x, ctx, y = (torch.randn(*shape, generator=gen) for shape in ((1, 16, 8, 8), (1, 77, 32), (1, 32)))
+        t = torch.full((1,), 0.5)
+        kwargs = dict(c_crossattn=ctx, y=y, guidance=torch.full((1,), 3.5))
+        with caplog.at_level(logging.INFO, logger="reusekit"):
+            outs = [model.model.apply_model(x, t, transformer_options=options, **kwargs) for _ in range(2)]
+        assert counters(gc)["bypasses.dynamic_vram"] == 2 and "captures" not in counters(gc)
+        eager = model.model.apply_model(x, t, transformer_options={}, **kwargs)
+        assert all(torch.equal(out, eager) for out in outs)
+        said = [r.getMessage() for r in caplog.records if "dynamic VRAM" in r.getMessage()]
+        assert len(said) == 1
+    finally:
+        model.cleanup()
+
+
+def test_unloading_through_the_dynamic_vram_patcher_releases_the_models_graphs(gc, monkeypatch, tiny, conds):
+    from graph_helpers import dynamic_patcher
+
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.tiny_flux(0)
+    first = sample(capture(model), conds)
+    assert gc.STATS.handle.snapshot()["entries"] == 1
+    dynamic = dynamic_patcher(model)
+    dynamic.unpatch_model(model.offload_device)  # its own full unload (super() keeps the weights)
+    snap = gc.STATS.handle.snapshot()
+    assert snap["entries"] == 0 and snap["counters"]["releases.unloaded"] == 1
+    assert torch.equal(sample(capture(model), conds), first)
 
 
 def test_weight_listeners_install_once_and_uninstall_releases(gc, tiny, conds, monkeypatch):
