@@ -18,7 +18,8 @@ A listener on ``ModelPatcher.detach`` (patches/lifecycle.py) drops a model's dev
 when ComfyUI unloads it from its device.
 
 Each patch has one install and one uninstall (idempotent, guarded by a probe that the host has
-the function); ``install()`` / ``uninstall()`` apply them all.
+the function and by a shape check of its parameters, :func:`patches.host.check`: a builder a newer
+ComfyUI reshaped stays uncached, with one warning); ``install()`` / ``uninstall()`` apply them all.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 
 from ..caching.graph_reuse import capture_underway
 from ..caching.pe_cache import PECacheKey, cache_for, default_enabled
-from . import lifecycle
+from . import host, lifecycle
 
 log = logging.getLogger("reusekit")
 
@@ -178,12 +179,17 @@ def _add_bound(key: PECacheKey, sig: inspect.Signature, args, kwargs, skip: tupl
 # ---- patch plumbing ------------------------------------------------------------------------
 
 class Patch:
-    """One monkey-patch of ``module.<owner>.<attr>`` (or ``module.<attr>``) with install/uninstall."""
+    """One monkey-patch of ``module.<owner>.<attr>`` (or ``module.<attr>``) with install/uninstall.
 
-    def __init__(self, family: str, module: str, attr: str, make: Callable[[Callable], Callable]):
-        self.family, self.module, self.attr, self.make = family, module, attr, make
+    ``params``: the builder's parameter names, in order, that the replacement relies on; a host
+    builder without them is left unpatched (:attr:`off` says why)."""
+
+    def __init__(self, family: str, module: str, attr: str, make: Callable[[Callable], Callable],
+                 params: tuple[str, ...] = ()):
+        self.family, self.module, self.attr, self.make, self.params = family, module, attr, make, params
         self._original = None
         self._replacement = None
+        self.off: str | None = None  # why the host's builder stays uncached (its shape differs)
 
     def _target(self):
         mod = importlib.import_module(self.module)
@@ -223,6 +229,11 @@ class Patch:
         original = owner.__dict__[leaf] if inspect.isclass(owner) else getattr(owner, leaf)
         if getattr(original, MARK, False):  # another copy of the pack patched it: leave it
             return False
+        where = f"{self.module}.{self.attr}"
+        if not host.check(f"PE cache for {self.family}", where, original, self.params):
+            self.off = host.differs(original, self.params)
+            return False
+        self.off = None
         replacement = functools.wraps(original)(self.make(original))
         setattr(replacement, MARK, True)
         setattr(owner, leaf, replacement)
@@ -299,6 +310,31 @@ def _function(builder: str, skip: tuple = ()):
     return make
 
 
+def _ltx_precompute_freqs_cis(original):
+    """LTXBaseModel._precompute_freqs_cis (ComfyUI >= 0.8): every argument (positions by value) and
+    the model's rope type and frequency-grid generator, which decide the (matrix, split_mode). The
+    cache holds the matrix and split_mode as a CPU bool tensor (it stores tensors only)."""
+    sig = inspect.signature(original)
+
+    def _precompute_freqs_cis(self, *args, **kwargs):
+        def key(k):
+            _add_bound(k, sig, (self, *args), kwargs, skip=("self",))
+            gen = self.freq_grid_generator
+            k.add(str(getattr(self.split_positional_embedding, "value", self.split_positional_embedding)))
+            k.add(f"{getattr(gen, '__module__', '')}.{getattr(gen, '__qualname__', type(gen).__qualname__)}")
+
+        def build():
+            matrix, split_mode = original(self, *args, **kwargs)
+            return matrix, torch.tensor(bool(split_mode))
+
+        sc = _SCOPE.get()
+        if sc is None:
+            return original(self, *args, **kwargs)
+        matrix, split_mode = cached("ltxv.freqs_cis", key, build, args, kwargs)
+        return matrix, bool(split_mode)
+    return _precompute_freqs_cis
+
+
 def _cosmos_generate(original):
     """VideoRopePosition3DEmb.generate_embeddings: keyed by the full B,T,H,W,C size, fps, the ntk
     factors, dtype, device and the module's frequency ranges and fps settings."""
@@ -323,20 +359,27 @@ def _hydit_calc_rope(original):
     return calc_rope
 
 
+# Families whose builder moved between ComfyUI versions have one patch per place; a host has one.
 PATCHES: tuple[Patch, ...] = (
     Patch("flux, chroma, chroma radiance, hunyuan video, qwen-image, lumina2/z-image, omnigen2, wan",
-          "comfy.ldm.flux.layers", "EmbedND.forward", _embednd("EmbedND")),
-    Patch("hidream", "comfy.ldm.hidream.model", "EmbedND.forward", _embednd("hidream.EmbedND")),
-    Patch("wan (geometry)", "comfy.ldm.wan.model", "WanModel.rope_encode", _wan_rope_encode),
-    Patch("ltxv", "comfy.ldm.lightricks.model", "precompute_freqs_cis", _function("ltxv.freqs_cis")),
+          "comfy.ldm.flux.layers", "EmbedND.forward", _embednd("EmbedND"), ("self", "ids")),
+    Patch("hidream", "comfy.ldm.hidream.model", "EmbedND.forward", _embednd("hidream.EmbedND"), ("self", "ids")),
+    Patch("wan (geometry)", "comfy.ldm.wan.model", "WanModel.rope_encode", _wan_rope_encode,
+          ("self", "t", "h", "w", "t_start", "steps_t", "steps_h", "steps_w", "device", "dtype",
+           "transformer_options")),
+    Patch("ltxv", "comfy.ldm.lightricks.model", "precompute_freqs_cis", _function("ltxv.freqs_cis"),
+          ("indices_grid", "dim", "out_dtype", "theta", "max_pos")),  # ComfyUI < 0.8
+    Patch("ltxv", "comfy.ldm.lightricks.model", "LTXBaseModel._precompute_freqs_cis", _ltx_precompute_freqs_cis,
+          ("self", "indices_grid", "dim", "out_dtype", "theta", "max_pos")),  # ComfyUI >= 0.8, LTX-2
     Patch("cosmos", "comfy.ldm.cosmos.position_embedding", "VideoRopePosition3DEmb.generate_embeddings",
-          _cosmos_generate),
+          _cosmos_generate, ("self", "B_T_H_W_C", "fps", "h_ntk_factor", "w_ntk_factor", "t_ntk_factor")),
     Patch("mochi (positions)", "comfy.ldm.genmo.joint_model.asymm_models_joint", "create_position_matrix",
-          _function("mochi.positions")),
+          _function("mochi.positions"), ("T", "pH", "pW", "device", "dtype")),
     Patch("mochi", "comfy.ldm.genmo.joint_model.asymm_models_joint", "compute_mixed_rotation",
-          _function("mochi.rotation")),
-    Patch("hunyuan dit", "comfy.ldm.hydit.models", "calc_rope", _hydit_calc_rope),
-    Patch("hunyuan dit controlnet", "comfy.ldm.hydit.controlnet", "calc_rope", _hydit_calc_rope),
+          _function("mochi.rotation"), ("freqs", "pos")),
+    Patch("hunyuan dit", "comfy.ldm.hydit.models", "calc_rope", _hydit_calc_rope, ("x", "patch_size", "head_size")),
+    Patch("hunyuan dit controlnet", "comfy.ldm.hydit.controlnet", "calc_rope", _hydit_calc_rope,
+          ("x", "patch_size", "head_size")),
 )
 
 
@@ -350,7 +393,8 @@ def _apply_model(original):
     return apply_model
 
 
-SCOPE_PATCH = Patch("every model (scope)", "comfy.model_base", "BaseModel.apply_model", _apply_model)
+SCOPE_PATCH = Patch("every model (scope)", "comfy.model_base", "BaseModel.apply_model", _apply_model,
+                    ("self", "x", "t", "c_concat", "c_crossattn", "control", "transformer_options"))
 
 
 def release_device_tables(patcher, unpatch_all=True, *args, **kwargs) -> None:
@@ -369,11 +413,18 @@ GLOBAL_PATCHES = (SCOPE_PATCH,)
 
 
 def install() -> list[str]:
-    """Install every builder patch the host supports (idempotent); returns the families covered."""
+    """Install every builder patch the host supports (idempotent); returns the families covered
+    and records the PE layer (builders cached, and those left off) for the start-up line."""
     for p in GLOBAL_PATCHES:
         p.install()
     lifecycle.add_listener("detach", release_device_tables)
-    return [p.family for p in PATCHES if p.install()]
+    covered = [p.family for p in PATCHES if p.install()]
+    off = [f"{p.family} off: {p.module}.{p.attr} {p.off}" for p in (*GLOBAL_PATCHES, *PATCHES) if p.off]
+    if not all(p.installed for p in GLOBAL_PATCHES):
+        host.set_layer("PE cache", "off", "; ".join(off) or "BaseModel.apply_model is patched by another copy")
+    else:
+        host.set_layer("PE cache", "on", f"{len(covered)} builders" + "".join(f"; {o}" for o in off))
+    return covered
 
 
 def uninstall() -> None:

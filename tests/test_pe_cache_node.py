@@ -92,7 +92,8 @@ def test_uninstall_restores_the_host_functions_and_install_is_idempotent(tiny):
         owner, leaf = patch._target()
         return owner.__dict__[leaf] if isinstance(owner, type) else getattr(owner, leaf)
 
-    patches = (*rope.PATCHES, *rope.GLOBAL_PATCHES)
+    patches = [p for p in (*rope.PATCHES, *rope.GLOBAL_PATCHES) if p.available()]  # what this host has
+    assert rope.SCOPE_PATCH in patches and rope.PATCHES[0] in patches
     replacements = [current(p) for p in patches]
     originals = [p.original() for p in patches]
     assert all(getattr(r, rope.MARK, False) for r in replacements)
@@ -110,6 +111,49 @@ def test_uninstall_restores_the_host_functions_and_install_is_idempotent(tiny):
     rope.install()
     assert all(getattr(current(p), rope.MARK, False) for p in patches)
     assert [p._original for p in patches] == originals  # a second install wraps nothing twice
+
+
+def test_a_builder_a_newer_comfyui_reshaped_stays_uncached_with_one_warning(monkeypatch, caplog):
+    """A host whose calc_rope renamed a parameter (as a newer ComfyUI might): that builder runs
+    unchanged, one warning names it and the host version, the start-up line lists it as off."""
+    import importlib
+    import logging
+
+    host = rkharness.pack("patches.host")
+    hydit = importlib.import_module("comfy.ldm.hydit.models")
+    patch = next(p for p in rope.PATCHES if p.module == "comfy.ldm.hydit.models")
+    feature = f"PE cache for {patch.family}"
+    rope.uninstall()
+    host_calc_rope = hydit.calc_rope
+
+    def calc_rope(x, patch_size, head_dim):  # reshaped: the head size has another name
+        return host_calc_rope(x, patch_size, head_dim)
+
+    monkeypatch.setattr(hydit, "calc_rope", calc_rope)
+    try:
+        with caplog.at_level(logging.WARNING, logger="reusekit"):
+            rope.install()
+            rope.install()
+        assert hydit.calc_rope is calc_rope and not patch.installed
+        warnings = [r.getMessage() for r in caplog.records if feature in r.getMessage()]
+        assert len(warnings) == 1 and host.comfyui_version() in warnings[0] and "head_size" in warnings[0]
+        assert feature in host.off_features()
+        state, detail = host.layers()["PE cache"]
+        covered = sum(p.installed for p in rope.PATCHES)
+        assert state == "on" and detail.startswith(f"{covered} builders") and "hunyuan dit off" in detail
+        cache = pc.PECache()
+        x = torch.zeros((1, 4, 16, 24))
+        with rope.scope(cache):
+            assert torch.equal(hydit.calc_rope(x, 2, 88)[0], host_calc_rope(x, 2, 88)[0])
+        assert cache.names() == []  # ran unchanged, outside the cache
+    finally:
+        rope.uninstall()
+        monkeypatch.undo()
+        host._off.pop(feature, None)
+        host._said.discard(f"shape:{feature}")
+        rope.install()
+    assert patch.installed and patch.off is None
+    assert "off" not in host.layers()["PE cache"][1]
 
 
 def test_bad_inputs_name_the_node_and_the_input():
