@@ -14,8 +14,9 @@ Exactness rules kept here:
   structure, strengths and tensor contents (``torch.equal``) become the same object, so a new
   ``LoraLoader`` clone with the same LoRA and strength hits. An entry pins its weight set; its
   bytes count once against the budget while any entry uses it.
-- Stored values are private copies; every hit returns a fresh copy (containers and tensors), so
-  no caller can change a stored entry.
+- Stored values are private copies; every hit returns a fresh copy (containers and tensors) of
+  the same types (a ``torch.Size`` stays one; other subclasses of built-in containers are not
+  stored), so no caller can change a stored entry.
 - Bytes (values + key contents + pinned weights) and entries are bounded; an entry larger than the
   budget is not admitted; a budget or entry capacity of 0 disables the cache.
 """
@@ -249,7 +250,8 @@ def register_container(cls: type) -> None:
 
 def freeze(value: Any, keep_device: bool) -> tuple[Any, dict[str, int]]:
     """A private copy of ``value`` and its bytes per tier. Tensors go to the CPU unless
-    ``keep_device`` (then device tensors stay where they are). Raises Uncacheable for other types."""
+    ``keep_device`` (then device tensors stay where they are). Raises Uncacheable for other types
+    (subclasses of list and tuple included: a copy would lose their type)."""
     tiers = {"cpu": 0, "device": 0}
 
     def go(v):
@@ -260,11 +262,11 @@ def freeze(value: Any, keep_device: bool) -> tuple[Any, dict[str, int]]:
             stored = v.detach().clone() if stay else v.detach().to("cpu", copy=True)
             tiers["device" if stay else "cpu"] += stored.numel() * stored.element_size()
             return ("T", stored, v.device)
-        if v is None or isinstance(v, (bool, int, float, str, bytes, torch.dtype, torch.device)):
-            return ("V", v)
-        if isinstance(v, list):
+        if v is None or isinstance(v, (bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)):
+            return ("V", v)  # immutable: stored and returned as the very object, type and all
+        if type(v) is list:
             return ("L", [go(x) for x in v])
-        if isinstance(v, tuple):
+        if type(v) is tuple:
             return ("U", tuple(go(x) for x in v))
         if type(v) is dict:
             return ("D", [(k, go(x)) for k, x in v.items()])

@@ -6,8 +6,9 @@ Patched (class attributes, one install and one uninstall, idempotent, each guard
   Qwen-Image...) reaches the encoder through it, also via ``encode_from_tokens_scheduled``
   (whose hook-scheduled path calls the encoder directly: counted as a bypass);
 - ``comfy.clip_vision.ClipVisionModel.encode_image``;
-- ``comfy.sd.VAE.encode`` and ``encode_tiled`` (and its tile helpers, to see an out-of-memory
-  fallback from a plain encode to tiles: that result is never stored);
+- ``comfy.sd.VAE.encode`` and ``encode_tiled`` (and its tile helpers, ``_encode_tiled_owned`` where
+  the host has it, to see an out-of-memory fallback from a plain encode to tiles: that result is
+  never stored);
 - ``CLIP.load_sd`` / ``ClipVisionModel.load_sd`` (weights replaced in place: a new generation);
 - ``comfy.model_management.free_memory``: device entries are freed first when ComfyUI needs VRAM;
 - and a ``ModelPatcher.detach`` listener (patches/lifecycle.py): unloading an encoder drops its
@@ -15,8 +16,11 @@ Patched (class attributes, one install and one uninstall, idempotent, each guard
 
 A call goes through the cache when global mode is on (setting ``conditioning.enabled``) or when the
 encoder object was made by a ReuseKit Cached node (a marker in its patcher's ``model_options``,
-which ComfyUI's clones copy). Anything the key cannot describe exactly (hooks, object patches,
-weight wrappers, autograd, unknown input types) bypasses the cache and runs unchanged.
+which ComfyUI's clones copy). Plain-valued object patches (``manual_cast_dtype``...) are part of the
+key. Anything else the key cannot describe exactly (hooks, injections such as bypass LoRA, object
+patches holding code or modules, weight wrappers, patcher callbacks and wrappers, autograd, unknown
+input types) bypasses the cache and runs unchanged. Every patched method's shape is checked at
+install (patches/host.py): on a host that reshaped one, the cache stays off with one warning.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from ..caching.conditioning import (
     register_container,
 )
 from ..caching.settings import SETTINGS
-from . import lifecycle
+from . import host, lifecycle
 
 log = logging.getLogger("reusekit")
 
@@ -81,13 +85,38 @@ def _patch_structure(value):
 _weight_memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _weight_memo_lock = threading.Lock()
 
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+def _has_entries(table) -> bool:
+    """Whether a patcher's ``{type: {key: [callables]}}`` or ``{key: [items]}`` table holds anything."""
+    return any(_has_entries(v) if isinstance(v, dict) else bool(v) for v in (table or {}).values())
+
+
+def _patcher_fields(patcher) -> tuple:
+    """What else on the patcher decides the encoder's output, as key fields: its class, weight
+    casting and plain-valued object patches by name and value. Uncacheable for what a key cannot
+    describe: hooks, injections (bypass LoRA), weight wrappers, callbacks and wrappers (code that
+    may run at load or in the forward), object patches holding code, modules or objects."""
+    if patcher.weight_wrapper_patches:
+        raise Uncacheable("weight wrappers on the encoder")
+    if _has_entries(getattr(patcher, "injections", None)):
+        raise Uncacheable("injections on the encoder (bypass LoRA...)")
+    if patcher.hook_patches or patcher.forced_hooks is not None or getattr(patcher, "current_hooks", None):
+        raise Uncacheable("hooks on the encoder")
+    if _has_entries(getattr(patcher, "callbacks", None)) or _has_entries(getattr(patcher, "wrappers", None)):
+        raise Uncacheable("callbacks or wrappers on the encoder")
+    objects = []
+    for name, value in sorted(patcher.object_patches.items()):
+        if type(value) not in _PLAIN:
+            raise Uncacheable(f"object patch {name!r} holds a {type(value).__name__}")
+        objects.append((name, encode_value(value)))
+    return (type(patcher).__module__, type(patcher).__qualname__,
+            encode_value(getattr(patcher, "force_cast_weights", None)), tuple(objects))
+
 
 def _weights(patcher):
     """The interned weight set of a patcher's patches (memoised per patcher and patches_uuid)."""
-    if patcher.object_patches or patcher.weight_wrapper_patches:
-        raise Uncacheable("object patches or weight wrappers on the encoder")
-    if patcher.hook_patches or patcher.forced_hooks is not None or getattr(patcher, "current_hooks", None):
-        raise Uncacheable("hooks on the encoder")
     if not patcher.patches:
         return None
     stamp = (patcher.patches_uuid, len(patcher.patches))
@@ -140,7 +169,7 @@ def text_key(clip, tokens, return_pooled, return_dict) -> Key:
     fields = ("encode_from_tokens", type(model).__module__, type(model).__qualname__, generation,
               encode_value(clip.patcher.load_device),  # where it runs: CPU and GPU results differ in bits
               encode_value(clip.layer_idx), encode_value(return_pooled), encode_value(return_dict),
-              _precision(), encode_value(tokens))
+              _precision(), _patcher_fields(clip.patcher), encode_value(tokens))
     return Key("text", fields, owners=(serial,), weights=(_weights(clip.patcher),))
 
 
@@ -155,7 +184,7 @@ def vision_key(clip_vision, image, crop) -> Key:
     model = clip_vision.model
     serial, generation = _owner(model)
     fields = ("encode_image", type(model).__qualname__, generation, encode_value(crop), _precision(),
-              _config(clip_vision, ("patcher", "model")), encode_value(image))
+              _config(clip_vision, ("patcher", "model")), _patcher_fields(clip_vision.patcher), encode_value(image))
     return Key("vision", fields, owners=(serial,), weights=(_weights(clip_vision.patcher),))
 
 
@@ -166,7 +195,7 @@ def vae_key(vae, method: str, pixels, options: tuple) -> Key:
         raise Uncacheable("invalid VAE")
     serial, generation = _owner(model)
     fields = (method, type(model).__qualname__, generation, encode_value(options), _precision(),
-              _config(vae, ("patcher", "first_stage_model")), encode_value(pixels))
+              _config(vae, ("patcher", "first_stage_model")), _patcher_fields(vae.patcher), encode_value(pixels))
     return Key("vae", fields, owners=(serial,), weights=(_weights(vae.patcher),))
 
 
@@ -277,16 +306,19 @@ def _make_methods():
             log.exception("ReuseKit conditioning: freeing device entries failed")
         return _orig(mm, "free_memory")(memory_required, device, *args, **kwargs)
 
+    # (owner, name, replacement, the parameters it relies on, whether the host must have it)
     return [
-        (CLIP, "encode_from_tokens", encode_from_tokens),
-        (CLIP, "encode_from_tokens_scheduled", encode_from_tokens_scheduled),
-        (CLIP, "load_sd", clip_load_sd),
-        (VAE, "encode", vae_encode),
-        (VAE, "encode_tiled", vae_encode_tiled),
-        *[(VAE, name, tiled_helper(name)) for name in ("encode_tiled_", "encode_tiled_1d", "encode_tiled_3d")],
-        (Vision, "encode_image", encode_image),
-        (Vision, "load_sd", vision_load_sd),
-        (mm, "free_memory", free_memory),
+        (CLIP, "encode_from_tokens", encode_from_tokens, ("self", "tokens", "return_pooled", "return_dict"), True),
+        (CLIP, "encode_from_tokens_scheduled", encode_from_tokens_scheduled, ("self", "tokens"), True),
+        (CLIP, "load_sd", clip_load_sd, ("self", "sd", "full_model"), True),
+        (VAE, "encode", vae_encode, ("self", "pixel_samples"), True),
+        (VAE, "encode_tiled", vae_encode_tiled,
+         ("self", "pixel_samples", "tile_x", "tile_y", "overlap", "tile_t", "overlap_t"), True),
+        *[(VAE, name, tiled_helper(name), ("self",), True) for name in ("encode_tiled_", "encode_tiled_1d", "encode_tiled_3d")],
+        (VAE, "_encode_tiled_owned", tiled_helper("_encode_tiled_owned"), ("self", "pixel_samples"), False),  # 0.33: video VAEs that tile themselves
+        (Vision, "encode_image", encode_image, ("self", "image", "crop"), True),
+        (Vision, "load_sd", vision_load_sd, ("self", "sd"), True),
+        (mm, "free_memory", free_memory, ("memory_required", "device"), True),
     ]
 
 
@@ -298,25 +330,35 @@ def drop_device_entries(patcher, *args, **kwargs) -> None:
         CACHE.drop_owner(serial, device_only=True)
 
 
-def _probe(owner, name) -> bool:
-    return callable(getattr(owner, name, None))
+FEATURE = "conditioning cache"
+
+
+def _current(owner, name):
+    return vars(owner)[name] if name in vars(owner) else getattr(owner, name, None)
+
+
+def _where(owner, name) -> str:
+    """``comfy.sd.CLIP.encode_from_tokens`` for a class's method, ``comfy.model_management.free_memory``
+    for a module's function."""
+    prefix = owner.__name__ if isinstance(owner, types.ModuleType) else f"{owner.__module__}.{owner.__qualname__}"
+    return f"{prefix}.{name}"
 
 
 def install() -> bool:
-    """Route the encoders through the cache. Idempotent; False when a probe fails (nothing changed)."""
+    """Route the encoders through the cache. Idempotent; False (nothing changed, one warning) when a
+    patched method is missing or shaped otherwise than expected."""
     import comfy.clip_vision
 
     register_container(comfy.clip_vision.Output)
     with _lock:
         if _originals:
             return True
-        methods = _make_methods()
-        missing = [f"{getattr(o, '__name__', o)}.{n}" for o, n, _ in methods if not _probe(o, n)]
-        if missing:
-            log.warning("ReuseKit: conditioning cache not installed, this ComfyUI lacks %s", ", ".join(missing))
+        methods = [m for m in _make_methods() if m[4] or _current(m[0], m[1]) is not None]
+        if not all(host.check(FEATURE, _where(owner, name), _current(owner, name), params)
+                   for owner, name, _, params, _ in methods):
             return False
-        for owner, name, fn in methods:
-            _originals[(owner, name)] = owner.__dict__[name] if name in vars(owner) else getattr(owner, name)
+        for owner, name, fn, _, _ in methods:
+            _originals[(owner, name)] = _current(owner, name)
             fn.__reusekit__ = True
             setattr(owner, name, fn)
         lifecycle.add_listener("detach", drop_device_entries)

@@ -282,6 +282,106 @@ def test_a_plain_vae_encode_that_fell_back_to_tiles_is_not_stored(cc, tiny):
     assert len(cc.CACHE) == 1 and same(plain, vae.encode(img)) and cc.CACHE.count("hits.vae") == 1
 
 
+def test_a_video_vae_fallback_to_its_own_tiling_is_not_stored(cc, uncached, tiny):
+    """A video VAE that tiles itself (0.33's ``_encode_tiled_owned``) answers a plain encode that ran
+    out of memory: that result is returned, never stored as the plain encode."""
+    import comfy.model_management as mm
+    import comfy.sd
+    import comfy.utils
+
+    if not hasattr(comfy.sd.VAE, "_encode_tiled_owned"):
+        pytest.skip("this ComfyUI has no comfy.sd.VAE._encode_tiled_owned (video VAEs that tile themselves)")
+    helpers = __import__(f"{tiny.__name__}.conditioning", fromlist=["tiny_wan_vae"])
+    vae = helpers.tiny_wan_vae(0)
+    model = vae.first_stage_model
+
+    def encode_tiled(x, **kwargs):  # the model's own tiling, finer than the plain encode's single pass
+        return comfy.utils.tiled_scale_multidim(
+            x, model.encode, tile=(9999, 16, 16), overlap=(1, 8, 8), upscale_amount=vae.downscale_ratio,
+            out_channels=vae.latent_channels, downscale=True, index_formulas=vae.downscale_index_formula,
+            output_device=vae.output_device)
+
+    def out_of_memory(*args, **kwargs):
+        raise mm.OOM_EXCEPTION("simulated")
+
+    model.encode_tiled, vae.handles_tiling = encode_tiled, True
+    img = image(12, size=32)
+    estimate, vae.memory_used_encode = vae.memory_used_encode, out_of_memory  # inside encode's try: tiles
+    tiled = vae.encode(img)
+    assert same(uncached(vae.encode, img), tiled)
+    assert len(cc.CACHE) == 0 and cc.CACHE.count("bypasses.vae") == 1
+    vae.memory_used_encode = estimate
+    plain = vae.encode(img)
+    assert same(uncached(vae.encode, img), plain) and not torch.equal(plain, tiled)
+    assert same(plain, vae.encode(img)) and cc.CACHE.count("hits.vae") == 1
+
+
+def test_plain_object_patches_are_keyed_by_name_and_value(cc, uncached, tiny):
+    """Every CLIP of ComfyUI 0.4+ carries ``manual_cast_dtype``: plain values key, never refuse."""
+    route = rkharness.pack("patches.conditioning")
+    clip = tiny.tiny_clip(0)
+    tokens = clip.tokenize("an object patch")
+
+    def patched(**objects):
+        new = clip.clone()
+        for name, value in objects.items():
+            new.patcher.add_object_patch(name, value)
+        return new
+
+    def key(c):
+        return route.text_key(c, tokens, False, False)
+
+    fp32, bf16 = patched(manual_cast_dtype=torch.float32), patched(manual_cast_dtype=torch.bfloat16)
+    assert key(fp32) == key(patched(manual_cast_dtype=torch.float32)) and key(fp32) != key(bf16)
+    assert key(patched(rk_scale=1)) != key(patched(rk_scale=1.0)) != key(patched(rk_scale="1"))
+    assert key(patched(rk_scale=None)) != key(patched(rk_other=None))
+    references = []
+    for masks in (True, False):  # a plain object patch that changes the output, on every host
+        c = patched(**{"clip_l.enable_attention_masks": masks})
+        references.append(uncached(c.encode_from_tokens, tokens, return_pooled=True))
+        assert same(references[-1], c.encode_from_tokens(tokens, return_pooled=True))
+        assert same(references[-1], c.clone().encode_from_tokens(tokens, return_pooled=True))
+    assert not same(*references)
+    assert cc.CACHE.count("misses.text") == 2 and cc.CACHE.count("hits.text") == 2
+    with pytest.raises(cc.Uncacheable, match="rk_fn"):
+        key(patched(rk_fn=lambda x: x))  # code in an object patch: the key cannot see what it does
+
+
+def test_a_bypass_lora_clip_is_never_answered_with_the_plain_encode(cc, uncached, tiny):
+    """Bypass LoRA (0.11+) lives in the patcher's injections, not in its weight patches."""
+    try:
+        from comfy_extras.nodes_lora_debug import LoraLoaderBypass
+    except ImportError:
+        pytest.skip("this ComfyUI has no bypass LoRA (comfy_extras.nodes_lora_debug.LoraLoaderBypass)")
+    loras = __import__(f"{tiny.__name__}.conditioning", fromlist=["write_lora"])
+    name = loras.write_lora("rk_test_bypass.safetensors", seed=7, flux=False)
+    clip = tiny.tiny_clip(0)
+    tokens = clip.tokenize("a bypass lora prompt")
+    plain = clip.encode_from_tokens(tokens, return_pooled=True)
+    _, bypassed = LoraLoaderBypass().load_lora(None, clip, name, 0.0, 1.0)
+    assert bypassed.patcher.injections and not bypassed.patcher.patches
+    reference = uncached(bypassed.encode_from_tokens, tokens, return_pooled=True)
+    assert not same(plain, reference)
+    for _ in range(2):
+        assert same(reference, bypassed.encode_from_tokens(tokens, return_pooled=True))
+    assert same(plain, clip.encode_from_tokens(tokens, return_pooled=True))
+    assert cc.CACHE.count("bypasses.text") == 2 and cc.CACHE.count("hits.text") == 1
+
+
+def test_hits_keep_the_types_of_sizes_and_containers(cc):
+    """CLIP vision's ``image_sizes`` (0.33) holds ``torch.Size`` objects: a hit gives them back as such."""
+    import collections
+
+    cache = cc.ConditioningCache()
+    value = {"sizes": [torch.Size([3, 48, 48])], "pair": (1, torch.ones(2)), "list": [torch.Size([])]}
+    cache.fetch(_key(cc, "types"), lambda: value)
+    assert same(value, cache.fetch(_key(cc, "types"), lambda: pytest.fail("must hit")))
+    Pair = collections.namedtuple("Pair", "a b")
+    pair = Pair(torch.ones(1), 2)
+    assert cache.fetch(_key(cc, "named"), lambda: pair) is pair  # a copy would lose its type: not stored
+    assert cache.count("bypasses") == 1 and len(cache) == 1
+
+
 @pytest.mark.parametrize("schedule_clip", [False, True])
 def test_clip_with_lora_hooks_bypasses_and_stays_exact(cc, uncached, tiny, schedule_clip):
     import comfy_extras.nodes_hooks as hooks_nodes
@@ -547,6 +647,36 @@ def test_install_and_uninstall_are_idempotent(cc, clip):
     finally:
         assert patches.install() and patches.install()
     assert getattr(comfy.sd.CLIP.encode_from_tokens, "__reusekit__", False)
+
+
+def test_a_reshaped_seam_leaves_the_cache_off_with_one_warning(cc, clip, caplog):
+    """A newer ComfyUI that reshaped a patched method: nothing is patched, ComfyUI runs unchanged."""
+    import logging
+
+    import comfy.sd
+
+    patches = rkharness.pack("patches.conditioning")
+    host = rkharness.pack("patches.host")
+    patches.uninstall()
+    original = comfy.sd.CLIP.__dict__["encode_from_tokens"]
+
+    def reshaped(self, tokens, options=None):
+        return original(self, tokens)
+
+    comfy.sd.CLIP.encode_from_tokens = reshaped
+    try:
+        with caplog.at_level(logging.WARNING, logger="reusekit"):
+            assert not patches.install() and not patches.install() and not patches.installed()
+        warnings = [r for r in caplog.records if "conditioning cache is off" in r.getMessage()]
+        assert len(warnings) == 1 and "comfy.sd.CLIP.encode_from_tokens" in warnings[0].getMessage()
+        assert "CLIP.encode_from_tokens" in host.off_features()["conditioning cache"]
+        assert comfy.sd.CLIP.encode_from_tokens is reshaped
+        assert not getattr(comfy.sd.VAE.encode, "__reusekit__", False)
+        clip.encode_from_tokens(clip.tokenize("a reshaped seam"))
+        assert len(cc.CACHE) == 0 and cc.CACHE.count("misses") == 0
+    finally:
+        comfy.sd.CLIP.encode_from_tokens = original
+        assert patches.install()
 
 
 def test_environment_switch_values(monkeypatch, cc):

@@ -45,6 +45,19 @@ def write_lora(name: str, seed: int = 0, rank: int = 4, layers: int = 2, width: 
     return name
 
 
+def tiny_wan_vae(seed: int = 0):
+    """A real ``comfy.sd.VAE`` around a small Wan 2.1 video VAE (width 8, 16 latent channels), loaded
+    from its state dict as ComfyUI detects it."""
+    import comfy.ldm.wan.vae
+    import comfy.sd
+
+    from . import fill_weights
+
+    model = comfy.ldm.wan.vae.WanVAE(dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                                     temperal_downsample=[False, True, True], dropout=0.0)
+    return comfy.sd.VAE(sd=fill_weights(model, seed).state_dict())
+
+
 _SHARED: dict = {}
 
 CLIP_L = {"hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 12,
