@@ -119,6 +119,25 @@ def test_reference_latents_their_sizes_and_order_are_part_of_the_key(family, fam
     assert stats["hits"] == 1 and stats["misses"] == len(calls) - 1
 
 
+def test_flux2_reference_at_timestep_zero_is_bit_exact_and_shares_the_index_table(families, rope):
+    """``index_timestep_zero`` (ComfyUI >= 0.17) changes the modulation, not the positions: its
+    output differs from ``index`` while the PE table of the same references is the same one."""
+    import comfy.ldm.flux.model as flux
+
+    if not hasattr(flux, "invert_slices"):
+        pytest.skip("this ComfyUI has no index_timestep_zero (comfy.ldm.flux.model.invert_slices)")
+    spec = spec_of(families, "flux2")
+    model = spec.build(0)
+    x, sigma, kwargs = spec.inputs(spec.sizes[0], 9)
+    ref = torch.randn((*x.shape[:-2], 4, 6), generator=torch.Generator().manual_seed(10))
+    zero, index = ((x, sigma, dict(kwargs, ref_latents=[ref], ref_latents_method=m))
+                   for m in ("index_timestep_zero", "index"))
+    cache = compare(model, [zero, zero, index], cached_options(rope), rope)
+    (stats,) = cache.name_stats().values()
+    assert stats["misses"] == 1 and stats["hits"] == 2
+    assert not torch.equal(run(model, zero, cached_options(rope)), run(model, index, cached_options(rope)))
+
+
 def test_cond_and_uncond_run_separately_keep_separate_entries(families, rope):
     spec = families.FAMILY_SPECS["flux"]
     model = spec.build(0)
