@@ -3,6 +3,7 @@ without the PE cache, hit after the first step, replace on a size change, recomp
 alternate; each patched builder misses when any single input changes."""
 
 import importlib
+import inspect
 
 import pytest
 import rkharness
@@ -169,14 +170,17 @@ def _wan_case():
 
     model = rkharness.TINY.tiny_wan(0).model.diffusion_model
 
-    def call(t=3, h=8, w=8, t_start=0, steps_t=None, steps_h=None, steps_w=None, dtype=torch.float32, opts=None):
+    def call(t=3, h=8, w=8, t_start=0, steps_t=None, steps_h=None, steps_w=None, dtype=torch.float32, opts=None,
+             **extra):
         to = {"rope_options": opts} if opts is not None else {}
         return wan.WanModel.rope_encode(model, t, h, w, t_start=t_start, steps_t=steps_t, steps_h=steps_h,
                                         steps_w=steps_w, device=torch.device("cpu"), dtype=dtype,
-                                        transformer_options=to)
-    return call, [dict(t=2), dict(h=6), dict(w=10), dict(t_start=-3), dict(steps_t=2), dict(steps_h=3),
-                  dict(steps_w=5), dict(dtype=torch.float64), dict(opts={"scale_t": 2.0}),
-                  dict(opts={"shift_y": 1.0})]
+                                        transformer_options=to, **extra)
+    changes = [dict(t=2), dict(h=6), dict(w=10), dict(t_start=-3), dict(steps_t=2), dict(steps_h=3),
+               dict(steps_w=5), dict(dtype=torch.float64), dict(opts={"scale_t": 2.0}), dict(opts={"shift_y": 1.0})]
+    if "source_id" in inspect.signature(wan.WanModel.rope_encode).parameters:  # in-context references (0.33)
+        changes.append(dict(source_id=1))
+    return call, changes
 
 
 def _ltxv_case():
