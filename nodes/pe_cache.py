@@ -23,8 +23,9 @@ class PECacheNode(io.ComfyNode):
                         "every following step, cond and uncond, and run, while the size, text length, reference "
                         "images and rope options stay the same. The result is bit-identical.",
             inputs=[
-                io.Model.Input("model", tooltip="The diffusion model (Flux, Chroma, Wan, HunyuanVideo, Qwen-Image, "
-                                                "Lumina2/Z-Image, HiDream, LTXV, Cosmos, Mochi, HunyuanDiT, OmniGen2)."),
+                io.Model.Input("model", tooltip="The diffusion model (Flux, Flux.2, Chroma, Wan 2.1/2.2, "
+                                                "HunyuanVideo 1.0/1.5, Qwen-Image/Edit, Lumina2/Z-Image, HiDream, "
+                                                "LTXV/LTX-2, Cosmos, Mochi, HunyuanDiT, OmniGen2)."),
                 io.Boolean.Input("enabled", default=True,
                                  tooltip="Off: this model never uses the PE cache, even when the server-wide "
                                          "default 'pe_cache.default_enabled' is on."),
