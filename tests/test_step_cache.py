@@ -475,6 +475,13 @@ def family_spec(name):
     return spec
 
 
+def skip_without_timestep_zero(model):
+    import inspect
+
+    if "index_timestep_zero" not in inspect.getsource(type(model.model.diffusion_model)._forward):
+        pytest.skip("this ComfyUI's Flux has no index_timestep_zero reference method")
+
+
 def batched(x, sigma, kwargs):
     """One model call's inputs as cond and uncond batched together (the uncond's latent differs)."""
     def two(v):
@@ -524,8 +531,7 @@ def test_a_skipped_step_on_the_same_input_returns_the_computed_output(name):
     model = spec.build(0)
     x, sigma, kwargs = spec.inputs(spec.sizes[0], 0)
     if extra.get("ref_latents_method"):
-        if "index_timestep_zero" not in __import__("inspect").getsource(type(model.model.diffusion_model)._forward):
-            pytest.skip("this ComfyUI's Flux has no index_timestep_zero reference method")
+        skip_without_timestep_zero(model)
         kwargs = dict(kwargs, ref_latents=[torch.randn((1, *spec.sizes[0][:-2], 4, 6),
                                                        generator=torch.Generator().manual_seed(7))], **extra)
     x, sigma, kwargs = batched(x, sigma, kwargs)
@@ -555,6 +561,8 @@ def test_families_of_the_current_host_calibrate_then_skip_through_the_real_ksamp
     family, shape, extra, fill = NEW_FAMILIES[name]
     spec = family_spec(name.removesuffix("_index_timestep_zero"))
     model = spec.build(0)
+    if "reference_latents_method" in extra:
+        skip_without_timestep_zero(model)
     if spec.has_ref_latents:
         ref = torch.randn((1, *shape[1:-2], 4, 6), generator=torch.Generator().manual_seed(7))
         extra = {"reference_latents": [ref], **extra}
@@ -598,8 +606,8 @@ def test_the_two_wan22_experts_keep_separate_state_and_calibrations(conds):
     for run in runs:
         assert run["model_type"] == "calibrated" and run["family"] == "wan"
         assert all(c["pattern"][0] == "C" and len(c["pattern"]) == 4 for c in run["conds"].values())
-    assert P().STORE.get(P().model_fingerprint(high, P().FAMILIES[5])) != P().STORE.get(
-        P().model_fingerprint(low, P().FAMILIES[5]))
+    wan = next(f for f in P().FAMILIES if f.name == "wan")
+    assert P().STORE.get(P().model_fingerprint(high, wan)) != P().STORE.get(P().model_fingerprint(low, wan))
 
 
 @pytest.mark.parametrize("name,cls", [("ltx2", "LTXAVModel"), ("z_image", "NextDiT")])
@@ -612,6 +620,22 @@ def test_a_family_without_block_seams_is_a_clear_error_at_the_node(name, cls):
             node.execute(model, "auto", 0.4, 0.0, 1.0, 0, "device", "reuse")
     with pytest.raises(ValueError, match=f"ReuseKit TeaCache Calibrate: model: .*does not support {cls}"):
         N().TeaCacheCalibrateNode.execute(model)
+
+
+def test_a_host_that_reshaped_what_a_family_reads_runs_that_family_uncached(flux, conds, monkeypatch):
+    """A ComfyUI whose ``apply_mod`` does not take what the Flux family calls it with (as a newer
+    one might): the node passes the model through (the host's own latent), and the start-up report
+    lists the step cache for Flux as off."""
+    import dataclasses
+
+    ref = sample(flux, conds)
+    reshaped = (("comfy.ldm.flux.layers:apply_mod", ("tensor", "m_mult", "m_add", "modulation_slices")),)
+    families = tuple(dataclasses.replace(f, seams=reshaped) if f.name == "flux" else f for f in P().FAMILIES)
+    monkeypatch.setattr(P(), "FAMILIES", families)
+    model = teacache(flux, 5.0)
+    assert P().KEY not in model.model_options["transformer_options"]
+    assert torch.equal(sample(model, conds), ref)
+    assert "apply_mod" in rkharness.pack("patches.host").off_features()["TeaCache (flux)"]
 
 
 def test_a_step_whose_decision_cannot_run_is_computed_and_never_crashes(flux, conds, monkeypatch, caplog):
