@@ -513,9 +513,11 @@ def test_disable_switches_env_node_and_setting(gc, monkeypatch, tiny, conds, cap
 
 
 @pytest.mark.skipif(ON_CUDA, reason="the models are on CUDA here")
-def test_without_cuda_it_says_so_once_in_the_log_and_in_the_stats(gc, tiny, conds, caplog, monkeypatch):
+def test_without_cuda_it_says_so_once_in_the_log_the_stats_and_the_start_up_line(gc, tiny, conds, caplog,
+                                                                                 monkeypatch):
+    host = rkharness.pack("patches.host")
     monkeypatch.setattr(gc, "FORCE_BACKEND", None)
-    monkeypatch.setattr(rkharness.pack("patches.host"), "_said", set())
+    monkeypatch.setattr(host, "_said", set())
     model = tiny.tiny_flux(0)
     with caplog.at_level(logging.INFO, logger="reusekit"):
         sample(capture(model), conds)
@@ -525,6 +527,8 @@ def test_without_cuda_it_says_so_once_in_the_log_and_in_the_stats(gc, tiny, cond
     assert "no CUDA" in gc.STATS.handle.snapshot()["info"]["backend"]
     summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ReuseKit graph: 3 forwards")]
     assert len(summary) == 2
+    assert host.layers()["graph capture"] == ("eager: no CUDA", "")
+    assert "graph capture eager: no CUDA" in host.startup_line("test")
 
 
 def cuda_decisions(gc, monkeypatch):
@@ -627,6 +631,39 @@ def test_weight_listeners_install_once_and_uninstall_releases(gc, tiny, conds, m
     gc.uninstall()  # idempotent
     gc.install()
     assert gc.installed()
+
+
+def test_a_host_whose_unload_is_reshaped_keeps_running_and_says_graphs_wait_for_a_clear(gc, monkeypatch, caplog):
+    """A newer ComfyUI that reshaped ModelPatcher.unpatch_model: that listener stays off, one warning."""
+    import comfy.model_patcher
+
+    host = rkharness.pack("patches.host")
+    lifecycle = rkharness.pack("patches.lifecycle")
+    cls = comfy.model_patcher.ModelPatcher
+    original = cls.__dict__["unpatch_model"]
+
+    def unpatch_model(self, unpatch_weights=True, device_to=None):  # its parameters swapped
+        return original(self, device_to, unpatch_weights)
+
+    monkeypatch.setattr(host, "_said", set())
+    monkeypatch.setattr(host, "_off", {})
+    lifecycle.uninstall()
+    try:
+        with pytest.MonkeyPatch.context() as reshaped:
+            reshaped.setattr(cls, "unpatch_model", unpatch_model)
+            with caplog.at_level(logging.WARNING, logger="reusekit"):
+                assert gc.install() is False
+                gc.install()
+            assert not lifecycle.wrapped(cls, "unpatch_model") and lifecycle.wrapped(cls, "load")
+            assert cls.unpatch_model is unpatch_model
+            warned = [r.getMessage() for r in caplog.records if "ModelPatcher.unpatch_model" in r.getMessage()]
+            assert len(warned) == 1 and "(self, unpatch_weights, device_to)" in warned[0]
+            assert host.layers()["graph capture"][1].endswith("graphs are released only when cleared")
+    finally:
+        lifecycle.uninstall()
+        lifecycle.install()
+        gc.install()
+    assert gc.installed() and cls.unpatch_model is not unpatch_model
 
 
 # ---- the nodes ---------------------------------------------------------------------------------
