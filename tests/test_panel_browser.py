@@ -55,6 +55,23 @@ def bytes_of(page, selector: str) -> int:
     return int(page.locator(selector).first.get_attribute("data-bytes"))
 
 
+def open_panel(page) -> None:
+    """Click the ReuseKit sidebar button: a class on older frontends, a data-testid on 1.58+, where a
+    templates dialog may cover the page on first load (Escape closes it)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    button = page.locator('.reusekit-panel-tab-button, [data-testid="reusekit-panel-tab-button"]').first
+    button.wait_for()
+    for _ in range(10):
+        page.keyboard.press("Escape")
+        try:
+            button.click(timeout=3_000)
+            return
+        except PlaywrightTimeout:  # something still covers the button
+            continue
+    button.click()
+
+
 def test_panel_fills_with_real_numbers_and_clear_drops_memory(comfy_server, browser):
     comfy_server.post("/settings", {"Comfy.TutorialCompleted": True})
     page = browser.new_page(viewport={"width": 1280, "height": 1150})
@@ -64,7 +81,7 @@ def test_panel_fills_with_real_numbers_and_clear_drops_memory(comfy_server, brow
     page.set_default_timeout(TIMEOUT_MS)
     try:
         page.goto(comfy_server.url + "/")
-        page.locator(".reusekit-panel-tab-button").click()
+        open_panel(page)
         panel = page.locator("[data-rk=panel]")
         panel.wait_for()
         assert page.evaluate("""() => ['reusekit.panel.toggle', 'reusekit.cache.clearAll']
