@@ -88,7 +88,8 @@ class Family:
     blocks: Callable[[Any], list[tuple[str, int]]]
     image_first: bool = False  # a single stream without ``img_slice`` is (image, text) (HunyuanVideo < 0.14)
     bases: tuple[str, ...] = ()  # "module:Class" of the BaseModel, where one diffusion class serves several
-    seams: tuple[tuple[str, tuple[str, ...]], ...] = ()  # ("module:attr.path", parameter names) it calls
+    seams: tuple[tuple[str, tuple[str, ...]], ...] = ()  # ("module:attr.path", parameter names) it calls,
+    # besides the ModelPatcher methods every family uses (PATCHER)
 
 
 def _double_single(dm):
@@ -107,6 +108,9 @@ def _wan_blocks(dm):
 FLUX, HUNYUAN, WAN = ("comfy.ldm.flux.model:Flux",), ("comfy.ldm.hunyuan_video.model:HunyuanVideo",), \
     ("comfy.ldm.wan.model:WanModel",)
 QWEN = ("comfy.ldm.qwen_image.model:QwenImageTransformer2DModel",)
+PATCHER = (("comfy.model_patcher:ModelPatcher.set_model_patch_replace", ("patch", "name", "block_name", "number")),
+           ("comfy.model_patcher:ModelPatcher.add_wrapper_with_key", ("wrapper_type", "key", "wrapper")),
+           ("comfy.model_patcher:ModelPatcher.remove_wrappers_with_key", ("wrapper_type", "key")))
 APPLY_MOD = (("comfy.ldm.flux.layers:apply_mod", ("tensor", "m_mult", "m_add", "modulation_dims")),)
 QWEN_MODULATE = (("comfy.ldm.qwen_image.model:QwenImageTransformerBlock._modulate", ("x", "mod_params")),)
 
@@ -212,7 +216,8 @@ class Settings:
 def apply(model_patcher, config: tc.StepCacheConfig):
     """A clone of ``model_patcher`` with the step cache attached (the input is not changed)."""
     family = detect_family(model_patcher)
-    if not all(host.check(f"TeaCache ({family.name})", where, _resolve(where), params) for where, params in family.seams):
+    if not all(host.check(f"TeaCache ({family.name})", where, _resolve(where), params)
+               for where, params in PATCHER + family.seams):
         return model_patcher.clone()  # this host reshaped what the family reads: it runs uncached
     if config.model_type not in MODEL_TYPES:
         raise ValueError(f"model_type: unknown {config.model_type!r} (one of {', '.join(MODEL_TYPES)})")
