@@ -1,6 +1,6 @@
 """Routes ComfyUI's encoders through the conditioning cache (caching/conditioning.py).
 
-Patched (class attributes, one install and one uninstall, idempotent, each guarded by a probe):
+Patched (class attributes, one install and one uninstall, idempotent, each shape-checked at install):
 
 - ``comfy.sd.CLIP.encode_from_tokens``: every text node (CLIPTextEncode, Flux, SDXL, SD3,
   Qwen-Image...) reaches the encoder through it, also via ``encode_from_tokens_scheduled``
@@ -97,7 +97,8 @@ def _patcher_fields(patcher) -> tuple:
     """What else on the patcher decides the encoder's output, as key fields: its class, weight
     casting and plain-valued object patches by name and value. Uncacheable for what a key cannot
     describe: hooks, injections (bypass LoRA), weight wrappers, callbacks and wrappers (code that
-    may run at load or in the forward), object patches holding code, modules or objects."""
+    may run at load or in the forward), object patches holding code, modules or objects.
+    Attachments (LoRA metadata...) are data that only callbacks and wrappers read: not keyed."""
     if patcher.weight_wrapper_patches:
         raise Uncacheable("weight wrappers on the encoder")
     if _has_entries(getattr(patcher, "injections", None)):
@@ -315,7 +316,7 @@ def _make_methods():
         (VAE, "encode_tiled", vae_encode_tiled,
          ("self", "pixel_samples", "tile_x", "tile_y", "overlap", "tile_t", "overlap_t"), True),
         *[(VAE, name, tiled_helper(name), ("self",), True) for name in ("encode_tiled_", "encode_tiled_1d", "encode_tiled_3d")],
-        (VAE, "_encode_tiled_owned", tiled_helper("_encode_tiled_owned"), ("self", "pixel_samples"), False),  # 0.33: video VAEs that tile themselves
+        (VAE, "_encode_tiled_owned", tiled_helper("_encode_tiled_owned"), ("self", "pixel_samples"), False),  # video VAEs that tile themselves (newer hosts)
         (Vision, "encode_image", encode_image, ("self", "image", "crop"), True),
         (Vision, "load_sd", vision_load_sd, ("self", "sd"), True),
         (mm, "free_memory", free_memory, ("memory_required", "device"), True),
