@@ -347,6 +347,30 @@ def test_plain_object_patches_are_keyed_by_name_and_value(cc, uncached, tiny):
         key(patched(rk_fn=lambda x: x))  # code in an object patch: the key cannot see what it does
 
 
+def test_code_on_the_patcher_refuses_the_key_for_every_encoder(cc, clip, vae, vision):
+    """Injections, callbacks, wrappers and weight wrappers may change the forward: no key."""
+    import comfy.patcher_extension as ext
+
+    route = rkharness.pack("patches.conditioning")
+    keys = {clip: lambda c: route.text_key(c, c.tokenize("code"), False, False),
+            vae: lambda v: route.vae_key(v, "encode", image(1), ()),
+            vision: lambda v: route.vision_key(v, image(1), True)}
+    edits = {"injections": lambda p: p.set_injections("rk", [ext.PatcherInjection(lambda mp: None, lambda mp: None)]),
+             "callbacks": lambda p: p.add_callback(ext.CallbacksMP.ON_LOAD, lambda *a: None),
+             "wrappers": lambda p: p.add_wrapper(ext.WrappersMP.APPLY_MODEL, lambda *a: None),
+             "weight wrappers": lambda p: p.add_weight_wrapper("rk.weight", lambda w: w)}
+    for encoder, key in keys.items():
+        key(encoder)  # the plain encoder keys
+        empty = route.cached_copy(encoder) if encoder is not clip else clip.clone()
+        empty.patcher.set_injections("rk", [])  # an empty list injects nothing
+        assert key(empty) == key(encoder)
+        for what, edit in edits.items():
+            edited = route.cached_copy(encoder) if encoder is not clip else clip.clone()
+            edit(edited.patcher)
+            with pytest.raises(cc.Uncacheable, match=what):
+                key(edited)
+
+
 def test_a_bypass_lora_clip_is_never_answered_with_the_plain_encode(cc, uncached, tiny):
     """Bypass LoRA (0.11+) lives in the patcher's injections, not in its weight patches."""
     try:
