@@ -99,6 +99,10 @@ def realistic_cases():
     ltxv_grid = video_ids(13, 16, 24, 0)[0].T.unsqueeze(0) * torch.tensor([8.0, 32.0, 32.0])[None, :, None]
     freqs = torch.randn(3, 24, 64, generator=torch.Generator().manual_seed(0))
     hydit_latent = torch.zeros(1, 4, 128, 128)
+    # a module function up to ComfyUI 0.8, then a method of the LTX model (LTX-2 too)
+    families = importlib.import_module(f"{rkharness.TINY.__name__}.families")
+    ltxv_freqs = (getattr(ltxv, "precompute_freqs_cis", None)
+                  or families.tiny_ltxv(0).model.diffusion_model._precompute_freqs_cis)
     return {
         "flux 1024x1024 (+512 text)": embednd_case("comfy.ldm.flux.layers", (16, 56, 56), 10000,
                                                    flux_ids(64, 64, 512)),
@@ -112,8 +116,8 @@ def realistic_cases():
                                                      video_ids(16, 34, 60, 256)),
         "wan 832x480 x 81 f (rope_encode)": lambda: wan.WanModel.rope_encode(
             wan_model, 21, 60, 104, device=torch.device("cpu"), dtype=torch.float32),
-        "ltxv 768x512 x 97 f": fresh_inputs(
-            lambda grid: ltxv.precompute_freqs_cis(grid, dim=2048, out_dtype=torch.float32), ltxv_grid),
+        "ltxv 768x512 x 97 f": fresh_inputs(lambda grid: ltxv_freqs(grid, dim=2048, out_dtype=torch.float32),
+                                           ltxv_grid),
         "cosmos 1280x704 x 93 f": lambda: cosmos_emb.generate_embeddings(torch.Size((1, 24, 44, 80, 2048))),
         "mochi 848x480 x 163 f": lambda: mochi.compute_mixed_rotation(
             freqs=freqs, pos=mochi.create_position_matrix(28, pH=30, pW=53, device=torch.device("cpu"),

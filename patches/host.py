@@ -49,11 +49,12 @@ def _parameter_names(target) -> list[str] | None:
             if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
 
 
-def differs(target, params: tuple[str, ...] = (), attrs: tuple[str, ...] = ()) -> str | None:
+def differs(target, params: tuple[str, ...] = (), attrs: tuple[str, ...] = (), exact: bool = False) -> str | None:
     """What about ``target`` differs from what a patch expects (``None``: nothing).
 
-    ``params``: parameter names that must appear in this order (others may stand between them);
-    ``attrs``: attributes ``target`` must have."""
+    ``params``: parameter names that must appear in this order (others may stand between them, unless
+    ``exact``: a replacement with a fixed signature needs exactly these); ``attrs``: attributes
+    ``target`` must have."""
     if target is None:
         return "it is missing"
     if params:
@@ -61,19 +62,20 @@ def differs(target, params: tuple[str, ...] = (), attrs: tuple[str, ...] = ()) -
         if names is None:
             return "its signature cannot be read"
         it = iter(names)
-        missing = [p for p in params if p not in it]
-        if missing:
-            return f"its parameters are ({', '.join(names)}), expected {', '.join(params)} in that order"
+        if (names != list(params)) if exact else any(p not in it for p in params):
+            expected = "exactly" if exact else "in that order"
+            return f"its parameters are ({', '.join(names)}), expected {', '.join(params)} {expected}"
     absent = [a for a in attrs if not hasattr(target, a)]
     if absent:
         return f"it has no {', '.join(absent)}"
     return None
 
 
-def check(feature: str, where: str, target, params: tuple[str, ...] = (), attrs: tuple[str, ...] = ()) -> bool:
-    """True when ``target`` (found at ``where``) has the expected shape; otherwise ``feature`` is
-    off on this host: one warning says so, and :func:`off_features` lists it."""
-    why = differs(target, params, attrs)
+def check(feature: str, where: str, target, params: tuple[str, ...] = (), attrs: tuple[str, ...] = (),
+          exact: bool = False) -> bool:
+    """True when ``target`` (found at ``where``) has the expected shape (see :func:`differs`);
+    otherwise ``feature`` is off on this host: one warning says so, and :func:`off_features` lists it."""
+    why = differs(target, params, attrs, exact)
     if why is None:
         return True
     reason = f"{where}: {why}"

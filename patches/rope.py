@@ -181,12 +181,14 @@ def _add_bound(key: PECacheKey, sig: inspect.Signature, args, kwargs, skip: tupl
 class Patch:
     """One monkey-patch of ``module.<owner>.<attr>`` (or ``module.<attr>``) with install/uninstall.
 
-    ``params``: the builder's parameter names, in order, that the replacement relies on; a host
-    builder without them is left unpatched (:attr:`off` says why)."""
+    ``params``: the builder's parameter names, in order, that the replacement relies on (``exact``:
+    all of them, for a replacement with a fixed signature); a host builder without them is left
+    unpatched (:attr:`off` says why)."""
 
     def __init__(self, family: str, module: str, attr: str, make: Callable[[Callable], Callable],
-                 params: tuple[str, ...] = ()):
+                 params: tuple[str, ...] = (), exact: bool = False):
         self.family, self.module, self.attr, self.make, self.params = family, module, attr, make, params
+        self.exact = exact
         self._original = None
         self._replacement = None
         self.off: str | None = None  # why the host's builder stays uncached (its shape differs)
@@ -230,8 +232,8 @@ class Patch:
         if getattr(original, MARK, False):  # another copy of the pack patched it: leave it
             return False
         where = f"{self.module}.{self.attr}"
-        if not host.check(f"PE cache for {self.family}", where, original, self.params):
-            self.off = host.differs(original, self.params)
+        if not host.check(f"PE cache for {self.family}", where, original, self.params, exact=self.exact):
+            self.off = host.differs(original, self.params, exact=self.exact)
             return False
         self.off = None
         replacement = functools.wraps(original)(self.make(original))
@@ -362,8 +364,9 @@ def _hydit_calc_rope(original):
 # Families whose builder moved between ComfyUI versions have one patch per place; a host has one.
 PATCHES: tuple[Patch, ...] = (
     Patch("flux, chroma, chroma radiance, hunyuan video, qwen-image, lumina2/z-image, omnigen2, wan",
-          "comfy.ldm.flux.layers", "EmbedND.forward", _embednd("EmbedND"), ("self", "ids")),
-    Patch("hidream", "comfy.ldm.hidream.model", "EmbedND.forward", _embednd("hidream.EmbedND"), ("self", "ids")),
+          "comfy.ldm.flux.layers", "EmbedND.forward", _embednd("EmbedND"), ("self", "ids"), exact=True),
+    Patch("hidream", "comfy.ldm.hidream.model", "EmbedND.forward", _embednd("hidream.EmbedND"), ("self", "ids"),
+          exact=True),
     Patch("wan (geometry)", "comfy.ldm.wan.model", "WanModel.rope_encode", _wan_rope_encode,
           ("self", "t", "h", "w", "t_start", "steps_t", "steps_h", "steps_w", "device", "dtype",
            "transformer_options")),
@@ -377,9 +380,10 @@ PATCHES: tuple[Patch, ...] = (
           _function("mochi.positions"), ("T", "pH", "pW", "device", "dtype")),
     Patch("mochi", "comfy.ldm.genmo.joint_model.asymm_models_joint", "compute_mixed_rotation",
           _function("mochi.rotation"), ("freqs", "pos")),
-    Patch("hunyuan dit", "comfy.ldm.hydit.models", "calc_rope", _hydit_calc_rope, ("x", "patch_size", "head_size")),
+    Patch("hunyuan dit", "comfy.ldm.hydit.models", "calc_rope", _hydit_calc_rope, ("x", "patch_size", "head_size"),
+          exact=True),
     Patch("hunyuan dit controlnet", "comfy.ldm.hydit.controlnet", "calc_rope", _hydit_calc_rope,
-          ("x", "patch_size", "head_size")),
+          ("x", "patch_size", "head_size"), exact=True),
 )
 
 

@@ -41,6 +41,9 @@ def test_a_reshaped_seam_is_named_and_leaves_its_feature_off_with_one_warning(ca
     why = host.differs(encode_from_tokens, ("self", "tokens", "return_pooled"))
     assert why is not None and "token_batches" in why
     assert host.differs(None) == "it is missing"
+    # a replacement with a fixed signature needs exactly the parameters it passes on
+    assert host.differs(encode_from_tokens, ("self", "token_batches"), exact=True) is not None
+    assert host.differs(encode_from_tokens, ("self", "token_batches", "options"), exact=True) is None
     assert "no_such_method" in host.differs(comfy.sd.CLIP, attrs=("encode", "no_such_method"))
     feature = "test feature (reshaped)"
     with caplog.at_level("WARNING", logger="reusekit"):
