@@ -162,7 +162,12 @@ def _owner(module) -> tuple[int, int]:
     return identity(module), getattr(module, _GENERATION, 0)
 
 
-def text_key(clip, tokens, return_pooled, return_dict) -> Key:
+def _options(extra: dict) -> tuple:
+    """Keyword options a newer host added to an encode (e.g. VAE ``not_video``), in the key by name."""
+    return encode_value(tuple(sorted(extra.items())))
+
+
+def text_key(clip, tokens, return_pooled, return_dict, extra: dict | None = None) -> Key:
     if clip.apply_hooks_to_conds:
         raise Uncacheable("hooks applied to the conditioning")
     model = clip.cond_stage_model
@@ -170,7 +175,7 @@ def text_key(clip, tokens, return_pooled, return_dict) -> Key:
     fields = ("encode_from_tokens", type(model).__module__, type(model).__qualname__, generation,
               encode_value(clip.patcher.load_device),  # where it runs: CPU and GPU results differ in bits
               encode_value(clip.layer_idx), encode_value(return_pooled), encode_value(return_dict),
-              _precision(), _patcher_fields(clip.patcher), encode_value(tokens))
+              _options(extra or {}), _precision(), _patcher_fields(clip.patcher), encode_value(tokens))
     return Key("text", fields, owners=(serial,), weights=(_weights(clip.patcher),))
 
 
@@ -180,22 +185,23 @@ def _fits(pixels) -> None:
         raise Uncacheable("input larger than the budget")
 
 
-def vision_key(clip_vision, image, crop) -> Key:
+def vision_key(clip_vision, image, crop, extra: dict | None = None) -> Key:
     _fits(image)
     model = clip_vision.model
     serial, generation = _owner(model)
-    fields = ("encode_image", type(model).__qualname__, generation, encode_value(crop), _precision(),
+    fields = ("encode_image", type(model).__qualname__, generation, encode_value(crop), _options(extra or {}),
+              _precision(),
               _config(clip_vision, ("patcher", "model")), _patcher_fields(clip_vision.patcher), encode_value(image))
     return Key("vision", fields, owners=(serial,), weights=(_weights(clip_vision.patcher),))
 
 
-def vae_key(vae, method: str, pixels, options: tuple) -> Key:
+def vae_key(vae, method: str, pixels, options: tuple, extra: dict | None = None) -> Key:
     _fits(pixels)
     model = vae.first_stage_model
     if model is None:
         raise Uncacheable("invalid VAE")
     serial, generation = _owner(model)
-    fields = (method, type(model).__qualname__, generation, encode_value(options), _precision(),
+    fields = (method, type(model).__qualname__, generation, encode_value(options), _options(extra or {}), _precision(),
               _config(vae, ("patcher", "first_stage_model")), _patcher_fields(vae.patcher), encode_value(pixels))
     return Key("vae", fields, owners=(serial,), weights=(_weights(vae.patcher),))
 
@@ -203,10 +209,10 @@ def vae_key(vae, method: str, pixels, options: tuple) -> Key:
 _local = threading.local()  # per thread: inside a plain VAE encode, and whether it fell back to tiles
 
 
-def _plain_vae_encode(orig, vae, pixel_samples):
+def _plain_vae_encode(orig, vae, pixel_samples, extra: dict):
     _local.plain, _local.fell_back = True, False
     try:
-        return orig(vae, pixel_samples)
+        return orig(vae, pixel_samples, **extra)
     finally:
         _local.plain = False
 
@@ -245,23 +251,24 @@ def _make_methods():
     Vision = comfy.clip_vision.ClipVisionModel
     mm = comfy.model_management
 
-    def encode_from_tokens(self, tokens, return_pooled=False, return_dict=False):
+    def encode_from_tokens(self, tokens, return_pooled=False, return_dict=False, **extra):
         orig = _orig(CLIP, "encode_from_tokens")
         return _route("text", self.patcher,
-                      lambda: text_key(self, tokens, return_pooled, return_dict),
-                      lambda: orig(self, tokens, return_pooled=return_pooled, return_dict=return_dict))
+                      lambda: text_key(self, tokens, return_pooled, return_dict, extra),
+                      lambda: orig(self, tokens, return_pooled=return_pooled, return_dict=return_dict, **extra))
 
     def encode_from_tokens_scheduled(self, tokens, *args, **kwargs):
         if self.patcher.forced_hooks is not None and self.use_clip_schedule and _mode(self.patcher)[0]:
             CACHE.bypass("text", "hook-scheduled encode")
         return _orig(CLIP, "encode_from_tokens_scheduled")(self, tokens, *args, **kwargs)
 
-    def vae_encode(self, pixel_samples):
+    # every replacement passes keyword options a newer host added on to it, and keys them
+    def vae_encode(self, pixel_samples, **extra):
         orig = _orig(VAE, "encode")
         # ComfyUI retries a plain encode in tiles when it runs out of memory: that result is not
         # what a plain encode gives with room to spare, so it is returned but never stored
-        return _route("vae", self.patcher, lambda: vae_key(self, "encode", pixel_samples, ()),
-                      lambda: _plain_vae_encode(orig, self, pixel_samples), check_rng=True,
+        return _route("vae", self.patcher, lambda: vae_key(self, "encode", pixel_samples, (), extra),
+                      lambda: _plain_vae_encode(orig, self, pixel_samples, extra), check_rng=True,
                       admit=_tiled_fallback_reason)
 
     def tiled_helper(name):
@@ -271,17 +278,18 @@ def _make_methods():
             return _orig(VAE, name)(self, *args, **kwargs)
         return helper
 
-    def vae_encode_tiled(self, pixel_samples, tile_x=None, tile_y=None, overlap=None, tile_t=None, overlap_t=None):
+    def vae_encode_tiled(self, pixel_samples, tile_x=None, tile_y=None, overlap=None, tile_t=None, overlap_t=None,
+                         **extra):
         orig = _orig(VAE, "encode_tiled")
         options = (tile_x, tile_y, overlap, tile_t, overlap_t)
-        return _route("vae", self.patcher, lambda: vae_key(self, "encode_tiled", pixel_samples, options),
+        return _route("vae", self.patcher, lambda: vae_key(self, "encode_tiled", pixel_samples, options, extra),
                       lambda: orig(self, pixel_samples, tile_x=tile_x, tile_y=tile_y, overlap=overlap,
-                                   tile_t=tile_t, overlap_t=overlap_t), check_rng=True)
+                                   tile_t=tile_t, overlap_t=overlap_t, **extra), check_rng=True)
 
-    def encode_image(self, image, crop=True):
+    def encode_image(self, image, crop=True, **extra):
         orig = _orig(Vision, "encode_image")
-        return _route("vision", self.patcher, lambda: vision_key(self, image, crop),
-                      lambda: orig(self, image, crop=crop))
+        return _route("vision", self.patcher, lambda: vision_key(self, image, crop, extra),
+                      lambda: orig(self, image, crop=crop, **extra))
 
     def _new_generation(module):
         setattr(module, _GENERATION, getattr(module, _GENERATION, 0) + 1)

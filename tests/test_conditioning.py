@@ -703,6 +703,35 @@ def test_a_reshaped_seam_leaves_the_cache_off_with_one_warning(cc, clip, caplog)
         assert patches.install()
 
 
+def test_an_option_a_newer_host_added_is_passed_on_and_keyed(cc, uncached, vae):
+    """ComfyUI 0.38 gave VAE.encode a ``not_video`` keyword: the patched encode passes such an
+    option on to the host's method and keys it, so an encode with it never hits one without."""
+    import comfy.sd
+
+    patches = rkharness.pack("patches.conditioning")
+    patches.uninstall()
+    original = comfy.sd.VAE.__dict__["encode"]
+
+    def encode(self, pixel_samples, not_video=None):  # the 0.38 shape, over the real encode
+        out = original(self, pixel_samples)
+        return out * -1 if not_video else out
+
+    comfy.sd.VAE.encode = encode
+    try:
+        assert patches.install()
+        pixels = torch.rand((1, 64, 64, 3), generator=torch.Generator().manual_seed(7))
+        plain = vae.encode(pixels)
+        flagged = vae.encode(pixels, not_video=True)
+        assert cc.CACHE.count("misses.vae") == 2
+        assert same(flagged, uncached(vae.encode, pixels, not_video=True)) and not same(flagged, plain)
+        assert same(vae.encode(pixels, not_video=True), flagged) and same(vae.encode(pixels), plain)
+        assert cc.CACHE.count("hits.vae") == 2
+    finally:
+        patches.uninstall()
+        comfy.sd.VAE.encode = original
+        assert patches.install()
+
+
 def test_environment_switch_values(monkeypatch, cc):
     for value, expected in (("0", False), ("off", False), ("false", False), ("1", True), ("", True)):
         monkeypatch.setenv("REUSEKIT_CONDITIONING", value)

@@ -8,11 +8,10 @@ latent sizes the family accepts. Nothing is faked: these are the host's classes 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
-
 import importlib
 import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
