@@ -102,6 +102,10 @@ def layers() -> dict[str, tuple[str, str]]:
         return dict(_layers)
 
 
+ORDER = ("conditioning cache", "PE cache", "step cache", "graph capture", "panel")  # pipeline order
+
+
 def startup_line(pack_version: str) -> str:
-    parts = [f"{name} {state}" + (f" ({detail})" if detail else "") for name, (state, detail) in layers().items()]
+    ordered = sorted(layers().items(), key=lambda kv: ORDER.index(kv[0]) if kv[0] in ORDER else len(ORDER))
+    parts = [f"{name} {state}" + (f" ({detail})" if detail else "") for name, (state, detail) in ordered]
     return f"ReuseKit {pack_version} on ComfyUI {comfyui_version()}: " + "; ".join(parts)

@@ -224,8 +224,8 @@ class Patch:
         if self.installed:
             return True
         if not self.available():
-            log.info("ReuseKit PE cache: %s.%s not found on this ComfyUI; %s not covered",
-                     self.module, self.attr, self.family)
+            # the start-up line lists the families covered (LTXV has one builder per host generation)
+            log.debug("ReuseKit PE cache: %s.%s not found on this ComfyUI", self.module, self.attr)
             return False
         owner, leaf = self._target()
         original = owner.__dict__[leaf] if inspect.isclass(owner) else getattr(owner, leaf)

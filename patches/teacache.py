@@ -213,11 +213,26 @@ class Settings:
         return self
 
 
+def _seams_fit(family: Family) -> bool:
+    """The host's seams that ``family`` uses have the expected shape (else one warning says which)."""
+    return all(host.check(f"TeaCache ({family.name})", where, _resolve(where), params)
+               for where, params in PATCHER + family.seams)
+
+
+def report_layer() -> None:
+    """The step cache's part of the start-up line: the families this host has and can hook."""
+    present = [f for f in FAMILIES if any(_resolve(c) is not None for c in f.classes)
+               and (not f.bases or any(_resolve(b) is not None for b in f.bases))]
+    hooked = [f.name for f in present if _seams_fit(f)]
+    off = [f.name for f in present if f.name not in hooked]
+    host.set_layer("step cache", "on" if hooked else "off",
+                   ", ".join(hooked) + (f"; reshaped here: {', '.join(off)}" if off else ""))
+
+
 def apply(model_patcher, config: tc.StepCacheConfig):
     """A clone of ``model_patcher`` with the step cache attached (the input is not changed)."""
     family = detect_family(model_patcher)
-    if not all(host.check(f"TeaCache ({family.name})", where, _resolve(where), params)
-               for where, params in PATCHER + family.seams):
+    if not _seams_fit(family):
         return model_patcher.clone()  # this host reshaped what the family reads: it runs uncached
     if config.model_type not in MODEL_TYPES:
         raise ValueError(f"model_type: unknown {config.model_type!r} (one of {', '.join(MODEL_TYPES)})")

@@ -63,5 +63,5 @@ def test_the_server_start_says_which_layers_are_on(comfy_server):
     assert len(lines) == 1, lines
     line = lines[0]
     assert f"on ComfyUI {comfyui_version.__version__}:" in line
-    for layer in ("conditioning cache on", "PE cache on", "panel on"):
+    for layer in ("conditioning cache on", "PE cache on", "step cache on (flux", "graph capture ", "panel on"):
         assert layer in line, line
