@@ -137,6 +137,9 @@ def test_server_lists_every_node_and_serves_the_web_entry(comfy_server):
     assert "registerExtension" in js
     timing = [line for line in comfy_server.log_text().splitlines() if "custom_nodes/reusekit" in line]
     assert timing and not any("IMPORT FAILED" in line for line in timing), timing
+    # the environment is complete (torchaudio too): no module of the host fails to import either
+    failed = [line for line in comfy_server.log_text().splitlines() if "IMPORT FAILED" in line]
+    assert not failed, failed
 
 
 def test_server_runs_a_tiny_workflow_with_the_stats_node(comfy_server):
