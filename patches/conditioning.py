@@ -10,7 +10,7 @@ Patched (class attributes, one install and one uninstall, idempotent, each shape
   the host has it, to see an out-of-memory fallback from a plain encode to tiles: that result is
   never stored);
 - ``CLIP.load_sd`` / ``ClipVisionModel.load_sd`` (weights replaced in place: a new generation);
-- ``comfy.model_management.free_memory``: device entries are freed first when ComfyUI needs VRAM;
+- device entries are freed first when ComfyUI needs VRAM (a releaser in patches/memory.py);
 - and a ``ModelPatcher.detach`` listener (patches/lifecycle.py): unloading an encoder drops its
   device entries.
 
@@ -44,7 +44,7 @@ from ..caching.conditioning import (
     register_container,
 )
 from ..caching.settings import SETTINGS
-from . import host, lifecycle
+from . import host, lifecycle, memory
 
 log = logging.getLogger("reusekit")
 
@@ -244,12 +244,10 @@ def _orig(owner, name):
 
 def _make_methods():
     import comfy.clip_vision
-    import comfy.model_management
     import comfy.sd
 
     CLIP, VAE = comfy.sd.CLIP, comfy.sd.VAE
     Vision = comfy.clip_vision.ClipVisionModel
-    mm = comfy.model_management
 
     def encode_from_tokens(self, tokens, return_pooled=False, return_dict=False, **extra):
         orig = _orig(CLIP, "encode_from_tokens")
@@ -305,16 +303,6 @@ def _make_methods():
         _new_generation(self.model)
         return _orig(Vision, "load_sd")(self, sd)
 
-    def free_memory(memory_required, device, *args, **kwargs):
-        try:
-            if getattr(device, "type", "cpu") != "cpu" and CACHE.device_bytes(str(device)):
-                short = memory_required - mm.get_free_memory(device)
-                if short > 0 and CACHE.drop_device(str(device), short):
-                    mm.soft_empty_cache()
-        except Exception:  # never let the cache break ComfyUI's memory management
-            log.exception("ReuseKit conditioning: freeing device entries failed")
-        return _orig(mm, "free_memory")(memory_required, device, *args, **kwargs)
-
     # (owner, name, replacement, the parameters it relies on, whether the host must have it)
     return [
         (CLIP, "encode_from_tokens", encode_from_tokens, ("self", "tokens", "return_pooled", "return_dict"), True),
@@ -327,8 +315,13 @@ def _make_methods():
         (VAE, "_encode_tiled_owned", tiled_helper("_encode_tiled_owned"), ("self", "pixel_samples"), False),  # video VAEs that tile themselves (newer hosts)
         (Vision, "encode_image", encode_image, ("self", "image", "crop"), True),
         (Vision, "load_sd", vision_load_sd, ("self", "sd"), True),
-        (mm, "free_memory", free_memory, ("memory_required", "device"), True),
     ]
+
+
+def release_device_entries(device: str, need_bytes: int) -> int:
+    """When ComfyUI needs memory on ``device`` (patches/memory.py): least recently used device
+    entries go first."""
+    return CACHE.drop_device(device, need_bytes) if CACHE.device_bytes(device) else 0
 
 
 def drop_device_entries(patcher, *args, **kwargs) -> None:
@@ -371,6 +364,7 @@ def install() -> bool:
             fn.__reusekit__ = True
             setattr(owner, name, fn)
         lifecycle.add_listener("detach", drop_device_entries)
+        memory.add_releaser(FEATURE, release_device_entries)
         return True
 
 
@@ -381,6 +375,7 @@ def uninstall() -> None:
             setattr(owner, name, original)
         _originals.clear()
         lifecycle.remove_listener("detach", drop_device_entries)
+        memory.remove_releaser(FEATURE)
 
 
 def installed() -> bool:
