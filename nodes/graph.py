@@ -12,8 +12,9 @@ from ..patches import graph_capture, host
 from . import CATEGORY, ksampler_inputs
 
 MAX_GRAPHS = 8
+EXPERIMENTAL = "Experimental: never run on a GPU yet. "
 
-ENABLE_TOOLTIP = (f"Capture the diffusion model's forward as a CUDA graph and replay it on the following "
+ENABLE_TOOLTIP = (f"{EXPERIMENTAL}Capture the diffusion model's forward as a CUDA graph and replay it on the following "
                   f"steps. Off: the model runs as usual. The environment variable {DISABLE_ENV}=1 turns "
                   f"it off everywhere.")
 MAX_GRAPHS_TOOLTIP = ("How many captured graphs to keep per model (e.g. cond-only and cond+uncond batches, "
@@ -55,7 +56,8 @@ class GraphCaptureNode(io.ComfyNode):
             node_id="ReuseKitGraphCapture",
             display_name="ReuseKit Graph Capture",
             category=f"{CATEGORY}/graph",
-            description="Captures the diffusion model's forward once as a CUDA graph and replays it on every "
+            is_experimental=True,
+            description=f"{EXPERIMENTAL}Captures the diffusion model's forward once as a CUDA graph and replays it on every "
                         "following step while shapes, batch and weights stay the same; rebuilds (and says why) "
                         "when they change. Partially loaded (lowvram) models, models under dynamic VRAM, per-step "
                         "weight hooks and uncapturable inputs run eagerly with the same result. Without CUDA: "
@@ -79,7 +81,8 @@ class GraphKSamplerNode(io.ComfyNode):
             node_id="ReuseKitGraphKSampler",
             display_name="ReuseKit Graph KSampler",
             category=f"{CATEGORY}/graph",
-            description="KSampler with CUDA graph capture of the diffusion model: the same result as KSampler, "
+            is_experimental=True,
+            description=f"{EXPERIMENTAL}KSampler with CUDA graph capture of the diffusion model: the same result as KSampler, "
                         "with the per-step launch overhead removed on replayed steps.",
             inputs=[
                 *ksampler_inputs(),

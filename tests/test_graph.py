@@ -684,6 +684,18 @@ def test_capture_node_clones_and_validates(gc, tiny):
         graph.GraphKSamplerNode.execute(model, 0, 2, 2.0, "euler", "simple", [], [], {}, 1.0, "yes", 2)
 
 
+def test_both_nodes_are_marked_experimental_in_schema_description_and_tooltip():
+    graph = rkharness.pack("nodes.graph")
+    for node in graph.NODES:
+        schema = node.define_schema()
+        assert schema.is_experimental is True, node
+        assert schema.description.startswith("Experimental: never run on a GPU yet."), node
+        switch = next(i for i in schema.inputs if getattr(i, "id", "") in ("enable", "enable_graphs"))
+        assert "never run on a GPU yet" in switch.tooltip
+        info = node.GET_NODE_INFO_V1()  # what the server's /object_info sends the frontend
+        assert info["experimental"] is True and "never run on a GPU yet" in info["description"]
+
+
 def graph_ksampler_prompt(seed=3):
     return {
         "1": {"class_type": "RKTestTinyCheckpoint", "inputs": {"family": "flux", "seed": 0}},
