@@ -347,6 +347,13 @@ class Entry:
     uses: int = 0
 
 
+def _free(entries: list[Entry]) -> None:
+    for e in entries:
+        if e.runner is not None:
+            e.runner.release()
+            e.runner = None
+
+
 @dataclass
 class Decision:
     hit: bool
@@ -366,6 +373,31 @@ class GraphSet:
     pending_reason: tuple[str, str] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     shared: dict = field(default_factory=dict)  # the backend's state for all of them (a memory pool)
+    busy: int = 0             # forwards between their decision and the end of their replay or capture
+    doomed: list = field(default_factory=list)  # entries dropped while busy: freed when the last ends
+    generation: int = 0       # bumped by every release: a capture begun before one is not kept
+
+    @contextlib.contextmanager
+    def in_use(self):
+        """Held by a forward from its decision through its replay or capture: entries dropped
+        meanwhile (a clear or an unload from any thread) keep their runners until it ends."""
+        with self.lock:
+            self.busy += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.busy -= 1
+                doomed, self.doomed = (self.doomed, []) if not self.busy else ([], self.doomed)
+            _free(doomed)
+
+    def retire(self, entries: list[Entry]) -> None:
+        """Free the runners of entries no longer kept: now, or once no forward is using the set."""
+        with self.lock:
+            if self.busy:
+                self.doomed.extend(entries)
+                return
+        _free(entries)
 
     def decide(self, sig: Signature) -> Decision:
         with self.lock:
@@ -380,9 +412,12 @@ class GraphSet:
                 reason, detail = self.pending_reason or ("released", "")
             return Decision(False, None, reason, detail)
 
-    def add(self, entry: Entry) -> list[Entry]:
-        """Keep ``entry`` (most recent); returns the entries evicted to stay within max_graphs."""
+    def add(self, entry: Entry, generation: int | None = None) -> list[Entry]:
+        """Keep ``entry`` (most recent); returns the entries evicted to stay within max_graphs, or
+        ``[entry]`` itself where the set was released since ``generation`` (when its capture began)."""
         with self.lock:
+            if generation is not None and generation != self.generation:
+                return [entry]
             self.entries[entry.signature] = entry
             self.entries.move_to_end(entry.signature)
             self.last = entry.signature
@@ -405,6 +440,7 @@ class GraphSet:
         """Drop every graph; ``last`` stays, so the next rebuild still names what changed (or,
         when nothing did, this reason)."""
         with self.lock:
+            self.generation += 1
             dropped = list(self.entries.values())
             self.entries.clear()
             if dropped:

@@ -124,7 +124,7 @@ def graph_set(base_model, max_graphs: int) -> gr.GraphSet:
         evicted = gs.resize(max_graphs)
         if evicted:
             STATS.incr("evictions", len(evicted))
-            _drop(evicted)
+            gs.retire(evicted)
             _publish_memory()
     return gs
 
@@ -135,13 +135,6 @@ def _publish_memory() -> None:
     STATS.memory(sum(s.nbytes for s in sets), sum(len(s.entries) for s in sets))
 
 
-def _drop(entries: list[gr.Entry]) -> None:
-    for e in entries:
-        if e.runner is not None:
-            e.runner.release()
-            e.runner = None
-
-
 def release_model(base_model, reason: str, detail: str = "") -> int:
     """Drop every graph of ``base_model`` (its weights moved or changed); returns how many."""
     with _SETS_LOCK:
@@ -150,7 +143,7 @@ def release_model(base_model, reason: str, detail: str = "") -> int:
         return 0
     dropped = gs.release(reason, detail)
     if dropped:
-        _drop(dropped)
+        gs.retire(dropped)  # a forward replaying one of them right now frees it when it ends
         STATS.incr(f"releases.{reason}", len(dropped))
         _publish_memory()
     return len(dropped)
@@ -707,6 +700,14 @@ def graph_call(original, args: tuple, kwargs: dict, opts: dict, ctx):
                 run.step_skips += 1
             return done
     gs = graph_set(base_model, int(opts.get("max_graphs", 2)))
+    with gs.in_use():  # a release from another thread until the replay or capture ends frees nothing
+        return _reuse_or_capture(gs, run, original, args, kwargs, opts, named, spec, device, runner_cls, hook,
+                                 done)
+
+
+def _reuse_or_capture(gs: gr.GraphSet, run, original, args, kwargs, opts, named, spec, device, runner_cls, hook,
+                      done):
+    """The decision for one call and its replay, capture or eager run."""
     decision = gs.decide(spec.signature)
     if decision.hit:
         entry = decision.entry
@@ -745,11 +746,12 @@ def graph_call(original, args: tuple, kwargs: dict, opts: dict, ctx):
             _count(run, "bypasses", "unstable_inputs")
             return _eager(run, original, args, kwargs, done)
     if runner_cls is None:  # decisions only
-        _drop(gs.add(gr.Entry(spec.signature)))
+        gs.retire(gs.add(gr.Entry(spec.signature)))
         _publish_memory()
         return _eager(run, original, args, kwargs, done)
     if not any(e.runner is not None for e in gs.entries.values()):
         gs.shared.clear()  # no graph holds the backend's pool any more: the next one starts anew
+    generation = gs.generation  # a release during the capture: the new graph is not kept
     runner = runner_cls(original, named, len(args), spec, device, gs.shared)
     try:
         with gr.preparing_capture():
@@ -764,15 +766,16 @@ def graph_call(original, args: tuple, kwargs: dict, opts: dict, ctx):
                       "eagerly: %s", failure, level=logging.WARNING)
         if run is not None:
             run.note(f"capture failed: {failure}")
-        evicted = gs.add(gr.Entry(spec.signature, failed=failure))
+        entry = gr.Entry(spec.signature, failed=failure)
     else:
         STATS.incr("captures")
         if run is not None:
             run.captures += 1
-        evicted = gs.add(gr.Entry(spec.signature, runner, runner.nbytes))
-    if evicted:
-        STATS.incr("evictions", len(evicted))
-        _drop(evicted)
+        entry = gr.Entry(spec.signature, runner, runner.nbytes)
+    evicted = gs.add(entry, generation)
+    if any(e is not entry for e in evicted):
+        STATS.incr("evictions", sum(e is not entry for e in evicted))
+    gs.retire(evicted)
     _publish_memory()
     return _hand_back(out, hook)
 

@@ -4,6 +4,8 @@ model) with real tiny models through the real sampler, the eager fallback bit fo
 bypasses, the disable switches, the nodes and the stats."""
 
 import logging
+import threading
+import time
 
 import pytest
 import rkharness
@@ -285,6 +287,57 @@ def test_unloading_the_model_releases_its_graphs(gc, monkeypatch, tiny, conds):
     assert snap["entries"] == 0 and snap["bytes"]["device"] == 0 and snap["counters"]["releases.unloaded"] == 1
     assert torch.equal(sample(captured, conds), first)
     assert last_run(gc)["rebuilds"] == {"unloaded": 1}
+
+
+def test_a_clear_from_another_thread_between_decision_and_replay_frees_the_graph_after_it(gc, monkeypatch, tiny,
+                                                                                             conds):
+    """The panel's clear runs on the server's thread: it never waits for the sampler, and the graph
+    being replayed is freed when its replay ends (the next step rebuilds and says why)."""
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.tiny_flux(0)
+    plain = sample(model, conds, steps=4)
+    replay, released, runners = gc.StaticRunner.replay, [], []
+
+    def racing_replay(self, tensors):
+        clear = threading.Thread(target=lambda: released.append(gc.release_all("cleared")))
+        clear.start()
+        clear.join(10)
+        assert not clear.is_alive()
+        runners.append(self)
+        return replay(self, tensors)
+
+    monkeypatch.setattr(gc.StaticRunner, "replay", racing_replay)
+    assert torch.equal(sample(capture(model), conds, steps=4), plain)
+    run = last_run(gc)
+    assert (run["captures"], run["replays"], run["rebuilds"]) == (2, 2, {"cleared": 1}), run
+    assert released == [1, 1] and all(r.fn is None and r.static == [] for r in runners)
+    assert gc.STATS.handle.snapshot()["entries"] == 0 and not gc._SETS[model.model].doomed
+
+
+def test_clears_from_another_thread_all_through_sampling_leave_the_result_unchanged(gc, monkeypatch, tiny, conds):
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    model = tiny.tiny_flux(2)
+    plain = sample(model, conds, steps=8)
+    stop, errors = threading.Event(), []
+
+    def clear_often():
+        while not stop.is_set():
+            try:
+                gc.release_all("cleared")
+            except Exception as exc:  # noqa: BLE001  (reported below)
+                errors.append(exc)
+            time.sleep(0.001)
+
+    clearer = threading.Thread(target=clear_often)
+    clearer.start()
+    try:
+        outs = [sample(capture(model), conds, steps=8) for _ in range(3)]
+    finally:
+        stop.set()
+        clearer.join(10)
+    assert not errors and all(torch.equal(o, plain) for o in outs)
+    gc.release_all("test")
+    assert not gc._SETS[model.model].doomed and gc._SETS[model.model].busy == 0
 
 
 def test_interrupt_mid_run_leaves_graphs_usable(gc, monkeypatch, tiny, conds):
