@@ -138,6 +138,7 @@ class RunState:
         self.conds: dict[Any, CondState] = {}
         self.calls_computed = 0
         self.calls_skipped = 0
+        self.unhooked = 0  # calls computed without the cache seeing them (the model never reached its blocks)
         self.time_computed = 0.0
         self.time_skipped = 0.0
         self.resets = 0
@@ -278,6 +279,7 @@ class RunState:
             "speedup_calls": calls / self.calls_computed if self.calls_computed else 1.0,
             "time_saved_s": round(saved, 4),
             "resets": self.resets,
+            "unhooked_calls": self.unhooked,
             "conds": conds,
         }
 

@@ -88,6 +88,7 @@ class Family:
     blocks: Callable[[Any], list[tuple[str, int]]]
     image_first: bool = False  # a single stream without ``img_slice`` is (image, text) (HunyuanVideo < 0.14)
     bases: tuple[str, ...] = ()  # "module:Class" of the BaseModel, where one diffusion class serves several
+    refused: tuple[tuple[str, str], ...] = ()  # ("module:Class", why) of subclasses the cache cannot hook
     seams: tuple[tuple[str, tuple[str, ...]], ...] = ()  # ("module:attr.path", parameter names) it calls,
     # besides the ModelPatcher methods every family uses (PATCHER)
 
@@ -107,6 +108,10 @@ def _wan_blocks(dm):
 
 FLUX, HUNYUAN, WAN = ("comfy.ldm.flux.model:Flux",), ("comfy.ldm.hunyuan_video.model:HunyuanVideo",), \
     ("comfy.ldm.wan.model:WanModel",)
+# Wan S2V injects audio between blocks, outside the block seam (and before ComfyUI 0.4 hands its block
+# patches no transformer_options): a skip would add the last block's audio twice
+WAN_REFUSED = (("comfy.ldm.wan.model:WanModel_S2V", "it injects audio between its blocks, outside the block seam "
+                "the cache hooks"),)
 QWEN = ("comfy.ldm.qwen_image.model:QwenImageTransformer2DModel",)
 PATCHER = (("comfy.model_patcher:ModelPatcher.set_model_patch_replace", ("patch", "name", "block_name", "number")),
            ("comfy.model_patcher:ModelPatcher.add_wrapper_with_key", ("wrapper_type", "key", "wrapper")),
@@ -123,8 +128,9 @@ FAMILIES = (
            bases=("comfy.model_base:HunyuanVideo15",), seams=APPLY_MOD),
     Family("hunyuan_video", "hunyuan_video", HUNYUAN, _flux_modulated, _double_single, image_first=True,
            seams=APPLY_MOD),
-    Family("wan22", "calibrated", WAN, _wan_modulated, _wan_blocks, bases=("comfy.model_base:WAN22",)),
-    Family("wan", "wan2.1_t2v_1.3B_ret_mode", WAN, _wan_modulated, _wan_blocks),
+    Family("wan22", "calibrated", WAN, _wan_modulated, _wan_blocks, bases=("comfy.model_base:WAN22",),
+           refused=WAN_REFUSED),
+    Family("wan", "wan2.1_t2v_1.3B_ret_mode", WAN, _wan_modulated, _wan_blocks, refused=WAN_REFUSED),
     Family("qwen_image", "calibrated", QWEN, _qwen_modulated, _transformer_blocks, seams=QWEN_MODULATE),
 )
 TYPE_FAMILY = {"flux": "flux", "flux-kontext": "flux", "hunyuan_video": "hunyuan_video",
@@ -156,10 +162,14 @@ def _matches(family: Family, model) -> bool:
 def detect_family(model_patcher) -> Family:
     """The family of a ModelPatcher's diffusion model; ValueError when TeaCache does not cover it."""
     model = getattr(model_patcher, "model", None)
+    dm = getattr(model, "diffusion_model", None)
     for family in FAMILIES:
         if _matches(family, model):
+            for spec, why in family.refused:
+                cls = _resolve(spec)
+                if cls is not None and isinstance(dm, cls):
+                    raise ValueError(f"model: the step cache does not support {type(dm).__name__} models ({why})")
             return family
-    dm = getattr(model, "diffusion_model", None)
     supported = ", ".join(f.name for f in FAMILIES)
     raise ValueError(f"model: the step cache does not support {type(dm).__name__} models yet "
                      f"(supported: {supported})")
@@ -204,10 +214,11 @@ def model_fingerprint(model_patcher, family: Family) -> str:
 # ---- the settings the node attaches ------------------------------------------------------
 
 class Settings:
-    """The node's settings in transformer_options. Immutable, so clones share it (deepcopy too)."""
+    """The node's settings in transformer_options: the config, the family and the blocks the cache
+    patched. Immutable, so clones share it (deepcopy too)."""
 
-    def __init__(self, config: tc.StepCacheConfig, family: Family):
-        self.config, self.family = config, family
+    def __init__(self, config: tc.StepCacheConfig, family: Family, blocks: tuple[tuple[str, int], ...]):
+        self.config, self.family, self.blocks = config, family, blocks
 
     def __deepcopy__(self, memo):
         return self
@@ -242,11 +253,11 @@ def apply(model_patcher, config: tc.StepCacheConfig):
     import comfy.patcher_extension as pe
 
     m = model_patcher.clone()
-    m.model_options["transformer_options"][KEY] = Settings(config, family)
+    blocks = family.blocks(m.model.diffusion_model)
+    m.model_options["transformer_options"][KEY] = Settings(config, family, tuple(blocks))
     for kind, fn in ((pe.WrappersMP.OUTER_SAMPLE, _outer_sample), (pe.WrappersMP.DIFFUSION_MODEL, _diffusion_model)):
         m.remove_wrappers_with_key(kind, KEY)  # applying twice replaces, never stacks
         m.add_wrapper_with_key(kind, KEY, fn)
-    blocks = family.blocks(m.model.diffusion_model)
     dit = m.model_options["transformer_options"].get("patches_replace", {}).get("dit", {})
     for i, (name, index) in enumerate(blocks):
         prior = dit.get((name, index))
@@ -266,6 +277,7 @@ def _block_patch(first: bool, last: bool, prior):
         return call.block(args, run_block, first, last)
 
     patch._reusekit_prior = prior
+    patch._reusekit_block = True
     # on a computed call it launches the same kernels every time (the decision is made before, in
     # _Call.probe), so graph capture may record it; another node's patch beneath it may not be
     setattr(patch, gr.GRAPH_SAFE, prior is None)
@@ -403,6 +415,18 @@ def _labels(to: dict, n: int) -> list[str]:
     return out
 
 
+def _blocks_ours(to: dict, settings: Settings) -> bool:
+    """Whether every block patch the cache installed is still in place (a later node may have
+    replaced one: a skip would then run that node's block on the stack input); warns once if not."""
+    dit = (to.get("patches_replace") or {}).get("dit") or {}
+    replaced = [key for key in settings.blocks if not getattr(dit.get(key), "_reusekit_block", False)]
+    if replaced:
+        host.say_once(f"teacache-replaced:{settings.family.name}:{replaced[0]}", "ReuseKit TeaCache: another node "
+                      "replaced the patch of %s %d after ReuseKit TeaCache; computing every step (put ReuseKit "
+                      "TeaCache after that node to skip steps)", *replaced[0], level=logging.WARNING)
+    return not replaced
+
+
 def _diffusion_model(executor, *args, **kwargs):
     to = _transformer_options(args, kwargs)
     run: tc.RunState | None = to.get(RUN_KEY)
@@ -416,6 +440,10 @@ def _diffusion_model(executor, *args, **kwargs):
     cond_or_uncond = list(to.get("cond_or_uncond") or [])
     if len(cond_or_uncond) == len(keys):  # core gives an area cond's made-up uncond the cond's uuid
         keys = list(zip(keys, cond_or_uncond, strict=True))
+    if not _blocks_ours(to, settings):  # a later node replaced one of our block patches: never skip
+        out = executor(*args, **kwargs)
+        run.calls_computed += 1
+        return out
     call = _Call(run, settings.family, executor.class_obj, keys, _labels(to, len(keys)), may_skip, sigma)
     to[CALL_KEY] = call
     t0 = time.perf_counter()
@@ -424,6 +452,13 @@ def _diffusion_model(executor, *args, **kwargs):
     finally:
         to.pop(CALL_KEY, None)
     dt = time.perf_counter() - t0
+    if call.skip is None:  # our first block never saw this call: computed, and the run says so
+        host.say_once(f"teacache-unreached:{type(executor.class_obj).__name__}", "ReuseKit TeaCache: the blocks of "
+                      "this %s never reached the step cache (called without transformer_options or under other "
+                      "names); computing every step",
+                      type(executor.class_obj).__name__, level=logging.WARNING)
+        run.calls_computed += 1
+        run.unhooked += 1
     if call.skip:
         run.calls_skipped += 1
         run.time_skipped += dt
@@ -470,20 +505,49 @@ def _outer_sample(executor, *args, **kwargs):
                       float(ms.percent_to_sigma(cfg.end_percent)))
     guider.model_options = comfy.model_patcher.create_model_options_clone(orig)
     guider.model_options["transformer_options"][RUN_KEY] = run
+    sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
+    steps = len(sigmas) - 1 if sigmas is not None else None
     try:
-        return executor(*args, **kwargs)
-    finally:
+        out = executor(*args, **kwargs)
+    except BaseException as exc:  # interrupted or failed: reported as such, and the sampler's own error raised
         guider.model_options = orig
-        sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
-        _finish(run, settings, used_type, fp, len(sigmas) - 1 if sigmas is not None else None)
+        try:
+            _finish(run, settings, used_type, fp, steps, _outcome(exc))
+        except Exception:
+            log.exception("ReuseKit TeaCache: could not report the run")
+        raise
+    guider.model_options = orig
+    _finish(run, settings, used_type, fp, steps, "completed")
+    return out
 
 
-def _finish(run: tc.RunState, settings: Settings, used_type: str, fp: str, total_steps: int | None) -> None:
+def _outcome(exc: BaseException) -> str:
+    """"interrupted" for ComfyUI's interrupt (a BaseException from 0.33), else "failed"."""
+    import comfy.model_management
+
+    return "interrupted" if isinstance(exc, comfy.model_management.InterruptProcessingException) else "failed"
+
+
+MODEL_REPORTS = 8  # the last runs kept per model in the stats ("models"), most recent last
+
+
+def model_label(family: Family, fp: str) -> str:
+    """A model's name in the stats: its family and the start of its calibration fingerprint."""
+    return f"{family.name} {fp[:8]}"
+
+
+def _finish(run: tc.RunState, settings: Settings, used_type: str, fp: str, total_steps: int | None,
+            outcome: str) -> None:
+    """Report the run (stats, log line); a completed calibration run also fits and saves its polynomial."""
     summary = run.summary(total_steps)
     summary["model_type"] = used_type
     summary["family"] = settings.family.name
+    summary["model"] = model_label(settings.family, fp)
+    summary["outcome"] = outcome
     s = stats()
     s.incr("runs")
+    if outcome != "completed":
+        s.incr(f"runs_{outcome}")
     s.incr("calls_computed", run.calls_computed)
     s.incr("calls_skipped", run.calls_skipped)
     for lab, c in summary["conds"].items():
@@ -494,7 +558,10 @@ def _finish(run: tc.RunState, settings: Settings, used_type: str, fp: str, total
     s.set_memory("device", 0)
     s.set_memory("cpu", 0)
     per_cond = ", ".join(f"{lab} {c['computed']}/{c['computed'] + c['skipped']}" for lab, c in summary["conds"].items())
-    if run.config.calibrate:
+    if run.config.calibrate and outcome != "completed":
+        log.warning("ReuseKit TeaCache Calibrate (%s): the run was %s; nothing is saved (calibration comes "
+                    "from complete runs only)", settings.family.name, outcome)
+    elif run.config.calibrate:
         xs, ys = run.calibration_points()
         try:
             coeffs = tc.fit_polynomial(xs, ys)
@@ -512,7 +579,11 @@ def _finish(run: tc.RunState, settings: Settings, used_type: str, fp: str, total
                      "with model_type auto/calibrated use it", settings.family.name,
                      [round(c, 4) for c in coeffs], len(xs))
     s.set_info("last_run", summary)
-    log.info("ReuseKit TeaCache (%s, %s, thresh %.3g): computed %d of %d model calls (%.2fx fewer; per cond %s), "
-             "~%.2f s saved", settings.family.name, used_type, run.config.rel_l1_thresh, run.calls_computed,
+    models = {k: v for k, v in (s.snapshot()["info"].get("models") or {}).items() if k != summary["model"]}
+    models[summary["model"]] = summary
+    s.set_info("models", dict(list(models.items())[-MODEL_REPORTS:]))
+    log.info("ReuseKit TeaCache (%s, %s, thresh %.3g)%s: computed %d of %d model calls (%.2fx fewer; per cond %s), "
+             "~%.2f s saved", settings.family.name, used_type, run.config.rel_l1_thresh,
+             "" if outcome == "completed" else f", {outcome}", run.calls_computed,
              run.calls_computed + run.calls_skipped, summary["speedup_calls"], per_cond or "none",
              summary["time_saved_s"])

@@ -428,6 +428,136 @@ def test_a_calibration_is_found_whichever_lora_clone_of_the_model_sampled_before
     assert last_run()["model_type"] == "calibrated"
 
 
+def fail_at(model, call, interrupt=True):
+    """A clone of ``model`` that stops sampling at its ``call``-th model call: through ComfyUI's own
+    interrupt (a BaseException from 0.33), or with a RuntimeError of its own."""
+    import comfy.model_management
+    import comfy.patcher_extension
+
+    calls = []
+
+    def wrapper(executor, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            if not interrupt:
+                raise RuntimeError("the sampler's own failure")
+            comfy.model_management.interrupt_current_processing(True)
+            comfy.model_management.throw_exception_if_processing_interrupted()
+        return executor(*args, **kwargs)
+
+    m = model.clone()
+    m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "test_fail_at", wrapper)
+    return m
+
+
+@pytest.mark.hardening
+def test_an_interrupted_calibration_is_never_saved_nor_used(flux, conds, _isolated_calibrations, caplog):
+    import comfy.model_management
+
+    (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
+    with caplog.at_level(logging.INFO, logger="reusekit"), \
+            pytest.raises(comfy.model_management.InterruptProcessingException):
+        sample(fail_at(cal, 4), conds)
+    run = last_run()
+    assert run["outcome"] == "interrupted" and "calibration" not in run
+    assert not _isolated_calibrations.path.exists()
+    assert "nothing is saved" in caplog.text
+    sample(teacache(flux, 0.3, model_type="auto"), conds)
+    assert last_run()["model_type"] == "flux"  # the published polynomial, not 3 points of an interrupted run
+    with pytest.raises(ValueError, match="no calibration"):
+        sample(teacache(flux, 0.3, model_type="calibrated"), conds)
+
+
+@pytest.mark.hardening
+def test_an_interrupted_run_is_reported_interrupted_and_the_next_run_is_clean(flux, conds, caplog):
+    import comfy.model_management
+
+    model = teacache(flux, 0.8)
+    clean = sample(model, conds)
+    with caplog.at_level(logging.INFO, logger="reusekit"), \
+            pytest.raises(comfy.model_management.InterruptProcessingException):
+        sample(fail_at(model, 5), conds)
+    run = last_run()
+    assert run["outcome"] == "interrupted" and run["calls_computed"] + run["calls_skipped"] == 4
+    lines = [r.getMessage() for r in caplog.records if "ReuseKit TeaCache (flux" in r.getMessage()]
+    assert len(lines) == 1 and ", interrupted:" in lines[0]
+    assert torch.equal(sample(model, conds), clean)
+    assert last_run()["outcome"] == "completed"
+
+
+@pytest.mark.hardening
+def test_a_failing_sampler_raises_its_own_error_even_when_the_report_fails(flux, conds, monkeypatch):
+    def broken(self, total_steps=None):
+        raise ValueError("the report broke")
+
+    monkeypatch.setattr(tc().RunState, "summary", broken)
+    with pytest.raises(RuntimeError, match="the sampler's own failure"):
+        sample(fail_at(teacache(flux, 0.8), 3, interrupt=False), conds)
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="the sampler's own failure"):
+        sample(fail_at(teacache(flux, 0.8), 3, interrupt=False), conds)
+    assert last_run()["outcome"] == "failed"
+
+
+def test_two_step_cached_models_in_one_workflow_keep_their_own_reports(conds):
+    """Wan 2.2's two experts (or any two models) sampled one after the other: each run's report
+    stays in the stats under its model, not overwritten by the other's."""
+    spec = family_spec("wan22_14b")
+    high, low = spec.build(0), spec.build(1)
+    shape = (1, 16, 1, 8, 8)
+    sample(teacache(high, 0.0, model_type="auto"), conds, steps=4, shape=shape)
+    sample(teacache(low, 1e6, model_type="auto"), conds, steps=6, shape=shape)
+    models = P().stats().snapshot()["info"]["models"]
+    wan = next(f for f in P().FAMILIES if f.name == "wan")
+    first = models[P().model_label(wan, P().model_fingerprint(high, wan))]
+    second = models[P().model_label(wan, P().model_fingerprint(low, wan))]
+    assert first["steps"] == 4 and first["calls_skipped"] == 0
+    assert second["steps"] == 6 and second["calls_skipped"] >= 1
+    assert last_run()["model"] == second["model"] != first["model"]
+
+
+def test_a_later_node_replacing_the_last_block_patch_never_skips(flux, conds, caplog):
+    """A node applied after the cache that replaces its last block's patch would, on a skip, run
+    that block on the stack input: the cache must compute instead, and say so once."""
+    last = P().FAMILIES[1].blocks(flux.model.diffusion_model)[-1]
+    ref = sample(flux, conds)
+    after = teacache(flux, 5.0)
+    after.set_model_patch_replace(lambda args, extra: extra["original_block"](args), "dit", *last)
+    with caplog.at_level(logging.WARNING, logger="reusekit"):
+        out = sample(after, conds)
+    assert torch.equal(out, ref)
+    run = last_run()
+    assert run["calls_skipped"] == 0 and run["calls_computed"] == STEPS
+    assert "replaced the patch of" in caplog.text
+
+
+def test_a_model_whose_blocks_never_reach_the_cache_computes_and_says_so(flux, conds, monkeypatch, caplog):
+    """A variant whose block calls never reach the cache's patches (no transformer_options, or other
+    block names): every call computed, counted and reported, never "computed 0 of 0"."""
+    import dataclasses
+
+    families = tuple(dataclasses.replace(f, blocks=lambda dm: [("double_block", 99)]) if f.name == "flux" else f
+                     for f in P().FAMILIES)
+    monkeypatch.setattr(P(), "FAMILIES", families)
+    ref = sample(flux, conds)
+    with caplog.at_level(logging.WARNING, logger="reusekit"):
+        out = sample(teacache(flux, 5.0), conds)
+    assert torch.equal(out, ref)
+    run = last_run()
+    assert run["calls_computed"] == STEPS and run["unhooked_calls"] == STEPS and run["calls_skipped"] == 0
+    assert "never reached the step cache" in caplog.text
+
+
+def test_wan_s2v_is_a_clear_error_at_the_node():
+    """Wan S2V injects audio between blocks, outside the seam the cache hooks (and on ComfyUI 0.3
+    hands its block patches no transformer_options): refused at the node, never a silent no-op."""
+    s2v = tiny_module("step_families").tiny_wan_s2v(0)
+    with pytest.raises(ValueError, match="ReuseKit TeaCache: model: .*does not support WanModel_S2V"):
+        teacache(s2v, 0.4, model_type="auto")
+    with pytest.raises(ValueError, match="ReuseKit TeaCache Calibrate: model: .*does not support WanModel_S2V"):
+        N().TeaCacheCalibrateNode.execute(s2v)
+
+
 # ---- other families ---------------------------------------------------------------------
 
 PUBLISHED_DEFAULT = {"wan": "wan2.1_t2v_1.3B_ret_mode", "hunyuan_video": "hunyuan_video"}

@@ -30,3 +30,17 @@ def tiny_hunyuan_video(seed: int = 0, **overrides):
     cfg.update(overrides)
     return _from_config(comfy.supported_models.HunyuanVideo,
                         with_host_fields(cfg, "comfy.ldm.hunyuan_video.model:HunyuanVideoParams"), seed)
+
+
+def tiny_wan_s2v(seed: int = 0, **overrides):
+    """Wan 2.2 S2V (audio injected between blocks) at dim 64, 2 heads, 2 layers, audio width 32."""
+    import comfy.supported_models
+
+    from . import TEXT_DIM, _from_config
+
+    cfg = dict(image_model="wan2.1", model_type="s2v", patch_size=(1, 2, 2), text_len=512, in_dim=16, dim=64,
+               ffn_dim=128, freq_dim=32, text_dim=TEXT_DIM, out_dim=16, num_heads=2, num_layers=2,
+               window_size=(-1, -1), qk_norm=True, cross_attn_norm=True, eps=1e-6, audio_dim=32,
+               num_audio_token=4, enable_adain=True, cond_dim=16, audio_inject_layers=[0, 1])
+    cfg.update(overrides)
+    return _from_config(comfy.supported_models.WAN22_S2V, cfg, seed)
