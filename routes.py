@@ -8,6 +8,9 @@ Routes (ComfyUI also serves each under ``/api``):
 - ``POST /reusekit/settings``  ``{key: value, ...}``, validated all or nothing: 400 with the message on
   a bad value, and then nothing changes
 
+A POST body is read up to :data:`MAX_BODY_BYTES` (413 beyond); a body that is not a JSON object, or
+is nested too deeply, is a 400; an error echoes at most :data:`MAX_ECHO_CHARS` of what was sent.
+
 Every change in the registry tells :class:`StatsPusher`, which sends one ``reusekit.stats`` event
 (the snapshot) at most every :data:`PUSH_INTERVAL_S`, from the server's event loop: no polling
 thread, no event per counter increment. Handlers run the registry's and the caches' code in a worker
@@ -17,6 +20,7 @@ thread, so the event loop never waits on a lock the sampling thread holds.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import math
@@ -33,6 +37,8 @@ log = logging.getLogger("reusekit")
 STATS_EVENT = "reusekit.stats"
 SETTINGS_EVENT = "reusekit.settings"
 PUSH_INTERVAL_S = 0.5
+MAX_BODY_BYTES = 256 * 1024  # what a POST route reads at most
+MAX_ECHO_CHARS = 200  # what an error message repeats of a request at most
 
 _pusher: StatsPusher | None = None
 _server = None  # the PromptServer the routes were added to
@@ -82,8 +88,8 @@ class StatsPusher:
             if self._pending:
                 return
             self._pending = True
-        try:
-            self._loop.call_soon_threadsafe(self._schedule)
+        try:  # in an empty context: a copy of the caller's would keep its context variables (a model) alive
+            self._loop.call_soon_threadsafe(self._schedule, context=contextvars.Context())
         except RuntimeError:  # the loop is closed: the server is shutting down
             with self._lock:
                 self._pending = False
@@ -118,18 +124,57 @@ class StatsPusher:
 def _error(status: int, message: str):
     from aiohttp import web
 
+    if len(message) > MAX_ECHO_CHARS:
+        message = message[:MAX_ECHO_CHARS] + f"... ({len(message)} characters)"
     return web.json_response({"error": message}, status=status)
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, cut to a length an error message may echo."""
+    text = repr(value)
+    return text if len(text) <= MAX_ECHO_CHARS // 2 else f"{text[:MAX_ECHO_CHARS // 2]}... ({len(text)} characters)"
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _body(request) -> bytes:
+    """The request body, read up to :data:`MAX_BODY_BYTES`; _TooLarge beyond."""
+    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+        raise _TooLarge
+    data = bytearray()
+    async for chunk in request.content.iter_any():
+        data += chunk
+        if len(data) > MAX_BODY_BYTES:
+            raise _TooLarge
+    return bytes(data)
 
 
 async def _json_object(request) -> dict:
     """The request's JSON body, which must be an object; ValueError with a message otherwise."""
+    raw = await _body(request)
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ValueError("the body is nested too deeply") from None
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer of more digits than Python converts
         raise ValueError(f"the body is not valid JSON ({exc})") from None
     if not isinstance(body, dict):
         raise ValueError("the body must be a JSON object")
     return body
+
+
+def _too_large():
+    return _error(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
+
+
+def _out_of_range(body: dict) -> str | None:
+    """The first setting given a number no setting can hold (beyond a float's range), named."""
+    for key, value in body.items():
+        if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 1023:
+            return f"setting {_shown(key)} is out of range (a number of {value.bit_length()} bits)"
+    return None
 
 
 def settings_payload() -> dict:
@@ -154,14 +199,16 @@ async def post_clear(request):
             target = name
         else:
             raise ValueError('send {"cache": "<name>"} to clear one cache or {"all": true} to clear all')
+    except _TooLarge:
+        return _too_large()
     except ValueError as exc:
         return _error(400, str(exc))
     try:
         cleared = await asyncio.to_thread(REGISTRY.clear, target)
     except KeyError:
-        return _error(404, f"no cache named {target!r}")
+        return _error(404, f"no cache named {_shown(target)}")
     if target is not None and not cleared:
-        return _error(409, f"the cache {target!r} cannot be cleared")
+        return _error(409, f"the cache {_shown(target)} cannot be cleared")
     log.info("ReuseKit: cleared %s", ", ".join(cleared) or "nothing")
     return web.json_response({"cleared": cleared, "stats": await asyncio.to_thread(snapshot)})
 
@@ -179,7 +226,12 @@ async def post_settings(request):
         body = await _json_object(request)
         if not body:
             raise ValueError("no settings given")
+        out_of_range = _out_of_range(body)
+        if out_of_range:
+            raise ValueError(out_of_range)
         applied = await asyncio.to_thread(SETTINGS.update, body)
+    except _TooLarge:
+        return _too_large()
     except ValueError as exc:
         return _error(400, str(exc))
     payload = {**await asyncio.to_thread(settings_payload), "applied": applied}

@@ -143,6 +143,39 @@ def test_a_body_that_is_not_json_gets_400(server):
         assert status == 400 and "not valid JSON" in body["error"]
 
 
+@pytest.mark.hardening
+def test_a_number_beyond_any_setting_gets_400_naming_the_setting(server):
+    before = server.get("/reusekit/settings")["settings"]
+    for raw in (b'{"rktest.memo_budget_mib": ' + b"9" * 400 + b"}",
+                b'{"rktest.memo_budget_mib": 32, "rktest.memo_max_entries": -' + b"9" * 400 + b"}"):
+        status, body = post_status(server, "/reusekit/settings", raw=raw)
+        assert status == 400 and "rktest.memo_" in body["error"] and "out of range" in body["error"], body
+        assert len(body["error"]) < 300
+    assert server.get("/reusekit/settings")["settings"] == before
+
+
+@pytest.mark.hardening
+def test_json_nested_deeper_than_python_parses_gets_400_on_both_routes(server):
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for path in ("/reusekit/settings", "/reusekit/clear"):
+        status, body = post_status(server, path, raw=b'{"cache": ' + deep + b"}")
+        assert status == 400 and "nested too deeply" in body["error"], body
+    assert server.get("/reusekit/stats")["schema"]  # still serving
+
+
+@pytest.mark.hardening
+def test_a_route_reads_and_echoes_a_bounded_amount(server):
+    routes = rkharness.pack("routes")
+    long_name = "x" * (routes.MAX_BODY_BYTES // 2)
+    status, body = post_status(server, "/reusekit/clear", {"cache": long_name})
+    assert status == 404 and len(body["error"]) < 300 and "characters" in body["error"]
+    status, body = post_status(server, "/reusekit/clear", {"cache": "x" * 1_000_000})
+    assert status == 413 and len(json.dumps(body)) < 300
+    status, body = post_status(server, "/reusekit/settings", {"rktest.memo_budget_mib": "y" * 100_000})
+    assert status == 400 and len(body["error"]) < 300
+    assert server.get("/reusekit/stats")["schema"]
+
+
 def test_stats_are_pushed_over_the_websocket_throttled(server):
     """A 12-step run changes the registry dozens of times: a few throttled events, the last one
     with the final state."""
@@ -250,6 +283,37 @@ def test_pushed_and_served_snapshots_are_strict_json_whatever_a_cache_puts_in_in
     info = json.loads(text)["caches"][0]["info"]["last_run"]
     assert info == {"ratio": None, "inf": None, "(1, 2)": "tuple key", "reasons": ["shape", "dtype"],
                     "device": "cpu"}
+
+
+@pytest.mark.hardening
+def test_a_push_is_scheduled_in_an_empty_context_never_a_copy_of_the_callers():
+    """The sampling thread's context variables (a model, say) must not ride along into the event
+    loop's callback, where they would live until it runs and be freed on the loop's thread."""
+    import contextvars
+
+    routes = rkharness.pack("routes")
+    registry = rkharness.pack("caching.stats").StatsRegistry()
+    handle = registry.register("ctx", "step")
+    held = contextvars.ContextVar("rktest_held")
+    loop = asyncio.new_event_loop()
+    seen = []
+    pusher = routes.StatsPusher(lambda event, data: seen.append(held.get(None)), loop, interval=0.0,
+                                registry=registry)
+    registry.add_listener(pusher.notify)
+
+    def sampling():
+        held.set(object())
+        handle.incr("calls")
+
+    try:
+        worker = threading.Thread(target=sampling)
+        worker.start()
+        worker.join()
+        loop.run_until_complete(asyncio.sleep(0.05))
+    finally:
+        pusher.close()
+        loop.close()
+    assert seen == [None]
 
 
 def torch_device():
