@@ -206,21 +206,29 @@ class RunState:
         return skip
 
     def store_residual(self, key: Any, residual: torch.Tensor, sigma: torch.Tensor | float | None = None) -> None:
-        """Keep a computed call's residual (and, to extrapolate, its slope in sigma). No host sync."""
+        """Keep a computed call's residual (and, to extrapolate, its slope in sigma). No host sync.
+
+        Every computation runs on the residual's device; with ``cache_device`` "cpu" the results are
+        then copied to the CPU without waiting, so a CPU-held tensor is never read on the CPU: it only
+        goes back to the device by a copy queued on the same stream (:meth:`residual`, the slope here)."""
         state = self.conds[key]
-        if self.config.calibrate and state.residual is not None:
-            state.calib_y.append(rel_l1(residual, state.residual))
+        extrapolate = self.config.residual_mode == "extrapolate"
+        prev = (state.residual.to(residual.device, non_blocking=True)
+                if state.residual is not None and (extrapolate or self.config.calibrate) else None)
+        if self.config.calibrate and prev is not None:
+            state.calib_y.append(rel_l1(residual, prev))
         sigma = None if sigma is None else torch.as_tensor(sigma, dtype=torch.float32)
-        if self.config.cache_device == "cpu":
-            residual = residual.to("cpu", non_blocking=True)
-        state.slope = state.slope_span = None
-        if (self.config.residual_mode == "extrapolate" and sigma is not None and state.residual is not None
-                and state.residual_sigma is not None and state.residual.shape == residual.shape):
+        slope = span = None
+        if (extrapolate and sigma is not None and prev is not None
+                and state.residual_sigma is not None and prev.shape == residual.shape):
             gap = (sigma - state.residual_sigma).to(residual.device)
             safe = torch.where(gap == 0, torch.ones_like(gap), gap)
-            state.slope = torch.where(gap == 0, 0.0, 1.0) * (residual - state.residual) / safe
-            state.slope_span = (sigma - state.residual_sigma).abs() * EXTRAPOLATE_SPAN
-        state.residual, state.residual_sigma = residual, sigma
+            slope = torch.where(gap == 0, 0.0, 1.0) * (residual - prev) / safe
+            span = (sigma - state.residual_sigma).abs() * EXTRAPOLATE_SPAN
+        if self.config.cache_device == "cpu":
+            residual = residual.to("cpu", non_blocking=True)
+            slope = None if slope is None else slope.to("cpu", non_blocking=True)
+        state.residual, state.residual_sigma, state.slope, state.slope_span = residual, sigma, slope, span
 
     def residual(self, key: Any, like: torch.Tensor, sigma: torch.Tensor | float | None = None) -> torch.Tensor:
         """The residual to add on a skipped call: the stored one, or (``extrapolate``) continued

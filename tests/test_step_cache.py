@@ -147,6 +147,45 @@ def test_extrapolated_residual_follows_the_last_slope_and_never_overshoots_its_s
     assert torch.equal(reuse.residual("a", like, 0.7), torch.full((1, 2, 2), 2.0))
 
 
+class InFlightCopies(torch.overrides.TorchFunctionMode):
+    """Emulates CUDA's copies to the CPU without waiting (on a CPU-only run the sampling device is the
+    CPU too, so the offload is told apart as ``.to("cpu")`` by name): such a copy reads as NaN to any
+    op until it lands, and only a further copy (queued on the same stream) sees its data."""
+
+    def __init__(self):
+        super().__init__()
+        self.landed = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to and id(args[0]) in self.landed:  # a copy queued after it: sees the data
+            args = (self.landed[id(args[0])][1], *args[1:])
+        out = func(*args, **kwargs)
+        to_cpu = "cpu" in (*args[1:], kwargs.get("device"))
+        if func is torch.Tensor.to and kwargs.get("non_blocking") and to_cpu:
+            in_flight = torch.full_like(out, float("nan"))
+            self.landed[id(in_flight)] = (in_flight, out.clone())
+            return in_flight
+        return out
+
+
+def test_a_cpu_cache_never_reads_a_copy_still_in_flight():
+    """cache_device cpu with extrapolate: the slope is made on the device before the residual leaves
+    it, so a copy to the CPU that has not landed yet is never read there."""
+    m = tc()
+    got = {}
+    for device in ("device", "cpu"):
+        cfg = m.StepCacheConfig(None, "test", 1.0, cache_device=device, residual_mode="extrapolate")
+        rs = m.RunState(cfg, (0, 0, 0, 1.0, 0), 1.0, 0.0)
+        rs.decide(["a"], ["cond"], [torch.ones(1, 2, 2)], True)
+        with InFlightCopies():
+            rs.store_residual("a", torch.full((1, 2, 2), 1.0), sigma=torch.tensor(1.0))
+            rs.store_residual("a", torch.full((1, 2, 2), 2.0), sigma=torch.tensor(0.8))
+            got[device] = rs.residual("a", torch.zeros(1, 2, 2), torch.tensor(0.7))
+    assert torch.allclose(got["device"], torch.full((1, 2, 2), 2.5))
+    assert torch.equal(got["cpu"], got["device"])
+
+
 def test_decide_respects_max_consecutive_skips_and_resets_on_a_shape_change():
     rs = run_state(thresh=10.0, max_skips=2)
     x = torch.ones(1, 4, 8)
