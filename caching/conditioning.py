@@ -5,9 +5,11 @@ sees and routes ComfyUI's encode calls through :meth:`ConditioningCache.fetch`.
 
 Exactness rules kept here:
 
-- A :class:`Key` holds complete, typed fields: token ids and weights, pixel bytes, shapes, dtypes,
-  options, and identity tokens for the encoder instance and its weight patches. Equality compares
-  every field; the hash only picks the bucket. No data pointer, file path or digest decides a hit.
+- A :class:`Key` holds complete, typed fields: token ids and weights, shapes, dtypes, options, and
+  identity tokens for the encoder instance and its weight patches. Equality compares every field;
+  the hash only picks the bucket. Small tensors are kept whole; large ones (pixels, video) by a
+  256-bit BLAKE2b digest of their bytes with shape, dtype and layout beside it, so a key never
+  holds or rehashes megabytes. No data pointer or file path decides a hit.
 - Encoder instances are named by a serial number that is never reused (``identity``), so a freed
   encoder's address cannot alias a new one; when the encoder dies its entries are dropped.
 - Weight patches (LoRA...) are interned into :class:`WeightSet` objects: two patch sets with equal
@@ -23,9 +25,11 @@ Exactness rules kept here:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import numbers
 import os
+import sys
 import threading
 import time
 import weakref
@@ -88,10 +92,22 @@ def known_identity(obj: Any) -> int | None:
 
 # ---- keys -------------------------------------------------------------------------------------
 
+DIGEST_ABOVE = 1024  # bytes: a tensor larger than this is keyed by its digest, smaller ones whole
+
+
 def tensor_field(t: torch.Tensor) -> tuple:
-    """A tensor by content: dtype, shape, device and every byte (no pointer, no digest)."""
-    flat = t.detach().reshape(-1).contiguous().cpu()
-    return ("T", str(t.dtype), tuple(t.shape), t.device.type, flat.view(torch.uint8).numpy().tobytes())
+    """A tensor by content: dtype, shape, layout, device and its bytes (whole up to
+    :data:`DIGEST_ABOVE`, else their 256-bit BLAKE2b digest). No pointer."""
+    data = t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
+    head = ("T", str(t.dtype), tuple(t.shape), str(t.layout), t.device.type)
+    if data.nbytes <= DIGEST_ABOVE:
+        return (*head, data.tobytes())
+    return (*head, "blake2b-256", hashlib.blake2b(memoryview(data), digest_size=32).digest())
+
+
+def digest_fields(fields: tuple) -> tuple:
+    """A large tree of encoded fields (see :func:`encode_value`) by a 256-bit digest of its exact text."""
+    return ("blake2b-256", hashlib.blake2b(repr(fields).encode(), digest_size=32).digest())
 
 
 def encode_value(value: Any) -> Any:
@@ -130,14 +146,11 @@ def encode_value(value: Any) -> Any:
 
 
 def _field_bytes(field: Any) -> int:
-    """Approximate memory of a key's fields (bytes exactly, Python objects by their usual size)."""
-    if isinstance(field, bytes):
-        return 33 + len(field)
+    """Memory of a key's fields: every object counted by ``sys.getsizeof`` (shared ones as often as used)."""
+    size = sys.getsizeof(field)
     if isinstance(field, tuple):
-        return 40 + 8 * len(field) + sum(_field_bytes(f) for f in field)
-    if isinstance(field, str):
-        return 49 + len(field)
-    return 0 if field is None else 32
+        size += sum(_field_bytes(f) for f in field)
+    return size
 
 
 class WeightSet:

@@ -16,8 +16,10 @@ Patched (class attributes, one install and one uninstall, idempotent, each shape
 
 A call goes through the cache when global mode is on (setting ``conditioning.enabled``) or when the
 encoder object was made by a ReuseKit Cached node (a marker in its patcher's ``model_options``,
-which ComfyUI's clones copy). Plain-valued object patches (``manual_cast_dtype``...) are part of the
-key. Anything else the key cannot describe exactly (hooks, injections such as bypass LoRA, object
+which ComfyUI's clones copy). Plain-valued object patches (``manual_cast_dtype``...) and the encoder
+modules' own settings (``enable_attention_masks``, ``zero_out_masked``...; a digest) are part of the
+key; an in-place edit of a weight that tracks versions starts a new generation. Patcher classes other
+than ComfyUI's own are refused. Anything else the key cannot describe exactly (hooks, injections such as bypass LoRA, object
 patches holding code or modules, weight wrappers, patcher callbacks and wrappers, autograd, unknown
 input types) bypasses the cache and runs unchanged. Every patched method's shape is checked at
 install (patches/host.py): on a host that reshaped one, the cache stays off with one warning.
@@ -37,6 +39,7 @@ from ..caching.conditioning import (
     CACHE,
     Key,
     Uncacheable,
+    digest_fields,
     encode_value,
     identity,
     intern_weights,
@@ -52,7 +55,9 @@ MARKER = "reusekit_conditioning"
 _GENERATION = "_reusekit_generation"
 
 _lock = threading.Lock()
-_originals: dict[tuple[object, str], object] = {}
+_originals: dict[tuple[object, str], object] = {}     # (class, name) -> ComfyUI's method
+_replacements: dict[tuple[object, str], object] = {}  # (class, name) -> ours, as installed
+_active = False  # routing on (a replacement left wrapped by another pack passes through when off)
 
 
 # ---- key parts ---------------------------------------------------------------------------------
@@ -93,12 +98,22 @@ def _has_entries(table) -> bool:
     return any(_has_entries(v) if isinstance(v, dict) else bool(v) for v in (table or {}).values())
 
 
+def _known_patchers() -> tuple[type, ...]:
+    """ComfyUI's own patcher classes (``ModelPatcherDynamic`` on hosts with dynamic VRAM)."""
+    import comfy.model_patcher as mp
+
+    return tuple(c for c in (getattr(mp, "ModelPatcher", None), getattr(mp, "ModelPatcherDynamic", None)) if c)
+
+
 def _patcher_fields(patcher) -> tuple:
     """What else on the patcher decides the encoder's output, as key fields: its class, weight
     casting and plain-valued object patches by name and value. Uncacheable for what a key cannot
     describe: hooks, injections (bypass LoRA), weight wrappers, callbacks and wrappers (code that
     may run at load or in the forward), object patches holding code, modules or objects.
-    Attachments (LoRA metadata...) are data that only callbacks and wrappers read: not keyed."""
+    Attachments (LoRA metadata...) are data that only callbacks and wrappers read: not keyed.
+    Patcher classes other than ComfyUI's own (GGUF forks...) may keep weights or LoRA elsewhere: refused."""
+    if type(patcher) not in _known_patchers():
+        raise Uncacheable(f"patcher class {type(patcher).__qualname__} may keep weights outside its patches")
     if patcher.weight_wrapper_patches:
         raise Uncacheable("weight wrappers on the encoder")
     if _has_entries(getattr(patcher, "injections", None)):
@@ -146,19 +161,122 @@ def _precision() -> tuple:
 
 
 def _config(obj, skip: tuple[str, ...]) -> tuple:
-    """The encoder object's simple settings (numbers, strings, dtypes, devices...), by name."""
-    out = []
-    for name, value in sorted(vars(obj).items()):
-        if name in skip or name.startswith("_") or isinstance(value, (torch.Tensor, torch.nn.Module)):
-            continue
-        try:
-            out.append((name, encode_value(value)))
-        except Uncacheable:
-            continue  # code (lambdas) and objects: fixed per instance, which the key names already
-    return tuple(out)
+    """The encoder wrapper's own settings (numbers, strings, dtypes, code by where it is defined), by
+    name; its closures (VAE memory estimators) by their code."""
+    return tuple((name, _setting(name, value, closures=True)) for name, value in sorted(vars(obj).items())
+                 if name not in skip and not name.startswith("_") and not isinstance(value, (torch.Tensor, torch.nn.Module)))
 
 
-def _owner(module) -> tuple[int, int]:
+def _setting(name: str, value, closures: bool = False):
+    """A setting as a key field: plain values whole, classes and functions by where they are defined;
+    Uncacheable for objects and (unless ``closures``) for functions that capture values."""
+    if isinstance(value, type):
+        return ("class", value.__module__, value.__qualname__)
+    if isinstance(value, types.BuiltinFunctionType):
+        return ("builtin", getattr(value, "__module__", None), value.__qualname__)
+    if isinstance(value, types.FunctionType) and (closures or value.__closure__ is None):
+        code = value.__code__
+        return ("function", value.__module__, value.__qualname__, code.co_filename, code.co_firstlineno)
+    if isinstance(value, (set, frozenset)):
+        return ("S", tuple(sorted((encode_value(v) for v in value), key=repr)))
+    if type(value) in (list, tuple):
+        return ("L" if type(value) is list else "U", tuple(_setting(name, v, closures) for v in value))
+    try:
+        return encode_value(value)
+    except Uncacheable:
+        raise Uncacheable(f"encoder setting {name!r} holds a {type(value).__name__}") from None
+
+
+# What ComfyUI writes on an encoder's modules while it loads, casts and unloads weights (keyed through
+# the patcher and load device instead), and the options an encode resets first (SD1ClipModel's
+# reset_clip_options: their values at the call follow from options_default and the keyed layer_idx).
+_LOAD_STATE = frozenset({
+    "current_weight_patches_uuid", "model_loaded_weight_memory", "model_lowvram", "lowvram_patch_counter",
+    "model_offload_buffer_memory", "weight_function", "bias_function", "comfy_cast_weights",
+    "prev_comfy_cast_weights", "comfy_force_cast_weights", "comfy_patched_weights", "device", "execution_device"})
+_RESET_OPTIONS = frozenset({"layer", "layer_idx", "return_projected_pooled"})
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _module_state(model: torch.nn.Module, patcher) -> tuple:
+    """Every plain-valued setting of the encoder's modules (``enable_attention_masks``,
+    ``zero_out_masked``, special tokens, ``training``...) by module path and name, as they are without
+    ComfyUI's object patches (their originals in ``object_patches_backup``; a patcher's own object
+    patches are keyed by ``_patcher_fields``). Instance-level methods (injections) are left out.
+    Uncacheable for module hooks and for settings a key cannot describe."""
+    import torch.nn.modules.module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        raise Uncacheable("global module hooks")
+    backup = getattr(patcher, "object_patches_backup", None) or {}
+    out, seen = [], set()
+
+    def walk(module, path):
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        if any(getattr(module, h, None) for h in _HOOKS):
+            raise Uncacheable(f"hooks on encoder module {path or type(model).__name__!r}")
+        reset = _RESET_OPTIONS if hasattr(module, "reset_clip_options") else ()
+        for name, value in vars(module).items():
+            full = f"{path}.{name}" if path else name
+            value = backup.get(full, value)
+            if (name.startswith("_") or name in _LOAD_STATE or name in reset
+                    or isinstance(value, (torch.Tensor, torch.nn.Module, types.MethodType))):
+                continue
+            out.append((path, name, _setting(full, value)))
+        for name, child in module._modules.items():
+            full = f"{path}.{name}" if path else name
+            child = backup.get(full, child)
+            if isinstance(child, torch.nn.Module):
+                walk(child, full)
+
+    walk(model, "")
+    return digest_fields(tuple(out))  # thousands of settings in a large VAE: a digest, not kept whole
+
+
+# tensor id -> (weak reference, _version when last seen), per encoder module
+_versions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_versions_lock = threading.Lock()
+
+
+def _check_in_place_edits(model: torch.nn.Module, patcher) -> None:
+    """An encoder weight (parameter or buffer) edited in place since the last key (its ``_version``
+    moved) starts a new generation: the old entries are dropped and never hit. Weights ComfyUI has
+    patched over right now (``patcher.backup``) are not base weights and are skipped; inference
+    tensors (weights loaded inside ComfyUI's executor) have no version counter to read."""
+    patched = getattr(patcher, "backup", None) or {}
+    edited = False
+    with _versions_lock:
+        seen = _versions.get(model)
+        if seen is None:
+            seen = _versions[model] = {}
+        for name, t in (*model.named_parameters(), *model.named_buffers()):
+            if name in patched or t.is_inference():
+                continue
+            version = t._version
+            old = seen.get(id(t))
+            if old is not None and old[0]() is t:
+                if old[1] != version:
+                    edited = True
+                    seen[id(t)] = (old[0], version)
+            else:
+                seen[id(t)] = (weakref.ref(t), version)
+    if edited:
+        _new_generation(model)
+
+
+def _new_generation(module) -> None:
+    """Weights replaced or edited: the encoder's old entries are dropped and its keys change."""
+    setattr(module, _GENERATION, getattr(module, _GENERATION, 0) + 1)
+    serial = known_identity(module)
+    if serial is not None:
+        CACHE.drop_owner(serial)
+
+
+def _owner(module, patcher) -> tuple[int, int]:
+    """The encoder's serial and weight generation (after checking its weights for in-place edits)."""
+    _check_in_place_edits(module, patcher)
     return identity(module), getattr(module, _GENERATION, 0)
 
 
@@ -171,38 +289,32 @@ def text_key(clip, tokens, return_pooled, return_dict, extra: dict | None = None
     if clip.apply_hooks_to_conds:
         raise Uncacheable("hooks applied to the conditioning")
     model = clip.cond_stage_model
-    serial, generation = _owner(model)
+    serial, generation = _owner(model, clip.patcher)
     fields = ("encode_from_tokens", type(model).__module__, type(model).__qualname__, generation,
               encode_value(clip.patcher.load_device),  # where it runs: CPU and GPU results differ in bits
               encode_value(clip.layer_idx), encode_value(return_pooled), encode_value(return_dict),
-              _options(extra or {}), _precision(), _patcher_fields(clip.patcher), encode_value(tokens))
+              _options(extra or {}), _precision(), _patcher_fields(clip.patcher), _module_state(model, clip.patcher),
+              encode_value(tokens))
     return Key("text", fields, owners=(serial,), weights=(_weights(clip.patcher),))
 
 
-def _fits(pixels) -> None:
-    """An input larger than the whole budget could never be stored: do not even copy it into a key."""
-    if isinstance(pixels, torch.Tensor) and pixels.numel() * pixels.element_size() > CACHE.budget_bytes:
-        raise Uncacheable("input larger than the budget")
-
-
 def vision_key(clip_vision, image, crop, extra: dict | None = None) -> Key:
-    _fits(image)
     model = clip_vision.model
-    serial, generation = _owner(model)
+    serial, generation = _owner(model, clip_vision.patcher)
     fields = ("encode_image", type(model).__qualname__, generation, encode_value(crop), _options(extra or {}),
-              _precision(),
-              _config(clip_vision, ("patcher", "model")), _patcher_fields(clip_vision.patcher), encode_value(image))
+              _precision(), _config(clip_vision, ("patcher", "model")), _patcher_fields(clip_vision.patcher),
+              _module_state(model, clip_vision.patcher), encode_value(image))
     return Key("vision", fields, owners=(serial,), weights=(_weights(clip_vision.patcher),))
 
 
 def vae_key(vae, method: str, pixels, options: tuple, extra: dict | None = None) -> Key:
-    _fits(pixels)
     model = vae.first_stage_model
     if model is None:
         raise Uncacheable("invalid VAE")
-    serial, generation = _owner(model)
+    serial, generation = _owner(model, vae.patcher)
     fields = (method, type(model).__qualname__, generation, encode_value(options), _options(extra or {}), _precision(),
-              _config(vae, ("patcher", "first_stage_model")), _patcher_fields(vae.patcher), encode_value(pixels))
+              _config(vae, ("patcher", "first_stage_model")), _patcher_fields(vae.patcher), _module_state(model, vae.patcher),
+              encode_value(pixels))
     return Key("vae", fields, owners=(serial,), weights=(_weights(vae.patcher),))
 
 
@@ -223,7 +335,7 @@ def _tiled_fallback_reason():
 
 def _route(kind: str, patcher, make_key, compute, check_rng=False, admit=None):
     on, keep_device = _mode(patcher)
-    if not on or not CACHE.enabled:
+    if not on or not _active or not CACHE.enabled:
         return compute()
     try:
         key = make_key()
@@ -256,7 +368,7 @@ def _make_methods():
                       lambda: orig(self, tokens, return_pooled=return_pooled, return_dict=return_dict, **extra))
 
     def encode_from_tokens_scheduled(self, tokens, *args, **kwargs):
-        if self.patcher.forced_hooks is not None and self.use_clip_schedule and _mode(self.patcher)[0]:
+        if self.patcher.forced_hooks is not None and self.use_clip_schedule and _active and _mode(self.patcher)[0]:
             CACHE.bypass("text", "hook-scheduled encode")
         return _orig(CLIP, "encode_from_tokens_scheduled")(self, tokens, *args, **kwargs)
 
@@ -288,12 +400,6 @@ def _make_methods():
         orig = _orig(Vision, "encode_image")
         return _route("vision", self.patcher, lambda: vision_key(self, image, crop, extra),
                       lambda: orig(self, image, crop=crop, **extra))
-
-    def _new_generation(module):
-        setattr(module, _GENERATION, getattr(module, _GENERATION, 0) + 1)
-        serial = known_identity(module)
-        if serial is not None:
-            CACHE.drop_owner(serial)
 
     def clip_load_sd(self, sd, full_model=False):
         _new_generation(self.cond_stage_model)
@@ -349,13 +455,15 @@ def _where(owner, name) -> str:
 def install() -> bool:
     """Route the encoders through the cache. Idempotent; False (nothing changed, one warning) when a
     patched method is missing or shaped otherwise than expected."""
+    global _active
     import comfy.clip_vision
 
     register_container(comfy.clip_vision.Output)
     with _lock:
-        if _originals:
+        if _active:
             return True
-        methods = [m for m in _make_methods() if m[4] or _current(m[0], m[1]) is not None]
+        # methods left wrapped by another pack at an uninstall are still in place: only the rest is patched
+        methods = [m for m in _make_methods() if (m[0], m[1]) not in _originals and (m[4] or _current(m[0], m[1]) is not None)]
         if not all(host.check(FEATURE, _where(owner, name), _current(owner, name), params)
                    for owner, name, _, params, _ in methods):
             return False
@@ -363,23 +471,33 @@ def install() -> bool:
             _originals[(owner, name)] = _current(owner, name)
             fn.__reusekit__ = True
             setattr(owner, name, fn)
+            _replacements[(owner, name)] = fn
+        _active = True
         lifecycle.add_listener("detach", drop_device_entries)
         memory.add_releaser(FEATURE, release_device_entries)
         return True
 
 
 def uninstall() -> None:
-    """Restore every patched method. Idempotent."""
+    """Restore every patched method, except where another pack wrapped ours later: that wrapper stays
+    and still works (ours passes straight through to ComfyUI's). Idempotent."""
+    global _active
     with _lock:
-        for (owner, name), original in _originals.items():
-            setattr(owner, name, original)
-        _originals.clear()
+        for (owner, name), fn in list(_replacements.items()):
+            if _current(owner, name) is fn:
+                setattr(owner, name, _originals.pop((owner, name)))
+                del _replacements[(owner, name)]
+            else:
+                host.say_once(f"wrapped:{owner.__qualname__}.{name}",
+                              "ReuseKit: %s was wrapped again by another pack; left in place, passing through",
+                              _where(owner, name), level=logging.WARNING)
+        _active = False
         lifecycle.remove_listener("detach", drop_device_entries)
         memory.remove_releaser(FEATURE)
 
 
 def installed() -> bool:
-    return bool(_originals)
+    return _active
 
 
 # ---- helpers for the nodes ---------------------------------------------------------------------

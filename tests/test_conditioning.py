@@ -304,7 +304,9 @@ def test_a_video_vae_fallback_to_its_own_tiling_is_not_stored(cc, uncached, tiny
     def out_of_memory(*args, **kwargs):
         raise mm.OOM_EXCEPTION("simulated")
 
-    model.encode_tiled, vae.handles_tiling = encode_tiled, True
+    # the model's own method, as a video VAE defines it (an instance attribute holding code is refused)
+    model.__class__ = type("TilingWanVAE", (type(model),), {"encode_tiled": lambda self, x, **kw: encode_tiled(x, **kw)})
+    vae.handles_tiling = True
     img = image(12, size=32)
     estimate, vae.memory_used_encode = vae.memory_used_encode, out_of_memory  # inside encode's try: tiles
     tiled = vae.encode(img)
@@ -469,13 +471,101 @@ def test_oversized_entries_are_not_admitted_and_capacity_zero_disables(cc):
     assert len(calls) == 2 and len(cache) == 0 and cache.count("hits") == 0
 
 
-def test_an_image_larger_than_the_budget_bypasses_before_any_copy(cc, vision):
-    settings = rkharness.pack("caching.settings").SETTINGS
-    settings.set("conditioning.budget_mib", 1)
+def test_pixels_are_keyed_by_a_digest_and_the_key_bytes_are_counted(cc, vae):
+    """A large input is keyed by a 256-bit digest (shape, dtype, layout beside it): the key never holds
+    the pixels, its bytes count in the budget, and one changed pixel misses."""
+    patches = rkharness.pack("patches.conditioning")
     big = image(10, size=600)  # 4.3 MB of pixels
-    vision.encode_image(big)
-    vision.encode_image(image(10, size=200))  # 0.5 MB: admitted
-    assert cc.CACHE.count("bypasses.vision") == 1 and len(cc.CACHE) == 1
+    key = patches.vae_key(vae, "encode", big, ())
+    assert key.nbytes < 64 << 10 and key == patches.vae_key(vae, "encode", big.clone(), ())
+    vae.encode(big)
+    (entry,) = cc.CACHE._entries.values()
+    assert entry.tiers["cpu"] >= key.nbytes + 16 * 75 * 75 * 4 and cc.CACHE.total_bytes() < 1 << 20
+    other = big.clone()
+    other[0, 599, 599, 2] += 0.25
+    assert patches.vae_key(vae, "encode", other, ()) != key
+    assert patches.vae_key(vae, "encode", big.double(), ()) != key
+    assert patches.vae_key(vae, "encode", big.reshape(1, 300, 1200, 3), ()) != key
+
+
+def test_encoder_module_settings_are_in_the_key(cc, uncached, tiny):
+    """Settings on the encoder's own modules change the computation: each is part of the key."""
+    clip = tiny.tiny_clip(0)
+    tokens = clip.tokenize("a masked prompt")
+    plain = clip.encode_from_tokens(tokens)
+    inner = clip.cond_stage_model.clip_l
+    for name, value in (("enable_attention_masks", True), ("zero_out_masked", True)):
+        before = getattr(inner, name)
+        setattr(inner, name, value)
+        try:
+            out = clip.encode_from_tokens(tokens)
+            assert same(uncached(clip.encode_from_tokens, tokens), out)
+        finally:
+            setattr(inner, name, before)
+    assert cc.CACHE.count("misses.text") == 3 and same(plain, clip.encode_from_tokens(tokens))
+    vae = tiny.tiny_vae(0)
+    img = image(20)
+    vae.encode(img)
+    vae.first_stage_model.encoder.conv_in.padding = (0, 0)  # a setting of a module, not of the wrapper
+    try:
+        assert same(uncached(vae.encode, img), vae.encode(img)) and cc.CACHE.count("hits.vae") == 0
+    finally:
+        vae.first_stage_model.encoder.conv_in.padding = (1, 1)
+
+
+def test_in_place_weight_edits_and_foreign_patchers_never_hit(cc, uncached, tiny):
+    """A VAE edited in place (no load_sd) starts a new generation; a patcher subclass that keeps
+    its own LoRA store is refused (the key cannot see what it applies)."""
+    import comfy.model_patcher
+
+    with torch.inference_mode(False):
+        vae = tiny.tiny_vae(3)
+    img = image(21)
+    first = vae.encode(img)
+    with torch.inference_mode(False), torch.no_grad():
+        vae.first_stage_model.encoder.conv_in.weight.mul_(1.5)
+    edited = vae.encode(img)
+    assert not torch.equal(first, edited) and same(uncached(vae.encode, img), edited)
+
+    class ForkPatcher(comfy.model_patcher.ModelPatcher):  # a GGUF-style fork: LoRA outside ``patches``
+        own_strength = 0.0
+
+    clip = tiny.tiny_clip(0)
+    tokens = clip.tokenize("a fork patcher")
+    fork = clip.clone()
+    fork.patcher.__class__ = ForkPatcher
+    fork.encode_from_tokens(tokens)
+    assert cc.CACHE.count("bypasses.text") == 1 and cc.CACHE.count("misses.text") == 0
+
+
+def test_uninstall_leaves_a_later_wrapper_in_place_and_working(cc, clip):
+    """Another pack wrapped a patched method after us: uninstall keeps its wrapper, which still works
+    (ours passes through); a new install routes again."""
+    import comfy.sd
+
+    patches = rkharness.pack("patches.conditioning")
+    ours = comfy.sd.CLIP.encode_from_tokens
+    calls = []
+
+    def theirs(self, *args, **kwargs):
+        calls.append(1)
+        return ours(self, *args, **kwargs)
+
+    comfy.sd.CLIP.encode_from_tokens = theirs
+    tokens = clip.tokenize("another pack")
+    try:
+        patches.uninstall()
+        assert comfy.sd.CLIP.encode_from_tokens is theirs and not patches.installed()
+        assert not getattr(comfy.sd.VAE.encode, "__reusekit__", False)
+        out = clip.encode_from_tokens(tokens)
+        assert calls == [1] and len(cc.CACHE) == 0 and cc.CACHE.count("misses") == 0
+        assert patches.install() and comfy.sd.CLIP.encode_from_tokens is theirs
+        assert same(out, clip.encode_from_tokens(tokens)) and len(cc.CACHE) == 1
+    finally:
+        patches.uninstall()
+        comfy.sd.CLIP.encode_from_tokens = ours
+        patches.install()
+    assert getattr(comfy.sd.CLIP.encode_from_tokens, "__reusekit__", False) and patches.installed()
 
 
 def test_lru_order(cc):
