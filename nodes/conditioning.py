@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 from comfy_api.latest import io, ui
@@ -88,6 +89,10 @@ class CachedCLIPVision(_CachedCopy):
                    "cache (the image by content, the crop option in the key).")
 
 
+_applied: dict[str, tuple] = {}  # the inputs the settings node last applied (once per change)
+_applied_lock = threading.Lock()
+
+
 class ConditioningCacheSettings(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -115,20 +120,24 @@ class ConditioningCacheSettings(io.ComfyNode):
 
     @classmethod
     def fingerprint_inputs(cls, **kwargs) -> float:
-        return time.time()  # applies and reports each run
+        return time.time()  # reports each run; the settings apply only when the inputs change
 
     @classmethod
     def execute(cls, global_mode=True, budget_mib=512, max_entries=128, device_hot_negatives=True,
                 clear=False) -> io.NodeOutput:
-        try:
-            SETTINGS.update({"conditioning.enabled": global_mode, "conditioning.budget_mib": budget_mib,
-                             "conditioning.max_entries": max_entries,
-                             "conditioning.device_hot_negatives": device_hot_negatives})
-        except ValueError as exc:
-            raise ValueError(f"ReuseKit Conditioning Cache Settings: {exc}") from None
+        inputs = (global_mode, budget_mib, max_entries, device_hot_negatives, clear)
+        with _applied_lock:
+            if _applied.get("inputs") != inputs:  # the panel's later changes survive re-queues
+                try:
+                    SETTINGS.update({"conditioning.enabled": global_mode, "conditioning.budget_mib": budget_mib,
+                                     "conditioning.max_entries": max_entries,
+                                     "conditioning.device_hot_negatives": device_hot_negatives})
+                except ValueError as exc:
+                    raise ValueError(f"ReuseKit Conditioning Cache Settings: {exc}") from None
+                if clear:
+                    CACHE.clear()
+                _applied["inputs"] = inputs
         install()
-        if clear:
-            CACHE.clear()
         snap = REGISTRY.snapshot()
         snap["caches"] = [c for c in snap["caches"] if c["name"] == "conditioning"]
         text = format_snapshot(snap)

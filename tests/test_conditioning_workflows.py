@@ -129,3 +129,32 @@ def test_settings_node_applies_settings_through_the_executor():
         assert "conditioning" in text and "64.0 MiB" in text
     finally:
         settings.update(saved)
+
+
+def test_settings_node_applies_once_per_change_through_the_executor(tiny):
+    """Re-queued unchanged, the node neither rewrites settings changed since (panel) nor clears again."""
+    settings = rkharness.pack("caching.settings").SETTINGS
+    cache = rkharness.pack("caching.conditioning").CACHE
+    keys = ("conditioning.enabled", "conditioning.budget_mib", "conditioning.max_entries",
+            "conditioning.device_hot_negatives")
+    saved = {k: settings.get(k) for k in keys}
+    prompt = {"1": {"class_type": "ReuseKitConditioningCacheSettings",
+                    "inputs": {"global_mode": True, "budget_mib": 48, "max_entries": 9,
+                               "device_hot_negatives": True, "clear": True}}}
+    clip = tiny.tiny_clip(0)
+    try:
+        executor = rkharness.Executor()
+        executor.run(prompt)
+        assert settings.get("conditioning.budget_mib") == 48 and len(cache) == 0
+        settings.set("conditioning.budget_mib", 96)  # the panel changes it afterwards
+        with torch.inference_mode():
+            clip.encode_from_tokens(clip.tokenize("kept across a re-queue"))
+        for run in (executor.run, rkharness.Executor(cache="none").run):
+            run(prompt)
+            assert settings.get("conditioning.budget_mib") == 96 and len(cache) == 1
+        prompt["1"]["inputs"]["budget_mib"] = 40  # a changed input applies (and clears) once
+        executor.run(prompt)
+        assert settings.get("conditioning.budget_mib") == 40 and len(cache) == 0
+    finally:
+        settings.update(saved)
+        cache.clear()
