@@ -511,14 +511,19 @@ def _outer_sample(executor, *args, **kwargs):
         out = executor(*args, **kwargs)
     except BaseException as exc:  # interrupted or failed: reported as such, and the sampler's own error raised
         guider.model_options = orig
-        try:
-            _finish(run, settings, used_type, fp, steps, _outcome(exc))
-        except Exception:
-            log.exception("ReuseKit TeaCache: could not report the run")
+        _report(run, settings, used_type, fp, steps, _outcome(exc))
         raise
     guider.model_options = orig
-    _finish(run, settings, used_type, fp, steps, "completed")
+    _report(run, settings, used_type, fp, steps, "completed")
     return out
+
+
+def _report(*args) -> None:
+    """:func:`_finish`, whose failure is logged and never replaces the sampler's result or error."""
+    try:
+        _finish(*args)
+    except Exception:
+        log.exception("ReuseKit TeaCache: could not report the run")
 
 
 def _outcome(exc: BaseException) -> str:

@@ -525,13 +525,16 @@ def test_an_interrupted_run_is_reported_interrupted_and_the_next_run_is_clean(fl
 
 
 @pytest.mark.hardening
-def test_a_failing_sampler_raises_its_own_error_even_when_the_report_fails(flux, conds, monkeypatch):
+def test_a_failing_sampler_raises_its_own_error_even_when_the_report_fails(flux, conds, monkeypatch, caplog):
     def broken(self, total_steps=None):
         raise ValueError("the report broke")
 
     monkeypatch.setattr(tc().RunState, "summary", broken)
     with pytest.raises(RuntimeError, match="the sampler's own failure"):
         sample(fail_at(teacache(flux, 0.8), 3, interrupt=False), conds)
+    with caplog.at_level(logging.ERROR, logger="reusekit"):  # a run that succeeds keeps its latent
+        assert torch.equal(sample(teacache(flux, 0.0), conds), sample(flux, conds))
+    assert "could not report the run" in caplog.text
     monkeypatch.undo()
     with pytest.raises(RuntimeError, match="the sampler's own failure"):
         sample(fail_at(teacache(flux, 0.8), 3, interrupt=False), conds)
