@@ -20,6 +20,7 @@ import contextlib
 import contextvars
 import threading
 import types
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -99,22 +100,38 @@ def tensor_field(t: torch.Tensor) -> tuple:
 
 
 class Same:
-    """Equal only to a ``Same`` of the very same object, which it holds (so its address is never
-    reused by another object while a signature names it)."""
+    """Equal only to a ``Same`` of the very same living object. It holds the object weakly where
+    it can (a signature never keeps a module or a model alive), and once that object is gone it
+    equals no other ``Same``, so a new object at a freed one's address never matches its key."""
 
-    __slots__ = ("obj",)
+    __slots__ = ("_ref", "_hash", "_name", "__weakref__")
 
     def __init__(self, obj: Any):
-        self.obj = obj
+        try:
+            self._ref = weakref.ref(obj)
+        except TypeError:  # not weakly referable (a builtin, a dict): held, so its address stays taken
+            self._ref = lambda obj=obj: obj
+        self._hash = id(obj)
+        self._name = type(obj).__qualname__
+
+    @property
+    def obj(self) -> Any:
+        """The object, or None once it was collected."""
+        return self._ref()
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, Same) and other.obj is self.obj
+        if self is other:
+            return True
+        if not isinstance(other, Same) or self._hash != other._hash:
+            return False
+        obj = self._ref()
+        return obj is not None and other._ref() is obj
 
     def __hash__(self) -> int:
-        return id(self.obj)
+        return self._hash
 
     def __repr__(self) -> str:
-        return f"<{type(self.obj).__qualname__} at {id(self.obj):#x}>"
+        return f"<{self._name} at {self._hash:#x}{'' if self._ref() is not None else ', collected'}>"
 
 
 def _identity(fn: Any) -> Any:

@@ -56,9 +56,11 @@ checks the input plumbing on any device) or ``"cuda"``."""
 STATS = gr.GraphStats()
 _SETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # BaseModel -> GraphSet
 _SETS_LOCK = threading.RLock()  # re-entered when a model is collected while it is held
+# (weakref to the BaseModel, compiled) while its forward runs: weak, as a copy of the context (a
+# callback scheduled from the sampling thread) may outlive the model
 _MODEL = contextvars.ContextVar("reusekit_graph_model", default=None)
 _RUN = contextvars.ContextVar("reusekit_graph_run", default=None)
-_params: dict[Any, tuple[list[str], bool]] = {}
+_params: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # forward function -> its parameters
 
 if "graph_reuse.enabled" not in SETTINGS.snapshot():
     SETTINGS.define("graph_reuse.enabled", bool, True,
@@ -542,7 +544,10 @@ def _capture_kwargs() -> dict:
 
 def _param_names(fn) -> tuple[list[str], bool]:
     key = getattr(fn, "__func__", fn)
-    found = _params.get(key)
+    try:
+        found = _params.get(key)
+    except TypeError:  # not weakly referable: not remembered
+        key = found = None
     if found is None:
         names, var = [], False
         for p in inspect.signature(fn).parameters.values():
@@ -550,7 +555,9 @@ def _param_names(fn) -> tuple[list[str], bool]:
                 names.append(p.name)
             elif p.kind == p.VAR_POSITIONAL:
                 var = True
-        found = _params[key] = (names, var)
+        found = (names, var)
+        if key is not None:
+            _params[key] = found
     return found
 
 
@@ -611,7 +618,7 @@ def _state_fields(base_model, device: torch.device, backend: str) -> tuple:
     mode = (torch.is_inference_mode_enabled(), torch.is_grad_enabled(), autocast,
             torch.get_autocast_dtype(device.type) if autocast else None)
     objects = getattr(patcher, "object_patches", None)
-    objects = tuple((k, id(v)) for k, v in objects.items()) if objects else ()
+    objects = tuple((k, gr.Same(v)) for k, v in objects.items()) if objects else ()
     return (("model.weights", "weights", weights), ("model.object_patches", "object_patches", objects),
             ("mode", "mode", mode + (backend,)))
 
@@ -811,7 +818,9 @@ def diffusion_model_wrapper(executor, *args, **kwargs):
         if "transformer_options" in names and names.index("transformer_options") < len(args):
             to = args[names.index("transformer_options")]
     opts = _options(to)
-    ctx = _MODEL.get()
+    held = _MODEL.get()
+    model = held[0]() if held is not None else None
+    ctx = (model, held[1]) if model is not None else None
 
     def captured(*a, **k):
         return graph_call(original, a, k, opts, ctx)
@@ -826,7 +835,7 @@ def apply_model_wrapper(executor, *args, **kwargs):
     to = kwargs.get("transformer_options", args[5] if len(args) > 5 else None)
     wrappers = to.get("wrappers", {}) if isinstance(to, dict) else {}
     compiled = "torch.compile" in wrappers.get("apply_model", {})
-    token = _MODEL.set((executor.class_obj, compiled))
+    token = _MODEL.set((weakref.ref(executor.class_obj), compiled))
     try:
         return executor(*args, **kwargs)
     finally:

@@ -274,6 +274,36 @@ def test_an_object_patch_in_between_rebuilds(gc, monkeypatch, tiny, conds):
     assert torch.equal(sample(captured, conds), first)
 
 
+def test_a_freed_object_patch_and_a_new_one_at_its_address_never_share_a_key(gc, tiny):
+    """The object-patch field holds each patch by identity (``Same``), weakly: a patch freed and a
+    new one allocated at its address give different keys, and the key does not keep it alive."""
+    import weakref
+
+    model = tiny.tiny_flux(0)
+    cpu = torch.device("cpu")
+
+    def fields_with(patch):
+        patcher = model.clone()
+        patcher.add_object_patch("diffusion_model.img_in", patch)
+        model.model.current_patcher = patcher
+        try:
+            return gc._state_fields(model.model, cpu, "emulate")
+        finally:
+            model.model.current_patcher = None
+
+    old = torch.nn.Linear(64, 32)
+    first, addr, gone = fields_with(old), id(old), weakref.ref(old)
+    assert fields_with(old) == first
+    del old
+    assert gone() is None, "the key kept the object patch alive"
+    new = [torch.nn.Linear(64, 32) for _ in range(200)]  # CPython hands a freed address out again
+    reused = [p for p in new if id(p) == addr]
+    for patch in reused or new[:1]:
+        assert fields_with(patch) != first
+    other = fields_with(new[0])
+    assert gc.gr.can_reuse(gc.gr.Signature(first), gc.gr.Signature(other))[1] == "object_patches"
+
+
 def test_unloading_the_model_releases_its_graphs(gc, monkeypatch, tiny, conds):
     import comfy.model_management as mm
 
