@@ -108,8 +108,8 @@ def _wan_blocks(dm):
 
 FLUX, HUNYUAN, WAN = ("comfy.ldm.flux.model:Flux",), ("comfy.ldm.hunyuan_video.model:HunyuanVideo",), \
     ("comfy.ldm.wan.model:WanModel",)
-# Wan S2V injects audio between blocks, outside the block seam (and before ComfyUI 0.4 hands its block
-# patches no transformer_options): a skip would add the last block's audio twice
+# Wan S2V injects audio between blocks, outside the block seam (and ComfyUI 0.3 hands its block patches
+# no transformer_options): a skip would add the last block's audio twice
 WAN_REFUSED = (("comfy.ldm.wan.model:WanModel_S2V", "it injects audio between its blocks, outside the block seam "
                 "the cache hooks"),)
 QWEN = ("comfy.ldm.qwen_image.model:QwenImageTransformer2DModel",)
