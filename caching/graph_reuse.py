@@ -441,11 +441,6 @@ class GraphSet:
             self.pending_reason = None
             return self._trim()
 
-    def resize(self, max_graphs: int) -> list[Entry]:
-        with self.lock:
-            self.max_graphs = max_graphs
-            return self._trim()
-
     def _trim(self) -> list[Entry]:
         evicted = []
         while len(self.entries) > max(1, self.max_graphs):

@@ -17,25 +17,31 @@ EXPERIMENTAL = "Experimental: never run on a GPU yet. "
 ENABLE_TOOLTIP = (f"{EXPERIMENTAL}Capture the diffusion model's forward as a CUDA graph and replay it on the following "
                   f"steps. Off: the model runs as usual. The environment variable {DISABLE_ENV}=1 turns "
                   f"it off everywhere.")
+KEEP_TOOLTIP = ("Keep the captured graphs after the run, for the next run of the same model (the default: "
+                "a graph is most useful across runs). Off: they are released when the run ends. Either way they "
+                "are released at once when ComfyUI needs the memory, and when the model is unloaded.")
 MAX_GRAPHS_TOOLTIP = ("How many captured graphs to keep per model (e.g. cond-only and cond+uncond batches, "
                       "or two resolutions); the least recently used one is released beyond it.")
 
 
 def switches(enable_name: str) -> list:
-    """The two inputs both nodes share: the on/off switch and how many graphs to keep."""
+    """The inputs both nodes share: the on/off switch, how many graphs to keep and for how long."""
     return [io.Boolean.Input(enable_name, default=True, tooltip=ENABLE_TOOLTIP),
-            io.Int.Input("max_graphs", default=2, min=1, max=MAX_GRAPHS, tooltip=MAX_GRAPHS_TOOLTIP)]
+            io.Int.Input("max_graphs", default=2, min=1, max=MAX_GRAPHS, tooltip=MAX_GRAPHS_TOOLTIP),
+            io.Boolean.Input("keep_graphs", default=True, optional=True, tooltip=KEEP_TOOLTIP)]
 
 
-def _check(node: str, enable, max_graphs) -> None:
+def _check(node: str, enable, max_graphs, keep_graphs=True) -> None:
     if not isinstance(enable, bool):
         raise ValueError(f"{node}: 'enable' must be true or false, got {enable!r}")
+    if not isinstance(keep_graphs, bool):
+        raise ValueError(f"{node}: 'keep_graphs' must be true or false, got {keep_graphs!r}")
     if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or not 1 <= max_graphs <= MAX_GRAPHS:
         raise ValueError(f"{node}: 'max_graphs' must be a whole number from 1 to {MAX_GRAPHS}, got {max_graphs!r}")
 
 
-def with_capture(node: str, model, enable: bool, max_graphs: int):
-    _check(node, enable, max_graphs)
+def with_capture(node: str, model, enable: bool, max_graphs: int, keep_graphs: bool = True):
+    _check(node, enable, max_graphs, keep_graphs)
     if model is None or not hasattr(model, "clone") or not hasattr(model, "model_options"):
         raise ValueError(f"{node}: 'model' must be a MODEL, got {type(model).__name__}")
     model = model.clone()
@@ -43,7 +49,7 @@ def with_capture(node: str, model, enable: bool, max_graphs: int):
         if not torch.cuda.is_available():
             host.say_once("graph:nocuda", "ReuseKit graph: no CUDA device, the model runs eagerly "
                           "(the reuse decision still runs and is counted)")
-        graph_capture.enable(model, max_graphs=max_graphs)
+        graph_capture.enable(model, max_graphs=max_graphs, keep=keep_graphs)
     else:
         graph_capture.disable(model)
     return model
@@ -70,8 +76,8 @@ class GraphCaptureNode(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, enable=True, max_graphs=2) -> io.NodeOutput:
-        return io.NodeOutput(with_capture("ReuseKit Graph Capture", model, enable, max_graphs))
+    def execute(cls, model, enable=True, max_graphs=2, keep_graphs=True) -> io.NodeOutput:
+        return io.NodeOutput(with_capture("ReuseKit Graph Capture", model, enable, max_graphs, keep_graphs))
 
 
 class GraphKSamplerNode(io.ComfyNode):
@@ -93,8 +99,8 @@ class GraphKSamplerNode(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
-                denoise=1.0, enable_graphs=True, max_graphs=2) -> io.NodeOutput:
-        model = with_capture("ReuseKit Graph KSampler", model, enable_graphs, max_graphs)
+                denoise=1.0, enable_graphs=True, max_graphs=2, keep_graphs=True) -> io.NodeOutput:
+        model = with_capture("ReuseKit Graph KSampler", model, enable_graphs, max_graphs, keep_graphs)
         (latent,) = comfy_nodes.common_ksampler(model, seed, steps, cfg, sampler_name, scheduler, positive,
                                                 negative, latent_image, denoise=denoise)
         return io.NodeOutput(latent)

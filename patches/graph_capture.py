@@ -43,7 +43,7 @@ import torch
 
 from ..caching import graph_reuse as gr
 from ..caching.settings import SETTINGS
-from . import host, lifecycle
+from . import host, lifecycle, memory
 
 log = logging.getLogger("reusekit")
 
@@ -54,6 +54,7 @@ only), ``"emulate"`` (static buffers updated in place and the forward re-run on 
 checks the input plumbing on any device) or ``"cuda"``."""
 
 STATS = gr.GraphStats()
+MEMORY_RELEASER = "graph capture"
 _SETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # BaseModel -> GraphSet
 _SETS_LOCK = threading.RLock()  # re-entered when a model is collected while it is held
 # (weakref to the BaseModel, compiled) while its forward runs: weak, as a copy of the context (a
@@ -115,40 +116,58 @@ def report_layer(followed: bool = True) -> None:
 # ---- weights change: release ----------------------------------------------------------------
 
 def graph_set(base_model, max_graphs: int) -> gr.GraphSet:
+    """The graphs of ``base_model`` kept under ``max_graphs``: one set per setting, so two Graph
+    nodes with different limits on one model never evict each other's graphs."""
     with _SETS_LOCK:
-        gs = _SETS.get(base_model)
-        if gs is None:
+        sets = _SETS.get(base_model)
+        if sets is None:
             # its graphs go with the model: say so (registered first, so it runs after the
             # dictionary has dropped the entry)
             weakref.finalize(base_model, _publish_memory)
-            gs = _SETS[base_model] = gr.GraphSet(max_graphs=max_graphs)
-    if gs.max_graphs != max_graphs:
-        evicted = gs.resize(max_graphs)
-        if evicted:
-            STATS.incr("evictions", len(evicted))
-            gs.retire(evicted)
-            _publish_memory()
-    return gs
+            sets = _SETS[base_model] = {}
+        gs = sets.get(max_graphs)
+        if gs is None:
+            gs = sets[max_graphs] = gr.GraphSet(max_graphs=max_graphs)
+        return gs
+
+
+def sets_of(base_model) -> list[gr.GraphSet]:
+    with _SETS_LOCK:
+        return list(_SETS.get(base_model, {}).values())
+
+
+def _kept_bytes(runner) -> int:
+    """Bytes of the tensors outside the graph (weights, cached tensors) a runner keeps alive."""
+    kept = getattr(runner, "kept", None) or {}
+    return sum(v.nbytes() if isinstance(v, torch.UntypedStorage) else v.numel() * v.element_size()
+               for v in kept.values())
 
 
 def _publish_memory() -> None:
     with _SETS_LOCK:
-        sets = list(_SETS.values())
-    STATS.memory(sum(s.nbytes for s in sets), sum(len(s.entries) for s in sets))
+        sets = [gs for by_limit in _SETS.values() for gs in by_limit.values()]
+    entries = [e for gs in sets for e in list(gs.entries.values())]
+    runners = [e.runner for e in entries if e.runner is not None]
+    STATS.memory(sum(e.nbytes for e in entries), len(entries))
+    STATS.info("held", {"graphs": len(runners), "buffers_and_pools_bytes": sum(e.nbytes for e in entries),
+                        "weights_kept_alive_bytes": sum(_kept_bytes(r) for r in runners)})
 
 
-def release_model(base_model, reason: str, detail: str = "") -> int:
-    """Drop every graph of ``base_model`` (its weights moved or changed); returns how many."""
-    with _SETS_LOCK:
-        gs = _SETS.get(base_model)
-    if gs is None:
-        return 0
-    dropped = gs.release(reason, detail)
-    if dropped:
-        gs.retire(dropped)  # a forward replaying one of them right now frees it when it ends
-        STATS.incr(f"releases.{reason}", len(dropped))
+def release_model(base_model, reason: str, detail: str = "", limit: int | None = None) -> int:
+    """Drop every graph of ``base_model`` (or of its set kept under ``limit`` graphs): its weights
+    moved or changed, or the memory is needed; returns how many."""
+    n = 0
+    for gs in sets_of(base_model):
+        if limit is not None and gs.max_graphs != limit:
+            continue
+        dropped = gs.release(reason, detail)
+        if dropped:
+            gs.retire(dropped)  # a forward replaying one of them right now frees it when it ends
+            STATS.incr(f"releases.{reason}", len(dropped))
+            n += len(dropped)
+    if n:
         _publish_memory()
-    return len(dropped)
+    return n
 
 
 def release_all(reason: str = "cleared") -> int:
@@ -157,6 +176,35 @@ def release_all(reason: str = "cleared") -> int:
     n = sum(release_model(m, reason) for m in models)
     _publish_memory()
     return n
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def free_for_memory(device: str, need_bytes: int) -> int:
+    """patches/memory.py's releaser: drops whole graph sets on ``device``, oldest model first, until
+    ``need_bytes`` are freed (a set a forward is using right now is left to it); returns bytes freed."""
+    want = torch.device(device)
+    freed = 0
+    with _SETS_LOCK:
+        sets = [gs for by_limit in _SETS.values() for gs in by_limit.values()]
+    for gs in sets:
+        if freed >= need_bytes:
+            break
+        with gs.lock:
+            busy = gs.busy
+            on_device = [e for e in gs.entries.values()
+                         if e.runner is not None and _same_device(getattr(e.runner, "device", want), want)]
+        if busy or not on_device:
+            continue
+        dropped = gs.release("memory", f"ComfyUI needed memory on {device}")
+        freed += sum(e.nbytes for e in dropped if e.runner is not None)
+        STATS.incr("releases.memory", len(dropped))
+        gs.retire(dropped)
+    if freed:
+        _publish_memory()
+    return freed
 
 
 STATS.set_clear(release_all)
@@ -185,6 +233,7 @@ def install() -> bool:
     (listeners on patches/lifecycle.py). Idempotent; False when the host lacks those methods."""
     for event, fn in _LISTENERS:
         lifecycle.add_listener(event, fn)
+    memory.add_releaser(MEMORY_RELEASER, free_for_memory)
     report_layer(installed())
     if not installed():
         host.say_once("graph:probe", "ReuseKit graph: this ComfyUI's ModelPatcher cannot be followed; graphs "
@@ -197,6 +246,7 @@ def uninstall() -> None:
     """Stop following weight changes and drop every graph (idempotent)."""
     for event, fn in _LISTENERS:
         lifecycle.remove_listener(event, fn)
+    memory.remove_releaser(MEMORY_RELEASER)
     release_all("uninstalled")
 
 
@@ -284,6 +334,7 @@ class StaticRunner:
     def __init__(self, fn, named: list[tuple[str, Any]], n_pos: int, spec: gr.CallSpec, device,
                  shared: dict | None = None):
         self.fn = fn
+        self.device = torch.device(device)
         self.shared = {} if shared is None else shared  # state shared by one model's runners
         self.n_pos = n_pos
         self.static = [torch.empty_like(t).copy_(t) for t in spec.tensors]
@@ -856,14 +907,24 @@ def outer_sample_wrapper(executor, *args, **kwargs):
         rebuilds = ", ".join(f"{k}={v}" for k, v in run.rebuilds.items()) or "none"
         log.info("ReuseKit graph: %d forwards (%s): %d captured, %d replayed, %d eager; rebuilds: %s",
                  run.steps, run.backend or "-", run.captures, run.replays, run.eager, rebuilds)
+        _release_unless_kept(executor.class_obj)
 
 
-def enable(patcher, max_graphs: int = 2, warmup: int = 1) -> None:
-    """Add graph capture to ``patcher`` (a clone: this mutates it)."""
+def _release_unless_kept(guider) -> None:
+    """At the end of a run, drop the graphs of a node whose ``keep_graphs`` is off."""
+    patcher = getattr(guider, "model_patcher", None)
+    opts = _options((getattr(guider, "model_options", None) or {}).get("transformer_options"))
+    if patcher is not None and opts and not opts.get("keep", True):
+        release_model(patcher.model, "run_ended", "keep_graphs is off", limit=int(opts.get("max_graphs", 2)))
+
+
+def enable(patcher, max_graphs: int = 2, warmup: int = 1, keep: bool = True) -> None:
+    """Add graph capture to ``patcher`` (a clone: this mutates it); ``keep``: graphs outlive the
+    sampling run (they are freed anyway when ComfyUI needs the memory)."""
     install()
     disable(patcher)
     patcher.model_options.setdefault("transformer_options", {})[KEY] = {
-        "enabled": True, "max_graphs": int(max_graphs), "warmup": int(warmup)}
+        "enabled": True, "max_graphs": int(max_graphs), "warmup": int(warmup), "keep": bool(keep)}
     patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, KEY, outer_sample_wrapper)
     patcher.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, KEY, apply_model_wrapper)
     patcher.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, KEY, diffusion_model_wrapper)

@@ -164,7 +164,7 @@ def test_a_models_graphs_share_one_pool(gc, tiny, conds):
     captured = capture(model, max_graphs=2)
     for shape in [(1, 16, 64, 64), (1, 16, 32, 32), (1, 16, 64, 64)]:
         close(sample(captured, conds, shape), sample(model, conds, shape))
-    runners = (e.runner for e in gc._SETS[model.model].entries.values())
+    runners = (e.runner for e in gc.graph_set(model.model, 2).entries.values())
     big, small = sorted(runners, key=lambda r: r.static[0].numel(), reverse=True)
     assert big.pool_bytes > 0 and small.pool_bytes <= big.pool_bytes // 2, (big.pool_bytes, small.pool_bytes)
     assert last_run(gc)["captures"] == 0
