@@ -256,3 +256,45 @@ def test_routes_from_threads_while_prompts_run(servers):
     assert answered[0] >= 24, answered  # the routes really ran beside the prompts
     want = run_all(off, [build_prompt(c, False, f"quiet{i:02d}") for i, c in enumerate(cases)], timeout=300)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_soak_of_300_encode_prompts_under_a_small_budget(servers):
+    """300 prompts of text and VAE encodes on the real server under a 1 MiB budget: after every 50 the
+    conditioning cache holds no more than the budget, evictions are counted, and the server's RSS
+    grows by less than 48 MiB from prompt 100 to prompt 300."""
+    import psutil
+
+    on, _ = servers
+    before = on.get("/reusekit/settings")["settings"]
+    on.post("/reusekit/settings", {"conditioning.enabled": True, "conditioning.budget_mib": 1})
+    rng = random.Random(300)
+    process = psutil.Process(on.proc.pid)
+    rss = {}
+    try:
+        for batch in range(6):
+            ids = []
+            for _ in range(50):
+                text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 10)))
+                prompt = {"1": {"class_type": "RKTestSharedTinyCheckpoint",
+                                "inputs": {"family": "flux", "seed": 0, "text": "tiny"}},
+                          "2": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": text}},
+                          "3": {"class_type": "LoadImage", "inputs": {"image": rng.choice(IMAGES)}},
+                          "4": {"class_type": "ImageScaleBy", "inputs": {"image": ["3", 0], "upscale_method": "nearest-exact",
+                                                                          "scale_by": rng.choice([0.5, 1.0, 1.5])}},
+                          "5": {"class_type": "VAEEncode", "inputs": {"pixels": ["4", 0], "vae": ["1", 2]}},
+                          "6": {"class_type": "ConditioningSetTimestepRange",
+                                "inputs": {"conditioning": ["2", 0], "start": 0.0, "end": rng.random()}},
+                          "7": {"class_type": "ReuseKitCacheStats", "inputs": {"after": ["6", 0]}},
+                          "8": {"class_type": "ReuseKitCacheStats", "inputs": {"after": ["5", 0]}}}
+                ids.append(on.queue(prompt))
+            entry = on.wait_for_prompt(ids[-1], timeout=300)
+            assert entry["status"]["status_str"] == "success", entry["status"]
+            (conditioning,) = [c for c in on.get("/reusekit/stats")["caches"] if c["name"] == "conditioning"]
+            held = sum(conditioning["bytes"].values())
+            assert held <= 1 << 20, (batch, conditioning["bytes"])
+            if batch in (1, 5):
+                rss[batch] = process.memory_info().rss
+        assert conditioning["counters"].get("evictions", 0) > 50, conditioning["counters"]
+        assert rss[5] - rss[1] < 48 << 20, f"server RSS grew by {(rss[5] - rss[1]) >> 20} MiB"
+    finally:
+        on.post("/reusekit/settings", {k: before[k]["value"] for k in ("conditioning.budget_mib", "conditioning.enabled")})
