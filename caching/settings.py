@@ -14,6 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def _shown(raw: Any, limit: int = 80) -> str:
+    """``repr(raw)``, cut to ``limit`` characters: an error message never echoes a huge input."""
+    text = repr(raw)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 @dataclass
 class Setting:
     key: str
@@ -28,27 +34,31 @@ class Setting:
 
     def validate(self, raw: Any) -> Any:
         name = f"setting {self.key!r}"
+        got = _shown(raw)
         if self.kind is bool:
             if not isinstance(raw, bool):
-                raise ValueError(f"{name} must be true or false, got {raw!r}")
+                raise ValueError(f"{name} must be true or false, got {got}")
             return raw
         if self.kind in (int, float):
             if isinstance(raw, bool) or not isinstance(raw, (int, float)):
-                raise ValueError(f"{name} must be a number, got {raw!r}")
+                raise ValueError(f"{name} must be a number, got {got}")
             if raw != raw or raw in (float("inf"), float("-inf")):
-                raise ValueError(f"{name} must be finite, got {raw!r}")
-            if self.kind is int and float(raw) != int(raw):
-                raise ValueError(f"{name} must be a whole number, got {raw!r}")
-            value = self.kind(raw)
+                raise ValueError(f"{name} must be finite, got {got}")
+            if self.kind is int and isinstance(raw, float) and not raw.is_integer():
+                raise ValueError(f"{name} must be a whole number, got {got}")
+            try:
+                value = self.kind(raw)
+            except OverflowError:  # an integer too large for a float
+                raise ValueError(f"{name} is too large, got {got}") from None
             if self.minimum is not None and value < self.minimum:
-                raise ValueError(f"{name} must be at least {self.minimum}, got {raw!r}")
+                raise ValueError(f"{name} must be at least {self.minimum}, got {got}")
             if self.maximum is not None and value > self.maximum:
-                raise ValueError(f"{name} must be at most {self.maximum}, got {raw!r}")
+                raise ValueError(f"{name} must be at most {self.maximum}, got {got}")
             return value
         if not isinstance(raw, str):
-            raise ValueError(f"{name} must be text, got {raw!r}")
+            raise ValueError(f"{name} must be text, got {got}")
         if self.choices is not None and raw not in self.choices:
-            raise ValueError(f"{name} must be one of {', '.join(map(str, self.choices))}, got {raw!r}")
+            raise ValueError(f"{name} must be one of {', '.join(map(str, self.choices))}, got {got}")
         return raw
 
     def describe(self) -> dict[str, Any]:

@@ -160,3 +160,17 @@ def test_a_failing_callback_undoes_the_whole_update():
     with pytest.raises(RuntimeError):
         reg.update({"a": 2, "b": 3})
     assert reg.get("a") == 1 and reg.get("b") == 1 and seen == [2, 1]
+
+
+@pytest.mark.hardening
+def test_a_setting_refuses_huge_numbers_with_a_short_message_and_changes_nothing():
+    settings = rkharness.pack("caching.settings")
+    reg = settings.SettingsRegistry()
+    reg.define("t.ratio", float, 0.5, minimum=0.0)
+    reg.define("t.count", int, 4, minimum=0, maximum=100)
+    for key, raw in (("t.ratio", 10 ** 400), ("t.count", 10 ** 400), ("t.count", "9" * 100_000), ("t.count", 2.5)):
+        with pytest.raises(ValueError) as err:
+            reg.update({"t.count": 5, key: raw})
+        assert key in str(err.value) and len(str(err.value)) < 200
+        assert reg.get("t.ratio") == 0.5 and reg.get("t.count") == 4
+    assert reg.set("t.count", 7.0) == 7 and reg.set("t.ratio", 10 ** 3) == 1000.0
