@@ -51,7 +51,8 @@ KEY = gr.OPTIONS_KEY
 FORCE_BACKEND: str | None = None
 """``None`` (auto: ``cuda`` on a CUDA model, decisions only elsewhere), ``"eager"`` (decisions
 only), ``"emulate"`` (static buffers updated in place and the forward re-run on them, no graph:
-checks the input plumbing on any device) or ``"cuda"``."""
+checks the input plumbing on any device), ``"trace"`` (the forward traced once and the trace
+replayed: a stale replay shows as a wrong output on any device) or ``"cuda"``."""
 
 STATS = gr.GraphStats()
 MEMORY_RELEASER = "graph capture"
@@ -575,7 +576,43 @@ class CudaGraphRunner(StaticRunner):
         super().release()
 
 
-RUNNERS = {"emulate": StaticRunner, "cuda": CudaGraphRunner}
+class TraceRunner(StaticRunner):
+    """A CPU stand-in for a graph (the ``trace`` backend, for tests): the forward is traced once at
+    capture (torch's ``make_fx``) and the trace replayed on the static buffers, so the Python
+    branches and the modules it read are frozen as in a CUDA graph, and a replay the signature
+    should have refused gives a wrong output."""
+
+    traced = None
+
+    def capture(self, warmup: int):
+        with KeepExternal() as keep:
+            out = self._call()
+        self.kept = keep.kept
+        if self.hook is not None:  # its outputs come from patches that decide per call
+            return _clone_tree(out), "a step cache's hook cannot be traced"
+
+        def forward(*tensors):
+            args = gr.substitute(self.args, list(tensors), self.device)
+            return self.fn(*[v for _, v in args[:self.n_pos]], **dict(args[self.n_pos:]))
+
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        try:
+            self.traced = make_fx(forward)(*self.static)
+        except Exception as exc:  # an op the tracer cannot follow: this signature runs eagerly
+            return _clone_tree(out), _first_line(exc)
+        return _clone_tree(out), ""
+
+    def replay(self, tensors):
+        self.copy_in(tensors)
+        return _clone_tree(self.traced(*self.static))
+
+    def release(self) -> None:
+        self.traced = None
+        super().release()
+
+
+RUNNERS = {"emulate": StaticRunner, "trace": TraceRunner, "cuda": CudaGraphRunner}
 CHECK_LIVENESS = os.environ.get("REUSEKIT_GRAPH_CHECK_LIVENESS") == "1"
 """Debug: ask torch (where it can) to raise when a tensor a graph reads was freed before a replay."""
 
@@ -628,7 +665,7 @@ def _backend(device: torch.device) -> str:
 
 
 _BACKEND_LABELS = {"cuda": "cuda (graphs captured and replayed)", "emulate": "emulate (static buffers, no graph)",
-                   "eager": "eager: decisions only"}
+                   "trace": "trace (the forward traced at capture and replayed)", "eager": "eager: decisions only"}
 _last_label: list[str] = [""]
 
 
