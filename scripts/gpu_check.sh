@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# ReuseKit's GPU checks in one call: the `gpu` tests and bench/graph_reuse.py, on both hosts.
+#
+#   scripts/gpu_check.sh --prepare   here (with a package index): fills .devcarry/ (git-ignored) with
+#                                    cp312 wheels of what a bare GPU machine lacks and the two host
+#                                    trees packed (without tests, __pycache__ and the big LLM tokenizers)
+#   scripts/gpu_check.sh [HOST...]   on the GPU machine, .devcarry carried: installs the wheels into
+#                                    /tmp/rk-site, unpacks the hosts into /tmp/rk-hosts, runs the checks
+#                                    and writes one log per check and summary.txt to $OUT
+#
+# HOST is ComfyUI (0.3.75) or ComfyUI-0.33.0 (default: both). Time limits per check, in seconds:
+# GPU_CHECK_TEST_S (default 150) and GPU_CHECK_BENCH_S (default 90); both hosts fit in one 10-minute call.
+set -u
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+CARRY=$ROOT/.devcarry
+HOSTS=(ComfyUI ComfyUI-0.33.0)
+# distributions the hosts import that the GPU machine's image lacks (pinned to the versions of .venv-0.33);
+# comfy-kitchen (58 MB: fp8/fp4 kernels, an optional import of ComfyUI 0.33) stays behind
+NEEDED=(av torchsde trampoline pydantic pydantic-core pydantic-settings annotated-types typing-inspection
+        python-dotenv SQLAlchemy alembic Mako blake3 comfy-aimdo simpleeval)
+
+prepare() {
+    local py=$ROOT/.venv-0.33/bin/python
+    rm -rf "$CARRY" && mkdir -p "$CARRY/whl" || exit 1
+    for dist in "${NEEDED[@]}"; do
+        local version
+        version=$("$py" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$dist") || exit 1
+        "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+            --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+            --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$CARRY/whl" "$dist==$version" \
+            || { echo "gpu_check: no cp312 wheel of $dist==$version" >&2; exit 1; }
+    done
+    tar -C "$ROOT/.host" --exclude=__pycache__ --exclude='*/custom_nodes/reusekit' --exclude='*/tests' \
+        --exclude='*/tests-unit' --exclude='*/blueprints' --exclude='*/.git' --exclude='*/.github' \
+        --exclude='*/llama_tokenizer' --exclude='*/qwen*_tokenizer' --exclude='*/models/*/*' \
+        --exclude='*/output/*' --exclude='*/input/*' --exclude='*/user/*' \
+        -cJf "$CARRY/hosts.tar.xz" "${HOSTS[@]}" || exit 1
+    du -sh "$CARRY"/whl "$CARRY"/hosts.tar.xz; du -sh "$CARRY"
+    local kb
+    kb=$(du -sk "$CARRY" | cut -f1)
+    if [ "$kb" -gt $((60 * 1024)) ]; then echo "gpu_check: .devcarry is over 60 MB" >&2; exit 1; fi
+    echo "carry it: run(carry=[\".devcarry\"], command=\"bash scripts/gpu_check.sh\")"
+}
+
+run_checks() {
+    local out=${OUT:-$ROOT/gpu-check-logs} site=/tmp/rk-site hosts=/tmp/rk-hosts status=0
+    mkdir -p "$out" "$site" "$hosts"
+    [ -d "$CARRY/whl" ] || { echo "gpu_check: no .devcarry here: run --prepare where there is an index, carry it" >&2; exit 2; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+        "$CARRY"/whl/*.whl >"$out/install.log" 2>&1 || { echo "gpu_check: wheel install failed" >&2; cat "$out/install.log"; exit 2; }
+    tar -C "$hosts" -xJf "$CARRY/hosts.tar.xz" || exit 2
+    export PYTHONPATH=$site PYTHONUNBUFFERED=1
+    local pytest
+    pytest=$(dirname "$(command -v python3)")/pytest
+    [ -x "$pytest" ] || pytest="python3 -m pytest"
+    { nvidia-smi; python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"; } \
+        >"$out/device.txt" 2>&1
+    : >"$out/summary.txt"
+    local selected=("$@")
+    [ ${#selected[@]} -gt 0 ] || selected=("${HOSTS[@]}")
+    cd "$ROOT" || exit 2
+    for host in "${selected[@]}"; do
+        [ -d "$hosts/$host" ] || { echo "$host: not in the carry" >>"$out/summary.txt"; status=1; continue; }
+        export COMFYUI_PATH=$hosts/$host REUSEKIT_TEST_CUDA=1
+        timeout "${GPU_CHECK_TEST_S:-150}" $pytest -q -p no:cacheprovider -m gpu -rs tests >"$out/gpu-$host.log" 2>&1
+        local rc=$?
+        echo "$host gpu tests (rc $rc): $(grep -E '(passed|failed|error)' "$out/gpu-$host.log" | tail -1)" >>"$out/summary.txt"
+        [ $rc -eq 0 ] || status=1
+        timeout "${GPU_CHECK_BENCH_S:-90}" python3 bench/graph_reuse.py >"$out/bench-$host.log" 2>&1
+        rc=$?
+        echo "$host bench (rc $rc): $(grep '^RESULT' "$out/bench-$host.log" | tail -1)" >>"$out/summary.txt"
+        [ $rc -eq 0 ] || status=1
+    done
+    cat "$out/summary.txt"
+    return $status
+}
+
+if [ "${1:-}" = "--prepare" ]; then
+    prepare
+else
+    run_checks "$@"
+fi
