@@ -1,10 +1,9 @@
 """Nothing graph capture keeps (context variables, signatures, runners, stats) holds a model past
 its patcher: tiny models built and dropped through the graph path are collected."""
 
+import contextvars
 import gc as pygc
 import weakref
-
-import contextvars
 
 import pytest
 import rkharness
