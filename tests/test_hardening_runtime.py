@@ -204,38 +204,32 @@ def _reusekit_nodes() -> dict[str, dict]:
     for name, cls in sorted(nodes.NODE_CLASS_MAPPINGS.items()):
         if name.startswith("ReuseKit"):
             spec = cls.INPUT_TYPES()
-            out[name] = {k: (v[0], v[1] if len(v) > 1 else {}) for section in ("required", "optional")
-                         for k, v in spec.get(section, {}).items()}
+            # plain str types: 0.3.75's V3 type strings compare unequal to nothing (``!=`` is always False)
+            out[name] = {k: (v[0] if isinstance(v[0], list) else str(v[0]), v[1] if len(v) > 1 else {})
+                         for section in ("required", "optional") for k, v in spec.get(section, {}).items()}
     return out
 
 
 def _valid(kind, options):
+    """A good value for an input: its default, the first option, or a link of its type."""
     if isinstance(kind, list):
         return options.get("default", kind[0])
     if kind == "COMBO":
         return options.get("default") or options["options"][0]
     if kind in SOURCES:
         return SOURCES[kind]
-    if kind == "INT" and ("seed" in options.get("tooltip", "").lower()):
-        return 1
-    return {"INT": 1, "FLOAT": 0.0, "BOOLEAN": False}.get(kind, options.get("default"))
+    return options.get("default", {"INT": 1, "FLOAT": 0.0, "BOOLEAN": False}.get(kind))
 
 
 def _node_prompt(class_type: str, inputs: dict, bad_name: str, bad_value) -> dict:
+    """A prompt running ``class_type`` (node "9", read by a stats node) with good inputs but one."""
     prompt = _base_prompt()
-    values = {}
-    for name, (kind, options) in inputs.items():
-        if kind == "*" or (options.get("optional") if isinstance(options, dict) else False):
-            continue
-        value = options.get("default", _valid(kind, options)) if kind in ("INT", "FLOAT", "BOOLEAN") else _valid(kind, options)
-        if name == "steps":
-            value = 2
-        values[name] = value
+    values = {name: 2 if name == "steps" else _valid(kind, options)
+              for name, (kind, options) in inputs.items() if kind != "*"}
     values[bad_name] = bad_value
     prompt["9"] = {"class_type": class_type, "inputs": values}
-    prompt["10"] = {"class_type": "ReuseKitCacheStats", "inputs": {"after": ["9", 0]}}
-    if class_type in ("ReuseKitCacheStats", "ReuseKitConditioningCacheSettings"):
-        del prompt["10"]
+    if class_type not in ("ReuseKitCacheStats", "ReuseKitConditioningCacheSettings"):  # not output nodes
+        prompt["10"] = {"class_type": "ReuseKitCacheStats", "inputs": {"after": ["9", 0]}}
     return prompt
 
 
