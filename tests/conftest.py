@@ -11,6 +11,14 @@ import rkharness  # noqa: E402
 rkharness.bootstrap()
 
 
+def pytest_configure(config):
+    """One torch thread: the tiny models' ops are far faster without thread contention on shared
+    CPUs (the servers the tests start get the same through OMP_NUM_THREADS)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

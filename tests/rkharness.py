@@ -300,7 +300,8 @@ def running_server(*extra_args: str, timeout: float = 120):
            *extra_args]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=host_dir(), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                start_new_session=True,
+                                env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"})
     server = Server(f"http://127.0.0.1:{port}", base, log, proc)
     try:
         deadline = time.monotonic() + timeout
