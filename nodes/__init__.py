@@ -54,6 +54,40 @@ def ksampler_inputs(cfg: float = 8.0, sampler: str | None = None, scheduler: str
     ]
 
 
+_LINKED = object()  # a validate_inputs argument ComfyUI leaves out: it comes through a link
+
+
+def sampler_error(node: str, sampler_name=_LINKED, scheduler=_LINKED) -> str | None:
+    """Why a sampler node's ``sampler_name`` / ``scheduler`` is not one this ComfyUI has (``None``:
+    both are, or not known yet). ComfyUI 0.3.75 checks no V3 combo, and KSampler then silently
+    samples with its first sampler: a wrong result, never an error."""
+    import comfy.samplers
+
+    for name, value, options in (("sampler_name", sampler_name, comfy.samplers.KSampler.SAMPLERS),
+                                 ("scheduler", scheduler, comfy.samplers.KSampler.SCHEDULERS)):
+        if value is not _LINKED and (not isinstance(value, str) or value not in options):
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:60] + "..."
+            return f"{node}: {name}: {shown} is not one of this ComfyUI's ({', '.join(options[:6])}, ...)"
+    return None
+
+
+class SamplerInputs:
+    """Validation of KSampler's own inputs for the pack's sampler nodes (a V3 ``validate_inputs``,
+    and again at run time for values that came through links)."""
+
+    NODE = "ReuseKit sampler"
+
+    @classmethod
+    def validate_inputs(cls, sampler_name=_LINKED, scheduler=_LINKED):
+        return sampler_error(cls.NODE, sampler_name, scheduler) or True
+
+    @classmethod
+    def check_sampler(cls, sampler_name, scheduler) -> None:
+        error = sampler_error(cls.NODE, sampler_name, scheduler)
+        if error is not None:
+            raise ValueError(error)
+
+
 def pack_version() -> str:
     """The ``version`` of pyproject.toml's ``[project]`` table (tomllib needs Python 3.11)."""
     import re

@@ -9,7 +9,7 @@ import nodes as comfy_nodes
 
 from ..caching.graph_reuse import DISABLE_ENV
 from ..patches import graph_capture, host
-from . import CATEGORY, ksampler_inputs
+from . import CATEGORY, SamplerInputs, ksampler_inputs
 
 MAX_GRAPHS = 8
 EXPERIMENTAL = "Experimental: never run on a GPU yet. "
@@ -80,7 +80,9 @@ class GraphCaptureNode(io.ComfyNode):
         return io.NodeOutput(with_capture("ReuseKit Graph Capture", model, enable, max_graphs, keep_graphs))
 
 
-class GraphKSamplerNode(io.ComfyNode):
+class GraphKSamplerNode(SamplerInputs, io.ComfyNode):
+    NODE = "ReuseKit Graph KSampler"
+
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(
@@ -100,7 +102,8 @@ class GraphKSamplerNode(io.ComfyNode):
     @classmethod
     def execute(cls, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
                 denoise=1.0, enable_graphs=True, max_graphs=2, keep_graphs=True) -> io.NodeOutput:
-        model = with_capture("ReuseKit Graph KSampler", model, enable_graphs, max_graphs, keep_graphs)
+        cls.check_sampler(sampler_name, scheduler)
+        model = with_capture(cls.NODE, model, enable_graphs, max_graphs, keep_graphs)
         (latent,) = comfy_nodes.common_ksampler(model, seed, steps, cfg, sampler_name, scheduler, positive,
                                                 negative, latent_image, denoise=denoise)
         return io.NodeOutput(latent)

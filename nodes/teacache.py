@@ -6,7 +6,7 @@ from comfy_api.latest import io
 
 from ..caching.teacache import StepCacheConfig
 from ..patches import teacache as patch
-from . import CATEGORY, ksampler_inputs
+from . import CATEGORY, SamplerInputs, ksampler_inputs
 
 AREA = f"{CATEGORY}/step cache"
 
@@ -118,7 +118,9 @@ class TeaCacheCalibrateNode(io.ComfyNode):
         return io.NodeOutput(attach(node, model, config))
 
 
-class CachedKSamplerNode(io.ComfyNode):
+class CachedKSamplerNode(SamplerInputs, io.ComfyNode):
+    NODE = "ReuseKit Cached KSampler"
+
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(
@@ -138,7 +140,8 @@ class CachedKSamplerNode(io.ComfyNode):
                 cache_device, residual_mode="extrapolate") -> io.NodeOutput:
         import nodes
 
-        node = "ReuseKit Cached KSampler"
+        node = cls.NODE
+        cls.check_sampler(sampler_name, scheduler)
         config = make_config(node, model_type, rel_l1_thresh, start_percent, end_percent,
                              max_consecutive_skips, cache_device, residual_mode)
         cached = attach(node, model, config)

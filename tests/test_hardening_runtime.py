@@ -269,15 +269,6 @@ def _state(settings, cache):
     return {k: v["value"] for k, v in settings.snapshot().items()}, len(cache), cache.total_bytes()
 
 
-def _host_checks_v3_combos() -> bool:
-    """Whether this host's validation checks a V3 combo's value against its options (0.33 does)."""
-    import inspect
-
-    import execution
-
-    return "io.Combo.io_type" in inspect.getsource(execution.validate_inputs)
-
-
 def _ksampler_inputs() -> set[str]:
     import nodes
 
@@ -297,8 +288,6 @@ def test_every_reusekit_node_input_refuses_bad_values_clearly(settings, cache):
 
     ksampler_spec = {k: (v[0], v[1] if len(v) > 1 else {}) for k, v in nodes.KSampler.INPUT_TYPES()["required"].items()}
     shared = _ksampler_inputs()
-    # ComfyUI 0.3.75 checks no V3 combo against its options: sampler and scheduler compared where it does
-    combos_checked = _host_checks_v3_combos()
     unclear, wrongly_accepted, unlike_core, tried = [], [], [], 0
     for class_type, name, value in _cases():
         inputs = nodes_spec[class_type]
@@ -308,7 +297,7 @@ def test_every_reusekit_node_input_refuses_bad_values_clearly(settings, cache):
         shown = repr(value)[:40]
         if name in shared and "KSampler" in class_type:
             core_where, _ = _run_bad(executor, _node_prompt("KSampler", ksampler_spec, name, value))
-            if core_where != where and (name not in ("sampler_name", "scheduler") or combos_checked):
+            if core_where != where:
                 unlike_core.append((class_type, name, shown, where, core_where))
             continue
         if where is None:
