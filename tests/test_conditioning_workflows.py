@@ -111,50 +111,51 @@ def test_example_workflow_runs_on_tiny_models_and_reuses_across_prompt_edits():
     cache.clear()
 
 
-def test_settings_node_applies_settings_through_the_executor():
+@pytest.fixture
+def settings_restored():
+    """The conditioning settings and cache, put back as they were after the test."""
     settings = rkharness.pack("caching.settings").SETTINGS
     cache = rkharness.pack("caching.conditioning").CACHE
     keys = ("conditioning.enabled", "conditioning.budget_mib", "conditioning.max_entries",
             "conditioning.device_hot_negatives")
     saved = {k: settings.get(k) for k in keys}
-    prompt = {"1": {"class_type": "ReuseKitConditioningCacheSettings",
-                    "inputs": {"global_mode": True, "budget_mib": 64, "max_entries": 7,
-                               "device_hot_negatives": False, "clear": True}}}
     try:
-        result = rkharness.Executor().run(prompt)
-        assert settings.get("conditioning.budget_mib") == 64 and settings.get("conditioning.max_entries") == 7
-        assert cache.budget_bytes == 64 << 20 and cache.max_entries == 7 and len(cache) == 0
-        assert not settings.get("conditioning.device_hot_negatives")
-        (text,) = result["outputs"]["1"]["text"]
-        assert "conditioning" in text and "64.0 MiB" in text
-    finally:
-        settings.update(saved)
-
-
-def test_settings_node_applies_once_per_change_through_the_executor(tiny):
-    """Re-queued unchanged, the node neither rewrites settings changed since (panel) nor clears again."""
-    settings = rkharness.pack("caching.settings").SETTINGS
-    cache = rkharness.pack("caching.conditioning").CACHE
-    keys = ("conditioning.enabled", "conditioning.budget_mib", "conditioning.max_entries",
-            "conditioning.device_hot_negatives")
-    saved = {k: settings.get(k) for k in keys}
-    prompt = {"1": {"class_type": "ReuseKitConditioningCacheSettings",
-                    "inputs": {"global_mode": True, "budget_mib": 48, "max_entries": 9,
-                               "device_hot_negatives": True, "clear": True}}}
-    clip = tiny.tiny_clip(0)
-    try:
-        executor = rkharness.Executor()
-        executor.run(prompt)
-        assert settings.get("conditioning.budget_mib") == 48 and len(cache) == 0
-        settings.set("conditioning.budget_mib", 96)  # the panel changes it afterwards
-        with torch.inference_mode():
-            clip.encode_from_tokens(clip.tokenize("kept across a re-queue"))
-        for run in (executor.run, rkharness.Executor(cache="none").run):
-            run(prompt)
-            assert settings.get("conditioning.budget_mib") == 96 and len(cache) == 1
-        prompt["1"]["inputs"]["budget_mib"] = 40  # a changed input applies (and clears) once
-        executor.run(prompt)
-        assert settings.get("conditioning.budget_mib") == 40 and len(cache) == 0
+        yield settings, cache
     finally:
         settings.update(saved)
         cache.clear()
+
+
+def settings_prompt(budget_mib: int, max_entries: int, device_hot: bool) -> dict:
+    return {"1": {"class_type": "ReuseKitConditioningCacheSettings",
+                  "inputs": {"global_mode": True, "budget_mib": budget_mib, "max_entries": max_entries,
+                             "device_hot_negatives": device_hot, "clear": True}}}
+
+
+def test_settings_node_applies_settings_through_the_executor(settings_restored):
+    settings, cache = settings_restored
+    result = rkharness.Executor().run(settings_prompt(64, 7, False))
+    assert settings.get("conditioning.budget_mib") == 64 and settings.get("conditioning.max_entries") == 7
+    assert cache.budget_bytes == 64 << 20 and cache.max_entries == 7 and len(cache) == 0
+    assert not settings.get("conditioning.device_hot_negatives")
+    (text,) = result["outputs"]["1"]["text"]
+    assert "conditioning" in text and "64.0 MiB" in text
+
+
+def test_settings_node_applies_once_per_change_through_the_executor(tiny, settings_restored):
+    """Re-queued unchanged, the node neither rewrites settings changed since (panel) nor clears again."""
+    settings, cache = settings_restored
+    prompt = settings_prompt(48, 9, True)
+    clip = tiny.tiny_clip(0)
+    executor = rkharness.Executor()
+    executor.run(prompt)
+    assert settings.get("conditioning.budget_mib") == 48 and len(cache) == 0
+    settings.set("conditioning.budget_mib", 96)  # the panel changes it afterwards
+    with torch.inference_mode():
+        clip.encode_from_tokens(clip.tokenize("kept across a re-queue"))
+    for run in (executor.run, rkharness.Executor(cache="none").run):
+        run(prompt)
+        assert settings.get("conditioning.budget_mib") == 96 and len(cache) == 1
+    prompt["1"]["inputs"]["budget_mib"] = 40  # a changed input applies (and clears) once
+    executor.run(prompt)
+    assert settings.get("conditioning.budget_mib") == 40 and len(cache) == 0
