@@ -17,7 +17,6 @@ update the changing inputs in place, and when the check fails rebuild and record
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import threading
 import types
 import weakref
@@ -28,29 +27,11 @@ from typing import Any
 
 import torch
 
+from .protocol import GRAPH_SAFE, OPTIONS_NAME
 from .stats import REGISTRY, CacheStats
 
 DISABLE_ENV = "REUSEKIT_DISABLE_CUDA_GRAPHS"
-OPTIONS_NAME = "transformer_options"
 OPTIONS_KEY = "reusekit_graph"  # our own settings inside transformer_options
-STEP_HOOK = "reusekit_step_hook"
-"""transformer_options key of a step cache's per-call object, which graph capture drives so that
-the skip decision stays outside the graph (a skipped step never replays):
-
-- ``hook.probe(forward)``: ``forward()`` runs the model eagerly; the hook decides inside it and
-  either lets it finish (a skipped step: its output is returned and nothing is replayed) or stops
-  it at the decision and returns ``None`` (a computed step: the graph replays or captures).
-  Where nothing would replay (decisions only) the forward runs once without a probe and
-  ``hook.skip`` says afterwards whether the hook skipped it.
-- ``hook.graph_outputs()``: after a forward, the tensors the hook's patches made inside it (the
-  step cache's new residual), which a replay must hand back too;
-- ``hook.take_graph_outputs(tensors)``: copies of those tensors after a replay.
-"""
-GRAPH_SAFE = "reusekit_graph_safe"
-"""Attribute marking a transformer patch that may run inside a captured forward: it launches the
-same kernels on every call of one signature and reads no Python state that changes between calls
-(its per-call state reaches it through :data:`STEP_HOOK`). Any other patch makes the call eager."""
-
 # transformer_options keys that never change what the captured forward computes: Python-side
 # machinery (wrappers run outside the graph, callbacks are not called in the forward) and the
 # per-run cond uuids (read only by patches; the graph-safe ones that may be captured do not).
@@ -330,25 +311,6 @@ def _short(v: Any) -> str:
 
 
 # ---- capture under way ----------------------------------------------------------------------
-
-_PREPARING = contextvars.ContextVar("reusekit_graph_preparing", default=False)
-
-
-@contextlib.contextmanager
-def preparing_capture():
-    """Open while a backend warms up and captures a forward: caches the forward consults (the PE
-    cache) must neither compare tensors on the device (a host sync cannot be captured) nor keep
-    tensors made there (on the warm-up stream or in the graph's private pool)."""
-    token = _PREPARING.set(True)
-    try:
-        yield
-    finally:
-        _PREPARING.reset(token)
-
-
-def capture_underway() -> bool:
-    return _PREPARING.get()
-
 
 # ---- the graphs of one model ----------------------------------------------------------------
 

@@ -42,6 +42,7 @@ import comfy.patcher_extension as pe
 import torch
 
 from ..caching import graph_reuse as gr
+from ..caching import protocol
 from ..caching.settings import SETTINGS
 from . import host, lifecycle, memory
 
@@ -779,7 +780,7 @@ def graph_call(original, args: tuple, kwargs: dict, opts: dict, ctx):
     done = _NOT_RUN
     if hook is not None:
         # the forward may write into its options (Flux: block indices); buffers follow the signature
-        named = [(k, dict(v) if k == gr.OPTIONS_NAME and isinstance(v, dict) else v) for k, v in named]
+        named = [(k, dict(v) if k == protocol.OPTIONS_NAME and isinstance(v, dict) else v) for k, v in named]
         if runner_cls is None:  # decisions only: nothing replays, so no probe; one eager pass decides
             done = original(*args, **kwargs)
         else:
@@ -849,7 +850,7 @@ def _reuse_or_capture(gs: gr.GraphSet, run, original, args, kwargs, opts, named,
     generation = gs.generation  # a release during the capture: the new graph is not kept
     runner = runner_cls(original, named, len(args), spec, device, gs.shared)
     try:
-        with gr.preparing_capture():
+        with protocol.preparing_capture():
             out, failure = runner.capture(int(opts.get("warmup", 1)))
     except BaseException:
         runner.release()
@@ -877,8 +878,8 @@ def _reuse_or_capture(gs: gr.GraphSet, run, original, args, kwargs, opts, named,
 
 def _step_hook(named: list[tuple[str, Any]]):
     """The step cache's per-call hook in a call's transformer_options (caching/graph_reuse.py)."""
-    to = dict(named).get(gr.OPTIONS_NAME)
-    return to.get(gr.STEP_HOOK) if isinstance(to, dict) else None
+    to = dict(named).get(protocol.OPTIONS_NAME)
+    return to.get(protocol.STEP_HOOK) if isinstance(to, dict) else None
 
 
 def _hand_back(out, hook):

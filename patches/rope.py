@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from ..caching.graph_reuse import capture_underway
 from ..caching.pe_cache import PECacheKey, cache_for, default_enabled
+from ..caching.protocol import capturing, transformer_options
 from . import host, lifecycle
 
 log = logging.getLogger("reusekit")
@@ -80,13 +80,6 @@ def model_cache(base_model, create: bool = True):
     return cache_for(base_model, label, create=create)
 
 
-def _transformer_options(args: tuple, kwargs: dict) -> dict | None:
-    # apply_model(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
-    if len(args) > 5:
-        return args[5]
-    return kwargs.get("transformer_options")
-
-
 class ApplyModelWrapper:
     """The node's APPLY_MODEL wrapper: opens (or, disabled, closes) the model's PE scope."""
 
@@ -95,7 +88,7 @@ class ApplyModelWrapper:
 
     def __call__(self, executor, *args, **kwargs):
         cache = model_cache(executor.class_obj) if self.enabled else None
-        with scope(cache, _transformer_options(args, kwargs)):
+        with scope(cache, transformer_options(args, kwargs, position=5)):
             return executor(*args, **kwargs)
 
 
@@ -124,13 +117,6 @@ class RunSummary:
                      run["time_saved_s"] * 1e3)
 
 
-def _capturing() -> bool:
-    """A CUDA graph is being warmed up or captured: no host sync (key compares) and no storing
-    of tensors allocated on the warm-up stream or from the graph's private pool; the builder then
-    runs inside the graph unchanged."""
-    return capture_underway() or (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
-
-
 def _requires_grad(args, kwargs) -> bool:
     if not torch.is_grad_enabled():
         return False
@@ -147,7 +133,9 @@ def cached(builder: str, make_key: Callable[[PECacheKey], Any], compute: Callabl
     if sc is None:
         return compute()
     name = sc.name(builder)
-    if _requires_grad(args, kwargs or {}) or _capturing():
+    # under capture: no host sync (key compares), no storing tensors from the warm-up stream or the
+    # graph's private pool; the builder then runs inside the graph unchanged
+    if _requires_grad(args, kwargs or {}) or capturing():
         sc.cache.bypass(name)
         return compute()
     key = PECacheKey(name, group=builder)  # one builder's names may share equal tables
@@ -392,7 +380,7 @@ def _apply_model(original):
     server-wide default is on, else none); the node's APPLY_MODEL wrapper runs inside and wins."""
     def apply_model(self, *args, **kwargs):
         cache = model_cache(self) if default_enabled() else None
-        with scope(cache, _transformer_options(args, kwargs)):
+        with scope(cache, transformer_options(args, kwargs, position=5)):
             return original(self, *args, **kwargs)
     return apply_model
 

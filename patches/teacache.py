@@ -24,8 +24,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..caching import graph_reuse as gr
 from ..caching import teacache as tc
+from ..caching.protocol import GRAPH_SAFE, STEP_HOOK, transformer_options
 from ..caching.stats import REGISTRY
 from . import host
 
@@ -33,7 +33,7 @@ log = logging.getLogger("reusekit")
 
 KEY = "reusekit_teacache"          # wrapper key and transformer_options key of the node's settings
 RUN_KEY = "reusekit_teacache_run"  # transformer_options key of the current run's state
-CALL_KEY = gr.STEP_HOOK            # the current call; graph capture drives it (a skip never replays)
+CALL_KEY = STEP_HOOK            # the current call; graph capture drives it (a skip never replays)
 
 
 # ---- per family: where the modulated input is, where the block stack starts and ends ---------
@@ -280,7 +280,7 @@ def _block_patch(first: bool, last: bool, prior):
     patch._reusekit_block = True
     # on a computed call it launches the same kernels every time (the decision is made before, in
     # _Call.probe), so graph capture may record it; another node's patch beneath it may not be
-    setattr(patch, gr.GRAPH_SAFE, prior is None)
+    setattr(patch, GRAPH_SAFE, prior is None)
     return patch
 
 
@@ -392,16 +392,6 @@ class _Call:
             self.residual = None
 
 
-def _transformer_options(args, kwargs) -> dict:
-    to = kwargs.get("transformer_options")
-    if isinstance(to, dict):
-        return to
-    for a in reversed(args):
-        if isinstance(a, dict):
-            return a
-    return {}
-
-
 def _labels(to: dict, n: int) -> list[str]:
     names = {0: "cond", 1: "uncond"}
     raw = [names.get(c, f"cond{c}") for c in (to.get("cond_or_uncond") or [])]
@@ -428,7 +418,7 @@ def _blocks_ours(to: dict, settings: Settings) -> bool:
 
 
 def _diffusion_model(executor, *args, **kwargs):
-    to = _transformer_options(args, kwargs)
+    to = transformer_options(args, kwargs) or {}
     run: tc.RunState | None = to.get(RUN_KEY)
     settings: Settings | None = to.get(KEY)
     if run is None or settings is None:  # called outside a sampling run: plain forward

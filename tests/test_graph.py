@@ -82,7 +82,7 @@ def test_python_side_objects_in_options_count_by_type_and_patches_bypass_unless_
         def patch(args, extra):
             return extra["original_block"](args)
 
-        setattr(patch, gr.GRAPH_SAFE, True)
+        setattr(patch, rkharness.pack("caching.protocol").GRAPH_SAFE, True)
         return {"patches_replace": {"dit": {("double_block", 0): patch}}}
 
     one, two = safe_patch(), safe_patch()

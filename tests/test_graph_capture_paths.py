@@ -102,12 +102,12 @@ class FakeCuda:
 def flux_call(tiny, patch=None, eager=True):
     """A tiny Flux's forward, real arguments (``patch``: a graph-safe block patch on block 0) and
     (``eager``) its eager output."""
-    gr = rkharness.pack("caching.graph_reuse")
+    protocol = rkharness.pack("caching.protocol")
     dm = tiny.tiny_flux(0).model.diffusion_model
     gen = torch.Generator().manual_seed(0)
     opts = {}
     if patch is not None:
-        setattr(patch, gr.GRAPH_SAFE, True)
+        setattr(patch, protocol.GRAPH_SAFE, True)
         opts["patches_replace"] = {"dit": {("double_block", 0): patch}}
     named = [("x", torch.randn(1, 16, 8, 8, generator=gen)), ("timestep", torch.rand(1, generator=gen)),
              ("context", torch.randn(1, 7, 32, generator=gen)), ("y", torch.randn(1, 32, generator=gen)),
@@ -225,7 +225,7 @@ def test_a_capture_that_cannot_begin_runs_eagerly_and_ends_nothing(gc, tiny, mon
 def test_a_step_hooks_outputs_come_back_from_capture_and_replay(gc, tiny, monkeypatch):
     """A step cache's patch makes a tensor inside the graph (TeaCache: the residual); the runner
     returns it beside the output, and a replay returns copies of the same static tensors."""
-    gr = rkharness.pack("caching.graph_reuse")
+    protocol = rkharness.pack("caching.protocol")
     fake = FakeCuda(monkeypatch)
 
     class Hook:
@@ -235,12 +235,12 @@ def test_a_step_hooks_outputs_come_back_from_capture_and_replay(gc, tiny, monkey
             return [self.made]
 
     def makes(args, extra):
-        args["transformer_options"][gr.STEP_HOOK].made = args["img"] * 2
+        args["transformer_options"][protocol.STEP_HOOK].made = args["img"] * 2
         return extra["original_block"](args)
 
     fn, named, _ = flux_call(tiny, makes, eager=False)
     hook = Hook()
-    named[-1][1][gr.STEP_HOOK] = hook
+    named[-1][1][protocol.STEP_HOOK] = hook
     with torch.inference_mode():
         runner = runner_for(gc, fn, named)
         out, made = runner.capture(1)[0]

@@ -106,7 +106,7 @@ def _syncing_patch(gr, only_in_capture: bool):
             args["img"].sum().item()
         return extra["original_block"](args)
 
-    setattr(patch, gr.GRAPH_SAFE, True)
+    setattr(patch, rkharness.pack("caching.protocol").GRAPH_SAFE, True)
     return patch
 
 
