@@ -158,7 +158,7 @@ def with_teacache(c) -> None:
     print(f"TeaCache on the trained Flux, 10 steps: alone {a:.1f} ms, with capture {b:.1f} ms per run "
           f"(ratio {b / a:.2f}, max|diff| {diff:.1e}; last run: {snap.get('replays')} replays, "
           f"{snap.get('eager_steps')} eager, {snap.get('step_cache_skips')} skipped by TeaCache)")
-    gc.release_all("bench")
+    gc.graph_release.release_all("bench")
 
 
 def main() -> None:
@@ -194,7 +194,7 @@ def main() -> None:
                     builders[build] = build()
                 model = builders[build]
                 eager, ref = step_ms(model, c, shape, steps)
-                gc.release_all("bench")
+                gc.graph_release.release_all("bench")
                 replay, out = step_ms(graph_nodes.with_capture("bench", model, True, 2), c, shape, steps)
                 snap = gc.STATS.handle.snapshot()["info"].get("last_run", {})
                 diff = (out.float() - ref.float()).abs().max().item()
@@ -209,7 +209,7 @@ def main() -> None:
             headline = ratio
         print(f"{name:28} {eager:9.3f} {replay:10.3f} {ratio:6.2f} {diff:10.2e} {comp:>11} {comp_ratio:>6}"
               f"   (captures {snap.get('captures')}, replays {snap.get('replays')}, eager {snap.get('eager_steps')})")
-    gc.release_all("bench")
+    gc.graph_release.release_all("bench")
     print("ratio: replay / eager per step (a step = one apply_model call, cond and uncond batched); "
           "headline: the w3072 Flux at 256 px")
     print(f"RESULT step_replay_over_eager={'n/a' if headline is None else f'{headline:.2f}'} check_us={check_us:.1f}")

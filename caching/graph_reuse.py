@@ -17,6 +17,7 @@ update the changing inputs in place, and when the check fails rebuild and record
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import types
 import weakref
@@ -43,9 +44,16 @@ PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 SMALL_FOREIGN_TENSOR = 4096  # elements: a tensor on another device is compared by value up to this
 THRASH_LIMIT = 4  # misses in a row within one run after which it stops capturing (eager, same result)
 
-# rebuild reasons (the first differing field decides)
-REASONS = ("shape", "dtype", "device", "layout", "cond_batch", "weights", "object_patches", "options", "mode",
-           "control", "mask", "inputs", "value", "released")
+
+def env_disabled() -> bool:
+    """True where the environment variable :data:`DISABLE_ENV` turns graph capture off."""
+    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def node_options(transformer_options) -> dict:
+    """A Graph node's settings in a call's ``transformer_options`` ({} where no node asked)."""
+    value = transformer_options.get(OPTIONS_KEY) if isinstance(transformer_options, dict) else None
+    return value if isinstance(value, dict) else {}
 
 
 class Signature:
@@ -309,8 +317,6 @@ def _short(v: Any) -> str:
     s = repr(v)
     return s if len(s) <= 60 else s[:57] + "..."
 
-
-# ---- capture under way ----------------------------------------------------------------------
 
 # ---- the graphs of one model ----------------------------------------------------------------
 

@@ -15,10 +15,10 @@ def gc_fixture(monkeypatch, request):
     mod = rkharness.pack("patches.graph_capture")
     monkeypatch.delenv("REUSEKIT_DISABLE_CUDA_GRAPHS", raising=False)
     monkeypatch.setattr(mod, "FORCE_BACKEND", getattr(request.module, "DEFAULT_BACKEND", None))
-    mod.release_all("test")
+    mod.graph_release.release_all("test")
     mod.STATS.handle.reset_counters()
     yield mod
-    mod.release_all("test")
+    mod.graph_release.release_all("test")
 
 
 @pytest.fixture(name="conds", scope="module")

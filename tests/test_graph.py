@@ -200,7 +200,7 @@ def test_capture_keeps_alive_what_the_forward_reads_from_outside_and_nothing_it_
     monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
     model = tiny.tiny_flux(0)
     sample(capture(model), conds, steps=2)
-    (entry,) = gc.graph_set(model.model, 2).entries.values()
+    (entry,) = gc.graph_release.graph_set(model.model, 2).entries.values()
     kept = set(entry.runner.kept)
     params = {p.untyped_storage().data_ptr() for p in model.model.diffusion_model.parameters()}
     static = {t.untyped_storage().data_ptr() for t in entry.runner.static}
@@ -326,22 +326,22 @@ def test_a_clear_from_another_thread_between_decision_and_replay_frees_the_graph
     monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
     model = tiny.tiny_flux(0)
     plain = sample(model, conds, steps=4)
-    replay, released, runners = gc.StaticRunner.replay, [], []
+    replay, released, runners = gc.graph_runners.StaticRunner.replay, [], []
 
     def racing_replay(self, tensors):
-        clear = threading.Thread(target=lambda: released.append(gc.release_all("cleared")))
+        clear = threading.Thread(target=lambda: released.append(gc.graph_release.release_all("cleared")))
         clear.start()
         clear.join(10)
         assert not clear.is_alive()
         runners.append(self)
         return replay(self, tensors)
 
-    monkeypatch.setattr(gc.StaticRunner, "replay", racing_replay)
+    monkeypatch.setattr(gc.graph_runners.StaticRunner, "replay", racing_replay)
     assert torch.equal(sample(capture(model), conds, steps=4), plain)
     run = last_run(gc)
     assert (run["captures"], run["replays"], run["rebuilds"]) == (2, 2, {"cleared": 1}), run
     assert released == [1, 1] and all(r.fn is None and r.static == [] for r in runners)
-    assert gc.STATS.handle.snapshot()["entries"] == 0 and not gc.graph_set(model.model, 2).doomed
+    assert gc.STATS.handle.snapshot()["entries"] == 0 and not gc.graph_release.graph_set(model.model, 2).doomed
 
 
 def test_clears_from_another_thread_all_through_sampling_leave_the_result_unchanged(gc, monkeypatch, tiny, conds):
@@ -353,7 +353,7 @@ def test_clears_from_another_thread_all_through_sampling_leave_the_result_unchan
     def clear_often():
         while not stop.is_set():
             try:
-                gc.release_all("cleared")
+                gc.graph_release.release_all("cleared")
             except Exception as exc:  # noqa: BLE001  (reported below)
                 errors.append(exc)
             time.sleep(0.001)
@@ -366,8 +366,8 @@ def test_clears_from_another_thread_all_through_sampling_leave_the_result_unchan
         stop.set()
         clearer.join(10)
     assert not errors and all(torch.equal(o, plain) for o in outs)
-    gc.release_all("test")
-    assert not gc.graph_set(model.model, 2).doomed and gc.graph_set(model.model, 2).busy == 0
+    gc.graph_release.release_all("test")
+    assert not gc.graph_release.graph_set(model.model, 2).doomed and gc.graph_release.graph_set(model.model, 2).busy == 0
 
 
 def test_interrupt_mid_run_leaves_graphs_usable(gc, monkeypatch, tiny, conds):
@@ -520,7 +520,7 @@ def test_constant_uploads_replay_wans_cpu_built_time_embedding_as_device_copies(
     from comfy.ldm.wan.model import sinusoidal_embedding_1d
 
     t = torch.rand(2, device="meta")
-    uploads = gc.ConstantUploads()
+    uploads = gc.graph_runners.ConstantUploads()
     with uploads:  # the warm-up: real copies, recorded
         warm = sinusoidal_embedding_1d(16, t)
     assert len(uploads.records) == 1 and uploads.records[0][1].device.type == "meta"
@@ -540,7 +540,7 @@ def test_constant_uploads_replay_wans_cpu_built_time_embedding_as_device_copies(
     uploads._next = 0
     with uploads, pytest.raises(RuntimeError, match="differs from its warm-up"):
         sinusoidal_embedding_1d(32, t)  # another CPU source than recorded: not a constant
-    mixed = gc.ConstantUploads()
+    mixed = gc.graph_runners.ConstantUploads()
     for replaying in (False, True):  # CPU -> CPU conversions run as they are, in their place
         mixed.replaying = replaying
         with mixed:
@@ -617,7 +617,7 @@ def test_without_cuda_it_says_so_once_in_the_log_the_stats_and_the_start_up_line
 def cuda_decisions(gc, monkeypatch):
     """The CUDA backend's decisions on this CPU: its runner is the ``emulate`` one (static buffers)."""
     monkeypatch.setattr(gc, "_backend", lambda device: "cuda")
-    monkeypatch.setitem(gc.RUNNERS, "cuda", gc.StaticRunner)
+    monkeypatch.setitem(gc.RUNNERS, "cuda", gc.graph_runners.StaticRunner)
 
 
 def test_the_host_captures_no_diffusion_model_block_so_reusekit_does(gc, monkeypatch, tiny, conds):
@@ -705,15 +705,15 @@ def test_weight_listeners_install_once_and_uninstall_releases(gc, tiny, conds, m
     lifecycle = rkharness.pack("patches.lifecycle")
     monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
     captured = capture(tiny.tiny_flux(0))  # the node installs the listeners
-    gc.install()
-    assert gc.installed() and all(lifecycle._listeners[e].count(fn) == 1 for e, fn in gc._LISTENERS)
+    gc.graph_release.install()
+    assert gc.graph_release.installed() and all(lifecycle._listeners[e].count(fn) == 1 for e, fn in gc.graph_release._LISTENERS)
     sample(captured, conds)
     assert gc.STATS.handle.snapshot()["entries"] == 1
-    gc.uninstall()
-    assert not gc.installed() and gc.STATS.handle.snapshot()["entries"] == 0
-    gc.uninstall()  # idempotent
-    gc.install()
-    assert gc.installed()
+    gc.graph_release.uninstall()
+    assert not gc.graph_release.installed() and gc.STATS.handle.snapshot()["entries"] == 0
+    gc.graph_release.uninstall()  # idempotent
+    gc.graph_release.install()
+    assert gc.graph_release.installed()
 
 
 def test_a_host_whose_unload_is_reshaped_keeps_running_and_says_graphs_wait_for_a_clear(gc, monkeypatch, caplog):
@@ -735,8 +735,8 @@ def test_a_host_whose_unload_is_reshaped_keeps_running_and_says_graphs_wait_for_
         with pytest.MonkeyPatch.context() as reshaped:
             reshaped.setattr(cls, "unpatch_model", unpatch_model)
             with caplog.at_level(logging.WARNING, logger="reusekit"):
-                assert gc.install() is False
-                gc.install()
+                assert gc.graph_release.install() is False
+                gc.graph_release.install()
             assert not lifecycle.wrapped(cls, "unpatch_model") and lifecycle.wrapped(cls, "load")
             assert cls.unpatch_model is unpatch_model
             warned = [r.getMessage() for r in caplog.records if "ModelPatcher.unpatch_model" in r.getMessage()]
@@ -745,8 +745,8 @@ def test_a_host_whose_unload_is_reshaped_keeps_running_and_says_graphs_wait_for_
     finally:
         lifecycle.uninstall()
         lifecycle.install()
-        gc.install()
-    assert gc.installed() and cls.unpatch_model is not unpatch_model
+        gc.graph_release.install()
+    assert gc.graph_release.installed() and cls.unpatch_model is not unpatch_model
 
 
 # ---- the nodes ---------------------------------------------------------------------------------

@@ -120,9 +120,13 @@ N_POS = 5  # x, timestep, context, y, guidance by position; transformer_options 
 
 
 def runner_for(gc, fn, named, shared=None):
+    """A CUDA runner as graph_capture makes one: ComfyUI's cancel passes through a capture."""
+    import comfy.model_management as mm
+
     spec = gc.gr.analyse_call(named, (), torch.device("cpu"))
     assert spec.bypass is None
-    return gc.CudaGraphRunner(fn, named, N_POS, spec, torch.device("cpu"), shared)
+    return gc.graph_runners.CudaGraphRunner(fn, named, N_POS, spec, torch.device("cpu"), shared,
+                                            (mm.InterruptProcessingException,))
 
 
 def test_a_clean_capture_ends_replays_once_and_shares_the_models_pool(gc, tiny, monkeypatch):

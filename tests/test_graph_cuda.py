@@ -29,7 +29,7 @@ def _on_cuda(tiny, gc, monkeypatch):
     assert torch.cuda.is_available()
     assert tiny.tiny_flux(0).load_device.type == "cuda", "the harness must not force the CPU here"
     # torch raises on a replay that reads a freed tensor (where this torch can check it)
-    monkeypatch.setattr(gc, "CHECK_LIVENESS", True)
+    monkeypatch.setattr(gc.graph_runners, "CHECK_LIVENESS", True)
 
 
 @pytest.mark.parametrize("family", ["flux", "wan"])
@@ -129,7 +129,7 @@ def test_a_forward_that_syncs_runs_eagerly_and_leaves_cuda_usable(gc, tiny, cond
     assert run["captures"] == 0 and run["bypasses"] == {"capture_failed": 2}, run
     if not only_in_capture:
         assert "the forward syncs the host at" in caplog.text and "test_graph_cuda.py" in caplog.text
-    gc.release_all("test")
+    gc.graph_release.release_all("test")
     torch.cuda.empty_cache()
     assert torch.cuda.memory_reserved() <= reserved + (1 << 20)  # no pool left behind
     close(sample(capture(model), conds, steps=3), plain)  # and the next capture works
@@ -164,7 +164,7 @@ def test_a_models_graphs_share_one_pool(gc, tiny, conds):
     captured = capture(model, max_graphs=2)
     for shape in [(1, 16, 64, 64), (1, 16, 32, 32), (1, 16, 64, 64)]:
         close(sample(captured, conds, shape), sample(model, conds, shape))
-    runners = (e.runner for e in gc.graph_set(model.model, 2).entries.values())
+    runners = (e.runner for e in gc.graph_release.graph_set(model.model, 2).entries.values())
     big, small = sorted(runners, key=lambda r: r.static[0].numel(), reverse=True)
     assert big.pool_bytes > 0 and small.pool_bytes <= big.pool_bytes // 2, (big.pool_bytes, small.pool_bytes)
     assert last_run(gc)["captures"] == 0
@@ -259,7 +259,7 @@ def test_a_model_on_another_device_records_its_own_kernels(gc, tiny, monkeypatch
 
     with torch.inference_mode():
         first = inputs()
-        runner = gc.CudaGraphRunner(dm._forward, first, len(first), gc.gr.analyse_call(first, (), dev), dev)
+        runner = gc.graph_runners.CudaGraphRunner(dm._forward, first, len(first), gc.gr.analyse_call(first, (), dev), dev)
         try:
             out, failure = runner.capture(1)
             assert failure == ""

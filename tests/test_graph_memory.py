@@ -17,8 +17,8 @@ def held(gc):
 
 def test_install_registers_a_releaser_that_frees_graphs_when_comfyui_needs_memory(gc, tiny, conds):
     memory = rkharness.pack("patches.memory")
-    gc.install()
-    assert gc.MEMORY_RELEASER in [name for name, _ in memory._releasers] and memory.installed()
+    gc.graph_release.install()
+    assert gc.graph_release.MEMORY_RELEASER in [name for name, _ in memory._releasers] and memory.installed()
     model = tiny.tiny_flux(0)
     first = sample(capture(model), conds)
     info = held(gc)
@@ -30,18 +30,18 @@ def test_install_registers_a_releaser_that_frees_graphs_when_comfyui_needs_memor
     assert held(gc)["graphs"] == 0 and gc.STATS.handle.snapshot()["bytes"]["device"] == 0
     assert counters(gc)["releases.memory"] == 1
     assert torch.equal(sample(capture(model), conds), first) and last_run(gc)["rebuilds"] == {"memory": 1}
-    gc.uninstall()
-    assert gc.MEMORY_RELEASER not in [name for name, _ in memory._releasers]
-    gc.install()
+    gc.graph_release.uninstall()
+    assert gc.graph_release.MEMORY_RELEASER not in [name for name, _ in memory._releasers]
+    gc.graph_release.install()
 
 
 def test_a_set_in_use_by_a_forward_is_left_to_it(gc, tiny, conds):
     model = tiny.tiny_flux(0)
     sample(capture(model), conds)
-    gs = gc.graph_set(model.model, 2)
+    gs = gc.graph_release.graph_set(model.model, 2)
     with gs.in_use():
-        assert gc.free_for_memory("cpu", 1 << 40) == 0 and len(gs.entries) == 1
-    assert gc.free_for_memory("cpu", 1 << 40) > 0 and not gs.entries
+        assert gc.graph_release.free_for_memory("cpu", 1 << 40) == 0 and len(gs.entries) == 1
+    assert gc.graph_release.free_for_memory("cpu", 1 << 40) > 0 and not gs.entries
 
 
 @pytest.mark.parametrize("keep", [True, False])

@@ -1,0 +1,403 @@
+"""The runners of graph reuse, in torch only: each holds static input buffers for one call
+signature and replays the diffusion model's forward on them.
+
+- :class:`StaticRunner` (``emulate``): the forward re-run on the buffers, no graph;
+- :class:`TraceRunner` (``trace``): the forward traced once (``make_fx``) and the trace replayed,
+  so a stale replay shows as a wrong output on any device;
+- :class:`CudaGraphRunner` (``cuda``): a CUDA graph captured into the model's private pool.
+
+patches/graph_capture.py picks one per call; nothing here imports ComfyUI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+import traceback
+from typing import Any
+
+import torch
+
+from . import protocol
+from .graph_reuse import CallSpec, substitute
+
+log = logging.getLogger("reusekit")
+
+
+def step_hook(named: list[tuple[str, Any]]):
+    """The step cache's per-call hook in a call's transformer_options (caching/protocol.py)."""
+    to = dict(named).get(protocol.OPTIONS_NAME)
+    return to.get(protocol.STEP_HOOK) if isinstance(to, dict) else None
+
+
+def _tensor_tree(out) -> bool:
+    if isinstance(out, (list, tuple)):
+        return all(_tensor_tree(o) for o in out)
+    return isinstance(out, torch.Tensor)
+
+
+def _clone_tree(out):
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, (list, tuple)):
+        return type(out)(_clone_tree(o) for o in out)
+    raise TypeError(f"the forward returned a {type(out).__name__}, not tensors")
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # a tensor without storage (a subclass wrapper): nothing to keep
+        return 0
+
+
+def _keep_key(t: torch.Tensor):
+    """A tensor's storage address, or for a wrapper subclass without storage its identity."""
+    return _storage_ptr(t) or ("object", id(t))
+
+
+def _tensors_in(values):
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from (x for x in v if isinstance(x, torch.Tensor))
+
+
+class KeepExternal(torch.overrides.TorchFunctionMode):
+    """Active while a forward is captured: every tensor the forward reads that existed before the
+    capture (weights, buffers, a PE cache's stored tensors) is kept alive with the graph, so the
+    memory a replay reads is never freed and reused while the graph lives (a cache may drop its
+    own reference when its key changes). Tensors made during the capture are not kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: set = set()  # keys (see _keep_key) of what the forward made
+        self.kept: dict = {}  # key -> the storage (or wrapper tensor) kept alive
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in _tensors_in(args):
+            self._see(t)
+        for t in _tensors_in(kwargs.values()):
+            self._see(t)
+        out = func(*args, **kwargs)
+        for t in _tensors_in((out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (list, tuple)) else ()):
+            self.made.add(_keep_key(t))
+        return out
+
+    def _see(self, t: torch.Tensor) -> None:
+        key = _keep_key(t)
+        if key not in self.made and key not in self.kept:
+            # the memory itself (even where a .data is swapped later), or a wrapper subclass (a
+            # quantized weight) whole, and so what it wraps
+            self.kept[key] = t.untyped_storage() if isinstance(key, int) else t
+
+
+class StaticRunner:
+    """Static input buffers (allocated outside any graph pool), updated in place on every call.
+    This base re-runs the forward eagerly on them (the ``emulate`` backend). ``shared``: state of
+    one model's runners (a memory pool); ``raise_as_is``: exceptions a capture passes on instead
+    of running the call eagerly (the host's cancel)."""
+
+    def __init__(self, fn, named: list[tuple[str, Any]], n_pos: int, spec: CallSpec, device,
+                 shared: dict | None = None, raise_as_is: tuple[type[BaseException], ...] = ()):
+        self.fn = fn
+        self.raise_as_is = raise_as_is
+        self.device = torch.device(device)
+        self.shared = {} if shared is None else shared
+        self.n_pos = n_pos
+        self.static = [torch.empty_like(t).copy_(t) for t in spec.tensors]
+        self.args = substitute(named, self.static, device)
+        self.hook = step_hook(self.args)
+        self.nbytes = _nbytes(self.static)
+
+    def _call(self):
+        """The forward on the static buffers: its output, and with a step hook ``(output,
+        tensors the hook's patches made)``."""
+        pos = [v for _, v in self.args[:self.n_pos]]
+        kw = dict(self.args[self.n_pos:])
+        out = self.fn(*pos, **kw)
+        if self.hook is None:
+            return out
+        return out, tuple(self.hook.graph_outputs())
+
+    def copy_in(self, tensors: list[torch.Tensor]) -> None:
+        for s, t in zip(self.static, tensors, strict=True):
+            if s.data_ptr() != t.data_ptr():
+                s.copy_(t)
+
+    kept: dict = {}
+
+    def capture(self, warmup: int):
+        """Returns (first output, failure text or "")."""
+        with KeepExternal() as keep:
+            out = self._call()
+        self.kept = keep.kept
+        return _clone_tree(out), ""
+
+    def replay(self, tensors):
+        self.copy_in(tensors)
+        return _clone_tree(self._call())
+
+    def release(self) -> None:
+        self.static, self.args, self.fn, self.hook, self.kept = [], [], None, None, {}
+
+
+class ConstantUploads(torch.overrides.TorchFunctionMode):
+    """CPU tensors the forward copies to the device: a copy from pageable host memory syncs, and
+    a sync cannot be captured (Wan's time embedding builds an ``arange`` on the CPU and moves it
+    on every call). The warm-up records each such upload in order (its CPU source and a copy of
+    the result); the capture replays them as device copies of the recorded results, each checked
+    once, at the capture, to equal its source (otherwise the capture fails and the call runs
+    eagerly). Replays do not look again: like every Python branch of a captured forward, such a
+    source may depend only on what the signature holds."""
+
+    METHODS = frozenset({torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type_as})
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # None: stayed on the CPU
+        self.replaying = False
+        self._next = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        src = args[0] if args else None
+        if func not in self.METHODS or not isinstance(src, torch.Tensor) or src.device.type != "cpu":
+            return func(*args, **kwargs)
+        if not self.replaying:
+            with _sync_debug(0):  # this copy is the one a capture will not make
+                out = func(*args, **kwargs)
+            self.records.append((src.clone(), out.clone()) if out.device.type != "cpu" else None)
+            return out
+        i, self._next = self._next, self._next + 1
+        rec = self.records[i] if i < len(self.records) else ()
+        if rec is None:
+            return func(*args, **kwargs)
+        if not rec or rec[0].shape != src.shape or rec[0].dtype != src.dtype or not torch.equal(rec[0], src):
+            raise RuntimeError("the forward copies a CPU tensor to the device that differs from its warm-up's")
+        return rec[1].clone()
+
+
+@contextlib.contextmanager
+def _sync_debug(mode):
+    """torch's sync debug mode (``"error"``: an implicit host sync raises), restored after; a
+    no-op where CUDA is not in use (nothing to sync with)."""
+    if not torch.cuda.is_initialized():
+        yield
+        return
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:200]
+
+
+def _where(exc: BaseException) -> str:
+    """The innermost frame of ``exc`` outside torch: the line of the model that synced."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f"{os.sep}torch{os.sep}" not in f.filename]
+    if not frames:
+        return "?"
+    f = frames[-1]
+    return f"{os.path.join(*f.filename.split(os.sep)[-3:])}:{f.lineno}"
+
+
+def _graph_memory(device) -> int:
+    """Device memory in use by the caching allocator, or (cudaMallocAsync, whose graph memory is
+    outside its pool's counters) on the whole device."""
+    if torch.cuda.get_allocator_backend() == "native":
+        return torch.cuda.memory_reserved(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+def _abandon_pool(device, pool) -> None:
+    """A capture that could not end leaves its pool open: route allocations back and release it
+    (as torch's own ``use_mem_pool`` does on exit)."""
+    try:
+        torch._C._cuda_endAllocateToPool(device.index, pool)
+        torch._C._cuda_releasePool(device.index, pool)
+    except Exception:  # a torch without these: the pool stays until the process ends
+        log.warning("ReuseKit graph: could not release the memory pool of a failed capture", exc_info=True)
+
+
+class CudaGraphRunner(StaticRunner):
+    """Warm-up on a side stream, capture into the model's private pool, replay, return a clone of
+    the static output (callers never see a buffer the next replay overwrites).
+
+    A forward that syncs the host is found in the warm-up (torch's sync debug mode) and never
+    captured; a capture that fails anyway ends with its pool released and the caller's stream
+    current again."""
+
+    graph = None
+    static_out = None
+    pool_bytes = 0
+    uploads = None
+
+    def capture(self, warmup: int):
+        device = self.static[0].device if self.static else torch.device("cuda", torch.cuda.current_device())
+        with torch.cuda.device(device):
+            return self._capture(device, warmup)
+
+    def _warm_up(self, current, side, uploads: ConstantUploads, warmup: int):
+        """(output, sync error or None); an error of the model's own is raised as is."""
+        side.wait_stream(current)
+        try:
+            with torch.cuda.stream(side):
+                try:
+                    with _sync_debug("error"), uploads:
+                        out = self._call()
+                except RuntimeError as exc:
+                    if "synchronizing CUDA operation" not in str(exc):
+                        raise
+                    return None, exc
+                for _ in range(warmup - 1):
+                    out = self._call()
+                return out, None
+        finally:
+            current.wait_stream(side)  # also after an error: the buffers outlive nothing on `side`
+
+    def _capture(self, device, warmup: int):
+        current = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        uploads = ConstantUploads()
+        out, sync = self._warm_up(current, side, uploads, warmup)
+        if sync is not None:  # never captured: the step runs eagerly
+            where, sync = _where(sync), None  # its traceback holds the warm-up's activations
+            return _clone_tree(self._call()), f"the forward syncs the host at {where}"
+        eager_out = _clone_tree(out)
+        del out
+        # one pool for all live graphs of this model on this device: replays run one at a time on
+        # one stream and each output is copied at once, so one graph's intermediates may reuse
+        # another's (torch's "sharing memory across captures"); their outputs stay apart
+        graph = torch.cuda.CUDAGraph()
+        pool = self.shared.get(("pool", device))
+        if pool is None:
+            pool = self.shared[("pool", device)] = torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        before = _graph_memory(device)
+        keep = KeepExternal()
+        uploads.replaying = True
+        failure = static_out = None
+        # on `side` (this device): torch's default capture stream is one per process, made on
+        # whichever device captured first; a capture there leaves this device's kernels out. The
+        # outer stream context restores the caller's stream even where capture_end raises.
+        with torch.cuda.stream(side):
+            try:
+                graph.capture_begin(pool=pool, **_capture_kwargs())
+            except Exception as exc:  # nothing began: nothing to end
+                return eager_out, _first_line(exc)
+            try:
+                with keep, uploads:
+                    static_out = self._call()
+                if not _tensor_tree(static_out):
+                    raise TypeError(f"the forward returned a {type(static_out).__name__}, not tensors")
+            except BaseException as exc:  # the capture must end before anything else
+                failure = exc
+            try:
+                graph.capture_end()
+            except Exception as exc:  # the capture was invalidated (a sync, a CPU op...)
+                _abandon_pool(device, pool)
+                tracker = getattr(graph, "_tracker", None)  # torch's liveness check (debug) ends with the capture
+                if tracker is not None:
+                    tracker.stop()
+                graph = None
+                failure = failure or exc
+        if failure is not None:
+            if graph is not None:
+                graph.reset()
+            graph = keep = static_out = None
+            try:
+                if not isinstance(failure, Exception) or isinstance(failure, self.raise_as_is):
+                    raise failure
+                try:
+                    torch.cuda.synchronize(device)
+                except Exception:
+                    log.debug("ReuseKit graph: synchronize after a failed capture", exc_info=True)
+                return eager_out, _first_line(failure)
+            finally:
+                failure = None  # no cycle through this frame: the capture's tensors go at once
+        graph.replay()
+        torch.cuda.synchronize(device)
+        self.pool_bytes = max(0, _graph_memory(device) - before)
+        self.graph, self.static_out, self.kept, self.uploads = graph, static_out, keep.kept, uploads.records
+        self.nbytes = _nbytes(self.static) + self.pool_bytes
+        self.args, self.fn, self.hook = [], None, None  # a replay needs only the buffers and the graph
+        return _clone_tree(static_out), ""
+
+    def replay(self, tensors):
+        self.copy_in(tensors)
+        self.graph.replay()
+        return _clone_tree(self.static_out)
+
+    def release(self) -> None:
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph = self.static_out = self.uploads = None
+        super().release()
+
+
+class TraceRunner(StaticRunner):
+    """A CPU stand-in for a graph (the ``trace`` backend, for tests): the forward is traced once at
+    capture (torch's ``make_fx``) and the trace replayed on the static buffers, so the Python
+    branches and the modules it read are frozen as in a CUDA graph, and a replay the signature
+    should have refused gives a wrong output."""
+
+    traced = None
+
+    def capture(self, warmup: int):
+        with KeepExternal() as keep:
+            out = self._call()
+        self.kept = keep.kept
+        if self.hook is not None:  # its outputs come from patches that decide per call
+            return _clone_tree(out), "a step cache's hook cannot be traced"
+
+        def forward(*tensors):
+            args = substitute(self.args, list(tensors), self.device)
+            return self.fn(*[v for _, v in args[:self.n_pos]], **dict(args[self.n_pos:]))
+
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        try:
+            self.traced = make_fx(forward)(*self.static)
+        except Exception as exc:  # an op the tracer cannot follow: this signature runs eagerly
+            return _clone_tree(out), _first_line(exc)
+        return _clone_tree(out), ""
+
+    def replay(self, tensors):
+        self.copy_in(tensors)
+        return _clone_tree(self.traced(*self.static))
+
+    def release(self) -> None:
+        self.traced = None
+        super().release()
+
+
+RUNNERS = {"emulate": StaticRunner, "trace": TraceRunner, "cuda": CudaGraphRunner}
+CHECK_LIVENESS = os.environ.get("REUSEKIT_GRAPH_CHECK_LIVENESS") == "1"
+"""Debug: ask torch (where it can) to raise when a tensor a graph reads was freed before a replay."""
+
+
+def _capture_kwargs() -> dict:
+    kwargs = {"capture_error_mode": "thread_local"}
+    if CHECK_LIVENESS:
+        try:
+            if "check_input_liveness" in inspect.signature(torch.cuda.CUDAGraph.capture_begin).parameters:
+                kwargs["check_input_liveness"] = True
+        except (TypeError, ValueError):  # an older torch's bound C++ method: no such check there
+            pass
+    return kwargs
