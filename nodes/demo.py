@@ -1,0 +1,169 @@
+"""The demo models as nodes: a tiny Flux and Wan trained on captioned shapes, shipped with the pack
+(no download), the picture code that stands in for their VAE, and a prompt batch that shares one
+negative. Every forward of their encoder and transformer is counted under "demo models" in the stats.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from comfy_api.latest import io
+
+from ..caching.stats import REGISTRY
+from . import CATEGORY
+
+AREA = f"{CATEGORY}/demo"
+STATS_NAME = "demo models"
+TRAINED_ON = ("Trained on pictures of one coloured shape on a plain background, captioned like "
+              "'a red circle on a black background' (colours: red, green, blue, yellow, white, purple; "
+              "shapes: circle, square, triangle, cross; backgrounds: black, gray, white). Pictures are "
+              "16x16 (a 64x64 empty latent); decode them with ReuseKit Demo Decode, not a VAE.")
+CLIP_TOOLTIP = ("The tiny CLIP the model was trained with: ComfyUI's CLIP-L at width 32 with seeded weights "
+                "(no file), using ComfyUI's own tokenizer.")
+
+
+def _stats():
+    """The demo models' call counters, registered when a demo model is first built."""
+    return REGISTRY.get(STATS_NAME) or REGISTRY.register(
+        STATS_NAME, "demo", "Forward calls of the demo models' text encoder and transformer blocks (what the "
+                            "caches save shows up as fewer calls).")
+
+
+def _count(module: torch.nn.Module, counter: str) -> None:
+    """Count ``module``'s forward calls through an instance method (a module hook would make the
+    conditioning cache refuse the encoder: hooks can change outputs)."""
+    stats, forward = _stats(), module.forward
+
+    def counted(self, *args, **kwargs):
+        stats.incr(counter)
+        return forward(*args, **kwargs)
+
+    module.forward = types.MethodType(counted, module)
+
+
+def load_demo(family: str):
+    """(MODEL, CLIP) of a demo family, their forwards counted: encoder_calls, transformer_calls."""
+    from .demo_models import shapes
+
+    model, clip = shapes.build(family=family), shapes.build_clip()
+    dm = model.model.diffusion_model
+    _count((dm.double_blocks if family == "flux" else dm.blocks)[0], "transformer_calls")
+    _count(clip.cond_stage_model.clip_l, "encoder_calls")
+    return model, clip
+
+
+class DemoFlux(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ReuseKitDemoFlux",
+            display_name="ReuseKit Demo Flux (no download)",
+            category=AREA,
+            description="A tiny Flux (ComfyUI's real Flux class, hidden 64, 2+2 blocks, 1 MB of weights shipped "
+                        f"with ReuseKit) and its tiny CLIP, for trying the caches without downloads. {TRAINED_ON}",
+            inputs=[],
+            outputs=[io.Model.Output(display_name="MODEL", tooltip="The tiny Flux trained on captioned shapes "
+                                                                   "(use cfg 3-4, euler, 20 steps)."),
+                     io.Clip.Output(display_name="CLIP", tooltip=CLIP_TOOLTIP)],
+        )
+
+    @classmethod
+    def execute(cls) -> io.NodeOutput:
+        return io.NodeOutput(*load_demo("flux"))
+
+
+class DemoWan(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ReuseKitDemoWan",
+            display_name="ReuseKit Demo Wan (no download)",
+            category=AREA,
+            description="A tiny Wan 2.1 text-to-video model (ComfyUI's real WanModel, dim 64, 3 layers, 0.5 MB "
+                        f"shipped with ReuseKit) and its tiny CLIP. {TRAINED_ON} One latent frame "
+                        "(video length 1).",
+            inputs=[],
+            outputs=[io.Model.Output(display_name="MODEL", tooltip="The tiny Wan 2.1 trained on captioned shapes "
+                                                                   "(one frame; cfg 3-4, euler, 20 steps)."),
+                     io.Clip.Output(display_name="CLIP", tooltip=CLIP_TOOLTIP)],
+        )
+
+    @classmethod
+    def execute(cls) -> io.NodeOutput:
+        return io.NodeOutput(*load_demo("wan"))
+
+
+class DemoDecode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ReuseKitDemoDecode",
+            display_name="ReuseKit Demo Decode (picture code)",
+            category=AREA,
+            description="Turns a demo model's latent into its picture. The demo models use a fixed, invertible "
+                        "picture code instead of a VAE: 16 latent channels are the picture's RGB and shape mask "
+                        "at twice the latent size, pixel-unshuffled by 2.",
+            inputs=[io.Latent.Input("samples", tooltip="A latent from a demo Flux (4-D) or demo Wan (5-D: every "
+                                                       "frame becomes an image)."),
+                    io.Int.Input("scale", default=16, min=1, max=64,
+                                 tooltip="Enlarge the small picture this many times (nearest neighbour).")],
+            outputs=[io.Image.Output(tooltip="The picture (RGB).")],
+        )
+
+    @classmethod
+    def execute(cls, samples, scale=16) -> io.NodeOutput:
+        import comfy.latent_formats
+
+        from .demo_models import shapes
+
+        node = "ReuseKit Demo Decode"
+        latent = samples.get("samples") if isinstance(samples, dict) else None
+        if not isinstance(latent, torch.Tensor) or latent.ndim not in (4, 5) or latent.shape[1] != 16:
+            got = tuple(latent.shape) if isinstance(latent, torch.Tensor) else type(latent).__name__
+            raise ValueError(f"{node}: samples must be a demo model's 16-channel latent, got {got}")
+        if isinstance(scale, bool) or not isinstance(scale, int) or not 1 <= scale <= 64:
+            raise ValueError(f"{node}: scale must be a whole number from 1 to 64, got {scale!r}")
+        if latent.ndim == 5:  # Wan: (B, C, T, H, W), its own latent statistics; frames become images
+            x = comfy.latent_formats.Wan21().process_in(latent.float())
+            x = x.permute(0, 2, 1, 3, 4).reshape(-1, 16, *latent.shape[-2:])
+        else:
+            x = comfy.latent_formats.Flux().process_in(latent.float())
+        pic = shapes.latent_to_picture(x, processed=True)[:, :3]
+        pic = torch.nn.functional.interpolate(pic, scale_factor=scale, mode="nearest")
+        return io.NodeOutput(pic.permute(0, 2, 3, 1).contiguous().cpu())
+
+
+class DemoPromptBatch(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ReuseKitDemoPromptBatch",
+            display_name="ReuseKit Demo Prompt Batch",
+            category=AREA,
+            description="A batch of prompts, one per line, each paired with the same negative: connected nodes "
+                        "run once per line (ComfyUI's list outputs), the way a queue of prompts would.",
+            inputs=[io.String.Input("prompts", multiline=True,
+                                    default="a red circle on a black background\n"
+                                            "a blue square on a white background\n"
+                                            "a red circle on a black background",
+                                    tooltip="One prompt per line; empty lines are left out."),
+                    io.String.Input("negative", default="", tooltip="The negative every prompt shares.")],
+            outputs=[io.String.Output(display_name="positive", is_output_list=True,
+                                      tooltip="The prompts, one item per line."),
+                     io.String.Output(display_name="negative", is_output_list=True,
+                                      tooltip="The negative, once per prompt.")],
+        )
+
+    @classmethod
+    def execute(cls, prompts, negative="") -> io.NodeOutput:
+        node = "ReuseKit Demo Prompt Batch"
+        if not isinstance(prompts, str) or not isinstance(negative, str):
+            raise ValueError(f"{node}: prompts and negative must be text")
+        lines = [line.strip() for line in prompts.splitlines() if line.strip()]
+        if not lines:
+            raise ValueError(f"{node}: prompts has no prompt (one per line)")
+        return io.NodeOutput(lines, [negative] * len(lines))
+
+
+NODES = [DemoFlux, DemoWan, DemoDecode, DemoPromptBatch]
