@@ -11,7 +11,6 @@ patches/graph_capture.py picks one per call; nothing here imports ComfyUI.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import os
@@ -173,8 +172,7 @@ class ConstantUploads(torch.overrides.TorchFunctionMode):
         if func not in self.METHODS or not isinstance(src, torch.Tensor) or src.device.type != "cpu":
             return func(*args, **kwargs)
         if not self.replaying:
-            with _sync_debug(0):  # this copy is the one a capture will not make
-                out = func(*args, **kwargs)
+            out = func(*args, **kwargs)  # this copy is the one a capture will not make
             self.records.append((src.clone(), out.clone()) if out.device.type != "cpu" else None)
             return out
         i, self._next = self._next, self._next + 1
@@ -186,24 +184,17 @@ class ConstantUploads(torch.overrides.TorchFunctionMode):
         return rec[1].clone()
 
 
-@contextlib.contextmanager
-def _sync_debug(mode):
-    """torch's sync debug mode (``"error"``: an implicit host sync raises), restored after; a
-    no-op where CUDA is not in use (nothing to sync with)."""
-    if not torch.cuda.is_initialized():
-        yield
-        return
-    prev = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode(mode)
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(prev)
-
-
 def _first_line(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:200]
+
+
+def _why_not_captured(exc: BaseException, in_forward: bool) -> str:
+    """A failed capture's reason for the log: for an error the capture raised inside the forward
+    (a host sync, mostly), the line of the model that did it; otherwise the error's first line."""
+    if in_forward and isinstance(exc, RuntimeError) and "captur" in str(exc).lower():
+        return f"the forward syncs the host at {_where(exc)} ({_first_line(exc)})"
+    return _first_line(exc)
 
 
 def _where(exc: BaseException) -> str:
@@ -238,9 +229,10 @@ class CudaGraphRunner(StaticRunner):
     """Warm-up on a side stream, capture into the model's private pool, replay, return a clone of
     the static output (callers never see a buffer the next replay overwrites).
 
-    A forward that syncs the host is found in the warm-up (torch's sync debug mode) and never
-    captured; a capture that fails anyway ends with its pool released and the caller's stream
-    current again."""
+    A forward that syncs the host fails its own capture (``capture_error_mode="thread_local"``);
+    a capture that fails ends with its pool released and the caller's stream current again, and
+    the step runs eagerly. torch's sync debug mode is never set: it is process-wide, so while one
+    thread warmed up, a sync on any other thread (a VAE decode, a preview) would raise there."""
 
     graph = None
     static_out = None
@@ -253,20 +245,16 @@ class CudaGraphRunner(StaticRunner):
             return self._capture(device, warmup)
 
     def _warm_up(self, current, side, uploads: ConstantUploads, warmup: int):
-        """(output, sync error or None); an error of the model's own is raised as is."""
+        """The forward run ``warmup`` times on a side stream, its uploads recorded; an error of the
+        model's own is raised as is, after the streams are joined."""
         side.wait_stream(current)
         try:
             with torch.cuda.stream(side):
-                try:
-                    with _sync_debug("error"), uploads:
-                        out = self._call()
-                except RuntimeError as exc:
-                    if "synchronizing CUDA operation" not in str(exc):
-                        raise
-                    return None, exc
+                with uploads:
+                    out = self._call()
                 for _ in range(warmup - 1):
                     out = self._call()
-                return out, None
+                return out
         finally:
             current.wait_stream(side)  # also after an error: the buffers outlive nothing on `side`
 
@@ -274,10 +262,7 @@ class CudaGraphRunner(StaticRunner):
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
         uploads = ConstantUploads()
-        out, sync = self._warm_up(current, side, uploads, warmup)
-        if sync is not None:  # never captured: the step runs eagerly
-            where, sync = _where(sync), None  # its traceback holds the warm-up's activations
-            return _clone_tree(self._call()), f"the forward syncs the host at {where}"
+        out = self._warm_up(current, side, uploads, warmup)
         eager_out = _clone_tree(out)
         del out
         # one pool for all live graphs of this model on this device: replays run one at a time on
@@ -293,9 +278,14 @@ class CudaGraphRunner(StaticRunner):
         keep = KeepExternal()
         uploads.replaying = True
         failure = static_out = None
+        forward_failed = False
         # on `side` (this device): torch's default capture stream is one per process, made on
         # whichever device captured first; a capture there leaves this device's kernels out. The
         # outer stream context restores the caller's stream even where capture_end raises.
+        # CUDAGraph's own capture_begin/capture_end, not the ``torch.cuda.graph`` context manager:
+        # where capture_end raises (a capture a sync invalidated) its __exit__ leaves the capture
+        # stream current, and neither releases a failed capture's pool, which takes the allocator
+        # calls of _abandon_pool either way (torch's cudagraph trees make the same ones).
         with torch.cuda.stream(side):
             try:
                 graph.capture_begin(pool=pool, **_capture_kwargs())
@@ -307,7 +297,7 @@ class CudaGraphRunner(StaticRunner):
                 if not _tensor_tree(static_out):
                     raise TypeError(f"the forward returned a {type(static_out).__name__}, not tensors")
             except BaseException as exc:  # the capture must end before anything else
-                failure = exc
+                failure, forward_failed = exc, True
             try:
                 graph.capture_end()
             except Exception as exc:  # the capture was invalidated (a sync, a CPU op...)
@@ -328,7 +318,7 @@ class CudaGraphRunner(StaticRunner):
                     torch.cuda.synchronize(device)
                 except Exception:
                     log.debug("ReuseKit graph: synchronize after a failed capture", exc_info=True)
-                return eager_out, _first_line(failure)
+                return eager_out, _why_not_captured(failure, forward_failed)
             finally:
                 failure = None  # no cycle through this frame: the capture's tensors go at once
         graph.replay()

@@ -1,11 +1,12 @@
 """The CUDA backend's control flow on any machine: the paths a GPU cannot be asked to take on
-purpose (a sync found in the warm-up, a capture that cannot end, a cancel inside the capture) run
+purpose (a sync that fails the capture, a capture that cannot end, a cancel inside the capture) run
 here with torch's CUDA entry points replaced by a recorder, around a real tiny Flux forward on the
 CPU. What the recorder stands for is checked on a GPU by tests/test_graph_cuda.py; this file checks
 that each path ends the capture, releases the pool, joins the warm-up stream, gives the caller's
 stream back and returns the eager result or raises the cancel."""
 
 import contextlib
+import threading
 
 import pytest
 import rkharness
@@ -14,7 +15,8 @@ from graph_helpers import conds_fixture, gc_fixture  # noqa: F401  (the fixtures
 
 pytestmark = pytest.mark.graph
 
-SYNC_ERROR = "called a synchronizing CUDA operation"
+SYNC_ERROR = "called a synchronizing CUDA operation"  # torch's process-wide sync debug mode
+CAPTURE_ERROR = "CUDA error: operation not permitted when stream is capturing"
 
 
 class FakeCuda:
@@ -27,6 +29,8 @@ class FakeCuda:
         self.sync_mode = 0
         self.current = "main"
         self.pools = 0
+        self.capturing = None  # the thread capturing (thread_local mode: only its syncs fail)
+        self.invalidated = False
         fake = self
 
         class Stream:
@@ -50,11 +54,15 @@ class FakeCuda:
                 if fake.begin_fails:
                     raise RuntimeError("CUDA error: out of memory")
                 fake.calls.append(("begin", pool, fake.current, kwargs.get("capture_error_mode")))
+                fake.capturing = threading.get_ident()
 
             def capture_end(self):
                 fake.calls.append(("end",))
+                fake.capturing = None
                 if fake.end_fails:
-                    raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+                    raise RuntimeError(CAPTURE_ERROR)
+                if fake.invalidated:
+                    raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
 
             def replay(self):
                 fake.calls.append(("replay",))
@@ -97,6 +105,14 @@ class FakeCuda:
 
     def kinds(self):
         return [c[0] for c in self.calls]
+
+    def sync(self):
+        """A host sync (``.item()``) on the calling thread, as torch and CUDA treat it."""
+        if self.sync_mode == "error":
+            raise RuntimeError(SYNC_ERROR)
+        if self.capturing == threading.get_ident():
+            self.invalidated = True
+            raise RuntimeError(CAPTURE_ERROR)
 
 
 def flux_call(tiny, patch=None, eager=True):
@@ -143,21 +159,46 @@ def test_a_clean_capture_ends_replays_once_and_shares_the_models_pool(gc, tiny, 
     assert pools[0] == pools[1] and fake.pools == 1  # one pool for the model's graphs
 
 
-def test_a_sync_found_in_the_warm_up_is_never_captured(gc, tiny, monkeypatch):
+def test_a_forward_that_syncs_fails_its_capture_and_runs_eagerly(gc, tiny, monkeypatch):
     fake = FakeCuda(monkeypatch)
 
     def syncs(args, extra):
-        if fake.sync_mode == "error":  # what torch does for .item() in this mode
-            raise RuntimeError(SYNC_ERROR)
+        fake.sync()
         return extra["original_block"](args)
 
     fn, named, eager = flux_call(tiny, syncs)
     with torch.inference_mode():
         out, failure = runner_for(gc, fn, named).capture(1)
     assert torch.equal(out, eager) and failure.startswith("the forward syncs the host at")
-    assert "test_graph_capture_paths.py" in failure
-    assert "begin" not in fake.kinds() and fake.kinds() == ["wait", "wait"]  # joined, never captured
-    assert fake.sync_mode == 0 and fake.current == "main"
+    assert "test_graph_capture_paths.py" in failure and CAPTURE_ERROR in failure
+    pool = fake.calls[2][1]
+    assert fake.kinds()[2:] == ["begin", "end", "end_pool", "release_pool", "tracker_stop"]
+    assert fake.calls[4:6] == [("end_pool", pool), ("release_pool", pool)] and fake.current == "main"
+
+
+def test_another_threads_sync_never_raises_during_a_warm_up_or_capture(gc, tiny, monkeypatch):
+    """torch's sync debug mode is process-wide: set during a warm-up, it made a sync on any other
+    thread (a VAE decode, a preview) raise there."""
+    fake = FakeCuda(monkeypatch)
+    errors: list = []
+
+    def sync_elsewhere(args, extra):
+        def other():
+            try:
+                fake.sync()
+            except RuntimeError as exc:
+                errors.append(str(exc))
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        return extra["original_block"](args)
+
+    fn, named, eager = flux_call(tiny, sync_elsewhere)
+    with torch.inference_mode():
+        out, failure = runner_for(gc, fn, named).capture(1)
+    assert errors == [] and failure == "" and torch.equal(out, eager)
+    assert fake.kinds() == ["wait", "wait", "begin", "end", "replay"]
 
 
 def test_a_capture_that_cannot_end_releases_its_pool_and_the_stream(gc, tiny, monkeypatch):

@@ -1,6 +1,7 @@
 """Graph reuse on CUDA (marker ``gpu``: run with REUSEKIT_TEST_CUDA=1 on a GPU machine, skipped
 elsewhere): replayed output equals eager output for Flux and Wan, with the PE cache and with
-TeaCache, a forward that syncs the host (never captured, CUDA left usable), interleaved
+TeaCache, a forward that syncs the host (never captured, CUDA left usable), another thread's sync
+during a warm-up and a capture (never raises), interleaved
 cond/uncond graphs, two resolutions, a cancel mid-run and during capture, a LoRA in between, and
 unload releasing the private pools; replays and a failed capture again under cudaMallocAsync
 (ComfyUI's default allocator backend)."""
@@ -8,6 +9,7 @@ unload releasing the private pools; replays and a failed capture again under cud
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import rkharness
@@ -112,9 +114,9 @@ def _syncing_patch(gr, only_in_capture: bool):
 
 @pytest.mark.parametrize("only_in_capture", [False, True])
 def test_a_forward_that_syncs_runs_eagerly_and_leaves_cuda_usable(gc, tiny, conds, caplog, only_in_capture):
-    """Found in the warm-up (sync debug mode), or failing the capture itself: either way the step
-    runs eagerly, the caller's stream is current again, the failed pool is released and the next
-    capture of another model works."""
+    """The sync fails the capture itself (whether the warm-up synced too or not): the step runs
+    eagerly, the log names the line, the caller's stream is current again, the failed pool is
+    released and the next capture of another model works."""
     model = tiny.tiny_flux(0)
     syncing = capture(model)
     syncing.set_model_patch_replace(_syncing_patch(gc.gr, only_in_capture), "dit", "double_block", 0)
@@ -127,13 +129,41 @@ def test_a_forward_that_syncs_runs_eagerly_and_leaves_cuda_usable(gc, tiny, cond
     assert torch.cuda.current_stream() == stream
     run = last_run(gc)
     assert run["captures"] == 0 and run["bypasses"] == {"capture_failed": 2}, run
-    if not only_in_capture:
-        assert "the forward syncs the host at" in caplog.text and "test_graph_cuda.py" in caplog.text
+    assert "the forward syncs the host at" in caplog.text and "test_graph_cuda.py" in caplog.text
     gc.graph_release.release_all("test")
     torch.cuda.empty_cache()
     assert torch.cuda.memory_reserved() <= reserved + (1 << 20)  # no pool left behind
     close(sample(capture(model), conds, steps=3), plain)  # and the next capture works
     assert last_run(gc)["captures"] == 1 and last_run(gc)["replays"] == 2
+
+
+def test_another_threads_sync_never_raises_during_a_warm_up_or_a_capture(gc, tiny, conds):
+    """torch's sync debug mode is process-wide, so the backend never sets it, and the capture's
+    thread_local mode leaves other threads alone: a sync on another thread while a forward warms up
+    and while it is captured neither raises there nor spoils the graph."""
+    errors, seen = [], []
+
+    def other():
+        try:
+            seen.append(torch.ones(4, device="cuda").sum().item())
+        except Exception as exc:
+            errors.append(repr(exc))
+
+    def patch(args, extra):
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        return extra["original_block"](args)
+
+    setattr(patch, rkharness.pack("caching.protocol").GRAPH_SAFE, True)
+    model = tiny.tiny_flux(0)
+    plain = sample(model, conds, steps=3)
+    syncing = capture(model)
+    syncing.set_model_patch_replace(patch, "dit", "double_block", 0)
+    close(sample(syncing, conds, steps=3), plain)
+    run = last_run(gc)
+    assert errors == [] and seen and set(seen) == {4.0}
+    assert (run["captures"], run["replays"]) == (1, 2), run
 
 
 def test_interleaved_cond_and_uncond_graphs(gc, tiny, conds):
