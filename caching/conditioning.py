@@ -5,11 +5,10 @@ sees and routes ComfyUI's encode calls through :meth:`ConditioningCache.fetch`.
 
 Exactness rules kept here:
 
-- A :class:`Key` holds complete, typed fields: token ids and weights, shapes, dtypes, options, and
-  identity tokens for the encoder instance and its weight patches. Equality compares every field;
-  the hash only picks the bucket. Small tensors are kept whole; large ones (pixels, video) by a
-  256-bit BLAKE2b digest of their bytes with shape, dtype and layout beside it, so a key never
-  holds or rehashes megabytes. No data pointer or file path decides a hit.
+- A :class:`Key` holds complete, typed fields (``caching/keys.py``: token ids and weights, shapes,
+  dtypes, options; pixels by a digest of their bytes) and identity tokens for the encoder instance
+  and its weight patches. Equality compares every field; the hash only picks the bucket. No data
+  pointer or file path decides a hit.
 - Encoder instances are named by a serial number that is never reused (``identity``), so a freed
   encoder's address cannot alias a new one; when the encoder dies its entries are dropped.
 - Weight patches (LoRA...) are interned into :class:`WeightSet` objects: two patch sets with equal
@@ -25,11 +24,8 @@ Exactness rules kept here:
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import numbers
 import os
-import sys
 import threading
 import time
 import weakref
@@ -39,6 +35,7 @@ from typing import Any
 
 import torch
 
+from .keys import Uncacheable, encode, nbytes
 from .settings import SETTINGS
 from .stats import REGISTRY
 
@@ -47,10 +44,6 @@ log = logging.getLogger("reusekit")
 KINDS = ("text", "vision", "vae")
 MIB = 1 << 20
 ENV_SWITCH = "REUSEKIT_CONDITIONING"
-
-
-class Uncacheable(Exception):
-    """The input or output cannot be keyed or stored exactly: the call bypasses the cache."""
 
 
 # ---- identity: serial numbers that are never reused -----------------------------------------
@@ -91,67 +84,6 @@ def known_identity(obj: Any) -> int | None:
 
 
 # ---- keys -------------------------------------------------------------------------------------
-
-DIGEST_ABOVE = 1024  # bytes: a tensor larger than this is keyed by its digest, smaller ones whole
-
-
-def tensor_field(t: torch.Tensor) -> tuple:
-    """A tensor by content: dtype, shape, layout, device and its bytes (whole up to
-    :data:`DIGEST_ABOVE`, else their 256-bit BLAKE2b digest). No pointer."""
-    data = t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
-    head = ("T", str(t.dtype), tuple(t.shape), str(t.layout), t.device.type)
-    if data.nbytes <= DIGEST_ABOVE:
-        return (*head, data.tobytes())
-    return (*head, "blake2b-256", hashlib.blake2b(memoryview(data), digest_size=32).digest())
-
-
-def digest_fields(fields: tuple) -> tuple:
-    """A large tree of encoded fields (see :func:`encode_value`) by a 256-bit digest of its exact text."""
-    return ("blake2b-256", hashlib.blake2b(repr(fields).encode(), digest_size=32).digest())
-
-
-def encode_value(value: Any) -> Any:
-    """``value`` as a hashable, typed tree that compares equal only for equal contents.
-
-    Ints, floats and bools carry a type tag (``1``, ``1.0`` and ``True`` stay distinct); floats
-    compare by their exact bits. Unknown types raise :class:`Uncacheable`.
-    """
-    kind = type(value)
-    if kind is int:  # the common case first (token ids)
-        return ("i", value)
-    if kind is float:
-        return ("f", value.hex())
-    if kind is tuple or kind is list:
-        return ("U" if kind is tuple else "L", tuple(encode_value(v) for v in value))
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, bool):
-        return ("b", value)
-    if isinstance(value, numbers.Integral):  # Python and NumPy integers (token ids)
-        return ("i", int(value))
-    if isinstance(value, float):
-        return ("f", value.hex())
-    if isinstance(value, torch.Tensor):
-        return tensor_field(value)
-    if isinstance(value, (list, tuple)):
-        return ("L" if isinstance(value, list) else "U", tuple(encode_value(v) for v in value))
-    if isinstance(value, dict):
-        items = [(encode_value(k), encode_value(v)) for k, v in value.items()]
-        return ("D", tuple(sorted(items, key=lambda kv: repr(kv[0]))))
-    if isinstance(value, (torch.dtype, torch.device)):
-        return (type(value).__name__, str(value))
-    if isinstance(value, (bytes, frozenset)):
-        return (type(value).__name__, value)
-    raise Uncacheable(f"cannot key a {type(value).__name__}")
-
-
-def _field_bytes(field: Any) -> int:
-    """Memory of a key's fields: every object counted by ``sys.getsizeof`` (shared ones as often as used)."""
-    size = sys.getsizeof(field)
-    if isinstance(field, tuple):
-        size += sum(_field_bytes(f) for f in field)
-    return size
-
 
 class WeightSet:
     """An interned set of weight patches; equal contents share one object (compared by identity)."""
@@ -196,8 +128,8 @@ def intern_weights(structure: Any) -> WeightSet | None:
         if isinstance(v, (list, tuple)):
             return ("L", tuple(skel(x) for x in v))
         if isinstance(v, dict):
-            return ("D", tuple(sorted(((encode_value(k), skel(x)) for k, x in v.items()), key=lambda kv: repr(kv[0]))))
-        return encode_value(v)
+            return ("D", tuple(sorted(((encode(k), skel(x)) for k, x in v.items()), key=lambda kv: repr(kv[0]))))
+        return encode(v)
 
     skeleton = skel(structure)
     bucket = (skeleton, tuple(_sample(t) for t in tensors))
@@ -236,7 +168,7 @@ class Key:
     def nbytes(self) -> int:
         """Approximate memory of the fields (computed when first stored, not on every lookup)."""
         if self._nbytes is None:
-            self._nbytes = _field_bytes(self.fields)
+            self._nbytes = nbytes(self.fields)
         return self._nbytes
 
     def __hash__(self) -> int:
@@ -584,8 +516,8 @@ class ConditioningCache:
             for e in self._entries.values():
                 by_kind[e.key.kind]["entries"] += 1
             budget, max_entries = self.budget_bytes, self.max_entries
-        for tier, nbytes in tiers.items():
-            self.stats.set_memory(tier, nbytes, budget)
+        for tier, held in tiers.items():
+            self.stats.set_memory(tier, held, budget)
         self.stats.set_entries(n)
         self.stats.set_info("by_kind", by_kind)
         self.stats.set_info("limits", {"budget_bytes": budget, "max_entries": max_entries})

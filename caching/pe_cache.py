@@ -7,7 +7,8 @@ independent. There is no LRU and no budget: one entry per name, released with th
 
 :class:`PECacheKey` lists, in order, every field that decides the embedding: geometry, text
 length, theta and axes, reference offsets, rope options, dtype, device, and explicit position
-tensors (shape and values). Keys compare their complete encoded fields, never a hash alone.
+tensors, encoded by the shared key rules (``caching/keys.py``: tensors by metadata and their
+bytes, large ones by a digest). Keys compare their complete encoded fields, never a hash alone.
 
 Safety:
 
@@ -16,9 +17,8 @@ Safety:
 - Stored tensors are normal (version-counted) tensors. A hit checks that no caller has modified
   them in place since they were stored; if one was, the entry is rebuilt (counted as
   ``mutated``), so a caller cannot corrupt what the next step receives.
-- A key's tensor fields keep a private copy of the values; the caller's tensor is compared against
-  it bit for bit (or, when it is the very tensor recorded and untouched since, accepted without a
-  compare).
+- A key holds no caller tensor: its fields are the values' bytes or their digest, so a caller
+  changing its tensor after the call cannot change a stored key.
 
 When a name misses but another name of its group holds an equal key (cond and uncond run as
 separate batches build the same table), the new entry shares that name's tensors instead of building a second copy
@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from .keys import encode, nbytes
 from .settings import SETTINGS
 from .stats import REGISTRY
 
@@ -49,132 +50,6 @@ def default_enabled() -> bool:
 
 
 # ---- keys ----------------------------------------------------------------------------------
-
-class _TensorField:
-    """A tensor field of a key: dtype, shape, device and values.
-
-    A probe field refers to the caller's tensor; :meth:`frozen` makes the stored field, which owns
-    a private copy of the values and remembers the source tensor (weakly) and its version.
-    """
-
-    __slots__ = ("dtype", "shape", "device", "tensor", "source", "source_version")
-
-    def __init__(self, tensor: torch.Tensor):
-        self.dtype = tensor.dtype
-        self.shape = tuple(tensor.shape)
-        self.device = tensor.device
-        self.tensor = tensor
-        self.source = None
-        self.source_version = None
-
-    def frozen(self) -> _TensorField:
-        src = self.tensor
-        field = _TensorField.__new__(_TensorField)
-        field.dtype, field.shape, field.device = self.dtype, self.shape, self.device
-        with torch.inference_mode(False), torch.no_grad():
-            field.tensor = src.detach().clone()
-        field.source = weakref.ref(src)
-        field.source_version = None if src.is_inference() else src._version
-        return field
-
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _TensorField):
-            return NotImplemented
-        if self.dtype != other.dtype or self.shape != other.shape or self.device != other.device:
-            return False
-        a, b = self, other
-        if a.source is None:
-            a, b = b, a  # a: the stored field (if either is)
-        if a.source is not None and a.source_version is not None and b.source is None:
-            src = a.source()
-            if src is b.tensor and src._version == a.source_version:
-                return True  # the very tensor recorded, untouched since: no value compare needed
-        return _same_bits(a.tensor, b.tensor)
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"tensor({self.dtype}, {list(self.shape)}, {self.device})"
-
-
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality of two tensors of one dtype and shape (stricter than ==: -0.0 differs
-    from 0.0, a NaN matches only the same NaN). CPU tensors compare through their numpy views
-    (``Tensor.numpy()``, no copy), many times faster than ``torch.equal`` on a busy CPU; others
-    through ``torch.equal``."""
-    if a.is_complex() or a.dtype == torch.bool or a.element_size() not in _BITS:
-        return torch.equal(a, b)
-    as_int = _BITS[a.element_size()]
-    a, b = a.detach().view(as_int), b.detach().view(as_int)
-    if a.device.type == "cpu":
-        return bool((a.numpy() == b.numpy()).all())
-    return torch.equal(a, b)
-
-
-_EXACT = {
-    type(None): lambda v: ("none",),
-    bool: lambda v: ("bool", v),
-    int: lambda v: ("int", v),
-    float: lambda v: ("float", v.hex()),  # -0.0 and 0.0 differ; nan equals nan
-    str: lambda v: ("str", v),
-    torch.dtype: lambda v: ("dtype", str(v)),
-    torch.device: lambda v: ("device", str(v)),
-}
-
-
-def _encode(value: Any) -> Any:
-    """A typed, comparable encoding: 1, 1.0 and True differ; tensors keep shape and values."""
-    exact = _EXACT.get(type(value))
-    if exact is not None:  # the common cases, without the isinstance chain
-        return exact(value)
-    if value is None:
-        return ("none",)
-    if isinstance(value, bool):
-        return ("bool", value)
-    if isinstance(value, int):
-        return ("int", value)
-    if isinstance(value, float):
-        return ("float", value.hex())  # -0.0 and 0.0 differ; nan equals nan
-    if isinstance(value, str):
-        return ("str", value)
-    if isinstance(value, torch.dtype):
-        return ("dtype", str(value))
-    if isinstance(value, torch.device):
-        return ("device", str(value))
-    if isinstance(value, torch.Size):
-        return ("shape", tuple(int(d) for d in value))
-    if isinstance(value, torch.Tensor):
-        return _TensorField(value)
-    if isinstance(value, (tuple, list)):
-        return ("tuple" if isinstance(value, tuple) else "list", tuple(_encode(v) for v in value))
-    if isinstance(value, dict):
-        return ("dict", tuple(sorted(((repr(k), _encode(v)) for k, v in value.items()), key=lambda kv: kv[0])))
-    if hasattr(value, "item") and hasattr(value, "dtype"):  # numpy scalars
-        return ("np", str(value.dtype), _encode(value.item()))
-    raise TypeError(f"PECacheKey cannot encode a {type(value).__name__}; add its fields explicitly")
-
-
-def _freeze(encoded: Any) -> Any:
-    if isinstance(encoded, _TensorField):
-        return encoded.frozen()
-    if isinstance(encoded, tuple):
-        return tuple(_freeze(e) for e in encoded)
-    return encoded
-
-
-def _tensor_fields(encoded: Any):
-    if isinstance(encoded, _TensorField):
-        yield encoded
-    elif isinstance(encoded, tuple):
-        for e in encoded:
-            yield from _tensor_fields(e)
-
 
 class PECacheKey:
     """The full description of one named PE input: ``PECacheKey("flux.pe").add(h).add(w)...``."""
@@ -191,29 +66,21 @@ class PECacheKey:
         self.fields: list[Any] = []
 
     def add(self, value: Any) -> PECacheKey:
-        """One field: a number, bool, str, None, dtype, device, tensor (shape and values), or a
-        tuple / list / dict of those. Order matters."""
-        self.fields.append(_encode(value))
+        """One field, encoded by the shared key rules (``caching/keys.py``); order matters.
+        Raises :class:`~.keys.Uncacheable` for a value those rules cannot key."""
+        self.fields.append(encode(value))
         return self
 
     def add_shape(self, shape) -> PECacheKey:
         """Every dimension, trailing ones included."""
-        self.fields.append(("shape", tuple(int(d) for d in shape)))
-        return self
+        return self.add(torch.Size(int(d) for d in shape))
 
     def add_shapes(self, shapes) -> PECacheKey:
         """An ordered list of shapes (e.g. reference latents)."""
-        self.fields.append(("shapes", tuple(tuple(int(d) for d in s) for s in shapes)))
-        return self
-
-    def frozen(self) -> PECacheKey:
-        """A copy that owns private copies of its tensor values (what the cache stores)."""
-        key = PECacheKey(self.name, self.group)
-        key.fields = [_freeze(f) for f in self.fields]
-        return key
+        return self.add(tuple(torch.Size(int(d) for d in s) for s in shapes))
 
     def nbytes(self) -> int:
-        return sum(f.nbytes() for f in _tensor_fields(tuple(self.fields)))
+        return nbytes(tuple(self.fields))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, PECacheKey):
@@ -222,12 +89,12 @@ class PECacheKey:
 
     def same_fields(self, other: PECacheKey) -> bool:
         """Equal fields, whatever the names (two PE inputs that would build the same tensors)."""
-        return len(self.fields) == len(other.fields) and all(a == b for a, b in zip(self.fields, other.fields, strict=True))
+        return self.fields == other.fields
 
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return f"PECacheKey({self.name!r}, {self.fields!r})"
+        return f"PECacheKey({self.name!r}, {len(self.fields)} fields)"
 
 
 # ---- the cache -----------------------------------------------------------------------------
@@ -277,8 +144,9 @@ class _Entry:
         values = _tensors(value)
         self.versions = [(t, t._version) for t in values]
         self.build_s = build_s
-        self.tensors = [*values, *(f.tensor for f in _tensor_fields(tuple(key.fields)))]
-        self.bytes = _storage_bytes(self.tensors)
+        self.tensors = values
+        self.bytes = _storage_bytes(values)
+        self.bytes["cpu"] = self.bytes.get("cpu", 0) + key.nbytes()
 
     def intact(self) -> bool:
         return all(t._version == v for t, v in self.versions)
@@ -314,13 +182,11 @@ class PECache:
             self._count(key.name, "mutated")
         shared = self._find_equal(key)
         if shared is not None:  # another name holds these very tensors (e.g. cond and uncond run apart)
-            stored = PECacheKey(key.name, key.group)
-            stored.fields = shared.key.fields  # frozen fields are never written: safe to share
-            new = _Entry(stored, shared.value, shared.build_s)
+            new = _Entry(key, shared.value, shared.build_s)
         else:
             t0 = time.perf_counter()
             value = _storable(build())
-            new = _Entry(key.frozen(), value, time.perf_counter() - t0)
+            new = _Entry(key, value, time.perf_counter() - t0)
         with self._lock:
             replaced = key.name in self._entries
             self._entries[key.name] = new  # the old entry is dropped, never written
@@ -361,8 +227,12 @@ class PECache:
     def nbytes(self) -> dict[str, int]:
         """Bytes held per tier; storage shared by several names counts once."""
         with self._lock:
-            tensors = [t for e in self._entries.values() for t in e.tensors]
-        return _storage_bytes(tensors)
+            entries = list(self._entries.values())
+        by_tier = _storage_bytes(t for e in entries for t in e.tensors)
+        keys = sum(e.key.nbytes() for e in entries)
+        if keys:
+            by_tier["cpu"] = by_tier.get("cpu", 0) + keys
+        return by_tier
 
     def name_stats(self) -> dict[str, dict[str, int]]:
         with self._lock:

@@ -35,17 +35,8 @@ import weakref
 
 import torch
 
-from ..caching.conditioning import (
-    CACHE,
-    Key,
-    Uncacheable,
-    digest_fields,
-    encode_value,
-    identity,
-    intern_weights,
-    known_identity,
-    register_container,
-)
+from ..caching.conditioning import CACHE, Key, identity, intern_weights, known_identity, register_container
+from ..caching.keys import Uncacheable, digest, encode
 from ..caching.settings import SETTINGS
 from . import host, lifecycle, memory
 
@@ -126,9 +117,9 @@ def _patcher_fields(patcher) -> tuple:
     for name, value in sorted(patcher.object_patches.items()):
         if type(value) not in _PLAIN:
             raise Uncacheable(f"object patch {name!r} holds a {type(value).__name__}")
-        objects.append((name, encode_value(value)))
+        objects.append((name, encode(value)))
     return (type(patcher).__module__, type(patcher).__qualname__,
-            encode_value(getattr(patcher, "force_cast_weights", None)), tuple(objects))
+            encode(getattr(patcher, "force_cast_weights", None)), tuple(objects))
 
 
 def _weights(patcher):
@@ -177,12 +168,10 @@ def _setting(name: str, value, closures: bool = False):
     if isinstance(value, types.FunctionType) and (closures or value.__closure__ is None):
         code = value.__code__
         return ("function", value.__module__, value.__qualname__, code.co_filename, code.co_firstlineno)
-    if isinstance(value, (set, frozenset)):
-        return ("S", tuple(sorted((encode_value(v) for v in value), key=repr)))
     if type(value) in (list, tuple):
         return ("L" if type(value) is list else "U", tuple(_setting(name, v, closures) for v in value))
     try:
-        return encode_value(value)
+        return encode(value)
     except Uncacheable:
         raise Uncacheable(f"encoder setting {name!r} holds a {type(value).__name__}") from None
 
@@ -232,7 +221,7 @@ def _module_state(model: torch.nn.Module, patcher) -> tuple:
                 walk(child, full)
 
     walk(model, "")
-    return digest_fields(tuple(out))  # thousands of settings in a large VAE: a digest, not kept whole
+    return digest(tuple(out))  # thousands of settings in a large VAE: a digest, not kept whole
 
 
 # tensor id -> (weak reference, _version when last seen), per encoder module
@@ -282,7 +271,7 @@ def _owner(module, patcher) -> tuple[int, int]:
 
 def _options(extra: dict) -> tuple:
     """Keyword options a newer host added to an encode (e.g. VAE ``not_video``), in the key by name."""
-    return encode_value(tuple(sorted(extra.items())))
+    return encode(tuple(sorted(extra.items())))
 
 
 def text_key(clip, tokens, return_pooled, return_dict, extra: dict | None = None) -> Key:
@@ -291,19 +280,19 @@ def text_key(clip, tokens, return_pooled, return_dict, extra: dict | None = None
     model = clip.cond_stage_model
     serial, generation = _owner(model, clip.patcher)
     fields = ("encode_from_tokens", type(model).__module__, type(model).__qualname__, generation,
-              encode_value(clip.patcher.load_device),  # where it runs: CPU and GPU results differ in bits
-              encode_value(clip.layer_idx), encode_value(return_pooled), encode_value(return_dict),
+              encode(clip.patcher.load_device),  # where it runs: CPU and GPU results differ in bits
+              encode(clip.layer_idx), encode(return_pooled), encode(return_dict),
               _options(extra or {}), _precision(), _patcher_fields(clip.patcher), _module_state(model, clip.patcher),
-              encode_value(tokens))
+              encode(tokens))
     return Key("text", fields, owners=(serial,), weights=(_weights(clip.patcher),))
 
 
 def vision_key(clip_vision, image, crop, extra: dict | None = None) -> Key:
     model = clip_vision.model
     serial, generation = _owner(model, clip_vision.patcher)
-    fields = ("encode_image", type(model).__qualname__, generation, encode_value(crop), _options(extra or {}),
+    fields = ("encode_image", type(model).__qualname__, generation, encode(crop), _options(extra or {}),
               _precision(), _config(clip_vision, ("patcher", "model")), _patcher_fields(clip_vision.patcher),
-              _module_state(model, clip_vision.patcher), encode_value(image))
+              _module_state(model, clip_vision.patcher), encode(image))
     return Key("vision", fields, owners=(serial,), weights=(_weights(clip_vision.patcher),))
 
 
@@ -312,9 +301,9 @@ def vae_key(vae, method: str, pixels, options: tuple, extra: dict | None = None)
     if model is None:
         raise Uncacheable("invalid VAE")
     serial, generation = _owner(model, vae.patcher)
-    fields = (method, type(model).__qualname__, generation, encode_value(options), _options(extra or {}), _precision(),
+    fields = (method, type(model).__qualname__, generation, encode(options), _options(extra or {}), _precision(),
               _config(vae, ("patcher", "first_stage_model")), _patcher_fields(vae.patcher), _module_state(model, vae.patcher),
-              encode_value(pixels))
+              encode(pixels))
     return Key("vae", fields, owners=(serial,), weights=(_weights(vae.patcher),))
 
 

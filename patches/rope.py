@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ..caching.keys import Uncacheable
 from ..caching.pe_cache import PECacheKey, cache_for, default_enabled
 from ..caching.protocol import capturing, transformer_options
 from . import host, lifecycle
@@ -127,7 +128,7 @@ def cached(builder: str, make_key: Callable[[PECacheKey], Any], compute: Callabl
            args: tuple = (), kwargs: dict | None = None):
     """Run ``compute`` through the current scope's cache under the next name for ``builder``.
 
-    ``make_key`` fills the key (return ``False`` to bypass: not cacheable). While ``compute``
+    ``make_key`` fills the key (return ``False``, or a value it cannot key, bypasses). While ``compute``
     runs on a miss the scope is closed, so nested builders do not store a second copy."""
     sc = _SCOPE.get()
     if sc is None:
@@ -139,7 +140,11 @@ def cached(builder: str, make_key: Callable[[PECacheKey], Any], compute: Callabl
         sc.cache.bypass(name)
         return compute()
     key = PECacheKey(name, group=builder)  # one builder's names may share equal tables
-    if make_key(key) is False:
+    try:
+        keyed = make_key(key) is not False
+    except Uncacheable:  # a value the key rules cannot describe (caching/keys.py): run uncached
+        keyed = False
+    if not keyed:
         sc.cache.bypass(name)
         return compute()
 

@@ -1,5 +1,6 @@
 """Conditioning cache: exactness, isolation, no stale hits, budget, concurrency, memory hooks."""
 
+import collections
 import threading
 
 import numpy as np
@@ -443,7 +444,7 @@ def test_hooks_and_autograd_bypass(cc, clip):
 # ---- bounds and LRU order -------------------------------------------------------------------------
 
 def _key(cc, i, kind="text", owners=(1,)):
-    return cc.Key(kind, (cc.encode_value(i),), owners=owners)
+    return cc.Key(kind, (cc.encode(i),), owners=owners)
 
 
 def test_byte_and_entry_limits_hold_under_a_stream(cc):
@@ -574,7 +575,7 @@ def test_lru_order(cc):
         cache.fetch(_key(cc, name), lambda: torch.ones(4))
     cache.fetch(_key(cc, "A"), lambda: pytest.fail("A must hit"))  # A becomes most recent
     cache.fetch(_key(cc, "C"), lambda: torch.ones(4))  # evicts B, the least recently used
-    assert [k.fields[0] for k in cache.keys()] == ["A", "C"]
+    assert [k.fields[0] for k in cache.keys()] == [cc.encode("A"), cc.encode("C")]
 
 
 def test_global_budget_setting_applies_at_once(cc, clip):
@@ -594,16 +595,44 @@ def test_global_budget_setting_applies_at_once(cc, clip):
 
 # ---- keys -----------------------------------------------------------------------------------------
 
-def test_keys_compare_typed_complete_fields(cc):
-    ev = cc.encode_value
-    assert ev(1) != ev(1.0) != ev(True) and ev(0.0) != ev(-0.0)
-    assert ev(5) == ev(np.int64(5)) and ev([1, 2]) != ev((1, 2)) and ev({"a": 1}) == ev({"a": 1})
-    a, b = torch.arange(6.0), torch.arange(6.0)
-    assert ev(a) == ev(b) and ev(a) != ev(a.reshape(2, 3)) and ev(a) != ev(a.double())
-    assert cc.Key("text", (ev(a),)) == cc.Key("text", (ev(b),))
-    assert cc.Key("text", (ev(a),)) != cc.Key("vae", (ev(a),))
-    with pytest.raises(cc.Uncacheable):
-        ev(object())
+@pytest.fixture(scope="module")
+def keys():
+    return rkharness.pack("caching.keys")
+
+
+def test_key_encoder_types_plain_values_apart(keys, cc):
+    ev = keys.encode
+    assert len({ev(1), ev(1.0), ev(True), ev("1"), ev(b"1"), ev(None), ev((1,)), ev([1])}) == 8
+    assert ev(0) != ev(False) and ev(0.0) != ev(-0.0) and ev(float("nan")) == ev(float("nan"))
+    assert ev(5) == ev(np.int64(5)) and ev(np.float32(0.5)) != ev(0.5)  # NumPy floats key by dtype
+    assert ev({"a": 1, "b": 2}) == ev({"b": 2, "a": 1}) and ev({"a": 1}) != ev({"a": 1.0})
+    assert ev({1, 2}) == ev({2, 1}) and ev({1, 2}) != ev((1, 2)) and ev(torch.Size([2])) != ev((2,))
+    assert ev(torch.float16) != ev(torch.bfloat16) and ev(torch.device("cpu")) != ev("cpu")
+    assert ev(collections.OrderedDict(a=1)) != ev({"a": 1})  # a subclass keys with its class
+    assert cc.Key("text", (ev(1),)) != cc.Key("vae", (ev(1),))
+    for bad in (object(), torch.nn.Linear(1, 1), lambda: 0, torch.zeros(2, device="meta"),
+                torch.zeros(2, 2).to_sparse()):
+        with pytest.raises(keys.Uncacheable):
+            ev(bad)
+
+
+@pytest.mark.parametrize("numel", [4, 4096])  # small: kept by value; large: by a BLAKE2b digest
+def test_key_encoder_tensors_by_metadata_and_content(keys, numel):
+    ev = keys.encode
+    a = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    assert ev(a) == ev(a.clone()) and hash(ev(a)) == hash(ev(a.clone()))
+    one = a.clone()
+    one[-1] = torch.nextafter(one[-1], torch.tensor(1e9))  # one element, one bit
+    assert ev(one) != ev(a)
+    assert ev(a) != ev(a.double()) and ev(a) != ev(a.view(torch.int32)) and ev(a) != ev(a.reshape(2, -1))
+    zero = torch.zeros(numel)
+    assert ev(zero) != ev(-zero) and ev(torch.full((numel,), float("nan"))) == ev(torch.full((numel,), float("nan")))
+    square = a.reshape(2, -1)
+    view = square[:, ::2]  # non-contiguous: keyed by the elements it shows and its stride
+    assert ev(view) != ev(view.contiguous()) and ev(view) == ev(a.clone().reshape(2, -1)[:, ::2])
+    assert ev(torch.zeros(2)) != ev(torch.zeros(2, dtype=torch.int32)) and ev(torch.zeros(0)) != ev(torch.zeros(0, 1))
+    field = ev(a)
+    assert len(field[-1]) == (a.numel() * 4 if a.numel() * 4 <= keys.SMALL_TENSOR else 32)  # never megabytes
 
 
 def test_identity_serials_are_never_reused(cc):

@@ -1,0 +1,117 @@
+"""The one typed key encoder of the caches: values and tensors as hashable, exactly comparable fields.
+
+:func:`encode` turns what decides a cached result into a tree of tuples, strings, ints and bytes.
+Two trees are equal only when the values are, by these rules:
+
+- ``None``, bools, ints, floats, strings and bytes carry a type tag: ``1``, ``1.0`` and ``True`` are
+  three different fields. Integers of any integral type (NumPy's too) key as the Python int.
+- Floats key by their IEEE-754 bits: ``-0.0`` differs from ``0.0``; a NaN equals only a NaN with the
+  same bits (Python's ``float("nan")`` always has the same bits). Other NumPy scalars key by their
+  dtype and value.
+- ``torch.dtype``, ``torch.device`` (type and index) and ``torch.Size`` key by name and value.
+- Tuples and lists (tagged apart, in order), dicts (by encoded key, order ignored) and sets key by
+  their elements. A subclass of a built-in (a namedtuple, an enum) keys with its class name.
+- Tensors key by metadata and content: dtype, shape, stride, layout and device, then their logical
+  values' bytes (a view keys by the elements it shows, its stride beside them, so a non-contiguous
+  view never shares a key with its contiguous copy). Up to :data:`SMALL_TENSOR` bytes the bytes are
+  kept whole; above, a 256-bit BLAKE2b digest of them is kept instead, so a key never holds or
+  compares megabytes. Bitwise: ``-0.0`` and ``0.0`` elements differ, NaNs match by their bits.
+  Sparse, quantized, meta tensors and tensor subclasses cannot be keyed.
+- Anything else raises :class:`Uncacheable`: the caller misses (computes) instead of guessing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import numbers
+import struct
+import sys
+from typing import Any
+
+import torch
+
+SMALL_TENSOR = 1024  # bytes: a tensor up to this size is keyed by its bytes, a larger one by their digest
+
+
+class Uncacheable(TypeError):
+    """A value the encoder cannot key exactly: the call runs uncached."""
+
+
+def _float(value: float) -> tuple:
+    return ("f", struct.pack("<d", value))
+
+
+_SCALARS = {
+    type(None): lambda v: ("none",),
+    bool: lambda v: ("b", v),
+    int: lambda v: ("i", v),
+    float: _float,
+    str: lambda v: ("s", v),
+    bytes: lambda v: ("y", v),
+    torch.dtype: lambda v: ("dtype", str(v)),
+    torch.device: lambda v: ("device", str(v)),
+}
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def tensor_field(t: torch.Tensor) -> tuple:
+    """A tensor by dtype, shape, stride, layout, device and its logical values' bytes (whole up to
+    :data:`SMALL_TENSOR`, else their 256-bit BLAKE2b digest). No pointer."""
+    if type(t) not in _PLAIN_TENSORS:
+        raise Uncacheable(f"cannot key a tensor of type {type(t).__name__}")
+    if t.layout is not torch.strided or t.is_quantized or t.device.type == "meta":
+        raise Uncacheable(f"cannot key a {t.layout} {'quantized ' if t.is_quantized else ''}tensor on {t.device}")
+    head = ("T", str(t.dtype), tuple(t.shape), tuple(t.stride()), str(t.layout), str(t.device))
+    data = t.detach().resolve_conj().resolve_neg().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
+    if data.nbytes <= SMALL_TENSOR:
+        return (*head, data.tobytes())
+    return (*head, "blake2b-256", hashlib.blake2b(memoryview(data), digest_size=32).digest())
+
+
+def _sorted(pairs) -> tuple:
+    return tuple(sorted(pairs, key=lambda kv: repr(kv[0])))
+
+
+def encode(value: Any) -> Any:
+    """``value`` as a hashable, typed tree, equal only for equal values (rules: module docstring)."""
+    kind = type(value)
+    scalar = _SCALARS.get(kind)
+    if scalar is not None:  # the common cases first (token ids, weights, geometry)
+        return scalar(value)
+    if kind is tuple or kind is list:
+        return ("U" if kind is tuple else "L", tuple(encode(v) for v in value))
+    if kind is dict:
+        return ("D", _sorted((encode(k), encode(v)) for k, v in value.items()))
+    if isinstance(value, torch.Tensor):
+        return tensor_field(value)
+    if kind is torch.Size:
+        return ("Z", tuple(int(d) for d in value))
+    if kind is set or kind is frozenset:
+        return ("S", tuple(sorted((encode(v) for v in value), key=repr)))
+    if _numpy_scalar(value):
+        if isinstance(value, numbers.Integral):
+            return ("i", int(value))  # NumPy integers (token ids)
+        return ("np", str(value.dtype), encode(value.item()))
+    for base in (bool, int, float, str, bytes, tuple, list, dict):
+        if isinstance(value, base):  # enums, namedtuples, ordered dicts...: the class is part of the key
+            return ("sub", f"{kind.__module__}.{kind.__qualname__}", encode(base(value)))
+    raise Uncacheable(f"cannot key a {kind.__name__}")
+
+
+def _numpy_scalar(value: Any) -> bool:
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.generic)
+
+
+def digest(tree: Any) -> tuple:
+    """A large encoded tree (thousands of fields) as a 256-bit BLAKE2b digest of its exact text."""
+    return ("blake2b-256", hashlib.blake2b(repr(tree).encode(), digest_size=32).digest())
+
+
+def nbytes(tree: Any) -> int:
+    """Memory of an encoded tree: every object counted by ``sys.getsizeof`` (shared ones as often as used)."""
+    size = sys.getsizeof(tree)
+    if isinstance(tree, tuple):
+        size += sum(nbytes(f) for f in tree)
+    return size
