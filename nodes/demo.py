@@ -5,6 +5,7 @@ negative. Every forward of their encoder and transformer is counted under "demo 
 
 from __future__ import annotations
 
+import threading
 import types
 
 import torch
@@ -42,15 +43,24 @@ def _count(module: torch.nn.Module, counter: str) -> None:
     module.forward = types.MethodType(counted, module)
 
 
+_LOADED: dict[str, tuple] = {}
+_LOCK = threading.Lock()
+
+
 def load_demo(family: str):
-    """(MODEL, CLIP) of a demo family, their forwards counted: encoder_calls, transformer_calls."""
+    """(MODEL, CLIP) of a demo family, built once per process and kept, as a model manager keeps loaded
+    weights (the caches keep their entries across prompts, even under --cache-none); their forwards
+    are counted: encoder_calls, transformer_calls."""
     from .demo_models import shapes
 
-    model, clip = shapes.build(family=family), shapes.build_clip()
-    dm = model.model.diffusion_model
-    _count((dm.double_blocks if family == "flux" else dm.blocks)[0], "transformer_calls")
-    _count(clip.cond_stage_model.clip_l, "encoder_calls")
-    return model, clip
+    with _LOCK:
+        if family not in _LOADED:
+            model, clip = shapes.build(family=family), shapes.build_clip()
+            dm = model.model.diffusion_model
+            _count((dm.double_blocks if family == "flux" else dm.blocks)[0], "transformer_calls")
+            _count(clip.cond_stage_model.clip_l, "encoder_calls")
+            _LOADED[family] = (model, clip)
+        return _LOADED[family]
 
 
 class DemoFlux(io.ComfyNode):

@@ -2,6 +2,9 @@
 runs through the real server, the demo with every layer on, compared with the pack off."""
 
 import importlib
+import importlib.util
+import json
+import urllib.parse
 
 import pytest
 import rkharness
@@ -109,3 +112,55 @@ def test_demo_models_count_their_forward_calls_and_stay_cacheable():
     for _ in range(2):
         nodes.CLIPTextEncode().encode(clip, "a green cross on a gray background")
     assert stats.counter("encoder_calls") == before + 1 and cache.count("hits") == hits + 1
+
+
+# ---- the demo through the real server --------------------------------------------------------
+
+def demo_script():
+    spec = importlib.util.spec_from_file_location("rk_scripts_demo", rkharness.ROOT / "scripts" / "demo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def demo_run():
+    """The demo served as a template and run off / exact / full by scripts/demo.py (``make demo``)."""
+    script = demo_script()
+    with rkharness.running_server("--cache-none") as server:
+        templates = server.get("/api/workflow_templates")
+        served = server.get("/api/workflow_templates/reusekit/" + urllib.parse.quote(script.DEMO))
+        results, diff = script.run_demo(rkharness, server)
+        pictures = script.side_by_side(results, rkharness.ARTIFACTS / "demo")
+        yield {"templates": templates, "served": served, "results": results, "diff": diff,
+               "table": script.table(results, diff), "pictures": pictures}
+
+
+def test_the_demo_is_listed_and_served_as_a_template(demo_run):
+    assert "ReuseKit demo (no downloads)" in demo_run["templates"]["reusekit"]
+    served = demo_run["served"]
+    served = json.loads(served) if isinstance(served, str) else served
+    assert served == rkharness.load_workflow(demo_script().DEMO)
+
+
+def test_the_demo_shows_every_layer_working(demo_run):
+    full = demo_run["results"]["full"]
+    counts = full["counts"]
+    print("\n" + demo_run["table"])
+    assert counts["demo.encoder_calls"] == 3 and counts["conditioning.hits"] == 3  # A, B, A + a shared negative
+    assert counts["pe.misses"] == 1 and counts["pe.hits"] == 59
+    assert counts["step.calls_skipped"] >= 20 and counts["demo.transformer_calls"] <= 40
+    assert full["graph"]["backend"].startswith("eager") and "no CUDA" in full["graph"]["backend"]
+    assert len(full["images"]) == 3 and full["wall_s"] < 30
+
+
+def test_the_demo_without_reusekit_computes_everything_and_the_exact_layers_match_it(demo_run):
+    off = demo_run["results"]["off"]["counts"]
+    assert off["demo.encoder_calls"] == 6 and off["demo.transformer_calls"] == 60
+    assert off.get("conditioning.hits", 0) == 0 and off.get("pe.hits", 0) == 0
+    assert off.get("step.calls_skipped", 0) == 0
+    assert demo_run["diff"]["exact_identical"]
+    errors = demo_run["diff"]["teacache_errors"]
+    print(f"TeaCache final-latent errors: {', '.join(f'{100 * e:.1f}%' for e in errors)}")
+    assert len(errors) == 3 and 0 < max(errors) < 0.08
+    assert len(demo_run["pictures"]) == 3 and all(p.is_file() for p in demo_run["pictures"])
