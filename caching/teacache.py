@@ -37,17 +37,6 @@ COEFFICIENTS: dict[str, tuple[float, ...]] = {
     "wan2.1_i2v_480p_14B_ret_mode": (2.57151496e+05, -3.54229917e+04, 1.40286849e+03, -1.35890334e+01, 1.32517977e-01),
     "wan2.1_i2v_720p_14B_ret_mode": (8.10705460e+03, 2.13393892e+03, -3.72934672e+02, 1.66203073e+01, -4.17769401e-02),
 }
-# Recommended thresholds from the same source (start_percent where it recommends one).
-RECOMMENDED: dict[str, dict[str, float]] = {
-    "flux": {"rel_l1_thresh": 0.4},
-    "flux-kontext": {"rel_l1_thresh": 0.22, "start_percent": 0.2, "end_percent": 0.9},
-    "hunyuan_video": {"rel_l1_thresh": 0.15},
-    "wan2.1_t2v_1.3B_ret_mode": {"rel_l1_thresh": 0.15, "start_percent": 0.1},
-    "wan2.1_t2v_14B_ret_mode": {"rel_l1_thresh": 0.2, "start_percent": 0.1},
-    "wan2.1_i2v_480p_14B_ret_mode": {"rel_l1_thresh": 0.3, "start_percent": 0.1},
-    "wan2.1_i2v_720p_14B_ret_mode": {"rel_l1_thresh": 0.3, "start_percent": 0.1},
-}
-
 
 EXTRAPOLATE_SPAN = 1.0  # how far (in units of the measured sigma gap) a residual is extrapolated
 
@@ -338,10 +327,6 @@ class CalibrationStore:
             except BaseException:
                 Path(tmp).unlink(missing_ok=True)
                 raise
-
-    def clear_memory(self) -> None:
-        with self._lock:
-            self._memory.clear()
 
 
 def fingerprint(family: str, config_repr: str, tensors: list[tuple[str, torch.Tensor]]) -> str:
