@@ -1,7 +1,8 @@
 """The stats registry every ReuseKit cache reports to.
 
-Each cache registers once under a unique name and a kind (``conditioning``, ``pe``, ``step``,
-``graph``...) and gets a :class:`CacheStats` handle. Through it the cache counts events (hits,
+Each cache gets its :class:`CacheStats` handle from ``REGISTRY.register(name, kind, description,
+clear=...)`` under a unique name and a kind (``conditioning``, ``pe``, ``step``, ``graph``...);
+the call is idempotent by name, so a cache calls it wherever it needs the handle. Through it the cache counts events (hits,
 misses, evictions...), reports the bytes it holds per memory tier (``cpu``, ``device``...) with an
 optional budget, adds time saved, and publishes small JSON-ready facts (the last run's summary).
 :meth:`StatsRegistry.snapshot` returns one consistent, JSON-ready picture of every cache.
@@ -114,14 +115,22 @@ class StatsRegistry:
 
     def register(self, name: str, kind: str, description: str = "",
                  clear: Callable[[], None] | None = None) -> CacheStats:
-        """A new handle for ``name``; a name already registered is an error (use unregister)."""
+        """The handle of ``name``, registered on the first call. A later call with the same kind
+        returns the same handle (counters kept; ``description`` and ``clear`` replaced where given),
+        so every cache registers the same way wherever it needs its handle; another kind is a KeyError."""
         if not name or not kind:
             raise ValueError("a cache registers with a non-empty name and kind")
         with self._lock:
-            if name in self._caches:
-                raise KeyError(f"a cache named {name!r} is already registered")
-            stats = CacheStats(self, name, kind, description, clear)
-            self._caches[name] = stats
+            stats = self._caches.get(name)
+            if stats is not None and stats.kind != kind:
+                raise KeyError(f"a cache named {name!r} is already registered as {stats.kind!r}, not {kind!r}")
+            if stats is None:
+                stats = self._caches[name] = CacheStats(self, name, kind, description, clear)
+            elif (description or stats.description) == stats.description and clear in (None, stats._clear):
+                return stats  # nothing changes: no push
+            else:
+                stats.description = description or stats.description
+                stats._clear = clear if clear is not None else stats._clear
         self._changed()
         return stats
 

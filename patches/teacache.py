@@ -177,15 +177,9 @@ def detect_family(model_patcher) -> Family:
 
 # ---- stats and calibration storage -------------------------------------------------------
 
-_stats_handle = None
-
-
 def stats():
-    global _stats_handle
-    if _stats_handle is None:
-        _stats_handle = REGISTRY.get("teacache") or REGISTRY.register(
-            "teacache", "step", "TeaCache: skips transformer steps by reusing the last residual")
-    return _stats_handle
+    """The step cache's stats handle (registered by its first run)."""
+    return REGISTRY.register("teacache", "step", "TeaCache: skips transformer steps by reusing the last residual")
 
 
 def _default_store_path() -> Path | None:

@@ -46,15 +46,48 @@ def test_register_count_and_snapshot_is_json_ready(stats):
 
 def test_names_are_unique_and_unregister_frees_them(stats):
     reg = stats.StatsRegistry()
-    reg.register("a", "pe")
+    first = reg.register("a", "pe")
+    first.incr("hits")
+    assert reg.register("a", "pe") is first and first.counter("hits") == 1  # idempotent by name
     with pytest.raises(KeyError):
-        reg.register("a", "pe")
+        reg.register("a", "graph")  # one name, one kind
     with pytest.raises(ValueError):
         reg.register("", "pe")
     reg.unregister("a")
     assert reg.get("a") is None
-    reg.register("a", "pe")
+    assert reg.register("a", "pe") is not first
     assert reg.names() == ["a"]
+
+
+def test_registering_again_gives_the_handle_to_the_latest_owner_and_pushes_only_changes(stats):
+    reg = stats.StatsRegistry()
+    cleared = []
+    reg.register("x", "step", "old", clear=lambda: cleared.append("old"))
+    version = reg.version
+    reg.register("x", "step")  # nothing given: nothing changes, nothing pushed
+    assert reg.version == version
+    reg.register("x", "step", "new", clear=lambda: cleared.append("new"))
+    assert reg.clear("x") == ["x"] and cleared == ["new"]
+    assert reg.snapshot()["caches"][0]["description"] == "new"
+
+
+def test_caches_registering_from_several_threads_share_one_handle(stats):
+    reg = stats.StatsRegistry()
+    start, handles, errors = threading.Barrier(8), [], []
+
+    def worker():
+        start.wait()
+        try:
+            handles.append(reg.register("step", "step"))
+        except Exception as exc:  # the old get() or register() pattern raised KeyError here
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len({id(h) for h in handles}) == 1 and reg.names() == ["step"]
 
 
 def test_clear_calls_the_cache_and_reports_what_was_cleared(stats):
