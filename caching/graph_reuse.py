@@ -1,5 +1,6 @@
 """Graph reuse: the decision whether a captured graph of the diffusion model's forward may be
-replayed for this call, independent of CUDA (pure torch + stdlib; the backend is in patches/).
+replayed for this call, independent of CUDA (pure torch + stdlib; the runners are in
+caching/graph_runners.py, the wrappers in patches/graph_capture.py).
 
 Like ik_llama.cpp's ``can_reuse_graph`` (seed 001): keep the last graphs, check every call,
 update the changing inputs in place, and when the check fails rebuild and record why.
@@ -329,7 +330,6 @@ class Entry:
     runner: Any = None
     nbytes: int = 0
     failed: str = ""          # the capture failed: this signature runs eagerly, never retried
-    uses: int = 0
 
 
 def _free(entries: list[Entry]) -> None:
@@ -390,7 +390,6 @@ class GraphSet:
             if entry is not None:
                 self.entries.move_to_end(sig)
                 self.last = sig
-                entry.uses += 1
                 return Decision(True, entry)
             same, reason, detail = can_reuse(self.last, sig)
             if same:  # the last graph fits but was released (unload, reload, clear)
@@ -427,10 +426,6 @@ class GraphSet:
                 self.pending_reason = (reason, detail)
             return dropped
 
-    @property
-    def nbytes(self) -> int:
-        return sum(e.nbytes for e in self.entries.values())
-
 
 # ---- stats ----------------------------------------------------------------------------------
 
@@ -439,9 +434,9 @@ class GraphStats:
 
     NAME = "graph_reuse"
 
-    def __init__(self, clear: Callable[[], None] | None = None):
+    def __init__(self):
         self._handle: CacheStats | None = None
-        self._clear = clear
+        self._clear: Callable[[], None] | None = None
         self._lock = threading.Lock()
 
     @property
