@@ -112,7 +112,7 @@ class CondState:
 
     def clear(self) -> None:
         self.prev_modulated = self.residual = self.prev_residual = self.slope = None
-        self.residual_sigma = None
+        self.residual_sigma = self.slope_span = None
         self.accumulated, self.consecutive, self.meta = 0.0, 0, None
 
 
@@ -231,6 +231,11 @@ class RunState:
             step = torch.minimum(torch.maximum(step, -span), span)
             res = res + state.slope.to(like.device, like.dtype, non_blocking=True) * step.to(like.dtype)
         return res
+
+    def release(self) -> None:
+        """Drop every tensor kept between calls (the counts and traces stay for the report)."""
+        for state in self.conds.values():
+            state.clear()
 
     def residual_bytes(self) -> dict[str, int]:
         out = {"cpu": 0, "device": 0}

@@ -491,15 +491,18 @@ def _outer_sample(executor, *args, **kwargs):
     guider.model_options["transformer_options"][RUN_KEY] = run
     sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
     steps = len(sigmas) - 1 if sigmas is not None else None
+    outcome = "failed"
     try:
         out = executor(*args, **kwargs)
+        outcome = "completed"
+        return out
     except BaseException as exc:  # interrupted or failed: reported as such, and the sampler's own error raised
-        guider.model_options = orig
-        _report(run, settings, used_type, fp, steps, _outcome(exc))
+        outcome = _outcome(exc)
         raise
-    guider.model_options = orig
-    _report(run, settings, used_type, fp, steps, "completed")
-    return out
+    finally:
+        guider.model_options = orig
+        _report(run, settings, used_type, fp, steps, outcome)
+        run.release()  # the residuals go now, even while a failure's traceback keeps this frame
 
 
 def _report(*args) -> None:

@@ -541,6 +541,22 @@ def test_a_failing_sampler_raises_its_own_error_even_when_the_report_fails(flux,
     assert last_run()["outcome"] == "failed"
 
 
+@pytest.mark.hardening
+def test_a_failed_run_keeps_no_residuals_while_its_error_is_held(flux, conds):
+    """ComfyUI keeps a node's exception (and its traceback's frames) while it reports it and frees
+    memory after an OOM: the run those frames reach must hold no tensors by then."""
+    import traceback
+
+    with pytest.raises(RuntimeError, match="the sampler's own failure") as failure:
+        sample(fail_at(teacache(flux, 0.0, device="cpu"), 4, interrupt=False), conds)
+    runs = [v for frame, _ in traceback.walk_tb(failure.value.__traceback__)
+            for v in frame.f_locals.values() if isinstance(v, tc().RunState)]
+    assert runs and all(r.residual_bytes() == {"cpu": 0, "device": 0} for r in runs)
+    assert last_run()["outcome"] == "failed" and sum(last_run()["peak_residual_bytes"].values()) > 0
+    sample(teacache(flux, 0.0, device="cpu"), conds)  # a completed run still reports what it held
+    assert last_run()["outcome"] == "completed" and last_run()["peak_residual_bytes"]["cpu"] > 0
+
+
 def test_two_step_cached_models_in_one_workflow_keep_their_own_reports(conds):
     """Wan 2.2's two experts (or any two models) sampled one after the other: each run's report
     stays in the stats under its model, not overwritten by the other's."""
