@@ -1,12 +1,18 @@
-"""ModelPatcher's weight lifecycle, patched once for every cache that must follow it.
+"""ModelPatcher's weight lifecycle, patched once for the caches that must follow every patcher.
 
-Several caches hold things tied to a model's weights or device: the conditioning cache's
-device-hot entries, the PE cache's device tables, the captured CUDA graphs. Each must hear when
-ComfyUI loads, unloads or re-patches a model. Wrapping the same ModelPatcher methods once per cache
-would stack wrappers whose uninstall order matters (an uninstall in the middle of the stack puts a
-stale wrapper back). So this module wraps each method once and calls the listeners registered for
-it, before the host method runs, as ``fn(patcher, *args, **kwargs)``. A listener's exception is
-logged and never breaks ComfyUI's memory management.
+Two caches hold things tied to a model's weights or device and shared by all clones of it:
+graph capture (graphs bake in the weights' addresses, so any clone loading, unloading or
+re-patching the shared weights, say a LoRA loader's, must release them) and the PE cache (its
+device tables belong to the model under every patcher, the server-wide default included, and go
+when any patcher detaches it). ComfyUI's per-patcher callbacks (``CallbacksMP.ON_LOAD`` /
+``ON_DETACH``) fire only on the clone that carries them, never on such a sibling, hence this wrap.
+The step cache needs none of it: its state lives for one run, inside its own patcher's wrappers.
+
+Wrapping the same ModelPatcher methods once per cache would stack wrappers whose uninstall order
+matters (an uninstall in the middle of the stack puts a stale wrapper back). So this module wraps
+each method once and calls the listeners registered for it, before the host method runs, as
+``fn(patcher, *args, **kwargs)``. A listener's exception is logged and never breaks ComfyUI's
+memory management.
 
 Events (the ModelPatcher methods): ``load``, ``unpatch_model``, ``partially_unload``, ``detach``.
 Subclasses that override one (ComfyUI 0.16+'s ``ModelPatcherDynamic``, a custom node's patcher)

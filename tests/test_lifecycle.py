@@ -157,3 +157,29 @@ def test_a_reshaped_method_stays_unwrapped_with_one_warning(lifecycle, heard, ti
         lifecycle.uninstall()
         lifecycle.install()
     assert not [r for r in caplog.records if "Reshaped" in r.getMessage()]  # said once, at the definition
+
+
+def test_a_sibling_clone_changing_shared_weights_is_heard_only_by_the_global_wrap(lifecycle, heard, tiny):
+    """Why graph capture and the PE cache follow ModelPatcher globally: a per-patcher callback
+    (CallbacksMP) on the clone a node made never hears a sibling clone (a LoRA loader's) load, unload
+    or re-patch the weights both share; the lifecycle listeners do."""
+    import comfy.model_management as mm
+    import comfy.patcher_extension
+    import torch
+
+    base = tiny.tiny_flux(0)
+    node_clone = base.clone()
+    callbacks = []
+    for kind in ("ON_LOAD", "ON_DETACH"):
+        node_clone.add_callback_with_key(getattr(comfy.patcher_extension.CallbacksMP, kind), "rktest",
+                                         lambda patcher, *a, kind=kind: callbacks.append(kind))
+    lora = base.clone()
+    key = next(k for k in lora.model_state_dict() if k.endswith(".weight"))
+    lora.add_patches({key: (torch.ones_like(lora.get_model_object(key)),)}, 0.1)
+    mm.load_models_gpu([lora])  # the sibling patches the shared weights in place
+    assert lora.model is node_clone.model and not callbacks
+    assert any(h[0] == "load" for h in heard)
+    mm.unload_all_models()
+    assert not callbacks
+    node_clone.detach(unpatch_all=True)  # its own callbacks hear the clone they are on
+    assert callbacks == ["ON_DETACH"]
