@@ -15,10 +15,11 @@ Exactness rules kept here:
   structure, strengths and tensor contents (``torch.equal``) become the same object, so a new
   ``LoraLoader`` clone with the same LoRA and strength hits. An entry pins its weight set; its
   bytes count once against the budget while any entry uses it.
-- Stored values are private copies; every hit returns a fresh copy (containers and tensors) of
-  the same types (a ``torch.Size`` stays one; other subclasses of built-in containers are not
+- Stored values are private CPU copies (whatever device the encoder returned them on); every hit
+  returns a fresh copy (containers and tensors, on the device they came from) of the same types (a ``torch.Size`` stays one; other subclasses of built-in containers are not
   stored), so no caller can change a stored entry.
-- Bytes (values + key contents + pinned weights) and entries are bounded; an entry larger than the
+- Bytes (values + key contents + pinned weights, which stay where their patcher keeps them: the
+  ``device`` tier) and entries are bounded; an entry larger than the
   budget is not admitted; a budget or entry capacity of 0 disables the cache.
 """
 
@@ -29,8 +30,10 @@ import os
 import threading
 import time
 import weakref
+import zlib
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -183,6 +186,27 @@ class Key:
                 and self.fields == other.fields)
 
 
+# ---- weights without a version counter -------------------------------------------------------
+
+_crc_pool: list[ThreadPoolExecutor] = []
+_crc_lock = threading.Lock()
+
+
+def _crc(t: torch.Tensor) -> int:
+    data = t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
+    return zlib.crc32(memoryview(data))
+
+
+def checksums(tensors: list[torch.Tensor]) -> list[int]:
+    """A CRC-32 of each tensor's bytes, several tensors at once (zlib releases the GIL). It sees every
+    in-place edit confined to 32 consecutive bits (any one element of up to 4 bytes) and any other
+    edit except with probability 2**-32 per edited tensor."""
+    with _crc_lock:
+        if not _crc_pool:
+            _crc_pool.append(ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="reusekit-crc"))
+    return list(_crc_pool[0].map(_crc, tensors))
+
+
 # ---- stored values: private copies ------------------------------------------------------------
 
 _CONTAINERS: dict[type, str] = {}
@@ -193,19 +217,18 @@ def register_container(cls: type) -> None:
     _CONTAINERS[cls] = cls.__qualname__
 
 
-def freeze(value: Any, keep_device: bool) -> tuple[Any, dict[str, int]]:
-    """A private copy of ``value`` and its bytes per tier. Tensors go to the CPU unless
-    ``keep_device`` (then device tensors stay where they are). Raises Uncacheable for other types
-    (subclasses of list and tuple included: a copy would lose their type)."""
-    tiers = {"cpu": 0, "device": 0}
+def freeze(value: Any) -> tuple[Any, int]:
+    """A private CPU copy of ``value`` and its tensor bytes; tensors remember the device they came
+    from. Raises Uncacheable for other types (subclasses of list and tuple included: a copy would
+    lose their type)."""
+    held = [0]
 
     def go(v):
         if isinstance(v, torch.Tensor):
             if v.requires_grad:
                 raise Uncacheable("tensor requires grad")
-            stay = keep_device and v.device.type != "cpu"
-            stored = v.detach().clone() if stay else v.detach().to("cpu", copy=True)
-            tiers["device" if stay else "cpu"] += stored.numel() * stored.element_size()
+            stored = v.detach().to("cpu", copy=True)
+            held[0] += stored.numel() * stored.element_size()
             return ("T", stored, v.device)
         if v is None or isinstance(v, (bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)):
             return ("V", v)  # immutable: stored and returned as the very object, type and all
@@ -219,11 +242,12 @@ def freeze(value: Any, keep_device: bool) -> tuple[Any, dict[str, int]]:
             return ("C", type(v), [(k, go(x)) for k, x in vars(v).items()])
         raise Uncacheable(f"cannot store a {type(v).__name__}")
 
-    return go(value), tiers
+    stored = go(value)
+    return stored, held[0]
 
 
 def thaw(stored: Any) -> Any:
-    """A fresh copy of a stored value: new containers, new tensors on their original devices."""
+    """A fresh copy of a stored value: new containers, new tensors on the devices they came from."""
     tag = stored[0]
     if tag == "T":
         return stored[1].to(stored[2], copy=True)
@@ -241,47 +265,25 @@ def thaw(stored: Any) -> Any:
     return obj
 
 
-def _devices(stored: Any, out: set) -> set:
-    tag = stored[0]
-    if tag == "T":
-        if stored[1].device.type != "cpu":
-            out.add(str(stored[1].device))
-    elif tag in ("L", "U"):
-        for x in stored[1]:
-            _devices(x, out)
-    elif tag == "D":
-        for _, x in stored[1]:
-            _devices(x, out)
-    elif tag == "C":
-        for _, x in stored[2]:
-            _devices(x, out)
-    return out
-
-
 # ---- the LRU ----------------------------------------------------------------------------------
 
 class Entry:
-    __slots__ = ("key", "stored", "tiers", "seconds", "hits", "devices")
+    __slots__ = ("key", "stored", "own_bytes", "seconds", "hits")
 
-    def __init__(self, key: Key, stored: Any, tiers: dict[str, int], seconds: float):
+    def __init__(self, key: Key, stored: Any, value_bytes: int, seconds: float):
         self.key = key
         self.stored = stored
-        self.tiers = dict(tiers)
-        self.tiers["cpu"] += key.nbytes
+        self.own_bytes = value_bytes + key.nbytes  # on the CPU
         self.seconds = seconds
         self.hits = 0
-        self.devices = _devices(stored, set())
-
-    @property
-    def own_bytes(self) -> int:
-        return self.tiers["cpu"] + self.tiers["device"]
 
 
 _MISS = object()
 
 
 class ConditioningCache:
-    """A thread-safe LRU bounded by bytes and entries across the cpu and device tiers."""
+    """A thread-safe LRU of CPU copies bounded by bytes (its entries and the weight patches they pin)
+    and by entries."""
 
     def __init__(self, budget_bytes: int = 512 * MIB, max_entries: int = 128, stats=None):
         self._lock = threading.RLock()
@@ -344,8 +346,7 @@ class ConditioningCache:
             return self._counts.get(name, 0)
 
     # -- the one entry point for encoders
-    def fetch(self, key: Key, compute: Callable[[], Any], *, keep_device: bool = False,
-              check_rng: bool = False, admit: Callable[[], str | None] | None = None) -> Any:
+    def fetch(self, key: Key, compute: Callable[[], Any], *, check_rng: bool = False, admit: Callable[[], str | None] | None = None) -> Any:
         """The cached result for ``key`` (a private copy), or ``compute()`` stored on a miss.
 
         ``check_rng``: when the computation moves torch's global random state, its result depends
@@ -368,7 +369,7 @@ class ConditioningCache:
         if refused:
             self.bypass(key.kind, refused)
             return result
-        self.store(key, result, seconds, keep_device=keep_device)
+        self.store(key, result, seconds)
         return result
 
     def lookup(self, key: Key) -> Any:
@@ -387,17 +388,17 @@ class ConditioningCache:
         self._publish()
         return value
 
-    def store(self, key: Key, value: Any, seconds: float, keep_device: bool = False) -> bool:
+    def store(self, key: Key, value: Any, seconds: float) -> bool:
         """Store a private copy of ``value``; False when not admitted (oversized or uncacheable)."""
         try:
-            stored, tiers = freeze(value, keep_device)
+            stored, value_bytes = freeze(value)
         except Uncacheable as exc:
             self.bypass(key.kind, str(exc))
             return False
         except (RuntimeError, MemoryError) as exc:  # no room for the copy: the caller keeps its result
             self.bypass(key.kind, f"copy failed: {exc}")
             return False
-        entry = Entry(key, stored, tiers, seconds)
+        entry = Entry(key, stored, value_bytes, seconds)
         with self._lock:
             if not self.enabled:
                 return False
@@ -432,38 +433,17 @@ class ConditioningCache:
             self._entries.clear()
         self._publish()
 
-    def drop_owner(self, serial: int, device_only: bool = False) -> int:
-        """Drop the entries of a dead or unloaded encoder (only its device entries if asked)."""
+    def drop_owner(self, serial: int) -> int:
+        """Drop the entries of a dead encoder or one whose weights changed."""
         with self._lock:
             doomed = [e for e in self._entries.values()
-                      if serial in e.key.owners and (not device_only or e.tiers["device"])]
+                      if serial in e.key.owners]
             for e in doomed:
                 del self._entries[e.key]
                 self._remove(e)
         if doomed:
             self._publish()
         return len(doomed)
-
-    def drop_device(self, device: str | None = None, need_bytes: int | None = None) -> int:
-        """Free device entries (on ``device``, least recently used first) until ``need_bytes`` are
-        freed (all when None). Returns the device bytes freed."""
-        freed = 0
-        with self._lock:
-            for e in list(self._entries.values()):
-                if need_bytes is not None and freed >= need_bytes:
-                    break
-                if e.tiers["device"] and _on(e, device):
-                    del self._entries[e.key]
-                    self._remove(e)
-                    freed += e.tiers["device"]
-                    self._count("evictions", e.key.kind)
-        if freed:
-            self._publish()
-        return freed
-
-    def device_bytes(self, device: str | None = None) -> int:
-        with self._lock:
-            return sum(e.tiers["device"] for e in self._entries.values() if _on(e, device))
 
     # -- internals (under the lock)
     def _count(self, event: str, kind: str) -> None:
@@ -480,8 +460,7 @@ class ConditioningCache:
             self._count("evictions", victim.key.kind)
 
     def _add(self, entry: Entry) -> None:
-        for tier, n in entry.tiers.items():
-            self._bytes[tier] += n
+        self._bytes["cpu"] += entry.own_bytes
         self._kind_bytes[entry.key.kind] += entry.own_bytes
         for w in entry.key.weights:
             pin = self._pinned.get(id(w))
@@ -493,8 +472,7 @@ class ConditioningCache:
                 pin[1] += 1
 
     def _remove(self, entry: Entry) -> None:
-        for tier, n in entry.tiers.items():
-            self._bytes[tier] -= n
+        self._bytes["cpu"] -= entry.own_bytes
         self._kind_bytes[entry.key.kind] -= entry.own_bytes
         for w in entry.key.weights:
             pin = self._pinned[id(w)]
@@ -529,13 +507,6 @@ class ConditioningCache:
             self.stats.reset_counters()
 
 
-def _on(entry: Entry, device: str | None) -> bool:
-    """Whether an entry holds tensors on ``device`` ("cuda" matches "cuda:0", "cuda:1"...)."""
-    if device is None:
-        return bool(entry.devices)
-    return device in entry.devices or (":" not in device and any(d.split(":")[0] == device for d in entry.devices))
-
-
 def _rng_state() -> tuple:
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     return (torch.get_rng_state(), cuda)
@@ -563,12 +534,9 @@ SETTINGS.define("conditioning.enabled", bool, _env_enabled(),
                 "Global mode: every text, CLIP-vision and VAE encode goes through the conditioning "
                 f"cache (the Cached nodes work either way). Environment: {ENV_SWITCH}=0 turns it off.")
 SETTINGS.define("conditioning.budget_mib", int, 512,
-                "Bytes the conditioning cache may hold, CPU and device together (0 disables it).",
+                "Bytes the conditioning cache may hold (0 disables it): its CPU copies and the weight patches they pin.",
                 minimum=0, maximum=1 << 20, on_change=lambda v: CACHE.configure(budget_bytes=v * MIB))
 SETTINGS.define("conditioning.max_entries", int, 128,
                 "Entries the conditioning cache may hold (0 disables it).",
                 minimum=0, maximum=1 << 20, on_change=lambda v: CACHE.configure(max_entries=v))
-SETTINGS.define("conditioning.device_hot_negatives", bool, True,
-                "Entries marked device-hot (the Cached CLIP node's option) keep their device tensors "
-                "on the device, within the budget; everything else lives on the CPU.")
 CACHE.configure(SETTINGS.get("conditioning.budget_mib") * MIB, SETTINGS.get("conditioning.max_entries"))

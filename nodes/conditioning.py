@@ -34,19 +34,16 @@ class CachedCLIP(io.ComfyNode):
                         "same LoRA at the same strength) reuse the stored output, bit for bit.",
             inputs=[
                 io.Clip.Input("clip", tooltip="The text encoder to cache; it is cloned, never changed."),
-                io.Boolean.Input("device_hot", default=False,
-                                 tooltip="Keep this encoder's outputs on its device between runs (use it "
-                                         "for the negative prompt's CLIP); counts against the same budget."),
             ],
             outputs=[io.Clip.Output(display_name="CLIP", tooltip="A clone routed through the cache.")],
         )
 
     @classmethod
-    def execute(cls, clip, device_hot=False) -> io.NodeOutput:
+    def execute(cls, clip) -> io.NodeOutput:
         _require("ReuseKit Cached CLIP", "clip", clip, "patcher", "clone")
         install()
         out = clip.clone()
-        mark(out.patcher, device_hot)
+        mark(out.patcher)
         return io.NodeOutput(out)
 
 
@@ -72,7 +69,7 @@ class _CachedCopy(io.ComfyNode):
         _require(cls.DISPLAY, cls.INPUT, value, "patcher", *cls.NEEDS)
         install()
         out = cached_copy(value)
-        mark(out.patcher, False)
+        mark(out.patcher)
         return io.NodeOutput(out)
 
 
@@ -107,11 +104,10 @@ class ConditioningCacheSettings(io.ComfyNode):
                                  tooltip="Every text, CLIP-vision and VAE encode of every workflow goes through "
                                          "the cache, without extra nodes."),
                 io.Int.Input("budget_mib", default=512, min=0, max=1 << 20,
-                             tooltip="MiB the cache may hold, CPU and device together; 0 disables it."),
+                             tooltip="MiB the cache may hold (its CPU copies and the LoRA weights they pin); "
+                                     "0 disables it."),
                 io.Int.Input("max_entries", default=128, min=0, max=1 << 20,
                              tooltip="Entries the cache may hold; 0 disables it."),
-                io.Boolean.Input("device_hot_negatives", default=True,
-                                 tooltip="Let entries marked device-hot (Cached CLIP's option) stay on the device."),
                 io.Boolean.Input("clear", default=False, tooltip="Drop every entry now."),
             ],
             outputs=[io.String.Output(display_name="text", tooltip="The cache's stats after the change.")],
@@ -123,15 +119,13 @@ class ConditioningCacheSettings(io.ComfyNode):
         return time.time()  # reports each run; the settings apply only when the inputs change
 
     @classmethod
-    def execute(cls, global_mode=True, budget_mib=512, max_entries=128, device_hot_negatives=True,
-                clear=False) -> io.NodeOutput:
-        inputs = (global_mode, budget_mib, max_entries, device_hot_negatives, clear)
+    def execute(cls, global_mode=True, budget_mib=512, max_entries=128, clear=False) -> io.NodeOutput:
+        inputs = (global_mode, budget_mib, max_entries, clear)
         with _applied_lock:
             if _applied.get("inputs") != inputs:  # the panel's later changes survive re-queues
                 try:
                     SETTINGS.update({"conditioning.enabled": global_mode, "conditioning.budget_mib": budget_mib,
-                                     "conditioning.max_entries": max_entries,
-                                     "conditioning.device_hot_negatives": device_hot_negatives})
+                                     "conditioning.max_entries": max_entries})
                 except ValueError as exc:
                     raise ValueError(f"ReuseKit Conditioning Cache Settings: {exc}") from None
                 if clear:

@@ -9,16 +9,17 @@ Patched (class attributes, one install and one uninstall, idempotent, each shape
 - ``comfy.sd.VAE.encode`` and ``encode_tiled`` (and its tile helpers, ``_encode_tiled_owned`` where
   the host has it, to see an out-of-memory fallback from a plain encode to tiles: that result is
   never stored);
-- ``CLIP.load_sd`` / ``ClipVisionModel.load_sd`` (weights replaced in place: a new generation);
-- device entries are freed first when ComfyUI needs VRAM (a releaser in patches/memory.py);
-- and a ``ModelPatcher.detach`` listener (patches/lifecycle.py): unloading an encoder drops its
-  device entries.
+- ``CLIP.load_sd`` / ``ClipVisionModel.load_sd`` (weights replaced in place: a new generation).
+
+Entries are CPU copies (caching/conditioning.py): the cache holds no VRAM, so nothing here needs
+ComfyUI's memory manager.
 
 A call goes through the cache when global mode is on (setting ``conditioning.enabled``) or when the
 encoder object was made by a ReuseKit Cached node (a marker in its patcher's ``model_options``,
 which ComfyUI's clones copy). Plain-valued object patches (``manual_cast_dtype``...) and the encoder
 modules' own settings (``enable_attention_masks``, ``zero_out_masked``...; a digest) are part of the
-key; an in-place edit of a weight that tracks versions starts a new generation. Patcher classes other
+key; an in-place edit of a weight starts a new generation (seen by its version counter, or for
+inference tensors, which have none, by a checksum of its bytes on every key). Patcher classes other
 than ComfyUI's own are refused. Anything else the key cannot describe exactly (hooks, injections such as bypass LoRA, object
 patches holding code or modules, weight wrappers, patcher callbacks and wrappers, autograd, unknown
 input types) bypasses the cache and runs unchanged. Every patched method's shape is checked at
@@ -35,10 +36,18 @@ import weakref
 
 import torch
 
-from ..caching.conditioning import CACHE, Key, identity, intern_weights, known_identity, register_container
+from ..caching.conditioning import (
+    CACHE,
+    Key,
+    checksums,
+    identity,
+    intern_weights,
+    known_identity,
+    register_container,
+)
 from ..caching.keys import Uncacheable, digest, encode
 from ..caching.settings import SETTINGS
-from . import host, lifecycle, memory
+from . import host
 
 log = logging.getLogger("reusekit")
 
@@ -53,12 +62,9 @@ _active = False  # routing on (a replacement left wrapped by another pack passes
 
 # ---- key parts ---------------------------------------------------------------------------------
 
-def _mode(patcher) -> tuple[bool, bool]:
-    """(route through the cache, keep device tensors) for an encoder's patcher."""
-    marker = getattr(patcher, "model_options", {}).get(MARKER)
-    if marker is not None:
-        return True, bool(marker.get("device_hot")) and SETTINGS.get("conditioning.device_hot_negatives")
-    return SETTINGS.get("conditioning.enabled"), False
+def _routed(patcher) -> bool:
+    """Whether an encoder's calls go through the cache: global mode, or a Cached node's marker."""
+    return MARKER in getattr(patcher, "model_options", {}) or SETTINGS.get("conditioning.enabled")
 
 
 def _patch_structure(value):
@@ -224,24 +230,32 @@ def _module_state(model: torch.nn.Module, patcher) -> tuple:
     return digest(tuple(out))  # thousands of settings in a large VAE: a digest, not kept whole
 
 
-# tensor id -> (weak reference, _version when last seen), per encoder module
+# per encoder module: tensor id -> (weak reference, _version when last seen) for version-counted
+# weights, and weight name -> CRC-32 when last seen for inference tensors (no version counter)
 _versions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_contents: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _versions_lock = threading.Lock()
 
 
 def _check_in_place_edits(model: torch.nn.Module, patcher) -> None:
-    """An encoder weight (parameter or buffer) edited in place since the last key (its ``_version``
-    moved) starts a new generation: the old entries are dropped and never hit. Weights ComfyUI has
-    patched over right now (``patcher.backup``) are not base weights and are skipped; inference
-    tensors (weights loaded inside ComfyUI's executor) have no version counter to read."""
+    """An encoder weight (parameter or buffer) edited in place since the last key starts a new
+    generation: the old entries are dropped and never hit. A version-counted weight shows an edit by
+    its ``_version``; an inference tensor (every weight ComfyUI's loaders make, inside its executor)
+    has none, so its bytes are checked (:func:`checksums`, on every key: the price of seeing edits
+    the version counter cannot). Weights ComfyUI has patched over right now (``patcher.backup``) are
+    not base weights and are skipped."""
     patched = getattr(patcher, "backup", None) or {}
     edited = False
+    untracked: list[tuple[str, torch.Tensor]] = []
     with _versions_lock:
         seen = _versions.get(model)
         if seen is None:
             seen = _versions[model] = {}
         for name, t in (*model.named_parameters(), *model.named_buffers()):
-            if name in patched or t.is_inference():
+            if name in patched:
+                continue
+            if t.is_inference():
+                untracked.append((name, t))
                 continue
             version = t._version
             old = seen.get(id(t))
@@ -251,6 +265,16 @@ def _check_in_place_edits(model: torch.nn.Module, patcher) -> None:
                     seen[id(t)] = (old[0], version)
             else:
                 seen[id(t)] = (weakref.ref(t), version)
+    if untracked:
+        sums = checksums([t for _, t in untracked])
+        with _versions_lock:
+            known = _contents.get(model)
+            if known is None:
+                known = _contents[model] = {}
+            for (name, _), crc in zip(untracked, sums, strict=True):
+                if known.get(name, crc) != crc:
+                    edited = True
+                known[name] = crc
     if edited:
         _new_generation(model)
 
@@ -323,8 +347,7 @@ def _tiled_fallback_reason():
 
 
 def _route(kind: str, patcher, make_key, compute, check_rng=False, admit=None):
-    on, keep_device = _mode(patcher)
-    if not on or not _active or not CACHE.enabled:
+    if not _routed(patcher) or not _active or not CACHE.enabled:
         return compute()
     try:
         key = make_key()
@@ -334,7 +357,7 @@ def _route(kind: str, patcher, make_key, compute, check_rng=False, admit=None):
     except Exception as exc:  # an encoder object this key builder does not know: never break the encode
         CACHE.bypass(kind, f"unexpected {type(exc).__name__}: {exc}")
         return compute()
-    return CACHE.fetch(key, compute, keep_device=keep_device, check_rng=check_rng, admit=admit)
+    return CACHE.fetch(key, compute, check_rng=check_rng, admit=admit)
 
 
 # ---- the patched methods ----------------------------------------------------------------------
@@ -357,7 +380,7 @@ def _make_methods():
                       lambda: orig(self, tokens, return_pooled=return_pooled, return_dict=return_dict, **extra))
 
     def encode_from_tokens_scheduled(self, tokens, *args, **kwargs):
-        if self.patcher.forced_hooks is not None and self.use_clip_schedule and _active and _mode(self.patcher)[0]:
+        if self.patcher.forced_hooks is not None and self.use_clip_schedule and _active and _routed(self.patcher):
             CACHE.bypass("text", "hook-scheduled encode")
         return _orig(CLIP, "encode_from_tokens_scheduled")(self, tokens, *args, **kwargs)
 
@@ -413,20 +436,6 @@ def _make_methods():
     ]
 
 
-def release_device_entries(device: str, need_bytes: int) -> int:
-    """When ComfyUI needs memory on ``device`` (patches/memory.py): least recently used device
-    entries go first."""
-    return CACHE.drop_device(device, need_bytes) if CACHE.device_bytes(device) else 0
-
-
-def drop_device_entries(patcher, *args, **kwargs) -> None:
-    """Before ``ModelPatcher.detach`` (a lifecycle listener): an encoder that ComfyUI unloads
-    takes its device entries with it."""
-    serial = known_identity(patcher.model)
-    if serial is not None:
-        CACHE.drop_owner(serial, device_only=True)
-
-
 FEATURE = "conditioning cache"
 
 
@@ -435,10 +444,8 @@ def _current(owner, name):
 
 
 def _where(owner, name) -> str:
-    """``comfy.sd.CLIP.encode_from_tokens`` for a class's method, ``comfy.model_management.free_memory``
-    for a module's function."""
-    prefix = owner.__name__ if isinstance(owner, types.ModuleType) else f"{owner.__module__}.{owner.__qualname__}"
-    return f"{prefix}.{name}"
+    """``comfy.sd.CLIP.encode_from_tokens`` for a patched method."""
+    return f"{owner.__module__}.{owner.__qualname__}.{name}"
 
 
 def install() -> bool:
@@ -462,8 +469,6 @@ def install() -> bool:
             setattr(owner, name, fn)
             _replacements[(owner, name)] = fn
         _active = True
-        lifecycle.add_listener("detach", drop_device_entries)
-        memory.add_releaser(FEATURE, release_device_entries)
         return True
 
 
@@ -481,8 +486,6 @@ def uninstall() -> None:
                               "ReuseKit: %s was wrapped again by another pack; left in place, passing through",
                               _where(owner, name), level=logging.WARNING)
         _active = False
-        lifecycle.remove_listener("detach", drop_device_entries)
-        memory.remove_releaser(FEATURE)
 
 
 def installed() -> bool:
@@ -491,9 +494,9 @@ def installed() -> bool:
 
 # ---- helpers for the nodes ---------------------------------------------------------------------
 
-def mark(patcher, device_hot: bool) -> None:
+def mark(patcher) -> None:
     """Mark an encoder's (cloned) patcher: its encodes go through the cache even in local mode."""
-    patcher.model_options[MARKER] = {"device_hot": bool(device_hot)}
+    patcher.model_options[MARKER] = {}
 
 
 def cached_copy(obj):

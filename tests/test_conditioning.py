@@ -18,11 +18,10 @@ def cc():
     """The cache module, with global mode on, default limits and an empty cache around each test."""
     mod = rkharness.pack("caching.conditioning")
     settings = rkharness.pack("caching.settings").SETTINGS
-    keys = ("conditioning.enabled", "conditioning.budget_mib", "conditioning.max_entries",
-            "conditioning.device_hot_negatives")
+    keys = ("conditioning.enabled", "conditioning.budget_mib", "conditioning.max_entries")
     saved = {k: settings.get(k) for k in keys}
     settings.update({"conditioning.enabled": True, "conditioning.budget_mib": 512,
-                     "conditioning.max_entries": 128, "conditioning.device_hot_negatives": True})
+                     "conditioning.max_entries": 128})
     mod.CACHE.clear()
     mod.CACHE.reset_counts()
     yield mod
@@ -481,7 +480,7 @@ def test_pixels_are_keyed_by_a_digest_and_the_key_bytes_are_counted(cc, vae):
     assert key.nbytes < 64 << 10 and key == patches.vae_key(vae, "encode", big.clone(), ())
     vae.encode(big)
     (entry,) = cc.CACHE._entries.values()
-    assert entry.tiers["cpu"] >= key.nbytes + 16 * 75 * 75 * 4 and cc.CACHE.total_bytes() < 1 << 20
+    assert entry.own_bytes >= key.nbytes + 16 * 75 * 75 * 4 and cc.CACHE.total_bytes() < 1 << 20
     other = big.clone()
     other[0, 599, 599, 2] += 0.25
     assert patches.vae_key(vae, "encode", other, ()) != key
@@ -537,6 +536,47 @@ def test_in_place_weight_edits_and_foreign_patchers_never_hit(cc, uncached, tiny
     fork.patcher.__class__ = ForkPatcher
     fork.encode_from_tokens(tokens)
     assert cc.CACHE.count("bypasses.text") == 1 and cc.CACHE.count("misses.text") == 0
+
+
+def test_in_place_edits_of_inference_weights_never_hit(cc, uncached, tiny):
+    """Encoders built inside inference mode (as ComfyUI's loaders run) have weights that track no
+    version: an in-place edit of one (a single element) is still seen by the content check."""
+    with torch.inference_mode():
+        clip = tiny.tiny_clip(4)
+        weight = clip.cond_stage_model.clip_l.transformer.text_model.final_layer_norm.weight
+        assert weight.is_inference()
+        tokens = clip.tokenize("an inference-mode encoder")
+        first = clip.encode_from_tokens(tokens)
+        assert same(first, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 1  # still hits
+        weight[0] = weight[0] * 2
+        edited = clip.encode_from_tokens(tokens)
+    assert not same(first, edited) and same(uncached(clip.encode_from_tokens, tokens), edited)
+    assert cc.CACHE.count("hits.text") == 1
+
+
+def test_real_loader_weights_are_inference_tensors_and_edits_are_seen(cc, uncached, tiny, tmp_path):
+    """ComfyUI's VAELoader, through the real executor, leaves the weights as inference tensors; an
+    in-place edit of them (as a custom node would make) misses."""
+    import folder_paths
+    from safetensors.torch import save_file
+
+    loras = __import__(f"{tiny.__name__}.conditioning", fromlist=["tiny_wan_vae"])
+    state = loras.tiny_wan_vae(5).first_stage_model.state_dict()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "rk_inference_vae.safetensors"))
+    folder_paths.add_model_folder_path("vae", str(tmp_path))
+    executor = rkharness.Executor()
+    executor.run({"1": {"class_type": "VAELoader", "inputs": {"vae_name": "rk_inference_vae.safetensors"}},
+                  "2": {"class_type": "ReuseKitCacheStats", "inputs": {"after": ["1", 0]}}})
+    vae = executor.output("1")[0][0]
+    weights = list(vae.first_stage_model.parameters())
+    assert weights and all(w.is_inference() for w in weights)
+    video = torch.rand(1, 16, 16, 3, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        first = vae.encode(video)
+        assert torch.equal(vae.encode(video), first) and cc.CACHE.count("hits.vae") == 1
+        weights[0].mul_(1.5)
+        edited = vae.encode(video)
+    assert not torch.equal(first, edited) and same(uncached(vae.encode, video), edited)
 
 
 def test_uninstall_leaves_a_later_wrapper_in_place_and_working(cc, clip):
@@ -671,24 +711,17 @@ def test_dead_encoders_drop_their_entries(cc, tiny):
     assert len(cc.CACHE) == 0
 
 
-# ---- device entries and ComfyUI's memory management ----------------------------------------------
+# ---- no device tier --------------------------------------------------------------------------------
 
-def test_device_entries_are_freed_for_comfyui_and_on_unload(cc, tiny, monkeypatch):
-    """Device-hot entries (meta tensors stand in for a GPU here) leave when ComfyUI needs memory."""
-    import comfy.model_management as mm
-
-    clip = tiny.tiny_clip(0)
-    owner = cc.identity(clip.cond_stage_model)
-    for i in range(3):
-        cc.CACHE.fetch(cc.Key("text", (i,), owners=(owner,)), lambda: torch.empty(256, device="meta"),
-                       keep_device=True)
-    assert cc.CACHE.device_bytes("meta") == 3 * 1024 and cc.CACHE.bytes_by_tier()["device"] == 3 * 1024
-    monkeypatch.setattr(mm, "get_free_memory", lambda *a, torch_free_too=False, **k: (0, 0) if torch_free_too else 0)
-    monkeypatch.setattr(mm, "soft_empty_cache", lambda *a, **k: None)
-    mm.free_memory(1500, torch.device("meta"))  # ComfyUI asks for 1500 bytes: two entries go, LRU first
-    assert cc.CACHE.device_bytes() == 1024 and [k.fields[0] for k in cc.CACHE.keys()] == [2]
-    clip.patcher.detach()  # unloading the encoder drops its remaining device entries
-    assert cc.CACHE.device_bytes() == 0
+def test_the_cache_holds_no_device_memory_and_asks_comfyui_for_none(cc):
+    """Entries are CPU copies: no releaser in ComfyUI's free_memory, no device option left."""
+    memory = rkharness.pack("patches.memory")
+    nodes_mod = rkharness.pack("nodes.conditioning")
+    patches = rkharness.pack("patches.conditioning")
+    assert patches.installed() and patches.FEATURE not in [name for name, _ in memory._releasers]
+    assert "conditioning.device_hot_negatives" not in rkharness.pack("caching.settings").SETTINGS.snapshot()
+    for node in (nodes_mod.CachedCLIP, nodes_mod.ConditioningCacheSettings):
+        assert not [i for i in node.define_schema().inputs if "device" in i.id]
 
 
 # ---- concurrency ------------------------------------------------------------------------------------
@@ -748,7 +781,7 @@ def test_global_mode_off_leaves_encoders_alone_but_the_cached_node_still_caches(
     tokens = clip.tokenize("node path")
     clip.encode_from_tokens(tokens)
     assert len(cc.CACHE) == 0 and cc.CACHE.count("misses") == 0
-    cached = nodes_mod.CachedCLIP.execute(clip, device_hot=True).result[0]
+    cached = nodes_mod.CachedCLIP.execute(clip).result[0]
     assert cached is not clip and "reusekit_conditioning" not in clip.patcher.model_options
     first = cached.encode_from_tokens(tokens)
     assert same(first, cached.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 1

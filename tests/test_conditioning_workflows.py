@@ -45,7 +45,9 @@ def test_reusekit_hits_where_comfyui_recomputes(table, name, mode):
 
 
 def test_a_workflow_with_the_cached_node_encodes_once(table):
-    """Global mode off: only the Cached CLIP node routes; a rerun (new seed, no ComfyUI cache) hits."""
+    """Global mode off: only the Cached CLIP node routes; a rerun (new seed, no ComfyUI cache) hits.
+    The prompt still passes the removed ``device_hot`` input, as prompts saved before do: ComfyUI
+    validates and runs it, dropping the input."""
     settings = rkharness.pack("caching.settings").SETTINGS
     cache = rkharness.pack("caching.conditioning").CACHE
     prompts = []
@@ -116,8 +118,7 @@ def settings_restored():
     """The conditioning settings and cache, put back as they were after the test."""
     settings = rkharness.pack("caching.settings").SETTINGS
     cache = rkharness.pack("caching.conditioning").CACHE
-    keys = ("conditioning.enabled", "conditioning.budget_mib", "conditioning.max_entries",
-            "conditioning.device_hot_negatives")
+    keys = ("conditioning.enabled", "conditioning.budget_mib", "conditioning.max_entries")
     saved = {k: settings.get(k) for k in keys}
     try:
         yield settings, cache
@@ -126,18 +127,18 @@ def settings_restored():
         cache.clear()
 
 
-def settings_prompt(budget_mib: int, max_entries: int, device_hot: bool) -> dict:
+def settings_prompt(budget_mib: int, max_entries: int, **old_inputs) -> dict:
     return {"1": {"class_type": "ReuseKitConditioningCacheSettings",
                   "inputs": {"global_mode": True, "budget_mib": budget_mib, "max_entries": max_entries,
-                             "device_hot_negatives": device_hot, "clear": True}}}
+                             "clear": True, **old_inputs}}}
 
 
 def test_settings_node_applies_settings_through_the_executor(settings_restored):
     settings, cache = settings_restored
-    result = rkharness.Executor().run(settings_prompt(64, 7, False))
+    # saved before device_hot_negatives was removed: ComfyUI drops the unknown input
+    result = rkharness.Executor().run(settings_prompt(64, 7, device_hot_negatives=False))
     assert settings.get("conditioning.budget_mib") == 64 and settings.get("conditioning.max_entries") == 7
     assert cache.budget_bytes == 64 << 20 and cache.max_entries == 7 and len(cache) == 0
-    assert not settings.get("conditioning.device_hot_negatives")
     (text,) = result["outputs"]["1"]["text"]
     assert "conditioning" in text and "64.0 MiB" in text
 
@@ -145,7 +146,7 @@ def test_settings_node_applies_settings_through_the_executor(settings_restored):
 def test_settings_node_applies_once_per_change_through_the_executor(tiny, settings_restored):
     """Re-queued unchanged, the node neither rewrites settings changed since (panel) nor clears again."""
     settings, cache = settings_restored
-    prompt = settings_prompt(48, 9, True)
+    prompt = settings_prompt(48, 9)
     clip = tiny.tiny_clip(0)
     executor = rkharness.Executor()
     executor.run(prompt)
