@@ -116,6 +116,7 @@ QWEN = ("comfy.ldm.qwen_image.model:QwenImageTransformer2DModel",)
 PATCHER = (("comfy.model_patcher:ModelPatcher.set_model_patch_replace", ("patch", "name", "block_name", "number")),
            ("comfy.model_patcher:ModelPatcher.add_wrapper_with_key", ("wrapper_type", "key", "wrapper")),
            ("comfy.model_patcher:ModelPatcher.remove_wrappers_with_key", ("wrapper_type", "key")))
+WRAPPERS = "comfy.patcher_extension:WrappersMP"  # the wrapper kinds apply() adds
 APPLY_MOD = (("comfy.ldm.flux.layers:apply_mod", ("tensor", "m_mult", "m_add", "modulation_dims")),)
 QWEN_MODULATE = (("comfy.ldm.qwen_image.model:QwenImageTransformerBlock._modulate", ("x", "mod_params")),)
 
@@ -220,8 +221,9 @@ class Settings:
 
 def _seams_fit(family: Family) -> bool:
     """The host's seams that ``family`` uses have the expected shape (else one warning says which)."""
-    return all(host.check(f"TeaCache ({family.name})", where, _resolve(where), params)
-               for where, params in PATCHER + family.seams)
+    feature = f"TeaCache ({family.name})"
+    return (host.check(feature, WRAPPERS, _resolve(WRAPPERS), attrs=("OUTER_SAMPLE", "DIFFUSION_MODEL"))
+            and all(host.check(feature, where, _resolve(where), params) for where, params in PATCHER + family.seams))
 
 
 def report_layer() -> None:
@@ -244,12 +246,12 @@ def apply(model_patcher, config: tc.StepCacheConfig):
     wanted = TYPE_FAMILY.get(config.model_type)
     if wanted is not None and wanted != family.name:
         raise ValueError(f"model_type: {config.model_type!r} is for {wanted} models, this is a {family.name} model")
-    import comfy.patcher_extension as pe
+    from comfy.patcher_extension import WrappersMP
 
     m = model_patcher.clone()
     blocks = family.blocks(m.model.diffusion_model)
     m.model_options["transformer_options"][KEY] = Settings(config, family, tuple(blocks))
-    for kind, fn in ((pe.WrappersMP.OUTER_SAMPLE, _outer_sample), (pe.WrappersMP.DIFFUSION_MODEL, _diffusion_model)):
+    for kind, fn in ((WrappersMP.OUTER_SAMPLE, _outer_sample), (WrappersMP.DIFFUSION_MODEL, _diffusion_model)):
         m.remove_wrappers_with_key(kind, KEY)  # applying twice replaces, never stacks
         m.add_wrapper_with_key(kind, KEY, fn)
     dit = m.model_options["transformer_options"].get("patches_replace", {}).get("dit", {})

@@ -826,6 +826,20 @@ def test_a_host_that_reshaped_what_a_family_reads_runs_that_family_uncached(flux
     assert "apply_mod" in rkharness.pack("patches.host").off_features()["TeaCache (flux)"]
 
 
+def test_a_host_without_the_wrapper_kinds_passes_the_model_through(flux, monkeypatch):
+    """A ComfyUI whose WrappersMP lacks a kind the cache wraps: the node returns a plain clone and
+    the host's report names it, never an AttributeError from the node."""
+    import comfy.patcher_extension
+
+    class Reshaped:
+        OUTER_SAMPLE = comfy.patcher_extension.WrappersMP.OUTER_SAMPLE
+
+    monkeypatch.setattr(comfy.patcher_extension, "WrappersMP", Reshaped)
+    model = teacache(flux, 0.4)
+    assert model is not flux and P().KEY not in model.model_options["transformer_options"]
+    assert "DIFFUSION_MODEL" in rkharness.pack("patches.host").off_features()["TeaCache (flux)"]
+
+
 def test_a_step_whose_decision_cannot_run_is_computed_and_never_crashes(flux, conds, monkeypatch, caplog):
     """A model variant whose modulated input cannot be read: every step computed (the uncached
     latent exactly), no residual kept for a decision that never ran, one warning."""
