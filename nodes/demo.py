@@ -1,6 +1,7 @@
 """The demo models as nodes: a tiny Flux and Wan trained on captioned shapes, shipped with the pack
-(no download), the picture code that stands in for their VAE, and a prompt batch that shares one
-negative. Every forward of their encoder and transformer is counted under "demo models" in the stats.
+(no download), and the picture code that stands in for their VAE; their encoder and transformer
+forwards are counted under "demo models" in the stats. Also ReuseKit Prompt Batch: a prompt per
+line, each paired with one shared negative.
 """
 
 from __future__ import annotations
@@ -144,13 +145,13 @@ class DemoDecode(io.ComfyNode):
         return io.NodeOutput(pic.permute(0, 2, 3, 1).contiguous().cpu())
 
 
-class DemoPromptBatch(io.ComfyNode):
+class PromptBatch(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(
-            node_id="ReuseKitDemoPromptBatch",
-            display_name="ReuseKit Demo Prompt Batch",
-            category=AREA,
+            node_id="ReuseKitPromptBatch",
+            display_name="ReuseKit Prompt Batch",
+            category=CATEGORY,
             description="A batch of prompts, one per line, each paired with the same negative: connected nodes "
                         "run once per line (ComfyUI's list outputs), the way a queue of prompts would.",
             inputs=[io.String.Input("prompts", multiline=True,
@@ -167,7 +168,7 @@ class DemoPromptBatch(io.ComfyNode):
 
     @classmethod
     def execute(cls, prompts, negative="") -> io.NodeOutput:
-        node = "ReuseKit Demo Prompt Batch"
+        node = "ReuseKit Prompt Batch"
         if not isinstance(prompts, str) or not isinstance(negative, str):
             raise ValueError(f"{node}: prompts and negative must be text")
         lines = [line.strip() for line in prompts.splitlines() if line.strip()]
@@ -176,4 +177,4 @@ class DemoPromptBatch(io.ComfyNode):
         return io.NodeOutput(lines, [negative] * len(lines))
 
 
-NODES = [DemoFlux, DemoWan, DemoDecode, DemoPromptBatch]
+NODES = [DemoFlux, DemoWan, DemoDecode, PromptBatch]

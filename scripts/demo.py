@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = "ReuseKit demo (no downloads).json"
 EXACT_LAYERS = ("ReuseKitPECache", "ReuseKitGraphCapture")  # never change a result
 APPROXIMATE = ("ReuseKitTeaCache",)
+REPORTS = ("ReuseKitCacheStats",)
 SAVE_LATENT = "90"
 
 
@@ -51,9 +52,8 @@ def variants(rk, workflow: dict) -> dict[str, dict]:
     full = rk.workflow_to_prompt(workflow)
     sampler = next(nid for nid, n in full.items() if n["class_type"] == "KSampler")
     out = {}
-    for name, drop in (("off", {c for n in full.values() for c in [n["class_type"]]
-                                if c.startswith("ReuseKit") and not c.startswith("ReuseKitDemo")}),
-                       ("exact", set(APPROXIMATE)), ("full", set())):
+    for name, drop in (("off", {*EXACT_LAYERS, *APPROXIMATE, *REPORTS}), ("exact", set(APPROXIMATE)),
+                       ("full", set())):
         prompt = without(full, drop)
         prompt[SAVE_LATENT] = {"class_type": "SaveLatent",
                                "inputs": {"samples": [sampler, 0], "filename_prefix": f"latents/demo_{name}"}}
@@ -61,13 +61,19 @@ def variants(rk, workflow: dict) -> dict[str, dict]:
     return out
 
 
-def _counters(snapshot: dict) -> dict:
-    """The counters a run changes, summed by cache kind (``pe`` has one cache per model)."""
+def counters(snapshot: dict) -> dict:
+    """Each cache's counters by name (``pe`` has one cache per model, dropped with it)."""
+    return {cache["name"]: (cache["kind"], cache["counters"]) for cache in snapshot["caches"]}
+
+
+def changes(before: dict, after: dict) -> dict:
+    """What a run counted, summed by cache kind: ``"pe.hits"`` etc. (caches gone since are left out)."""
     out: dict[str, int] = {}
-    for cache in snapshot["caches"]:
-        for counter, n in cache["counters"].items():
-            key = f"{cache['kind']}.{counter}"
-            out[key] = out.get(key, 0) + n
+    for name, (kind, now) in after.items():
+        then = before.get(name, (kind, {}))[1]
+        for counter, n in now.items():
+            key = f"{kind}.{counter}"
+            out[key] = out.get(key, 0) + n - then.get(counter, 0)
     return out
 
 
@@ -78,14 +84,14 @@ def run(server, name: str, prompt: dict) -> dict:
 
     server.post("/reusekit/settings", {"conditioning.enabled": name != "off"})
     server.post("/reusekit/clear", {"all": True})
-    before = _counters(server.get("/reusekit/stats"))
+    before = counters(server.get("/reusekit/stats"))
     start = time.monotonic()
     history = server.wait_for_prompt(server.queue(prompt))
     wall = time.monotonic() - start
     if history["status"].get("status_str") != "success":
         raise RuntimeError(f"the demo ({name}) failed: {history['status']}\n{server.log_text()[-3000:]}")
     stats = server.get("/reusekit/stats")
-    after = _counters(stats)
+    after = counters(stats)
     outputs = history["outputs"]
     latents = [load_file(str(server.base / "output" / f["subfolder"] / f["filename"]))["latent_tensor"]
                for f in outputs[SAVE_LATENT]["latents"]]
@@ -94,7 +100,7 @@ def run(server, name: str, prompt: dict) -> dict:
     graph = next((c["info"] for c in stats["caches"] if c["kind"] == "graph"), {})
     return {"name": name, "wall_s": wall, "latents": torch.stack([t.float() for t in latents]),
             "images": images, "graph": graph,
-            "counts": {k: after.get(k, 0) - before.get(k, 0) for k in after}}
+            "counts": changes(before, after)}
 
 
 def compare(results: dict) -> dict:

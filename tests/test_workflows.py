@@ -95,10 +95,10 @@ def test_demo_decode_refuses_what_is_not_a_demo_latent(samples, scale, name):
 
 
 def test_the_prompt_batch_pairs_every_line_with_the_negative():
-    out = demo().DemoPromptBatch.execute("a\n\n b \n", "neg").args
+    out = demo().PromptBatch.execute("a\n\n b \n", "neg").args
     assert out == (["a", "b"], ["neg", "neg"])
-    with pytest.raises(ValueError, match="ReuseKit Demo Prompt Batch: prompts"):
-        demo().DemoPromptBatch.execute(" \n", "")
+    with pytest.raises(ValueError, match="ReuseKit Prompt Batch: prompts"):
+        demo().PromptBatch.execute(" \n", "")
 
 
 def test_demo_models_count_their_forward_calls_and_stay_cacheable():
@@ -164,3 +164,167 @@ def test_the_demo_without_reusekit_computes_everything_and_the_exact_layers_matc
     print(f"TeaCache final-latent errors: {', '.join(f'{100 * e:.1f}%' for e in errors)}")
     assert len(errors) == 3 and 0 < max(errors) < 0.08
     assert len(demo_run["pictures"]) == 3 and all(p.is_file() for p in demo_run["pictures"])
+
+
+# ---- every workflow: well formed ---------------------------------------------------------------
+
+WORKFLOWS = sorted(p.name for p in (rkharness.ROOT / "workflows").glob("*.json"))
+FRONTEND_ONLY = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
+LOADERS = {"UNETLoader": (1, "diffusion_models"), "DualCLIPLoader": (2, "text_encoders"),
+           "CLIPLoader": (1, "text_encoders"), "VAELoader": (1, "vae"), "CheckpointLoaderSimple": (1, "checkpoints")}
+
+
+def test_there_are_the_demo_and_at_least_six_real_model_workflows():
+    assert "ReuseKit demo (no downloads).json" in WORKFLOWS and len(WORKFLOWS) >= 7
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_every_workflow_is_well_formed(name):
+    """Parses; every node type exists in the host plus the pack; links agree at both ends; a note and
+    a .jpg thumbnail; every loader carries the front end's model metadata for its files."""
+    import nodes
+
+    rkharness.load_extra_nodes()
+    wf = rkharness.load_workflow(name)
+    by_id = {n["id"]: n for n in wf["nodes"]}
+    assert len(by_id) == len(wf["nodes"]) and wf["last_node_id"] >= max(by_id)
+    unknown = [n["type"] for n in wf["nodes"] if n["type"] not in nodes.NODE_CLASS_MAPPINGS | dict.fromkeys(FRONTEND_ONLY)]
+    assert not unknown, unknown
+    link_ids = set()
+    for lid, src, slot, dst, idx, kind in wf["links"]:
+        link_ids.add(lid)
+        out, into = by_id[src]["outputs"][slot], by_id[dst]["inputs"][idx]
+        assert lid in (out["links"] or []) and into["link"] == lid, (name, lid)
+        assert kind == out["type"] and (into["type"] in (kind, "*") or "widget" in into or into["type"] == "*"), (name, lid)
+    assert wf["last_link_id"] >= max(link_ids)
+    for n in wf["nodes"]:
+        assert all(i["link"] in link_ids for i in n.get("inputs", []) if i.get("link") is not None), (name, n["id"])
+        assert all(lid in link_ids for o in n.get("outputs", []) for lid in (o.get("links") or [])), (name, n["id"])
+    notes = [n for n in wf["nodes"] if n["type"] in ("Note", "MarkdownNote") and n["widgets_values"][0].strip()]
+    assert notes, f"{name}: no note node"
+    thumb = rkharness.ROOT / "workflows" / (name[:-5] + ".jpg")
+    assert thumb.is_file() and thumb.read_bytes()[:2] == b"\xff\xd8", f"{name}: no .jpg thumbnail"
+    for n in wf["nodes"]:
+        if n["type"] in LOADERS:
+            count, folder = LOADERS[n["type"]]
+            files = n["widgets_values"][:count]
+            models = n["properties"].get("models")
+            assert [m["name"] for m in models or []] == files, (name, n["type"], models)
+            for m in models:
+                assert m["directory"] == folder and m["url"].startswith("https://huggingface.co/")
+                assert m["url"].split("?")[0].endswith("/" + m["name"]), m
+
+
+# ---- every real-model workflow: executed through the real server on tiny models ----------------
+
+def _set(prompt: dict, class_type: str, **inputs) -> None:
+    for node in prompt.values():
+        if node["class_type"] == class_type:
+            node["inputs"].update(inputs)
+
+
+def _swap(prompt: dict, old: str, new: str, drop=()) -> None:
+    for node in prompt.values():
+        if node["class_type"] == old:
+            node["class_type"] = new
+            for name in drop:
+                node["inputs"].pop(name, None)
+
+
+def _picture(path, color) -> None:
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (64, 64), color).save(path)
+
+
+def _small(prompt: dict, steps: int = 6) -> dict:
+    """Tiny sizes and few steps; the stand-ins the tiny models need (see RUNS)."""
+    for kind in ("EmptySD3LatentImage", "EmptyLatentImage"):
+        _set(prompt, kind, width=64, height=64)
+    _set(prompt, "EmptyHunyuanLatentVideo", width=64, height=64, length=1)
+    _swap(prompt, "EmptyLatentImage", "EmptySD3LatentImage")  # the tiny VAE and models have 16 channels
+    for node in prompt.values():
+        if "steps" in node["inputs"]:
+            node["inputs"]["steps"] = steps
+    return prompt
+
+
+def _text(prompt: dict, text: str) -> dict:
+    first = min((nid for nid, n in prompt.items() if n["class_type"] == "CLIPTextEncode"), key=int)
+    prompt[first]["inputs"]["text"] = text
+    return prompt
+
+
+def _image(prompt: dict, name: str) -> dict:
+    _set(prompt, "LoadImage", image=name)
+    return prompt
+
+
+FLUX = "Flux text to image - prompt batch, PE cache, TeaCache.json"
+SD15 = "SD1.5 text to image - conditioning cache, graph capture.json"
+I2I = "SD1.5 image to image - VAE-encode cache.json"
+KONTEXT = "Flux Kontext edit - reference encode and PE cache.json"
+WAN = "Wan 2.1 text to video - PE cache, TeaCache.json"
+BEFORE_AFTER = "Before and after - Flux with and without ReuseKit.json"
+# workflow -> (tiny family, the prompts to queue in order (from the converted workflow), what the note promises)
+RUNS = {
+    FLUX: ("flux_trained", lambda p: [p], lambda c: c["conditioning.hits"] >= 3 and c["pe.hits"] > 0
+           and c["step.calls_skipped"] > 0),
+    SD15: ("flux_trained", lambda p: [_text(json.loads(json.dumps(p)), t) for t in ("a cat", "a dog", "a cat")],
+           lambda c: c["conditioning.hits"] >= 1 and c["graph.checks"] > 0),
+    I2I: ("flux_trained", lambda p: [_image(json.loads(json.dumps(p)), f) for f in ("a.png", "b.png", "a.png")],
+          lambda c: c["vae.hits"] >= 1),
+    KONTEXT: ("flux_trained", lambda p: [_text(json.loads(json.dumps(p)), t) for t in ("make it red", "make it blue",
+                                                                                        "make it red")],
+              lambda c: c["conditioning.hits"] >= 1 and c["pe.hits"] > 0),
+    WAN: ("wan_trained", lambda p: [p], lambda c: c["pe.hits"] > 0 and c["step.runs"] >= 1),
+    BEFORE_AFTER: ("flux_trained", lambda p: [p], lambda c: c["step.calls_skipped"] > 0 and c["pe.hits"] > 0),
+    "conditioning_prompt_variations.json": ("flux", lambda p: [_text(json.loads(json.dumps(p)), t) for t in
+                                                               ("a red fox", "a blue fox", "a red fox")],
+                                            lambda c: c["conditioning.hits"] >= 1),
+    "graph_capture_flux.json": ("flux", lambda p: [p], lambda c: c["graph.checks"] > 0),
+    "pe_cache_flux.json": ("flux", lambda p: [p], lambda c: c["pe.hits"] > 0),
+    "step_cache_flux.json": ("flux_trained", lambda p: [p], lambda c: c["step.calls_skipped"] > 0),
+}
+
+
+def _vae_hits(snapshot: dict) -> int:
+    cache = next(c for c in snapshot["caches"] if c["name"] == "conditioning")
+    return cache["info"].get("by_kind", {}).get("vae", {}).get("hits", 0)
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    with rkharness.running_server() as server:
+        for name, color in (("a.png", (200, 30, 30)), ("b.png", (30, 30, 200)), ("example.png", (30, 160, 60))):
+            _picture(server.base / "input" / name, color)
+        yield server
+
+
+def test_every_workflow_but_the_demo_has_a_run():
+    assert sorted(RUNS) == sorted(n for n in WORKFLOWS if n != demo_script().DEMO)
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_every_real_model_workflow_runs_on_tiny_models_and_the_stats_show_its_promise(tiny_server, name):
+    """Loaders become the tests' tiny models of the same classes (ComfyUI sizes CLIP-L, T5 and UMT5 from
+    fixed configs and Flux/Wan heads from fixed head widths: no tiny file loads through the real loaders)."""
+    script = demo_script()
+    family, queue, promise = RUNS[name]
+    prompt = _small(rkharness.workflow_to_prompt(rkharness.load_workflow(name), family=family))
+    prompt = script.without(prompt, {"FluxKontextImageScale"})  # it would scale the picture to 1 megapixel
+    if family == "wan_trained":  # the picture code stands in for the Wan VAE
+        _swap(prompt, "VAEDecode", "ReuseKitDemoDecode", drop=("vae",))
+        _set(prompt, "ReuseKitDemoDecode", scale=1)
+    tiny_server.post("/reusekit/clear", {"all": True})
+    first = tiny_server.get("/reusekit/stats")
+    before, vae_before = script.counters(first), _vae_hits(first)
+    for p in queue(prompt):
+        history = tiny_server.wait_for_prompt(tiny_server.queue(p))
+        assert history["status"]["status_str"] == "success", (name, history["status"], tiny_server.log_text()[-3000:])
+    last = tiny_server.get("/reusekit/stats")
+    counts = script.changes(before, script.counters(last))
+    counts = {"conditioning.hits": 0, "pe.hits": 0, "step.calls_skipped": 0, "step.runs": 0, "graph.checks": 0,
+              **counts, "vae.hits": _vae_hits(last) - vae_before}
+    assert promise(counts), (name, counts)
