@@ -11,8 +11,8 @@ Patched (class attributes, one install and one uninstall, idempotent, each shape
   never stored);
 - ``CLIP.load_sd`` / ``ClipVisionModel.load_sd`` (weights replaced in place: a new generation).
 
-Entries are CPU copies (caching/conditioning.py): the cache holds no VRAM, so nothing here needs
-ComfyUI's memory manager.
+Entries are CPU copies (caching/conditioning.py): the cache makes no device copy of its own (weight
+patches it pins stay where their patcher keeps them), so nothing here hooks ComfyUI's memory manager.
 
 A call goes through the cache when global mode is on (setting ``conditioning.enabled``) or when the
 encoder object was made by a ReuseKit Cached node (a marker in its patcher's ``model_options``,
@@ -20,8 +20,8 @@ which ComfyUI's clones copy). Plain-valued object patches (``manual_cast_dtype``
 modules' own settings (``enable_attention_masks``, ``zero_out_masked``...; a digest) are part of the
 key; an in-place edit of a weight starts a new generation (seen by its version counter, or for
 inference tensors, which have none, by a checksum of its bytes on every key). Patcher classes other
-than ComfyUI's own are refused. Anything else the key cannot describe exactly (hooks, injections such as bypass LoRA, object
-patches holding code or modules, weight wrappers, patcher callbacks and wrappers, autograd, unknown
+than ComfyUI's own are refused. Anything else the key cannot describe exactly (hooks, injections
+such as bypass LoRA, object patches holding code or modules, weight wrappers, patcher callbacks and wrappers, autograd, unknown
 input types) bypasses the cache and runs unchanged. Every patched method's shape is checked at
 install (patches/host.py): on a host that reshaped one, the cache stays off with one warning.
 """

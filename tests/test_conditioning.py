@@ -351,15 +351,15 @@ def test_plain_object_patches_are_keyed_by_name_and_value(cc, uncached, tiny):
 
 def test_code_on_the_patcher_refuses_the_key_for_every_encoder(cc, clip, vae, vision):
     """Injections, callbacks, wrappers and weight wrappers may change the forward: no key."""
-    import comfy.patcher_extension as ext
+    import comfy.patcher_extension as patcher_extension
 
     route = rkharness.pack("patches.conditioning")
     keys = {clip: lambda c: route.text_key(c, c.tokenize("code"), False, False),
             vae: lambda v: route.vae_key(v, "encode", image(1), ()),
             vision: lambda v: route.vision_key(v, image(1), True)}
-    edits = {"injections": lambda p: p.set_injections("rk", [ext.PatcherInjection(lambda mp: None, lambda mp: None)]),
-             "callbacks": lambda p: p.add_callback(ext.CallbacksMP.ON_LOAD, lambda *a: None),
-             "wrappers": lambda p: p.add_wrapper(ext.WrappersMP.APPLY_MODEL, lambda *a: None),
+    edits = {"injections": lambda p: p.set_injections("rk", [patcher_extension.PatcherInjection(lambda mp: None, lambda mp: None)]),
+             "callbacks": lambda p: p.add_callback(patcher_extension.CallbacksMP.ON_LOAD, lambda *a: None),
+             "wrappers": lambda p: p.add_wrapper(patcher_extension.WrappersMP.APPLY_MODEL, lambda *a: None),
              "weight wrappers": lambda p: p.add_weight_wrapper("rk.weight", lambda w: w)}
     for encoder, key in keys.items():
         key(encoder)  # the plain encoder keys

@@ -24,9 +24,9 @@ def families():
 
 def cached_options(rope, **extra):
     """transformer_options that carry the node's APPLY_MODEL wrapper, as sampling does."""
-    import comfy.patcher_extension as pe
+    import comfy.patcher_extension as patcher_extension
 
-    return {"wrappers": {pe.WrappersMP.APPLY_MODEL: {"test": [rope.ApplyModelWrapper()]}}, **extra}
+    return {"wrappers": {patcher_extension.WrappersMP.APPLY_MODEL: {"test": [rope.ApplyModelWrapper()]}}, **extra}
 
 
 def run(model, call, options):

@@ -45,14 +45,14 @@ def counters(cache):
 
 
 def test_ksampler_on_tiny_flux_with_the_node_equals_the_run_without(tiny):
-    import comfy.patcher_extension as pe
+    import comfy.patcher_extension as patcher_extension
 
     model = tiny.tiny_flux(0)
     plain = sample(model, tiny)
     assert rope.model_cache(model.model, create=False) is None  # a model without the node is untouched
     (cached_model,) = node().execute(model, True).result
     assert cached_model is not model and cached_model.model is model.model
-    assert not model.wrappers.get(pe.WrappersMP.APPLY_MODEL)  # the input MODEL is not changed
+    assert not model.wrappers.get(patcher_extension.WrappersMP.APPLY_MODEL)  # the input MODEL is not changed
     assert torch.equal(plain, sample(cached_model, tiny))
     cache = rope.model_cache(model.model)
     assert counters(cache) == {"misses": 1, "hits": 2}  # cond+uncond batched: one PE per step
@@ -164,13 +164,13 @@ def test_bad_inputs_name_the_node_and_the_input():
 
 
 def test_applying_the_node_twice_keeps_one_wrapper(tiny):
-    import comfy.patcher_extension as pe
+    import comfy.patcher_extension as patcher_extension
 
     (once,) = node().execute(tiny.tiny_flux(0), True).result
     (twice,) = node().execute(once, False).result
-    (wrapper,) = twice.wrappers[pe.WrappersMP.APPLY_MODEL]["reusekit_pe_cache"]
-    assert wrapper.enabled is False and "reusekit_pe_cache" not in twice.wrappers.get(pe.WrappersMP.OUTER_SAMPLE, {})
-    assert once.wrappers[pe.WrappersMP.APPLY_MODEL]["reusekit_pe_cache"][0].enabled is True
+    (wrapper,) = twice.wrappers[patcher_extension.WrappersMP.APPLY_MODEL]["reusekit_pe_cache"]
+    assert wrapper.enabled is False and "reusekit_pe_cache" not in twice.wrappers.get(patcher_extension.WrappersMP.OUTER_SAMPLE, {})
+    assert once.wrappers[patcher_extension.WrappersMP.APPLY_MODEL]["reusekit_pe_cache"][0].enabled is True
 
 
 @pytest.mark.parametrize("with_node", [True, False])

@@ -181,12 +181,12 @@ class RKTestStepProbe:
     CATEGORY = "ReuseKit tests"
 
     def patch(self, model):
-        import comfy.patcher_extension as pe
+        import comfy.patcher_extension as patcher_extension
 
         probe = step_probe()
         model = model.clone()
-        model.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, "rktest_probe", probe.outer_sample)
-        model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "rktest_probe", probe.diffusion_model)
+        model.add_wrapper_with_key(patcher_extension.WrappersMP.OUTER_SAMPLE, "rktest_probe", probe.outer_sample)
+        model.add_wrapper_with_key(patcher_extension.WrappersMP.DIFFUSION_MODEL, "rktest_probe", probe.diffusion_model)
         return (model,)
 
 
