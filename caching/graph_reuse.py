@@ -9,7 +9,9 @@ update the changing inputs in place, and when the check fails rebuild and record
   state) into a :class:`CallSpec`: a :class:`Signature` of everything that makes a captured graph
   invalid, the tensors to copy in place into static buffers, and a bypass reason when the call
   cannot be captured at all. A signature holds complete fields (never a hash alone), so two
-  different calls never share a graph.
+  different calls never share a graph. Plain values and small tensors on another device key by
+  caching/keys.py's typed rules (``1``, ``1.0`` and ``True`` differ; floats and tensors by their
+  bits); the dynamic inputs by shape, dtype, device and stride only (their values are copied in).
 - :func:`can_reuse` compares two signatures and names the first difference (the rebuild reason).
 - :class:`GraphSet` keeps a few graphs per model (LRU), counts hits, rebuilds by reason,
   evictions, and reports to the stats registry through :data:`STATS`.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import struct
 import threading
 import types
 import weakref
@@ -29,6 +32,7 @@ from typing import Any
 
 import torch
 
+from . import keys
 from .protocol import GRAPH_SAFE, OPTIONS_NAME
 from .stats import REGISTRY, CacheStats
 
@@ -83,10 +87,6 @@ class CallSpec:
     tensors: list[torch.Tensor]         # the dynamic inputs, in walk order
     bypass: str | None = None           # why this call cannot be captured (runs eagerly)
     detail: str = ""
-
-
-def tensor_field(t: torch.Tensor) -> tuple:
-    return (t.shape, t.dtype, t.device, t.stride())
 
 
 class Same:
@@ -157,7 +157,10 @@ class _Walker:
             if t.numel() > SMALL_FOREIGN_TENSOR:
                 self.fail("uncapturable_input", f"{path} is a large tensor on {dev}")
             elif self.sub is None:
-                self.fields.append((path, "foreign", tensor_field(t) + (tuple(t.flatten().tolist()),)))
+                try:
+                    self.fields.append((path, "foreign", keys.tensor_field(t)))
+                except keys.Uncacheable as exc:
+                    self.fail("uncapturable_input", f"{path}: {exc}")
             return t
         if t.layout is not torch.strided:
             self.fail("uncapturable_input", f"{path} is a {t.layout} tensor")
@@ -173,7 +176,7 @@ class _Walker:
             return self.tensor(path, v, in_options)
         if isinstance(v, PLAIN):
             if self.sub is None:
-                self.fields.append((path, "value", v))
+                self.fields.append((path, "value", keys.encode(v)))
             return v
         if isinstance(v, (list, tuple)):
             if self.sub is None:
@@ -308,10 +311,20 @@ def can_reuse(prev: Signature | None, new: Signature) -> tuple[bool, str, str]:
             return False, ka, f"{pa}: {va} -> {vb}"
         if ka in ("seq", "dict"):
             return False, _reason_for_path(pa, "inputs"), f"{pa}: {va} -> {vb}"
+        if ka == "value":
+            va, vb = _plain(va), _plain(vb)
         return False, _reason_for_path(pa, "value"), f"{pa}: {_short(va)} -> {_short(vb)}"
     longer = a if len(a) > len(b) else b
     extra = longer[min(len(a), len(b))]
     return False, _reason_for_path(extra[0], "inputs"), f"{extra[0]} {'removed' if longer is a else 'added'}"
+
+
+def _plain(encoded: tuple) -> Any:
+    """A plain value back from its key field (caching/keys.py), for a rebuild's detail."""
+    tag = encoded[0]
+    if tag == "f":
+        return struct.unpack("<d", encoded[1])[0]
+    return None if tag == "none" else encoded[1]
 
 
 def _short(v: Any) -> str:

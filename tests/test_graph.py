@@ -51,6 +51,25 @@ def test_same_shapes_reuse_and_each_change_names_its_reason():
     assert reason(gr, call_args(num=3), call_args(num=4))[1] == "value"
 
 
+def test_plain_values_and_small_foreign_tensors_key_by_type_and_bits():
+    """A graph bakes its Python values in: ``1``, ``1.0`` and ``True`` (dtype promotion), ``0.0``
+    and ``-0.0`` (the sign of a product) are different graphs; a NaN option still reuses its graph."""
+    gr = rkharness.pack("caching.graph_reuse")
+    for a, b in ((1, 1.0), (1, True), (0.0, -0.0)):
+        ok, why, detail = reason(gr, call_args(num=a), call_args(num=b))
+        assert (ok, why) == (False, "value") and detail == f"num: {a!r} -> {b!r}", detail
+    assert reason(gr, call_args(num=float("nan")), call_args(num=float("nan")))[0] is True
+    def foreign(shift):  # the model on another device: small tensors here count by value
+        return gr.analyse_call([("x", torch.ones(2, 4)), ("transformer_options", {"shift": shift})], (),
+                               torch.device("cuda", 0))
+
+    zero = foreign(torch.zeros(3, dtype=torch.float64))
+    assert zero.bypass is None and zero.tensors == []
+    assert gr.can_reuse(zero.signature, foreign(torch.zeros(3, dtype=torch.float64)).signature)[0]
+    assert gr.can_reuse(zero.signature, foreign(-torch.zeros(3, dtype=torch.float64)).signature)[:2] == (
+        False, "options")
+
+
 def test_python_side_objects_in_options_count_by_type_and_patches_bypass_unless_graph_safe():
     gr = rkharness.pack("caching.graph_reuse")
 
