@@ -130,6 +130,9 @@ class DemoDecode(io.ComfyNode):
 
         node = "ReuseKit Demo Decode"
         latent = samples.get("samples") if isinstance(samples, dict) else None
+        if isinstance(latent, torch.Tensor) and latent.ndim in (4, 5) and latent.shape[1] != 16 \
+                and not latent.any():  # an empty latent of other channels: empty, as ComfyUI's samplers read it
+            latent = latent.new_zeros((latent.shape[0], 16, *latent.shape[2:]))
         if not isinstance(latent, torch.Tensor) or latent.ndim not in (4, 5) or latent.shape[1] != 16:
             got = tuple(latent.shape) if isinstance(latent, torch.Tensor) else type(latent).__name__
             raise ValueError(f"{node}: samples must be a demo model's 16-channel latent, got {got}")

@@ -87,11 +87,17 @@ def test_demo_decode_inverts_the_picture_code_for_both_families():
 
 
 @pytest.mark.parametrize("samples,scale,name", [
-    ({"samples": torch.zeros(1, 4, 8, 8)}, 1, "samples"), ("latent", 1, "samples"),
+    ({"samples": torch.ones(1, 4, 8, 8)}, 1, "samples"), ("latent", 1, "samples"),
     ({"samples": torch.zeros(1, 16, 8, 8)}, 0, "scale"), ({"samples": torch.zeros(1, 16, 8, 8)}, 2.5, "scale")])
 def test_demo_decode_refuses_what_is_not_a_demo_latent(samples, scale, name):
     with pytest.raises(ValueError, match=f"ReuseKit Demo Decode: {name}"):
         demo().DemoDecode.execute(samples, scale)
+
+
+def test_demo_decode_reads_an_empty_latent_of_any_channels_as_empty():
+    (image,) = demo().DemoDecode.execute({"samples": torch.zeros(1, 4, 8, 8)}, 1).args
+    (same,) = demo().DemoDecode.execute({"samples": torch.zeros(1, 16, 8, 8)}, 1).args
+    assert image.shape == (1, 16, 16, 3) and torch.equal(image, same)
 
 
 def test_the_prompt_batch_pairs_every_line_with_the_negative():
