@@ -281,3 +281,14 @@ def test_during_cuda_graph_capture_the_builder_runs_inside_the_graph():
     assert captured is not warm and torch.equal(captured, warm)
     stats = cache.name_stats()["EmbedND[0]"]
     assert stats["misses"] == 1 and stats["bypasses"] == 1
+
+
+def test_a_builder_input_the_key_rules_cannot_describe_runs_uncached():
+    """A value the shared key encoder refuses (here an object) makes the builder run unchanged and
+    counts a bypass; it never raises into the forward or stores a table."""
+    cache = pc.PECache()
+    with rope.scope(cache):
+        out = rope.cached("probe", lambda k: k.add(object()), lambda: torch.ones(3))
+        again = rope.cached("probe", lambda k: k.add(object()), lambda: torch.ones(3))
+    assert torch.equal(out, torch.ones(3)) and again is not out
+    assert cache.names() == [] and cache.name_stats()["probe[0]"]["bypasses"] == 1
