@@ -1,10 +1,10 @@
 """Graph reuse on CUDA (marker ``gpu``: run with REUSEKIT_TEST_CUDA=1 on a GPU machine, skipped
 elsewhere): replayed output equals eager output for Flux and Wan, with the PE cache and with
 TeaCache, a forward that syncs the host (never captured, CUDA left usable), another thread's sync
-during a warm-up and a capture (never raises), interleaved
-cond/uncond graphs, two resolutions, a cancel mid-run and during capture, a LoRA in between, and
-unload releasing the private pools; replays and a failed capture again under cudaMallocAsync
-(ComfyUI's default allocator backend)."""
+during a warm-up and a capture (never raises), interleaved cond/uncond graphs, two resolutions, a
+cancel mid-run and during capture, a LoRA in between, unload and ComfyUI's free_memory releasing
+the private pools; replays and a failed capture again under cudaMallocAsync (ComfyUI's default
+allocator backend)."""
 
 import os
 import subprocess
@@ -268,6 +268,37 @@ def test_unload_releases_graphs_and_their_pools(gc, tiny, conds):
     assert snap["counters"]["releases.unloaded"] >= 1
     close(sample(captured, conds), first)
     assert last_run(gc)["captures"] == 1 and last_run(gc)["rebuilds"] == {"unloaded": 1}
+
+
+def test_comfyui_needing_memory_frees_the_graph_pools_on_the_device_first(gc, tiny, conds, monkeypatch):
+    """ComfyUI's free_memory short of room on the GPU (the free memory reported as the model's
+    graphs short of the need): the graph pools go, torch's reserved memory drops by them, and no
+    loaded model is unloaded."""
+    import comfy.model_management as mm
+
+    gc.graph_release.install()
+    model = tiny.tiny_flux(0)
+    first = sample(capture(model), conds)
+    held = gc.STATS.handle.snapshot()["bytes"]["device"]
+    assert held > 0
+    loaded = list(mm.current_loaded_models)
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    need = 1 << 40
+
+    def get_free_memory(dev=None, torch_free_too=False):
+        free = need - held if gc.STATS.handle.snapshot()["bytes"]["device"] else need + 1
+        return (free, free) if torch_free_too else free
+
+    with monkeypatch.context() as m:
+        m.setattr(mm, "get_free_memory", get_free_memory)
+        mm.free_memory(need, torch.device("cuda", torch.cuda.current_device()))
+    assert gc.STATS.handle.snapshot()["bytes"]["device"] == 0 and counters(gc)["releases.memory"] == 1
+    assert list(mm.current_loaded_models) == loaded  # nothing of ComfyUI's was unloaded
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_reserved() < reserved
+    close(sample(capture(model), conds), first)
+    assert last_run(gc)["rebuilds"] == {"memory": 1}
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
