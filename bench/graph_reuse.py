@@ -28,7 +28,7 @@ import rkharness  # noqa: E402
 
 rkharness.bootstrap()
 
-import comfy.patcher_extension as pe  # noqa: E402
+import comfy.patcher_extension as patcher_extension  # noqa: E402
 import comfy.sample  # noqa: E402
 
 import nodes  # noqa: E402
@@ -74,9 +74,9 @@ def timed(model, times: list):
         times.append(time.perf_counter() - t0)
         return out
 
-    m.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, TIMER, timer)
-    w = m.wrappers[pe.WrappersMP.APPLY_MODEL]
-    m.wrappers[pe.WrappersMP.APPLY_MODEL] = dict(sorted(w.items(), key=lambda kv: kv[0] != TIMER))
+    m.add_wrapper_with_key(patcher_extension.WrappersMP.APPLY_MODEL, TIMER, timer)
+    w = m.wrappers[patcher_extension.WrappersMP.APPLY_MODEL]
+    m.wrappers[patcher_extension.WrappersMP.APPLY_MODEL] = dict(sorted(w.items(), key=lambda kv: kv[0] != TIMER))
     return m
 
 
@@ -109,7 +109,7 @@ def check_cost(c) -> float:
         return executor(*args, **kwargs)
 
     m = model.clone()
-    m.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "bench_probe", probe)
+    m.add_wrapper_with_key(patcher_extension.WrappersMP.DIFFUSION_MODEL, "bench_probe", probe)
     with torch.inference_mode():
         run(m, c, (1, 16, 8, 8), 1)
     original, args, kwargs = seen["call"]

@@ -408,7 +408,7 @@ def test_interrupt_mid_run_leaves_graphs_usable(gc, monkeypatch, tiny, conds):
 
 def test_cancel_during_capture_keeps_nothing_half_built(gc, monkeypatch, tiny, conds):
     import comfy.model_management as mm
-    import comfy.patcher_extension as pe
+    import comfy.patcher_extension as patcher_extension
 
     monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
     model = tiny.tiny_flux(0)
@@ -422,7 +422,7 @@ def test_cancel_during_capture_keeps_nothing_half_built(gc, monkeypatch, tiny, c
             mm.interrupt_current_processing()
         return executor(*args, **kwargs)
 
-    captured.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "test_cancel", cancel_first_forward)
+    captured.add_wrapper_with_key(patcher_extension.WrappersMP.DIFFUSION_MODEL, "test_cancel", cancel_first_forward)
     with pytest.raises(mm.InterruptProcessingException):
         sample(captured, conds, steps=3)
     snap = gc.STATS.handle.snapshot()
@@ -494,7 +494,7 @@ def test_teacache_over_another_nodes_block_patch_runs_eagerly(gc, monkeypatch, t
 def test_a_partially_loaded_model_runs_eagerly_with_the_reason(gc, monkeypatch, tiny):
     """A real lowvram state (ComfyUI's partially_unload): weights move during the forward."""
     import comfy.model_management as mm
-    import comfy.patcher_extension as pe
+    import comfy.patcher_extension as patcher_extension
 
     monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
     model = capture(tiny.tiny_flux(0))
@@ -502,8 +502,8 @@ def test_a_partially_loaded_model_runs_eagerly_with_the_reason(gc, monkeypatch, 
     try:
         model.partially_unload(model.offload_device, memory_to_free=model.model_size() // 2)
         assert model.model.model_lowvram
-        options = pe.copy_nested_dicts(model.model_options["transformer_options"])
-        options.update(wrappers=pe.copy_nested_dicts(model.wrappers), cond_or_uncond=[0])
+        options = patcher_extension.copy_nested_dicts(model.model_options["transformer_options"])
+        options.update(wrappers=patcher_extension.copy_nested_dicts(model.wrappers), cond_or_uncond=[0])
         gen, dev = torch.Generator().manual_seed(0), model.load_device
         x, ctx, y = (torch.randn(*shape, generator=gen).to(dev) for shape in ((1, 16, 8, 8), (1, 77, 32), (1, 32)))
         t = torch.full((1,), 0.5, device=dev)
@@ -678,7 +678,7 @@ def test_a_model_whose_blocks_the_host_captures_runs_eagerly_with_the_reason(gc,
 
 def test_a_model_under_dynamic_vram_runs_eagerly_with_the_reason_said_once(gc, monkeypatch, tiny, caplog):
     """ComfyUI's real ModelPatcherDynamic streams weights in during the forward: no capture."""
-    import comfy.patcher_extension as pe
+    import comfy.patcher_extension as patcher_extension
     from graph_helpers import dynamic_patcher
 
     host = rkharness.pack("patches.host")
@@ -689,8 +689,8 @@ def test_a_model_under_dynamic_vram_runs_eagerly_with_the_reason_said_once(gc, m
     assert model.is_dynamic()
     model.pre_run()  # as ComfyUI does before sampling: the model's current patcher
     try:
-        options = pe.copy_nested_dicts(model.model_options["transformer_options"])
-        options.update(wrappers=pe.copy_nested_dicts(model.wrappers), cond_or_uncond=[0])
+        options = patcher_extension.copy_nested_dicts(model.model_options["transformer_options"])
+        options.update(wrappers=patcher_extension.copy_nested_dicts(model.wrappers), cond_or_uncond=[0])
         gen = torch.Generator().manual_seed(0)
         x, ctx, y = (torch.randn(*shape, generator=gen) for shape in ((1, 16, 8, 8), (1, 77, 32), (1, 32)))
         t = torch.full((1,), 0.5)

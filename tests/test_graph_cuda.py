@@ -221,7 +221,7 @@ def test_cancel_mid_run_stops_between_replays_and_graphs_stay_valid(gc, tiny, co
 
 def test_cancel_during_capture_keeps_nothing_half_built(gc, tiny, conds):
     import comfy.model_management as mm
-    import comfy.patcher_extension as pe
+    import comfy.patcher_extension as patcher_extension
 
     model = tiny.tiny_flux(0)
     captured = capture(model)
@@ -233,9 +233,9 @@ def test_cancel_during_capture_keeps_nothing_half_built(gc, tiny, conds):
             mm.interrupt_current_processing()
         return executor(*args, **kwargs)
 
-    captured.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "test_cancel", cancel_first_forward)
-    captured.wrappers[pe.WrappersMP.DIFFUSION_MODEL] = dict(  # ours innermost
-        sorted(captured.wrappers[pe.WrappersMP.DIFFUSION_MODEL].items(), key=lambda kv: kv[0] != "test_cancel"))
+    captured.add_wrapper_with_key(patcher_extension.WrappersMP.DIFFUSION_MODEL, "test_cancel", cancel_first_forward)
+    captured.wrappers[patcher_extension.WrappersMP.DIFFUSION_MODEL] = dict(  # ours innermost
+        sorted(captured.wrappers[patcher_extension.WrappersMP.DIFFUSION_MODEL].items(), key=lambda kv: kv[0] != "test_cancel"))
     with pytest.raises(mm.InterruptProcessingException):
         sample(captured, conds, steps=3)
     assert gc.STATS.handle.snapshot()["entries"] == 0
