@@ -2,11 +2,13 @@
 stats), and their release.
 
 Graphs are released when any patcher (subclasses included) loads or unloads the model's weights
-(listeners on ``load / unpatch_model / partially_unload`` through patches/lifecycle.py), when
-ComfyUI needs device memory (a releaser of patches/memory.py: graph pools go before ComfyUI
-unloads a model), at the end of a run where the node's ``keep_graphs`` is off, and when cleared.
-A release from another thread (the panel's clear) never frees a graph a forward is replaying:
-its entries are dropped at once and freed when that forward ends (``GraphSet.in_use``).
+(listeners on ``load / unpatch_model / partially_unload`` through patches/lifecycle.py, not the
+per-patcher ``CallbacksMP``: a clone without the Graph node, a LoRA's, changes the weights a graph
+of the same BaseModel reads), when ComfyUI needs device memory (a releaser of patches/memory.py:
+graph pools go before ComfyUI unloads a model), at the end of a run where the node's
+``keep_graphs`` is off, and when cleared. A release from another thread (the panel's clear) never
+frees a graph a forward is replaying: its entries are dropped at once and freed when that forward
+ends (``GraphSet.in_use``).
 """
 
 from __future__ import annotations
@@ -48,7 +50,6 @@ def report_layer(followed: bool = True) -> None:
     if not followed:
         notes.append("graphs are released only when cleared")
     host.set_layer("graph capture", state, "; ".join(notes))
-
 
 
 def graph_set(base_model, max_graphs: int) -> gr.GraphSet:
