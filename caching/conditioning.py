@@ -188,6 +188,7 @@ class Key:
 
 # ---- weights without a version counter -------------------------------------------------------
 
+_POOLED = 1 << 20  # bytes: tensors this large are checked on worker threads, smaller ones inline
 _crc_pool: list[ThreadPoolExecutor] = []
 _crc_lock = threading.Lock()
 
@@ -201,10 +202,14 @@ def checksums(tensors: list[torch.Tensor]) -> list[int]:
     """A CRC-32 of each tensor's bytes, several tensors at once (zlib releases the GIL). It sees every
     in-place edit confined to 32 consecutive bits (any one element of up to 4 bytes) and any other
     edit except with probability 2**-32 per edited tensor."""
+    large = [i for i, t in enumerate(tensors) if t.numel() * t.element_size() >= _POOLED]
+    if len(large) < 2:
+        return [_crc(t) for t in tensors]
     with _crc_lock:
         if not _crc_pool:
             _crc_pool.append(ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="reusekit-crc"))
-    return list(_crc_pool[0].map(_crc, tensors))
+    pooled = dict(zip(large, _crc_pool[0].map(_crc, [tensors[i] for i in large]), strict=True))
+    return [pooled[i] if i in pooled else _crc(t) for i, t in enumerate(tensors)]
 
 
 # ---- stored values: private copies ------------------------------------------------------------

@@ -554,6 +554,18 @@ def test_in_place_edits_of_inference_weights_never_hit(cc, uncached, tiny):
     assert cc.CACHE.count("hits.text") == 1
 
 
+def test_weight_checksums_see_a_one_element_edit_inline_and_on_worker_threads(cc):
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(600, 600, generator=gen), torch.randn(16, generator=gen), torch.randn(700, 700, generator=gen)]
+    before = cc.checksums(weights)  # two tensors over 1 MiB: checked on the worker threads
+    assert before == cc.checksums([w.clone() for w in weights]) and len(set(before)) == 3
+    for i in (0, 1):
+        edited = [w.clone() for w in weights]
+        edited[i].view(-1)[-1] *= -1
+        after = cc.checksums(edited)
+        assert after[i] != before[i] and [a for j, a in enumerate(after) if j != i] == [b for j, b in enumerate(before) if j != i]
+
+
 def test_real_loader_weights_are_inference_tensors_and_edits_are_seen(cc, uncached, tiny, tmp_path):
     """ComfyUI's VAELoader, through the real executor, leaves the weights as inference tensors; an
     in-place edit of them (as a custom node would make) misses."""
