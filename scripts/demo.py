@@ -5,7 +5,7 @@
 Starts ``main.py --cpu --cache-none`` headless with the pack, runs "ReuseKit demo (no downloads)"
 three ways: without ReuseKit (global conditioning off, a prompt without the ReuseKit nodes), with
 only the exact layers (conditioning, PE cache, graph capture) and with every layer (plus TeaCache).
-Prints a table per layer: encoder and transformer calls, wall time and how the outputs differ
+Prints a table per layer: encoder and transformer calls, wall time (the faster of two runs each) and how the outputs differ
 (bit-identical for the exact layers, the final latent's error for TeaCache), and writes each
 picture without / with ReuseKit side by side into the folder it names.
 """
@@ -157,7 +157,12 @@ def run_demo(rk, server) -> tuple[dict, dict]:
 
     prompts = variants(rk, json.loads((ROOT / "workflows" / DEMO).read_text()))
     run(server, "full", prompts["full"])  # warm-up: imports, first calls
-    results = {name: run(server, name, prompts[name]) for name in ("off", "exact", "full")}
+    results = {}
+    for _ in range(2):  # each variant twice, interleaved: the faster run of each (a shared CPU is noisy)
+        for name in ("off", "exact", "full"):
+            result = run(server, name, prompts[name])
+            if name not in results or result["wall_s"] < results[name]["wall_s"]:
+                results[name] = result
     server.post("/reusekit/settings", {"conditioning.enabled": True})
     return results, compare(results)
 
