@@ -30,10 +30,8 @@ import os
 import threading
 import time
 import weakref
-import zlib
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -188,28 +186,49 @@ class Key:
 
 # ---- weights without a version counter -------------------------------------------------------
 
-_POOLED = 1 << 20  # bytes: tensors this large are checked on worker threads, smaller ones inline
-_crc_pool: list[ThreadPoolExecutor] = []
-_crc_lock = threading.Lock()
+_CHUNK = 1 << 20  # 32-bit words per step: a step's temporaries stay at 8 MiB on any device
+_multipliers: dict[torch.device, torch.Tensor] = {}
+_multipliers_lock = threading.Lock()
 
 
-def _crc(t: torch.Tensor) -> int:
-    data = t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
-    return zlib.crc32(memoryview(data))
+def _odd_multipliers(device: torch.device) -> torch.Tensor:
+    """Fixed random odd 64-bit multipliers, one per word of a chunk, kept once per device."""
+    with _multipliers_lock:
+        found = _multipliers.get(device)
+        if found is None:
+            gen = torch.Generator().manual_seed(0x5EED)
+            found = (torch.randint(0, 1 << 62, (_CHUNK,), generator=gen, dtype=torch.int64) * 2 + 1).to(device)
+            _multipliers[device] = found
+        return found
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d int64 tensor on ``t``'s device: sum over its 32-bit words of word * odd multiplier
+    (chunk-weighted, modulo 2**64). Computed where the weight lives: no copy to the host."""
+    data = t.detach().reshape(-1)
+    data = data.view(torch.uint8) if data.is_contiguous() else data.contiguous().view(torch.uint8)
+    words = data.view(torch.int32) if data.numel() % 4 == 0 else data.to(torch.int32)
+    mult = _odd_multipliers(words.device)
+    total = torch.zeros((), dtype=torch.int64, device=words.device)
+    for c, start in enumerate(range(0, words.numel(), _CHUNK)):
+        chunk = words[start:start + _CHUNK]
+        total += (chunk.to(torch.int64) * mult[:chunk.numel()]).sum() * (2 * c + 1)
+    return total
 
 
 def checksums(tensors: list[torch.Tensor]) -> list[int]:
-    """A CRC-32 of each tensor's bytes, several tensors at once (zlib releases the GIL). It sees every
-    in-place edit confined to 32 consecutive bits (any one element of up to 4 bytes) and any other
-    edit except with probability 2**-32 per edited tensor."""
-    large = [i for i, t in enumerate(tensors) if t.numel() * t.element_size() >= _POOLED]
-    if len(large) < 2:
-        return [_crc(t) for t in tensors]
-    with _crc_lock:
-        if not _crc_pool:
-            _crc_pool.append(ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="reusekit-crc"))
-    pooled = dict(zip(large, _crc_pool[0].map(_crc, [tensors[i] for i in large]), strict=True))
-    return [pooled[i] if i in pooled else _crc(t) for i, t in enumerate(tensors)]
+    """A fingerprint of each tensor's bytes, on the tensor's own device with one host sync per
+    device. A change of any one 32-bit word (any one element of up to 4 bytes) always changes it:
+    the word's difference times an odd number is never 0 modulo 2**64; other edits go unseen only
+    if they cancel exactly, for multipliers drawn at random and fixed in the pack."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    out: list[int] = [0] * len(tensors)
+    for indices in by_device.values():
+        for i, value in zip(indices, torch.stack([_fingerprint(tensors[i]) for i in indices]).tolist(), strict=True):
+            out[i] = value
+    return out
 
 
 # ---- stored values: private copies ------------------------------------------------------------

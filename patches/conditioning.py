@@ -19,7 +19,7 @@ encoder object was made by a ReuseKit Cached node (a marker in its patcher's ``m
 which ComfyUI's clones copy). Plain-valued object patches (``manual_cast_dtype``...) and the encoder
 modules' own settings (``enable_attention_masks``, ``zero_out_masked``...; a digest) are part of the
 key; an in-place edit of a weight starts a new generation (seen by its version counter, or for
-inference tensors, which have none, by a checksum of its bytes on every key). Patcher classes other
+inference tensors, which have none, by a fingerprint of its bytes on every key, computed on the device that holds it). Patcher classes other
 than ComfyUI's own are refused. Anything else the key cannot describe exactly (hooks, injections
 such as bypass LoRA, object patches holding code or modules, weight wrappers, patcher callbacks and wrappers, autograd, unknown
 input types) bypasses the cache and runs unchanged. Every patched method's shape is checked at
@@ -241,7 +241,7 @@ def _check_in_place_edits(model: torch.nn.Module, patcher) -> None:
     """An encoder weight (parameter or buffer) edited in place since the last key starts a new
     generation: the old entries are dropped and never hit. A version-counted weight shows an edit by
     its ``_version``; an inference tensor (every weight ComfyUI's loaders make, inside its executor)
-    has none, so its bytes are checked (:func:`checksums`, on every key: the price of seeing edits
+    has none, so its bytes are fingerprinted where they live (:func:`checksums`, on every key: the price of seeing edits
     the version counter cannot). Weights ComfyUI has patched over right now (``patcher.backup``) are
     not base weights and are skipped."""
     patched = getattr(patcher, "backup", None) or {}

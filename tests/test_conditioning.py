@@ -554,16 +554,24 @@ def test_in_place_edits_of_inference_weights_never_hit(cc, uncached, tiny):
     assert cc.CACHE.count("hits.text") == 1
 
 
-def test_weight_checksums_see_a_one_element_edit_inline_and_on_worker_threads(cc):
+def test_weight_checksums_see_any_one_element_edit(cc):
+    """Every dtype's one-element edit changes its tensor's fingerprint and no other (a 5 MiB tensor
+    spans several chunks; an odd byte count is read byte by byte); equal bytes give equal values."""
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(600, 600, generator=gen), torch.randn(16, generator=gen), torch.randn(700, 700, generator=gen)]
-    before = cc.checksums(weights)  # two tensors over 1 MiB: checked on the worker threads
-    assert before == cc.checksums([w.clone() for w in weights]) and len(set(before)) == 3
-    for i in (0, 1):
-        edited = [w.clone() for w in weights]
-        edited[i].view(-1)[-1] *= -1
-        after = cc.checksums(edited)
-        assert after[i] != before[i] and [a for j, a in enumerate(after) if j != i] == [b for j, b in enumerate(before) if j != i]
+    weights = [torch.randn(1200, 1200, generator=gen), torch.randn(16, generator=gen).half(),
+               torch.randint(0, 255, (7,), generator=gen, dtype=torch.uint8), torch.randn(33, generator=gen).double()]
+    before = cc.checksums(weights)
+    assert before == cc.checksums([w.clone() for w in weights]) and len(set(before)) == len(weights)
+    for i, w in enumerate(weights):
+        for pos in (0, w.numel() // 2, -1):
+            edited = [v.clone() for v in weights]
+            flat = edited[i].view(-1)
+            flat[pos] = flat[pos] + 1
+            after = cc.checksums(edited)
+            assert after[i] != before[i] and [a for j, a in enumerate(after) if j != i] == [b for j, b in enumerate(before) if j != i]
+    swapped = weights[0].clone().view(-1)
+    swapped[[0, 1]] = swapped[[1, 0]]
+    assert cc.checksums([swapped.view(1200, 1200)]) != before[:1]  # a move is an edit too
 
 
 def test_real_loader_weights_are_inference_tensors_and_edits_are_seen(cc, uncached, tiny, tmp_path):
