@@ -456,7 +456,7 @@ class GraphStats:
     def handle(self) -> CacheStats:
         with self._lock:
             if self._handle is None:
-                self._handle = REGISTRY.get(self.NAME) or REGISTRY.register(
+                self._handle = REGISTRY.register(
                     self.NAME, "graph", "CUDA graphs of the diffusion model's forward: captured once, "
                     "replayed while the inputs' shapes, batch and weights stay the same",
                     clear=self.clear)

@@ -27,7 +27,7 @@ CLIP_TOOLTIP = ("The tiny CLIP the model was trained with: ComfyUI's CLIP-L at w
 
 def _stats():
     """The demo models' call counters, registered when a demo model is first built."""
-    return REGISTRY.get(STATS_NAME) or REGISTRY.register(
+    return REGISTRY.register(
         STATS_NAME, "demo", "Forward calls of the demo models' text encoder and transformer blocks (what the "
                             "caches save shows up as fewer calls).")
 

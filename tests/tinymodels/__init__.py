@@ -12,29 +12,18 @@ in place of a checkpoint loader.
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 
 import torch
 
+from .trained_flux import _load_shapes
+
 FAMILIES = ("flux", "wan", "flux_trained", "wan_trained")
-TEXT_DIM = 32  # width of the tiny CLIP; every tiny diffusion model takes this as context
 
-
-def fill_weights(module: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Deterministic, well-scaled weights for every parameter (ComfyUI leaves them uninitialised)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(module.named_parameters(), key=lambda kv: kv[0]):
-            if p.ndim >= 2:
-                fan_in = p[0].numel()
-                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(fan_in))
-            elif name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-            else:  # norm scales and other vectors
-                p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.02)
-    return module
+_SHAPES = _load_shapes()  # the pack's demo models: the tiny CLIP and its weight filling live there, once
+TEXT_DIM = _SHAPES.TEXT_DIM  # width of the tiny CLIP; every tiny diffusion model takes this as context
+fill_weights = _SHAPES.fill_weights
 
 
 def _patcher(model):
@@ -97,20 +86,10 @@ def tiny_wan(seed: int = 0, **overrides):
     return _from_config(comfy.supported_models.WAN21_T2V, cfg, seed)
 
 
-TINY_CLIP_L = {"hidden_size": TEXT_DIM, "intermediate_size": 64, "num_attention_heads": 2,
-               "num_hidden_layers": 2, "projection_dim": TEXT_DIM}
-
-
 def tiny_clip(seed: int = 0):
-    """A real ``comfy.sd.CLIP`` (SD1-style CLIP-L with ComfyUI's own tokenizer files), width 32."""
-    import comfy.sd
-    import comfy.sd1_clip
-    import comfy.supported_models_base
-
-    target = comfy.supported_models_base.ClipTarget(comfy.sd1_clip.SD1Tokenizer, comfy.sd1_clip.SD1ClipModel)
-    clip = comfy.sd.CLIP(target=target, model_options={"clip_l_model_config": dict(TINY_CLIP_L)})
-    fill_weights(clip.cond_stage_model, seed)
-    return clip
+    """A real ``comfy.sd.CLIP`` (SD1-style CLIP-L with ComfyUI's own tokenizer files), width 32: the
+    demo models' text encoder at ``seed`` 0."""
+    return _SHAPES.build_clip(seed)
 
 
 def tiny_vae(seed: int = 0, latent_channels: int = 16):

@@ -10,7 +10,7 @@ then ``--eval`` here. The shipped weights were trained that way (see README).
 Builds the host's real Flux class (comfy.supported_models.Flux) at hidden 64, 2+2 blocks, draws
 captioned shapes with PIL, encodes the captions with the tiny CLIP (tiny_clip(0)), drops 15% of
 captions (so classifier-free guidance has something to work with), trains for a wall-clock budget
-and writes tests/tinymodels/weights/flux_shapes.safetensors. Ends with a short evaluation: how
+and writes nodes/demo_models/flux_shapes.safetensors (the demo models the pack ships). Ends with a short evaluation: how
 far samples are from their caption's colours, with and without CFG.
 """
 
