@@ -30,8 +30,10 @@ import os
 import threading
 import time
 import weakref
+import zlib
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -185,15 +187,25 @@ class Key:
 
 
 # ---- weights without a version counter -------------------------------------------------------
+# A weight is fingerprinted where it lives: on the CPU by a CRC-32 (zlib releases the GIL, so large
+# tensors run on worker threads), on an accelerator by a multiply-sum (no copy to the host, one sync).
+# Either changes whenever any one 32-bit word (any one element of up to 4 bytes) changes.
 
-_CHUNK = 1 << 20  # 32-bit words per step: a step's temporaries stay at 8 MiB on any device
+_POOLED = 1 << 20  # bytes: CPU tensors this large are checked on worker threads, smaller ones inline
+_crc_pool: list[ThreadPoolExecutor] = []
+_crc_lock = threading.Lock()
+_CHUNK = 1 << 20  # 32-bit words per step of a device fingerprint: its temporaries stay at 8 MiB
 _multipliers: dict[torch.device, torch.Tensor] = {}
-_multipliers_lock = threading.Lock()
+
+
+def _crc(t: torch.Tensor) -> int:
+    data = t.detach().reshape(-1).contiguous().view(torch.uint8).numpy()
+    return zlib.crc32(memoryview(data))
 
 
 def _odd_multipliers(device: torch.device) -> torch.Tensor:
     """Fixed random odd 64-bit multipliers, one per word of a chunk, kept once per device."""
-    with _multipliers_lock:
+    with _crc_lock:
         found = _multipliers.get(device)
         if found is None:
             gen = torch.Generator().manual_seed(0x5EED)
@@ -202,11 +214,10 @@ def _odd_multipliers(device: torch.device) -> torch.Tensor:
         return found
 
 
-def _fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """A 0-d int64 tensor on ``t``'s device: sum over its 32-bit words of word * odd multiplier
-    (chunk-weighted, modulo 2**64). Computed where the weight lives: no copy to the host."""
-    data = t.detach().reshape(-1)
-    data = data.view(torch.uint8) if data.is_contiguous() else data.contiguous().view(torch.uint8)
+def _device_fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d int64 tensor on ``t``'s device: the sum of its 32-bit words times odd multipliers,
+    chunk-weighted, modulo 2**64. A one-word change times an odd number is never 0 modulo 2**64."""
+    data = t.detach().reshape(-1).contiguous().view(torch.uint8)
     words = data.view(torch.int32) if data.numel() % 4 == 0 else data.to(torch.int32)
     mult = _odd_multipliers(words.device)
     total = torch.zeros((), dtype=torch.int64, device=words.device)
@@ -217,17 +228,28 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
 
 
 def checksums(tensors: list[torch.Tensor]) -> list[int]:
-    """A fingerprint of each tensor's bytes, on the tensor's own device with one host sync per
-    device. A change of any one 32-bit word (any one element of up to 4 bytes) always changes it:
-    the word's difference times an odd number is never 0 modulo 2**64; other edits go unseen only
-    if they cancel exactly, for multipliers drawn at random and fixed in the pack."""
-    by_device: dict[torch.device, list[int]] = {}
+    """A fingerprint of each tensor's bytes, computed on the device that holds it. It sees every
+    one-word edit, and any other edit except with a chance of about 2**-32 per edited tensor."""
+    out: list[int | None] = [None] * len(tensors)
+    on_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
-    out: list[int] = [0] * len(tensors)
-    for indices in by_device.values():
-        for i, value in zip(indices, torch.stack([_fingerprint(tensors[i]) for i in indices]).tolist(), strict=True):
+        if t.device.type != "cpu":
+            on_device.setdefault(t.device, []).append(i)
+    for indices in on_device.values():
+        sums = torch.stack([_device_fingerprint(tensors[i]) for i in indices]).tolist()
+        for i, value in zip(indices, sums, strict=True):
             out[i] = value
+    cpu = [i for i, t in enumerate(tensors) if out[i] is None]
+    large = [i for i in cpu if tensors[i].numel() * tensors[i].element_size() >= _POOLED]
+    if len(large) >= 2:
+        with _crc_lock:
+            if not _crc_pool:
+                _crc_pool.append(ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="reusekit-crc"))
+        for i, value in zip(large, _crc_pool[0].map(_crc, [tensors[i] for i in large]), strict=True):
+            out[i] = value
+    for i in cpu:
+        if out[i] is None:
+            out[i] = _crc(tensors[i])
     return out
 
 

@@ -554,24 +554,29 @@ def test_in_place_edits_of_inference_weights_never_hit(cc, uncached, tiny):
     assert cc.CACHE.count("hits.text") == 1
 
 
-def test_weight_checksums_see_any_one_element_edit(cc):
-    """Every dtype's one-element edit changes its tensor's fingerprint and no other (a 5 MiB tensor
-    spans several chunks; an odd byte count is read byte by byte); equal bytes give equal values."""
+@pytest.mark.parametrize("where", ["cpu", "device"])
+def test_weight_fingerprints_see_any_one_element_edit(cc, where):
+    """Every dtype's one-element edit changes its tensor's fingerprint and no other; equal bytes give
+    equal values. ``cpu``: the CRC-32 path (two tensors over 1 MiB on worker threads); ``device``: the
+    multiply-sum an accelerator runs, here on CPU tensors (5 MiB spans several chunks; an odd byte
+    count is read byte by byte)."""
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(1200, 1200, generator=gen), torch.randn(16, generator=gen).half(),
-               torch.randint(0, 255, (7,), generator=gen, dtype=torch.uint8), torch.randn(33, generator=gen).double()]
-    before = cc.checksums(weights)
-    assert before == cc.checksums([w.clone() for w in weights]) and len(set(before)) == len(weights)
+               torch.randint(0, 255, (7,), generator=gen, dtype=torch.uint8), torch.randn(33, generator=gen).double(),
+               torch.randn(600, 600, generator=gen)]
+    sums = cc.checksums if where == "cpu" else (lambda ts: [int(cc._device_fingerprint(t)) for t in ts])
+    before = sums(weights)
+    assert before == sums([w.clone() for w in weights]) and len(set(before)) == len(weights)
     for i, w in enumerate(weights):
         for pos in (0, w.numel() // 2, -1):
             edited = [v.clone() for v in weights]
             flat = edited[i].view(-1)
             flat[pos] = flat[pos] + 1
-            after = cc.checksums(edited)
+            after = sums(edited)
             assert after[i] != before[i] and [a for j, a in enumerate(after) if j != i] == [b for j, b in enumerate(before) if j != i]
     swapped = weights[0].clone().view(-1)
     swapped[[0, 1]] = swapped[[1, 0]]
-    assert cc.checksums([swapped.view(1200, 1200)]) != before[:1]  # a move is an edit too
+    assert sums([swapped.view(1200, 1200)]) != before[:1]  # a move is an edit too
 
 
 def test_real_loader_weights_are_inference_tensors_and_edits_are_seen(cc, uncached, tiny, tmp_path):

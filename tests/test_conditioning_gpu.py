@@ -50,3 +50,16 @@ def test_device_outputs_are_stored_on_the_cpu_and_returned_on_their_device(cc, t
     assert hit.device == value.device and torch.equal(hit, value)
     hit.add_(1)  # the caller owns its copy
     assert torch.equal(cc.CACHE.fetch(key, lambda: None), value)
+
+
+def test_weights_on_the_gpu_are_fingerprinted_there_and_edits_are_seen(cc):
+    """CUDA weights take the device multiply-sum (the same values as on the CPU: no host copy), and
+    an in-place one-element edit on the GPU changes only that weight's fingerprint."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(1200, 1200, generator=gen), torch.randn(16, generator=gen).half()]
+    on_gpu = [w.cuda() for w in weights]
+    before = cc.checksums(on_gpu)
+    assert before == [int(cc._device_fingerprint(w)) for w in weights]
+    on_gpu[1][3] += 1
+    after = cc.checksums(on_gpu)
+    assert after[0] == before[0] and after[1] != before[1]
