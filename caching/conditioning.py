@@ -585,4 +585,10 @@ SETTINGS.define("conditioning.budget_mib", int, 512,
 SETTINGS.define("conditioning.max_entries", int, 128,
                 "Entries the conditioning cache may hold (0 disables it).",
                 minimum=0, maximum=1 << 20, on_change=lambda v: CACHE.configure(max_entries=v))
+SETTINGS.define("conditioning.check_weight_edits", bool, True,
+                "Fingerprint the encoder's weights on every encode to see in-place edits (ComfyUI's loaders "
+                "make weights without a version counter): most of a hit's cost. Off, a node that edits an "
+                "encoder's weights in place outside ComfyUI's patcher gets the old encodes back; switching "
+                "it empties the cache.",
+                on_change=lambda _: CACHE.clear())
 CACHE.configure(SETTINGS.get("conditioning.budget_mib") * MIB, SETTINGS.get("conditioning.max_entries"))

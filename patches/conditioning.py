@@ -243,8 +243,10 @@ def _check_in_place_edits(model: torch.nn.Module, patcher) -> None:
     its ``_version``; an inference tensor (every weight ComfyUI's loaders make, inside its executor)
     has none, so its bytes are fingerprinted where they live (:func:`checksums`, on every key: the price of seeing edits
     the version counter cannot). Weights ComfyUI has patched over right now (``patcher.backup``) are
-    not base weights and are skipped."""
+    not base weights and are skipped. The setting ``conditioning.check_weight_edits`` off skips the
+    fingerprints (and switching it empties the cache)."""
     patched = getattr(patcher, "backup", None) or {}
+    fingerprint = SETTINGS.get("conditioning.check_weight_edits")
     edited = False
     untracked: list[tuple[str, torch.Tensor]] = []
     with _versions_lock:
@@ -255,7 +257,8 @@ def _check_in_place_edits(model: torch.nn.Module, patcher) -> None:
             if name in patched:
                 continue
             if t.is_inference():
-                untracked.append((name, t))
+                if fingerprint:
+                    untracked.append((name, t))
                 continue
             version = t._version
             old = seen.get(id(t))

@@ -604,6 +604,36 @@ def test_real_loader_weights_are_inference_tensors_and_edits_are_seen(cc, uncach
     assert not torch.equal(first, edited) and same(uncached(vae.encode, video), edited)
 
 
+def test_weight_edit_checks_off_skip_fingerprints_and_switching_empties_the_cache(cc, uncached, tiny):
+    """With ``conditioning.check_weight_edits`` off a hit fingerprints nothing; switching the setting
+    empties the cache, and back on, an edit made meanwhile is seen: the encode equals a fresh one."""
+    settings = rkharness.pack("caching.settings").SETTINGS
+    patches = rkharness.pack("patches.conditioning")
+    with torch.inference_mode():
+        clip = tiny.tiny_clip(3)
+        weight = clip.cond_stage_model.clip_l.transformer.text_model.final_layer_norm.weight
+        assert weight.is_inference()
+        tokens = clip.tokenize("a green cross")
+        seen = []
+        real = patches.checksums
+        patches.checksums = lambda ts: seen.append(len(ts)) or real(ts)
+        try:
+            first = clip.encode_from_tokens(tokens)
+            settings.set("conditioning.check_weight_edits", False)
+            assert len(cc.CACHE) == 0
+            calls = len(seen)
+            assert torch.equal(clip.encode_from_tokens(tokens), first)
+            assert torch.equal(clip.encode_from_tokens(tokens), first) and len(seen) == calls  # a hit, no fingerprint
+            weight.mul_(1.5)
+            settings.set("conditioning.check_weight_edits", True)
+            assert len(cc.CACHE) == 0
+            again = clip.encode_from_tokens(tokens)
+        finally:
+            patches.checksums = real
+            settings.set("conditioning.check_weight_edits", True)
+    assert not torch.equal(again, first) and same(uncached(clip.encode_from_tokens, tokens), again)
+
+
 def test_uninstall_leaves_a_later_wrapper_in_place_and_working(cc, clip):
     """Another pack wrapped a patched method after us: uninstall keeps its wrapper, which still works
     (ours passes through); a new install routes again."""
