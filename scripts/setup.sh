@@ -111,7 +111,7 @@ fi
 # 5. test tools, only for the test path
 if [ "$test_tools" = 1 ]; then
   stamp=$VENV/.reusekit-test-tools
-  tools="pytest playwright websocket-client ruff"
+  tools="pytest playwright websocket-client ruff scikit-image"  # scikit-image: the step cache bench's PSNR/SSIM
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$tools" ]; then
     say "installing test tools"
     "${PIP[@]}" $tools
