@@ -246,6 +246,29 @@ def workflow_to_prompt(workflow: dict, family: str = "flux", seed: int = 0,
     return prompt
 
 
+# ---- a real browser ------------------------------------------------------------------------
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+@contextlib.contextmanager
+def chromium():
+    """Debian's chromium, headless, through Playwright; skips the test where either is missing."""
+    import pytest
+
+    sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed")
+    if not Path(CHROMIUM).exists():
+        pytest.skip("no chromium at /usr/bin/chromium (make test installs Debian's package)")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
 # ---- a real server on loopback -------------------------------------------------------------
 
 def free_port() -> int:

@@ -8,32 +8,20 @@ Saves test-artifacts/panel.png (the README's picture, docs/panel.png, is a copy 
 """
 
 import json
-import shutil
-from pathlib import Path
 
 import pytest
 import rkharness
 
 pytestmark = pytest.mark.panel
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-               "--disable-component-update", "--disable-sync", "--no-first-run"]
 MEMO, STEP = "rktest.decode_memo", "rktest.step_probe"
 TIMEOUT_MS = 60_000
 
 
 @pytest.fixture(scope="module")
 def browser():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed")
-    if not Path(CHROMIUM).exists():
-        pytest.skip("no chromium at /usr/bin/chromium (make test installs Debian's package)")
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS, headless=True)
-        try:
-            yield browser
-        finally:
-            browser.close()
+    with rkharness.chromium() as browser:
+        yield browser
 
 
 def with_real_caches(prompt: dict) -> dict:

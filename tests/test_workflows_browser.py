@@ -2,30 +2,21 @@
 opens from ComfyUI's template browser (the pack's workflows/ folder), runs from the page, and the
 ReuseKit panel shows its hits. Saves test-artifacts/demo_panel.png."""
 
-import shutil
 import time
-from pathlib import Path
 
 import pytest
 import rkharness
 
 pytestmark = pytest.mark.workflows
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-               "--disable-component-update", "--disable-sync", "--no-first-run"]
 DEMO = "ReuseKit demo (no downloads)"
 TIMEOUT_MS = 60_000
 
 
 @pytest.fixture(scope="module")
 def page():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed")
-    if not Path(CHROMIUM).exists():
-        pytest.skip("no chromium at /usr/bin/chromium (make test installs Debian's package)")
-    with rkharness.running_server() as server, sync_api.sync_playwright() as p:
+    with rkharness.chromium() as browser, rkharness.running_server() as server:
         server.post("/settings", {"Comfy.TutorialCompleted": True})
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS, headless=True)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.set_default_timeout(TIMEOUT_MS)
         page.goto(server.url + "/")
@@ -35,7 +26,6 @@ def page():
         finally:
             rkharness.ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(rkharness.ARTIFACTS / "demo_browser_last.png"))
-            browser.close()
 
 
 def test_the_demo_opens_from_the_template_browser_runs_and_the_panel_shows_hits(page):
