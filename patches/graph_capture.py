@@ -376,12 +376,9 @@ def _hand_back(out, hook):
 
 def diffusion_model_wrapper(executor, *args, **kwargs):
     original = executor.original
-    to = kwargs.get(protocol.OPTIONS_NAME)
-    if to is None:
-        names, _ = _param_names(original)
-        if protocol.OPTIONS_NAME in names and names.index(protocol.OPTIONS_NAME) < len(args):
-            to = args[names.index(protocol.OPTIONS_NAME)]
-    opts = gr.node_options(to)
+    names, _ = _param_names(original)
+    position = names.index(protocol.OPTIONS_NAME) if protocol.OPTIONS_NAME in names else len(args)
+    opts = gr.node_options(protocol.transformer_options(args, kwargs, position=position))
     held = _MODEL.get()
     model = held[0]() if held is not None else None
     ctx = (model, held[1]) if model is not None else None
@@ -397,8 +394,8 @@ def diffusion_model_wrapper(executor, *args, **kwargs):
 
 
 def apply_model_wrapper(executor, *args, **kwargs):
-    to = kwargs.get(protocol.OPTIONS_NAME, args[5] if len(args) > 5 else None)
-    wrappers = to.get("wrappers", {}) if isinstance(to, dict) else {}
+    to = protocol.transformer_options(args, kwargs, position=5) or {}  # apply_model(x, t, ..., transformer_options)
+    wrappers = to.get("wrappers", {})
     compiled = "torch.compile" in wrappers.get("apply_model", {})
     token = _MODEL.set((weakref.ref(executor.class_obj), compiled))
     try:
