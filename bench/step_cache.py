@@ -15,6 +15,10 @@ the final latent's relative L2. Cost: transformer calls, counted as the samples 
 the first block (cond and uncond count one each), and the process CPU time of the whole sampling
 on one torch thread (the skip rule's own overhead counts; the tiny model's fixed per-step cost
 weighs more than on a real one). All methods run interleaved per prompt, so each sees the same load.
+The models were trained at an 8x8 latent: at 32x32 they draw a textured field of the caption's
+colours rather than one shape, so the runs measure each cache against the same uncached trajectory,
+not on the pictures the models were trained to make (``--size 8`` runs them at their own size,
+where core's ``subsample_factor=8`` leaves one pixel per channel for its estimate).
 
 The last line: ``RESULT default_speedup_min=<x> vs_best_baseline_min=<y>`` at the 30 dB floor (see
 :func:`result`); the same at 35 dB is printed above it. Until the MagCache and First-Block rules
