@@ -10,7 +10,7 @@ forward is copied.
   reads the modulated input and decides; on a skip every block passes its input through and the
   last one adds the stored residual; on a computed call the last one stores the new residual.
 
-The only per-family code is :data:`FAMILIES`: where the modulated input is and which blocks make
+The per-family code is in :mod:`.step_families`: where the modulated input is and which blocks make
 up the stack.
 """
 
@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 
 from ..caching import teacache as tc
 from ..caching.protocol import GRAPH_SAFE, STEP_HOOK, transformer_options
 from ..caching.stats import REGISTRY
-from . import host
+from . import host, step_families
+from .step_families import Family, _resolve, detect_family
 
 log = logging.getLogger("reusekit")
 
@@ -35,145 +34,14 @@ KEY = "reusekit_teacache"          # wrapper key and transformer_options key of 
 RUN_KEY = "reusekit_teacache_run"  # transformer_options key of the current run's state
 CALL_KEY = STEP_HOOK            # the current call; graph capture drives it (a skip never replays)
 
-
-# ---- per family: where the modulated input is, where the block stack starts and ends ---------
-
-def _reference_tokens(args) -> int:
-    """How many reference-image tokens (Kontext, Flux.2, Qwen-Image-Edit) end the image stream."""
-    to = args.get("transformer_options") or {}
-    return sum(to.get("reference_image_num_tokens") or ())
-
-
-def _flux_modulated(dm, args):
-    """Flux / HunyuanVideo: the first double block's image norm, modulated by its scale/shift the
-    block's way: per token range where the block gets ``modulation_dims_img`` (HunyuanVideo I2V's
-    guiding frame), and with the reference tokens on the timestep-zero row where the host doubled the
-    modulation (Flux.2 ``index_timestep_zero``: its block patch is not handed those ranges)."""
-    from comfy.ldm.flux.layers import apply_mod
-
-    block = dm.double_blocks[0]
-    vec, img = args["vec"], args["img"]
-    mod1 = vec[0][0] if isinstance(vec, tuple) else block.img_mod(vec)[0]  # tuple: global modulation
-    dims = args.get("modulation_dims_img")
-    if dims is None and mod1.scale.ndim == 3 and mod1.scale.shape[1] == 2:  # doubled: timestep zero
-        n = img.shape[1] - _reference_tokens(args)
-        dims = [(0, n, 0), (n, img.shape[1], 1)]
-    return apply_mod(block.img_norm1(img), 1 + mod1.scale, mod1.shift, dims)
-
-
-def _qwen_modulated(dm, args):
-    """Qwen-Image: the first block's image norm, modulated by the first half of its img_mod (the
-    reference tokens by the timestep-zero half where the host doubled the batch of ``vec``:
-    Qwen-Image-Edit-2511's ``index_timestep_zero``)."""
-    block = dm.transformer_blocks[0]
-    img, vec = args["img"], args["vec"]
-    img_mod1 = block.img_mod(vec).chunk(2, dim=-1)[0]
-    if vec.shape[0] == 2 * img.shape[0]:
-        zero_from = img.shape[1] - _reference_tokens(args)
-        return block._modulate(block.img_norm1(img), img_mod1, timestep_zero_index=zero_from)[0]
-    return block._modulate(block.img_norm1(img), img_mod1)[0]
-
-
-def _wan_modulated(dm, args):
-    """Wan: the projected time embedding e0 (the published "ret mode" input)."""
-    return args["vec"]
-
-
-@dataclass(frozen=True)
-class Family:
-    name: str
-    default_type: str  # model_type for "auto" when no calibration exists
-    classes: tuple[str, ...]  # "module:Class" of the diffusion model
-    modulated: Callable[[Any, dict], torch.Tensor]
-    blocks: Callable[[Any], list[tuple[str, int]]]
-    image_first: bool = False  # a single stream without ``img_slice`` is (image, text) (HunyuanVideo < 0.14)
-    bases: tuple[str, ...] = ()  # "module:Class" of the BaseModel, where one diffusion class serves several
-    refused: tuple[tuple[str, str], ...] = ()  # ("module:Class", why) of subclasses the cache cannot hook
-    seams: tuple[tuple[str, tuple[str, ...]], ...] = ()  # ("module:attr.path", parameter names) it calls,
-    # besides the ModelPatcher methods every family uses (PATCHER)
-
-
-def _double_single(dm):
-    return ([("double_block", i) for i in range(len(dm.double_blocks))]
-            + [("single_block", i) for i in range(len(getattr(dm, "single_blocks", ())))])
-
-
-def _transformer_blocks(dm):
-    return [("double_block", i) for i in range(len(dm.transformer_blocks))]
-
-
-def _wan_blocks(dm):
-    return [("double_block", i) for i in range(len(dm.blocks))]
-
-
-FLUX, HUNYUAN, WAN = ("comfy.ldm.flux.model:Flux",), ("comfy.ldm.hunyuan_video.model:HunyuanVideo",), \
-    ("comfy.ldm.wan.model:WanModel",)
-# Wan S2V injects audio between blocks, outside the block seam (and ComfyUI 0.3 hands its block patches
-# no transformer_options): a skip would add the last block's audio twice
-WAN_REFUSED = (("comfy.ldm.wan.model:WanModel_S2V", "it injects audio between its blocks, outside the block seam "
-                "the cache hooks"),)
-QWEN = ("comfy.ldm.qwen_image.model:QwenImageTransformer2DModel",)
 PATCHER = (("comfy.model_patcher:ModelPatcher.set_model_patch_replace", ("patch", "name", "block_name", "number")),
            ("comfy.model_patcher:ModelPatcher.add_wrapper_with_key", ("wrapper_type", "key", "wrapper")),
            ("comfy.model_patcher:ModelPatcher.remove_wrappers_with_key", ("wrapper_type", "key")))
 WRAPPERS = "comfy.patcher_extension:WrappersMP"  # the wrapper kinds apply() adds
-APPLY_MOD = (("comfy.ldm.flux.layers:apply_mod", ("tensor", "m_mult", "m_add", "modulation_dims")),)
-QWEN_MODULATE = (("comfy.ldm.qwen_image.model:QwenImageTransformerBlock._modulate", ("x", "mod_params")),)
 
-# the first family whose classes (and BaseModel, where given) match is the model's
-FAMILIES = (
-    Family("flux2", "calibrated", FLUX, _flux_modulated, _double_single, bases=("comfy.model_base:Flux2",),
-           seams=APPLY_MOD),
-    Family("flux", "flux", FLUX, _flux_modulated, _double_single, seams=APPLY_MOD),
-    Family("hunyuan_video15", "calibrated", HUNYUAN, _flux_modulated, _double_single, image_first=True,
-           bases=("comfy.model_base:HunyuanVideo15",), seams=APPLY_MOD),
-    Family("hunyuan_video", "hunyuan_video", HUNYUAN, _flux_modulated, _double_single, image_first=True,
-           seams=APPLY_MOD),
-    Family("wan22", "calibrated", WAN, _wan_modulated, _wan_blocks, bases=("comfy.model_base:WAN22",),
-           refused=WAN_REFUSED),
-    Family("wan", "wan2.1_t2v_1.3B_ret_mode", WAN, _wan_modulated, _wan_blocks, refused=WAN_REFUSED),
-    Family("qwen_image", "calibrated", QWEN, _qwen_modulated, _transformer_blocks, seams=QWEN_MODULATE),
-)
 TYPE_FAMILY = {"flux": "flux", "flux-kontext": "flux", "hunyuan_video": "hunyuan_video",
                **{k: "wan" for k in tc.COEFFICIENTS if k.startswith("wan")}}
 MODEL_TYPES = ("auto", "calibrated", *tc.COEFFICIENTS)
-
-
-def _resolve(spec: str):
-    """The object at "module:attr.path", or None where this host has no such thing."""
-    import importlib
-
-    module, _, path = spec.partition(":")
-    try:
-        obj = importlib.import_module(module)
-    except ImportError:  # feature probe: this host has no such model
-        return None
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-    return obj
-
-
-def _matches(family: Family, model) -> bool:
-    dm = getattr(model, "diffusion_model", None)
-    if not any(isinstance(dm, cls) for cls in map(_resolve, family.classes) if cls is not None):
-        return False
-    return not family.bases or any(isinstance(model, cls) for cls in map(_resolve, family.bases) if cls is not None)
-
-
-def detect_family(model_patcher) -> Family:
-    """The family of a ModelPatcher's diffusion model; ValueError when TeaCache does not cover it."""
-    model = getattr(model_patcher, "model", None)
-    dm = getattr(model, "diffusion_model", None)
-    for family in FAMILIES:
-        if _matches(family, model):
-            for spec, why in family.refused:
-                cls = _resolve(spec)
-                if cls is not None and isinstance(dm, cls):
-                    raise ValueError(f"model: the step cache does not support {type(dm).__name__} models ({why})")
-            return family
-    supported = ", ".join(f.name for f in FAMILIES)
-    raise ValueError(f"model: the step cache does not support {type(dm).__name__} models yet "
-                     f"(supported: {supported})")
 
 
 # ---- stats and calibration storage -------------------------------------------------------
@@ -228,7 +96,7 @@ def _seams_fit(family: Family) -> bool:
 
 def report_layer() -> None:
     """The step cache's part of the start-up line: the families this host has and can hook."""
-    present = [f for f in FAMILIES if any(_resolve(c) is not None for c in f.classes)
+    present = [f for f in step_families.FAMILIES if any(_resolve(c) is not None for c in f.classes)
                and (not f.bases or any(_resolve(b) is not None for b in f.bases))]
     hooked = [f.name for f in present if _seams_fit(f)]
     off = [f.name for f in present if f.name not in hooked]

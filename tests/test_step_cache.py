@@ -25,6 +25,10 @@ def P():
     return rkharness.pack("patches.teacache")
 
 
+def SF():
+    return rkharness.pack("patches.step_families")
+
+
 def N():
     return rkharness.pack("nodes.teacache")
 
@@ -566,7 +570,7 @@ def test_two_step_cached_models_in_one_workflow_keep_their_own_reports(conds):
     sample(teacache(high, 0.0, model_type="auto"), conds, steps=4, shape=shape)
     sample(teacache(low, 1e6, model_type="auto"), conds, steps=6, shape=shape)
     models = P().stats().snapshot()["info"]["models"]
-    wan = next(f for f in P().FAMILIES if f.name == "wan")
+    wan = next(f for f in SF().FAMILIES if f.name == "wan")
     first = models[P().model_label(wan, P().model_fingerprint(high, wan))]
     second = models[P().model_label(wan, P().model_fingerprint(low, wan))]
     assert first["steps"] == 4 and first["calls_skipped"] == 0
@@ -577,7 +581,7 @@ def test_two_step_cached_models_in_one_workflow_keep_their_own_reports(conds):
 def test_a_later_node_replacing_the_last_block_patch_never_skips(flux, conds, caplog):
     """A node applied after the cache that replaces its last block's patch would, on a skip, run
     that block on the stack input: the cache must compute instead, and say so once."""
-    last = P().FAMILIES[1].blocks(flux.model.diffusion_model)[-1]
+    last = SF().FAMILIES[1].blocks(flux.model.diffusion_model)[-1]
     ref = sample(flux, conds)
     after = teacache(flux, 5.0)
     after.set_model_patch_replace(lambda args, extra: extra["original_block"](args), "dit", *last)
@@ -595,8 +599,8 @@ def test_a_model_whose_blocks_never_reach_the_cache_computes_and_says_so(flux, c
     import dataclasses
 
     families = tuple(dataclasses.replace(f, blocks=lambda dm: [("double_block", 99)]) if f.name == "flux" else f
-                     for f in P().FAMILIES)
-    monkeypatch.setattr(P(), "FAMILIES", families)
+                     for f in SF().FAMILIES)
+    monkeypatch.setattr(SF(), "FAMILIES", families)
     ref = sample(flux, conds)
     with caplog.at_level(logging.WARNING, logger="reusekit"):
         out = sample(teacache(flux, 5.0), conds)
@@ -794,7 +798,7 @@ def test_the_two_wan22_experts_keep_separate_state_and_calibrations(conds):
     for run in runs:
         assert run["model_type"] == "calibrated" and run["family"] == "wan"
         assert all(c["pattern"][0] == "C" and len(c["pattern"]) == 4 for c in run["conds"].values())
-    wan = next(f for f in P().FAMILIES if f.name == "wan")
+    wan = next(f for f in SF().FAMILIES if f.name == "wan")
     assert P().STORE.get(P().model_fingerprint(high, wan)) != P().STORE.get(P().model_fingerprint(low, wan))
 
 
@@ -818,8 +822,8 @@ def test_a_host_that_reshaped_what_a_family_reads_runs_that_family_uncached(flux
 
     ref = sample(flux, conds)
     reshaped = (("comfy.ldm.flux.layers:apply_mod", ("tensor", "m_mult", "m_add", "modulation_slices")),)
-    families = tuple(dataclasses.replace(f, seams=reshaped) if f.name == "flux" else f for f in P().FAMILIES)
-    monkeypatch.setattr(P(), "FAMILIES", families)
+    families = tuple(dataclasses.replace(f, seams=reshaped) if f.name == "flux" else f for f in SF().FAMILIES)
+    monkeypatch.setattr(SF(), "FAMILIES", families)
     model = teacache(flux, 5.0)
     assert P().KEY not in model.model_options["transformer_options"]
     assert torch.equal(sample(model, conds), ref)
@@ -848,8 +852,8 @@ def test_a_step_whose_decision_cannot_run_is_computed_and_never_crashes(flux, co
     def unreadable(dm, args):
         raise RuntimeError("a layout this pack does not know")
 
-    families = tuple(dataclasses.replace(f, modulated=unreadable) if f.name == "flux" else f for f in P().FAMILIES)
-    monkeypatch.setattr(P(), "FAMILIES", families)
+    families = tuple(dataclasses.replace(f, modulated=unreadable) if f.name == "flux" else f for f in SF().FAMILIES)
+    monkeypatch.setattr(SF(), "FAMILIES", families)
     ref = sample(flux, conds)
     with caplog.at_level(logging.WARNING, logger="reusekit"):
         out = sample(teacache(flux, 5.0), conds)
