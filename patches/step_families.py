@@ -66,6 +66,13 @@ class Family:
     refused: tuple[tuple[str, str], ...] = ()  # ("module:Class", why) of subclasses the cache cannot hook
     seams: tuple[tuple[str, tuple[str, ...]], ...] = ()  # ("module:attr.path", parameter names) it calls,
     # besides the ModelPatcher methods every family uses (PATCHER)
+    variant: Callable[[Any, dict], str] | None = None  # (model_patcher, the run's conds) -> published variant
+
+
+def model_variant(family: Family, model_patcher, conds: dict) -> str:
+    """The published variant a model is (a key of the published tables, e.g. "flux-kontext"), or the
+    family's ``default_type`` where it has no finer reader."""
+    return family.variant(model_patcher, conds) if family.variant is not None else family.default_type
 
 
 def _double_single(dm):
