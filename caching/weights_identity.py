@@ -1,0 +1,107 @@
+"""A model's weights as an identity that precision copies share and fine-tunes do not (pure torch).
+
+A calibration made on one file must be found again for an fp8 or bf16 copy of the same weights, but
+never for a fine-tune of them, even one that changed a single block. So the identity samples values
+from every weight tensor (not a few), and two identities match when every sampled value agrees to
+within the rounding steps (ulps) of the two dtypes it was stored in: an fp8 copy of a bf16
+model rounds each value by under one fp8 ulp, a fine-tune moves some by more. Two tensors in the same dtype
+match only when their samples are equal (so two fp8 files rounded through different paths may miss each
+other: a miss means a new calibration, never a wrong one). Across dtypes, a fine-tune whose every sampled
+change stays under one ulp of the coarser copy's precision is, at that precision, the same model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+SAMPLES = 16  # values sampled per weight tensor, spread evenly over its elements
+
+
+def _sample(t: torch.Tensor) -> torch.Tensor:
+    """Up to SAMPLES values of ``t`` at fixed, evenly spread positions, as float64 on the CPU."""
+    flat = t.detach().reshape(-1)
+    n = flat.numel()
+    k = min(SAMPLES, n)
+    idx = (torch.arange(k, dtype=torch.int64) * n) // k + n // (2 * k)
+    idx = idx.clamp_max(n - 1).to(flat.device)
+    if flat.element_size() == 1 and flat.is_floating_point():  # fp8: gather the bytes, then reinterpret
+        picked = flat.view(torch.uint8)[idx].view(flat.dtype)
+    else:
+        picked = flat[idx]
+    return picked.to("cpu", torch.float64)
+
+
+@dataclass(frozen=True)
+class WeightsIdentity:
+    """``structure``: a hash of the tensors' names and shapes (equal for precision copies); per tensor,
+    its dtype and the sampled values."""
+
+    structure: str
+    dtypes: tuple[str, ...]
+    counts: tuple[int, ...]
+    samples: tuple[float, ...]
+
+    def matches(self, other: WeightsIdentity) -> bool:
+        """Same tensors, and every sampled value equal (same dtype) or within an ulp of each copy's dtype."""
+        if self.structure != other.structure or self.counts != other.counts:
+            return False
+        a = torch.tensor(self.samples, dtype=torch.float64)
+        b = torch.tensor(other.samples, dtype=torch.float64)
+        tol = torch.empty_like(a)
+        at = 0
+        for mine, theirs, n in zip(self.dtypes, other.dtypes, self.counts, strict=True):
+            span = slice(at, at + n)
+            if mine == theirs:
+                tol[span] = 0.0
+            else:
+                # each copy is within an ulp of the common original: the two ulps together bound their gap
+                fa, fb = _finfo(mine), _finfo(theirs)
+                tol[span] = ((fa.eps + fb.eps) * torch.maximum(a[span].abs(), b[span].abs())
+                             + fa.smallest_normal * fa.eps + fb.smallest_normal * fb.eps)
+            at += n
+        return bool(((a - b).abs() <= tol).all())  # NaN never matches
+
+    def to_json(self) -> dict[str, Any]:
+        return {"structure": self.structure, "dtypes": list(self.dtypes), "counts": list(self.counts),
+                "samples": list(self.samples)}
+
+    @classmethod
+    def from_json(cls, data: Any) -> WeightsIdentity | None:
+        """The identity stored by :meth:`to_json`, or None for anything malformed."""
+        try:
+            ident = cls(str(data["structure"]), tuple(str(d) for d in data["dtypes"]),
+                        tuple(int(c) for c in data["counts"]), tuple(float(s) for s in data["samples"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+        ok = (len(ident.dtypes) == len(ident.counts) and sum(ident.counts) == len(ident.samples)
+              and all(_known(d) for d in ident.dtypes))
+        return ident if ok else None
+
+
+def _finfo(name: str) -> torch.finfo:
+    return torch.finfo(getattr(torch, name))
+
+
+def _known(name: str) -> bool:
+    dtype = getattr(torch, name, None)
+    return isinstance(dtype, torch.dtype) and dtype.is_floating_point
+
+
+def identity(named_weights: Iterable[tuple[str, torch.Tensor]]) -> WeightsIdentity:
+    """The identity of ``(name, tensor)`` pairs (a model's weights as loaded, in a fixed order)."""
+    h = hashlib.sha256()
+    dtypes, counts, picked = [], [], []
+    for name, t in named_weights:
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        h.update(f"{name}:{tuple(t.shape)};".encode())
+        values = _sample(t)
+        dtypes.append(str(t.dtype).removeprefix("torch."))
+        counts.append(values.numel())
+        picked.append(values)
+    samples = torch.cat(picked).tolist() if picked else []
+    return WeightsIdentity(h.hexdigest()[:32], tuple(dtypes), tuple(counts), tuple(samples))
