@@ -54,6 +54,17 @@ def _wan_modulated(dm, args):
     return args["vec"]
 
 
+def _ltxv_modulated(dm, args):
+    """LTXV: the first block's RMS-normed input, scaled and shifted by its self-attention modulation
+    (its scale_shift_table plus the per-token timestep), as TeaCache4LTX-Video reads it."""
+    block = dm.transformer_blocks[0]
+    x, ts = args["img"], args["vec"]
+    table = block.scale_shift_table
+    ada = table[None, None, :2].to(x) + ts.reshape(x.shape[0], ts.shape[1], table.shape[0], -1)[:, :, :2]
+    shift, scale = ada.unbind(dim=2)
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=1e-6) * (1 + scale) + shift
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -63,10 +74,39 @@ class Family:
     blocks: Callable[[Any], list[tuple[str, int]]]
     image_first: bool = False  # a single stream without ``img_slice`` is (image, text) (HunyuanVideo < 0.14)
     bases: tuple[str, ...] = ()  # "module:Class" of the BaseModel, where one diffusion class serves several
-    refused: tuple[tuple[str, str], ...] = ()  # ("module:Class", why) of subclasses the cache cannot hook
     seams: tuple[tuple[str, tuple[str, ...]], ...] = ()  # ("module:attr.path", parameter names) it calls,
     # besides the ModelPatcher methods every family uses (PATCHER)
     variant: Callable[[Any, dict], str] | None = None  # (model_patcher, the run's conds) -> published variant
+
+
+def _cond_values(conds: dict, key: str) -> list:
+    """The values of ``key`` over every cond of a run (``guider.conds``: positive, negative... lists of dicts)."""
+    return [c[key] for cs in (conds or {}).values() if isinstance(cs, (list, tuple))
+            for c in cs if isinstance(c, dict) and c.get(key) is not None]
+
+
+def _flux_variant(model_patcher, conds: dict) -> str:
+    """Flux Kontext: a Flux run whose conds carry reference latents (ReferenceLatent, the way ComfyUI
+    feeds Kontext its image); else Flux."""
+    return "flux-kontext" if _cond_values(conds, "reference_latents") else "flux"
+
+
+WAN_14B_DIM = 4096  # Wan 2.1 1.3B is dim 1536, 14B dim 5120: from this width on, the 14B layout
+# i2v 720p from this latent area (H x W after the VAE's 8x): midway between 480x832 (6240) and 720x1280 (14400)
+WAN_720P_LATENT_AREA = (60 * 104 + 90 * 160) // 2
+
+
+def _wan_variant(model_patcher, conds: dict) -> str:
+    """Wan 2.1 (and the Wan 2.2 14B experts, the same layout): i2v (an image-to-video model,
+    ``model_type`` "i2v") at 480p or 720p by the area of the run's start-image latent
+    (``concat_latent_image``; 480p without one), else t2v at 1.3B or 14B by its width."""
+    model = model_patcher.model
+    cfg = model.model_config.unet_config
+    if cfg.get("model_type") == "i2v" and getattr(model, "image_to_video", False):
+        areas = [t.shape[-2] * t.shape[-1] for t in _cond_values(conds, "concat_latent_image")
+                 if isinstance(t, torch.Tensor) and t.ndim >= 2]
+        return f"wan2.1_i2v_{'720p' if areas and max(areas) >= WAN_720P_LATENT_AREA else '480p'}_14B_ret_mode"
+    return f"wan2.1_t2v_{'14B' if int(cfg.get('dim', 0)) >= WAN_14B_DIM else '1.3B'}_ret_mode"
 
 
 def model_variant(family: Family, model_patcher, conds: dict) -> str:
@@ -90,10 +130,8 @@ def _wan_blocks(dm):
 
 FLUX, HUNYUAN, WAN = ("comfy.ldm.flux.model:Flux",), ("comfy.ldm.hunyuan_video.model:HunyuanVideo",), \
     ("comfy.ldm.wan.model:WanModel",)
-# Wan S2V injects audio between blocks, outside the block seam (and ComfyUI 0.3 hands its block patches
-# no transformer_options): a skip would add the last block's audio twice
-WAN_REFUSED = (("comfy.ldm.wan.model:WanModel_S2V", "it injects audio between its blocks, outside the block seam "
-                "the cache hooks"),)
+CHROMA, CHROMA_RADIANCE = ("comfy.ldm.chroma.model:Chroma",), ("comfy.ldm.chroma_radiance.model:ChromaRadiance",)
+LTXV = ("comfy.ldm.lightricks.model:LTXVModel",)
 QWEN = ("comfy.ldm.qwen_image.model:QwenImageTransformer2DModel",)
 APPLY_MOD = (("comfy.ldm.flux.layers:apply_mod", ("tensor", "m_mult", "m_add", "modulation_dims")),)
 QWEN_MODULATE = (("comfy.ldm.qwen_image.model:QwenImageTransformerBlock._modulate", ("x", "mod_params")),)
@@ -102,15 +140,29 @@ QWEN_MODULATE = (("comfy.ldm.qwen_image.model:QwenImageTransformerBlock._modulat
 FAMILIES = (
     Family("flux2", "calibrated", FLUX, _flux_modulated, _double_single, bases=("comfy.model_base:Flux2",),
            seams=APPLY_MOD),
-    Family("flux", "flux", FLUX, _flux_modulated, _double_single, seams=APPLY_MOD),
+    Family("flux", "flux", FLUX, _flux_modulated, _double_single, seams=APPLY_MOD, variant=_flux_variant),
+    Family("chroma_radiance", "calibrated", CHROMA_RADIANCE, _flux_modulated, _double_single, seams=APPLY_MOD),
+    Family("chroma", "calibrated", CHROMA, _flux_modulated, _double_single, seams=APPLY_MOD),
     Family("hunyuan_video15", "calibrated", HUNYUAN, _flux_modulated, _double_single, image_first=True,
            bases=("comfy.model_base:HunyuanVideo15",), seams=APPLY_MOD),
     Family("hunyuan_video", "hunyuan_video", HUNYUAN, _flux_modulated, _double_single, image_first=True,
            seams=APPLY_MOD),
-    Family("wan22", "calibrated", WAN, _wan_modulated, _wan_blocks, bases=("comfy.model_base:WAN22",),
-           refused=WAN_REFUSED),
-    Family("wan", "wan2.1_t2v_1.3B_ret_mode", WAN, _wan_modulated, _wan_blocks, refused=WAN_REFUSED),
+    Family("wan22", "calibrated", WAN, _wan_modulated, _wan_blocks, bases=("comfy.model_base:WAN22",)),
+    Family("wan", "wan2.1_t2v_1.3B_ret_mode", WAN, _wan_modulated, _wan_blocks, variant=_wan_variant),
     Family("qwen_image", "calibrated", QWEN, _qwen_modulated, _transformer_blocks, seams=QWEN_MODULATE),
+    Family("ltxv", "calibrated", LTXV, _ltxv_modulated, _transformer_blocks),
+)
+
+# ("module:Class", why) of diffusion models the step cache refuses, subclasses of a family's among them;
+# checked before the families. Wan S2V: a skip would add the last block's audio injection twice (and
+# ComfyUI 0.3 hands its block patches no transformer_options)
+REFUSED = (
+    ("comfy.ldm.wan.model:WanModel_S2V", "it injects audio between its blocks, outside the block seam the cache "
+     "hooks"),
+    ("comfy.ldm.lightricks.av_model:LTXAVModel", "its blocks carry a (video, audio) pair of streams, and the "
+     "cache's block patches store and add the residual of one image stream"),
+    ("comfy.ldm.genmo.joint_model.asymm_models_joint:AsymmDiTJoint", "its forward runs no DIFFUSION_MODEL "
+     "wrapper, where the cache learns which conds and sigma each call has"),
 )
 
 
@@ -139,12 +191,12 @@ def detect_family(model_patcher) -> Family:
     """The family of a ModelPatcher's diffusion model; ValueError when TeaCache does not cover it."""
     model = getattr(model_patcher, "model", None)
     dm = getattr(model, "diffusion_model", None)
+    for spec, why in REFUSED:
+        cls = _resolve(spec)
+        if cls is not None and isinstance(dm, cls):
+            raise ValueError(f"model: the step cache does not support {type(dm).__name__} models ({why})")
     for family in FAMILIES:
         if _matches(family, model):
-            for spec, why in family.refused:
-                cls = _resolve(spec)
-                if cls is not None and isinstance(dm, cls):
-                    raise ValueError(f"model: the step cache does not support {type(dm).__name__} models ({why})")
             return family
     supported = ", ".join(f.name for f in FAMILIES)
     raise ValueError(f"model: the step cache does not support {type(dm).__name__} models yet "

@@ -1,6 +1,10 @@
-"""More tiny real model families for the step-cache tests (Qwen-Image), built like the others."""
+"""More tiny real model families for the step-cache tests (Qwen-Image), built like the others, and
+the helpers that call a step-cached model directly (``rkharness`` is imported where used: this folder
+is also loaded as a custom-node package outside pytest)."""
 
 from __future__ import annotations
+
+import torch
 
 
 def tiny_qwen_image(seed: int = 0, **overrides):
@@ -44,3 +48,71 @@ def tiny_wan_s2v(seed: int = 0, **overrides):
                num_audio_token=4, enable_adain=True, cond_dim=16, audio_inject_layers=[0, 1])
     cfg.update(overrides)
     return _from_config(comfy.supported_models.WAN22_S2V, cfg, seed)
+
+
+def tiny_wan_i2v(seed: int = 0, **overrides):
+    """Wan 2.1 image-to-video (start-image latent and mask concatenated: 36 input channels) at dim 64."""
+    import comfy.supported_models
+
+    from . import TEXT_DIM, _from_config
+
+    cfg = dict(image_model="wan2.1", model_type="i2v", patch_size=(1, 2, 2), text_len=512, in_dim=36, dim=64,
+               ffn_dim=128, freq_dim=32, text_dim=TEXT_DIM, out_dim=16, num_heads=2, num_layers=1,
+               window_size=(-1, -1), qk_norm=True, cross_attn_norm=True, eps=1e-6)
+    cfg.update(overrides)
+    return _from_config(comfy.supported_models.WAN21_I2V, cfg, seed)
+
+
+def meta_wan(model_config_name: str = "WAN21_T2V", **overrides):
+    """A Wan 2.1 of real width (14B: dim 5120) on the meta device: its config and layout, no memory."""
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    cfg = dict(image_model="wan2.1", model_type="t2v", patch_size=(1, 2, 2), text_len=512, in_dim=16, dim=5120,
+               ffn_dim=13824, freq_dim=256, text_dim=4096, out_dim=16, num_heads=40, num_layers=1,
+               window_size=(-1, -1), qk_norm=True, cross_attn_norm=True, eps=1e-6)
+    cfg.update(overrides)
+    model_config = getattr(comfy.supported_models, model_config_name)(cfg)
+    model_config.set_inference_dtype(torch.float32, None)
+    meta = torch.device("meta")
+    return comfy.model_patcher.ModelPatcher(model_config.get_model({}, device=meta), load_device=meta,
+                                            offload_device=meta)
+
+
+def family_spec(name: str):
+    """``FAMILY_SPECS[name]`` (families.py), or a pytest skip naming the class this host lacks."""
+    import pytest
+
+    from .families import FAMILY_SPECS
+
+    spec = FAMILY_SPECS[name]
+    missing = spec.missing()
+    if missing:
+        pytest.skip(f"this ComfyUI has no {missing}")
+    return spec
+
+
+def batched(x, sigma, kwargs):
+    """One model call's inputs as cond and uncond batched together (the uncond's latent differs)."""
+    def two(v):
+        if isinstance(v, list):  # reference latents
+            return [two(r) for r in v]
+        return torch.cat([v, v]) if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == 1 else v
+
+    return torch.cat([x, x.flip(-1)]), two(sigma), {k: two(v) for k, v in kwargs.items()}
+
+
+def two_calls(model, x, sigma, kwargs, keys=("c", "u")):
+    """The same input twice through a step-cached model, as one sampling run's calls (threshold and
+    rescale 1: an unchanged input skips): (first output, second output, the run's state)."""
+    import rkharness
+
+    patch, math = rkharness.pack("patches.teacache"), rkharness.pack("caching.teacache")
+    to = model.model_options["transformer_options"].copy()
+    to.update({"wrappers": model.wrappers, "sigmas": sigma, "uuids": list(keys),
+               "cond_or_uncond": [0, 1][:len(keys)],
+               patch.RUN_KEY: math.RunState(to[patch.KEY].config, (0, 0, 0, 1.0, 0), 1.0, 0.0)})
+    with torch.inference_mode():
+        first = model.model.apply_model(x, sigma, transformer_options=to, **kwargs)
+        second = model.model.apply_model(x, sigma, transformer_options=to, **kwargs)
+    return first, second, to[patch.RUN_KEY]

@@ -1,0 +1,242 @@
+"""Step cache: the families it hooks (Chroma, Chroma Radiance, LTXV beside Flux, Wan, HunyuanVideo,
+Qwen-Image), the ones it refuses with a reason, and the published variant ``auto`` reads from a model
+and its run's conds.
+
+Each hooked family on its tiny real model: the same input twice, cond and uncond batched, the skipped
+second call gives the computed first one's output; and a run through the real KSampler: calibrate,
+then skip, a finite latent, cond and uncond reported.
+"""
+
+import importlib
+import inspect
+
+import pytest
+import rkharness
+import torch
+
+pytestmark = pytest.mark.step_cache
+
+
+def P():
+    return rkharness.pack("patches.teacache")
+
+
+def SF():
+    return rkharness.pack("patches.step_families")
+
+
+def N():
+    return rkharness.pack("nodes.teacache")
+
+
+def helpers():
+    return importlib.import_module(f"{rkharness.TINY.__name__}.step_families")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_calibrations(monkeypatch, tmp_path):
+    """Calibrations go to a temporary file, and none leaks between tests."""
+    store = rkharness.pack("caching.teacache").CalibrationStore(tmp_path / "teacache_calibration.json")
+    monkeypatch.setattr(P(), "STORE", store)
+    return store
+
+
+@pytest.fixture(scope="module")
+def conds(tiny):
+    import nodes
+
+    clip = tiny.tiny_clip(0)
+    with torch.inference_mode():
+        (pos,) = nodes.CLIPTextEncode().encode(clip, "a red circle on a black background")
+        (neg,) = nodes.CLIPTextEncode().encode(clip, "")
+    return pos, neg
+
+
+def step_cache(model, model_type="auto", threshold=1.0):
+    """ReuseKit TeaCache by keyword: the TeaCache rule (what the calibration fits), plain reuse."""
+    params = inspect.signature(N().TeaCacheNode.execute).parameters
+    inputs = {"threshold" if "threshold" in params else "rel_l1_thresh": threshold, "model_type": model_type,
+              "start_percent": 0.0, "end_percent": 1.0, "max_consecutive_skips": 0, "cache_device": "device",
+              "residual_mode": "reuse", "rule": "teacache"}
+    (m,) = N().TeaCacheNode.execute(model, **{k: v for k, v in inputs.items() if k in params}).args
+    return m
+
+
+def sample(model, conds, shape, steps=6, cfg=3.0, seed=3):
+    import nodes
+
+    pos, neg = conds
+    (out,) = nodes.common_ksampler(model, seed, steps, cfg, "euler", "simple", pos, neg,
+                                   {"samples": torch.zeros(shape)})
+    return out["samples"]
+
+
+def last_run():
+    return P().stats().snapshot()["info"]["last_run"]
+
+
+def rel_err(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+# family (tests/tinymodels/families.py), the step cache's name for it, latent shape through the KSampler,
+# whether its conds carry the text encoder's attention mask (LTXV's T5 gives one; ComfyUI 0.3 needs it)
+HOOKED = {
+    "chroma": ("chroma", (1, 16, 8, 8), False),
+    "chroma_radiance": ("chroma_radiance", (1, 3, 32, 32), False),
+    "ltxv": ("ltxv", (1, 128, 2, 2, 2), True),
+}
+
+
+@pytest.mark.parametrize("name", list(HOOKED))
+def test_a_skipped_step_on_the_same_input_returns_the_computed_output(name):
+    """Cond and uncond batched: the second call on the same input skips and gives the first one's output,
+    so the residual is taken from and added to the image tokens (Chroma's single stream is text first;
+    LTXV's blocks add into their input in place)."""
+    h = helpers()
+    spec = h.family_spec(name)
+    model = spec.build(0)
+    x, sigma, kwargs = h.batched(*spec.inputs(spec.sizes[0], 0))
+    cached = step_cache(model)
+    assert cached.model_options["transformer_options"][P().KEY].family.name == HOOKED[name][0]
+    first, second, run = h.two_calls(cached, x, sigma, kwargs)
+    assert [s.pattern for s in run.conds.values()] == [["C", "S"], ["C", "S"]]
+    assert torch.allclose(second, first, atol=1e-5, rtol=1e-5), rel_err(second, first)
+
+
+@pytest.mark.parametrize("name", list(HOOKED))
+def test_calibrates_then_skips_through_the_real_ksampler(conds, name):
+    """No published coefficients: a clear error until calibrated; calibrating changes nothing; then
+    skipped steps, a finite latent, cond and uncond reported."""
+    family, shape, masked = HOOKED[name]
+    model = helpers().family_spec(name).build(0)
+    if masked:
+        conds = tuple([[c, {**e, "attention_mask": torch.ones(c.shape[:2], dtype=torch.long)}] for c, e in cond] for cond in conds)
+    ref = sample(model, conds, shape)
+    with pytest.raises(ValueError, match="ReuseKit TeaCache: model_type: no calibration"):
+        sample(step_cache(model, threshold=0.0), conds, shape)
+    (cal,) = N().TeaCacheCalibrateNode.execute(model).args
+    assert torch.equal(sample(cal, conds, shape), ref)
+    assert last_run()["calibration"]["points"] >= 2
+    out = sample(step_cache(model, threshold=3.0), conds, shape)
+    run = last_run()
+    assert run["family"] == family and run["model_type"] == "calibrated" and run["calls_skipped"] >= 1
+    assert set(run["conds"]) == {"cond", "uncond"}
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("name,cls,why", [
+    ("ltx2", "LTXAVModel", "a \\(video, audio\\) pair of streams"),
+    ("mochi", "AsymmDiTJoint", "no DIFFUSION_MODEL wrapper"),
+])
+def test_a_family_the_cache_cannot_hook_is_a_clear_error_that_says_why(name, cls, why):
+    """LTX-2 (its blocks carry video and audio together) and Mochi (no per-call wrapper seam): both nodes
+    refuse it naming themselves, the model class and the reason, never a run that silently skips nothing."""
+    model = helpers().family_spec(name).build(0)
+    with pytest.raises(ValueError, match=f"ReuseKit TeaCache: model: .*does not support {cls} models .*{why}"):
+        step_cache(model)
+    with pytest.raises(ValueError, match=f"ReuseKit TeaCache Calibrate: model: .*does not support {cls}"):
+        N().TeaCacheCalibrateNode.execute(model)
+
+
+# ---- the published variant of a model ------------------------------------------------------------
+
+def run_variant(model, conds, shape):
+    """The variant ``model_variant`` reads in a real KSampler run, from the guider's own conds in the
+    OUTER_SAMPLE wrapper (where the step cache resolves its coefficients)."""
+    import comfy.patcher_extension
+
+    seen = []
+
+    def wrapper(executor, *args, **kwargs):
+        guider = executor.class_obj
+        seen.append(SF().model_variant(SF().detect_family(guider.model_patcher), guider.model_patcher, guider.conds))
+        return executor(*args, **kwargs)
+
+    m = model.clone()
+    m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, "rk_test_variant", wrapper)
+    sample(m, conds, shape, steps=1)
+    (variant,) = seen
+    return variant
+
+
+def test_flux_with_reference_latents_is_flux_kontext(tiny, conds):
+    """Kontext is a Flux fed a reference image (ReferenceLatent adds ``reference_latents`` to the cond)."""
+    flux = tiny.tiny_flux(0)
+    ref = torch.randn((1, 16, 4, 6), generator=torch.Generator().manual_seed(7))
+    kontext = tuple([[c, {**e, "reference_latents": [ref]}] for c, e in cond] for cond in conds)
+    assert run_variant(flux, conds, (1, 16, 8, 8)) == "flux"
+    assert run_variant(flux, kontext, (1, 16, 8, 8)) == "flux-kontext"
+    assert set(rkharness.pack("caching.teacache").COEFFICIENTS) >= {"flux", "flux-kontext"}
+
+
+def test_wan21_t2v_is_told_apart_by_width(tiny, conds):
+    """dim 1536 is the 1.3B layout, 5120 the 14B one (the cut is at 4096; tiny models read as 1.3B)."""
+    assert run_variant(tiny.tiny_wan(0), conds, (1, 16, 1, 8, 8)) == "wan2.1_t2v_1.3B_ret_mode"
+    h = helpers()
+    wan = SF().detect_family(h.meta_wan())
+    assert SF().model_variant(wan, h.meta_wan(), {}) == "wan2.1_t2v_14B_ret_mode"
+    assert SF().model_variant(wan, h.meta_wan(dim=1536, ffn_dim=8960, num_heads=12), {}) == "wan2.1_t2v_1.3B_ret_mode"
+
+
+def wan_conds(latent_hw):
+    """A run's conds (``guider.conds``) whose start image encodes to a latent of ``latent_hw``."""
+    image = torch.zeros((1, 16, 1, *latent_hw))
+    return {"positive": [{"concat_latent_image": image}], "negative": [{"concat_latent_image": image}]}
+
+
+def test_wan21_i2v_picks_480p_or_720p_by_the_start_image_latent():
+    """480x832 encodes to 60x104 latents, 720x1280 to 90x160; without a start image: 480p."""
+    h = helpers()
+    i2v = h.tiny_wan_i2v(0)
+    wan = SF().detect_family(i2v)
+    assert wan.name == "wan"
+    assert SF().model_variant(wan, i2v, wan_conds((60, 104))) == "wan2.1_i2v_480p_14B_ret_mode"
+    assert SF().model_variant(wan, i2v, wan_conds((104, 60))) == "wan2.1_i2v_480p_14B_ret_mode"
+    assert SF().model_variant(wan, i2v, wan_conds((90, 160))) == "wan2.1_i2v_720p_14B_ret_mode"
+    assert SF().model_variant(wan, i2v, {"positive": [{}], "negative": [{}]}) == "wan2.1_i2v_480p_14B_ret_mode"
+    # Fun Control: an "i2v" config that is no image-to-video model (control video, not a start image)
+    fun = h.meta_wan("WAN21_FunControl2V", model_type="i2v", in_dim=48)
+    assert SF().model_variant(wan, fun, wan_conds((90, 160))) == "wan2.1_t2v_14B_ret_mode"
+
+
+def test_wan21_i2v_reads_the_start_image_latent_of_a_real_run(conds):
+    """The start-image latent set on the conds as WanImageToVideo sets it (node_helpers), read from the
+    guider's conds of a real KSampler run: the i2v variant."""
+    import node_helpers
+
+    image = torch.zeros((1, 16, 1, 8, 8))
+    values = {"concat_latent_image": image, "concat_mask": torch.ones((1, 1, 1, 8, 8))}
+    i2v_conds = tuple(node_helpers.conditioning_set_values(c, values) for c in conds)
+    assert run_variant(helpers().tiny_wan_i2v(0), i2v_conds, (1, 16, 1, 8, 8)) == "wan2.1_i2v_480p_14B_ret_mode"
+
+
+def test_hunyuan_video_and_the_calibrated_families_read_their_default(tiny):
+    h = helpers()
+    for model, family, variant in ((h.tiny_hunyuan_video(0), "hunyuan_video", "hunyuan_video"),
+                                   (tiny.tiny_flux(0), "flux", "flux")):
+        fam = SF().detect_family(model)
+        assert (fam.name, SF().model_variant(fam, model, {"positive": [{}]})) == (family, variant)
+    for name, family in (("hunyuan_video15", "hunyuan_video15"), ("wan22", "wan22"), ("chroma", "chroma"),
+                         ("ltxv", "ltxv")):
+        model = h.family_spec(name).build(0)
+        fam = SF().detect_family(model)
+        assert (fam.name, SF().model_variant(fam, model, {})) == (family, "calibrated")
+
+
+def test_the_wan22_14b_experts_never_share_a_calibration(conds):
+    """The high- and low-noise experts have one layout (Wan 2.1 14B) and one variant, but each its own
+    weights: a calibration of one is never the other's."""
+    h = helpers()
+    spec = h.family_spec("wan22_14b")
+    high, low = spec.build(0), spec.build(1)
+    wan = SF().detect_family(high)
+    assert SF().model_variant(wan, high, {}) == SF().model_variant(wan, low, {})
+    shape = (1, 16, 1, 8, 8)
+    (cal,) = N().TeaCacheCalibrateNode.execute(high).args
+    sample(cal, conds, shape)
+    sample(step_cache(high, model_type="calibrated", threshold=0.0), conds, shape)
+    assert last_run()["model_type"] == "calibrated"
+    with pytest.raises(ValueError, match="ReuseKit TeaCache: model_type: no calibration"):
+        sample(step_cache(low, model_type="calibrated", threshold=0.0), conds, shape)
+    assert P().model_fingerprint(high, wan) != P().model_fingerprint(low, wan)
