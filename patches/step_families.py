@@ -153,6 +153,8 @@ FAMILIES = (
     Family("ltxv", "calibrated", LTXV, _ltxv_modulated, _transformer_blocks),
 )
 
+NO_BLOCK_SEAM = "its forward offers no block-replace seam (patches_replace \"dit\") to hook, and the cache " \
+    "never copies a core forward"
 # ("module:Class", why) of diffusion models the step cache refuses, subclasses of a family's among them;
 # checked before the families. Wan S2V: a skip would add the last block's audio injection twice (and
 # ComfyUI 0.3 hands its block patches no transformer_options)
@@ -163,6 +165,10 @@ REFUSED = (
      "cache's block patches store and add the residual of one image stream"),
     ("comfy.ldm.genmo.joint_model.asymm_models_joint:AsymmDiTJoint", "its forward runs no DIFFUSION_MODEL "
      "wrapper, where the cache learns which conds and sigma each call has"),
+    *((spec, NO_BLOCK_SEAM) for spec in ("comfy.ldm.lumina.model:NextDiT", "comfy.ldm.cosmos.model:GeneralDIT",
+                                         "comfy.ldm.cosmos.predict2:MiniTrainDIT",
+                                         "comfy.ldm.hidream.model:HiDreamImageTransformer2DModel",
+                                         "comfy.ldm.omnigen.omnigen2:OmniGen2Transformer2DModel")),
 )
 
 

@@ -125,13 +125,22 @@ def test_calibrates_then_skips_through_the_real_ksampler(conds, name):
     assert out.shape == ref.shape and torch.isfinite(out).all()
 
 
+NO_SEAM = "no block-replace seam"
+
+
 @pytest.mark.parametrize("name,cls,why", [
     ("ltx2", "LTXAVModel", "a \\(video, audio\\) pair of streams"),
     ("mochi", "AsymmDiTJoint", "no DIFFUSION_MODEL wrapper"),
+    ("lumina2", "NextDiT", NO_SEAM),
+    ("z_image", "NextDiT", NO_SEAM),
+    ("cosmos", "MiniTrainDIT", NO_SEAM),
+    ("hidream", "HiDreamImageTransformer2DModel", NO_SEAM),
+    ("omnigen2", "OmniGen2Transformer2DModel", NO_SEAM),
 ])
 def test_a_family_the_cache_cannot_hook_is_a_clear_error_that_says_why(name, cls, why):
-    """LTX-2 (its blocks carry video and audio together) and Mochi (no per-call wrapper seam): both nodes
-    refuse it naming themselves, the model class and the reason, never a run that silently skips nothing."""
+    """LTX-2 (its blocks carry video and audio together), Mochi (no per-call wrapper seam) and the
+    families whose forward has no block seam: both nodes refuse it naming themselves, the model class and
+    the reason, never a run that silently skips nothing."""
     model = helpers().family_spec(name).build(0)
     with pytest.raises(ValueError, match=f"ReuseKit TeaCache: model: .*does not support {cls} models .*{why}"):
         step_cache(model)
