@@ -4,9 +4,11 @@ Opens the page, opens the ReuseKit sidebar tab, runs a tiny workflow with every 
 (conditioning, PE, step, graph) and two test-only ones through the API, sees the numbers arrive
 over the websocket, changes a setting (a bad value shows the server's message and
 changes nothing), presses "Clear all" and sees memory drop. Fails on any console error from the pack.
-Saves test-artifacts/panel.png (the README's picture, docs/panel.png, is a copy of it).
+The step cache's runs show each cond's compute/skip strip as the server reported it, and a run that
+skipped nothing is flagged. Saves test-artifacts/panel.png and panel_step.png (docs/ holds copies).
 """
 
+import contextlib
 import json
 
 import pytest
@@ -24,19 +26,72 @@ def browser():
         yield browser
 
 
-def with_real_caches(prompt: dict) -> dict:
-    """The probe workflow with the pack's own caches on its model: PE cache, TeaCache and graph
-    capture (eager on this CPU machine, said in its stats); its text encodes go through the
-    conditioning cache (global mode)."""
+def step_cache_inputs(server, model: list, threshold: float) -> dict:
+    """The step cache node's inputs: its defaults, the given threshold (``threshold``, or
+    ``rel_l1_thresh`` on the node before the rule input), the whole window, no skip limit."""
+    spec = server.get("/object_info/ReuseKitTeaCache")["ReuseKitTeaCache"]["input"]
+    inputs = {}
+    for name, (kind, *opts) in {**spec.get("required", {}), **spec.get("optional", {})}.items():
+        options = opts[0] if opts else {}
+        if "default" in options:
+            inputs[name] = options["default"]
+        elif isinstance(kind, list) and kind:
+            inputs[name] = kind[0]
+    inputs["threshold" if "threshold" in inputs else "rel_l1_thresh"] = threshold
+    return {**inputs, "model": model, "start_percent": 0.0, "end_percent": 1.0, "max_consecutive_skips": 0}
+
+
+def with_real_caches(prompt: dict, server, threshold: float = 2.0) -> dict:
+    """The probe workflow with the pack's own caches on its model: PE cache, the step cache at
+    ``threshold`` and graph capture (eager on this CPU machine, said in its stats); its text encodes
+    go through the conditioning cache (global mode)."""
     prompt = dict(prompt)
     model = prompt["5"]["inputs"]["model"]
     prompt["20"] = {"class_type": "ReuseKitPECache", "inputs": {"model": model, "enabled": True}}
-    prompt["21"] = {"class_type": "ReuseKitTeaCache", "inputs": {
-        "model": ["20", 0], "model_type": "auto", "rel_l1_thresh": 0.4, "start_percent": 0.0, "end_percent": 1.0,
-        "max_consecutive_skips": 0, "cache_device": "device", "residual_mode": "extrapolate"}}
+    prompt["21"] = {"class_type": "ReuseKitTeaCache", "inputs": step_cache_inputs(server, ["20", 0], threshold)}
     prompt["22"] = {"class_type": "ReuseKitGraphCapture", "inputs": {"model": ["21", 0], "enable": True, "max_graphs": 2}}
     prompt["5"] = {**prompt["5"], "inputs": {**prompt["5"]["inputs"], "model": ["22", 0]}}
     return prompt
+
+
+def run_step_cached(server, threshold: float, checkpoint_seed: int, steps: int = 6) -> tuple[str, dict]:
+    """One step-cached sampling of the tiny Flux (weights by ``checkpoint_seed``): the step cache's
+    stats name and the run's summary as the server reports it."""
+    prompt = with_real_caches(rkharness.TINY.panelprobe.probe_prompt(seed=7, steps=steps), server, threshold)
+    prompt["1"]["inputs"]["seed"] = checkpoint_seed
+    entry = server.wait_for_prompt(server.queue(prompt))
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:2000]
+    caches = server.get("/reusekit/stats")["caches"]
+    name, run = next((c["name"], c["info"]["last_run"]) for c in caches
+                     if c["kind"] == "step" and isinstance(c["info"].get("last_run"), dict)
+                     and "conds" in c["info"]["last_run"])
+    return name, run
+
+
+# The panel's strip and bars for one model's run: per cond, the cells' states and the bars drawn.
+SHOWN_RUN = """(model) => {
+    const run = [...document.querySelectorAll('[data-rk=step-run]')].find((e) => e.dataset.rkModel === model);
+    if (!run) return null;
+    const conds = {};
+    for (const c of run.querySelectorAll('[data-rk-cond]')) {
+        conds[c.dataset.rkCond] = {
+            states: [...c.querySelectorAll('[data-rk=strip] rect')].map((r) => r.dataset.state).join(''),
+            bars: c.querySelectorAll('[data-rk=trace] rect').length,
+            line: c.querySelectorAll('[data-rk=trace] [data-rk=threshold]').length };
+    }
+    return { warn: run.dataset.warn, calls: run.querySelector('[data-rk=run-calls]').textContent,
+             flag: run.querySelector('[data-rk=run-flag]')?.textContent ?? null, conds };
+}"""
+
+
+def expected_run(run: dict) -> dict:
+    """What the panel must show for a run summary (short runs: one cell per call)."""
+    calls = run["calls_computed"] + run["calls_skipped"]
+    return {"warn": "true" if run["calls_skipped"] == 0 and calls > 1 else "false",
+            "calls": f"{run['calls_computed']} of {calls} calls computed ({run['speedup_calls']:.2f}x fewer)",
+            "flag": "⚠ skipped nothing" if run["calls_skipped"] == 0 and calls > 1 else None,
+            "conds": {lab: {"states": c["pattern"], "bars": len(c["trace"]), "line": 1}
+                      for lab, c in run["conds"].items()}}
 
 
 def bytes_of(page, selector: str) -> int:
@@ -61,6 +116,8 @@ def open_panel(page) -> None:
 
 
 def test_panel_fills_with_real_numbers_and_clear_drops_memory(comfy_server, browser):
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     comfy_server.post("/settings", {"Comfy.TutorialCompleted": True})
     page = browser.new_page(viewport={"width": 1280, "height": 1150})
     errors = []
@@ -80,7 +137,7 @@ def test_panel_fills_with_real_numbers_and_clear_drops_memory(comfy_server, brow
         before, hits_before = (counters.get(MEMO, {}).get(k, 0) for k in ("misses", "hits"))
         seed = 100 + before
         for text in ("a red square", "a blue circle", "a red square"):  # A, B, A: conditioning hits
-            prompt = with_real_caches(rkharness.TINY.panelprobe.probe_prompt(seed=seed, steps=3, text=text))
+            prompt = with_real_caches(rkharness.TINY.panelprobe.probe_prompt(seed=seed, steps=3, text=text), comfy_server)
             entry = comfy_server.wait_for_prompt(comfy_server.queue(prompt))
             assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:2000]
             page.wait_for_timeout(600)  # a step in the memory chart
@@ -90,7 +147,6 @@ def test_panel_fills_with_real_numbers_and_clear_drops_memory(comfy_server, brow
         for kind in ("conditioning", "pe", "step", "graph"):
             page.locator(f'[data-rk-kind="{kind}"]').first.wait_for()
         page.locator('[data-rk-kind="pe"] [data-rk-counter=hits]').first.wait_for()
-        page.locator('[data-rk-cache="teacache"] [data-rk=last-run]').wait_for()
         memo = page.locator(f'[data-rk-cache="{MEMO}"]')
         memo.locator("[data-rk-counter=misses] span").filter(has_text=str(before + 2)).wait_for()
         memo.locator("[data-rk-counter=hits] span").filter(has_text=str(hits_before + 1)).wait_for()
@@ -104,9 +160,27 @@ def test_panel_fills_with_real_numbers_and_clear_drops_memory(comfy_server, brow
         assert page.locator('[data-rk-kind="step"]').count() == 1
         assert bytes_of(page, "[data-rk=total-bytes]") > 0
         assert page.locator("[data-rk=chart] path[data-series=total]").count() == 1
+
+        # the step cache's runs: a run that skips and one that skips nothing (threshold 0, other
+        # weights: another model), each cond's strip exactly the server's pattern, the bars its trace
+        step_name, skipping = run_step_cached(comfy_server, 2.0, checkpoint_seed=0)
+        assert "S" in skipping["conds"]["cond"]["pattern"], skipping
+        _, nothing = run_step_cached(comfy_server, 0.0, checkpoint_seed=1)
+        assert nothing["calls_skipped"] == 0 and nothing["model"] != skipping["model"], nothing
+        assert set(skipping["conds"]) == {"cond", "uncond"} and len(nothing["conds"]["cond"]["pattern"]) == 6
+        for run in (skipping, nothing):
+            want = expected_run(run)
+            with contextlib.suppress(PlaywrightTimeout):  # the push arrives within a second; the assert says what differs
+                page.wait_for_function(f"(w) => JSON.stringify(({SHOWN_RUN})(w.model)) === JSON.stringify(w.shown)",
+                                       arg={"model": run["model"], "shown": want}, timeout=15_000)
+            assert page.evaluate(SHOWN_RUN, run["model"]) == want
+        card = page.locator(f'[data-rk-cache="{step_name}"]')
+        assert card.locator("[data-rk=step-run]").first.get_attribute("data-rk-model") == nothing["model"]  # newest first
+        assert card.locator('[data-rk=step-run][data-warn="true"]').count() == 1
         page.wait_for_timeout(300)  # let the last push paint
         rkharness.ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(rkharness.ARTIFACTS / "panel.png"), clip={"x": 0, "y": 40, "width": 640, "height": 1000})
+        card.screenshot(path=str(rkharness.ARTIFACTS / "panel_step.png"))
 
         # settings: a bad value shows the server's message and changes nothing; a good one applies
         entries = page.locator('[data-rk-setting="rktest.memo_max_entries"]')

@@ -238,3 +238,130 @@ export function niceMax(v) {
   }
   return 10 ** (exp + 1) * unit;
 }
+
+// ---- the step cache's runs: per-cond compute/skip strip and accumulated distance -------------
+
+export const STRIP_MAX_CELLS = 96;
+const RUN_SHOWN = new Set(["rule", "threshold", "rel_l1_thresh", "residual_mode", "model_type", "variant", "family",
+  "model", "outcome", "calls_computed", "calls_skipped", "speedup_calls", "unhooked_calls", "disabled_reason", "conds"]);
+
+const finite = (v) => typeof v === "number" && Number.isFinite(v);
+
+/** A step-cache summary's threshold: `threshold`, else the older `rel_l1_thresh`; null without either. */
+export function runThreshold(summary) {
+  if (finite(summary?.threshold)) return summary.threshold;
+  return finite(summary?.rel_l1_thresh) ? summary.rel_l1_thresh : null;
+}
+
+/**
+ * A "CCSSC..." pattern in at most `maxCells` cells, each spanning consecutive calls: {start, calls,
+ * skipped, state} with state "C" (all computed), "S" (all skipped) or "mixed"; x and w in [0, 1].
+ */
+export function stripCells(pattern, maxCells = STRIP_MAX_CELLS) {
+  const calls = typeof pattern === "string" ? pattern : "";
+  const n = calls.length;
+  const count = Math.min(n, Math.max(1, maxCells));
+  const cells = [];
+  for (let i = 0; i < count; i += 1) {
+    const start = Math.floor((i * n) / count);
+    const end = Math.floor(((i + 1) * n) / count);
+    let skipped = 0;
+    for (let j = start; j < end; j += 1) if (calls[j] === "S") skipped += 1;
+    const span = end - start;
+    cells.push({ start, calls: span, skipped, state: skipped === 0 ? "C" : skipped === span ? "S" : "mixed",
+      x: start / n, w: span / n });
+  }
+  return cells;
+}
+
+/**
+ * Bars of the accumulated distance per cell (the largest of the cell's calls), scaled to
+ * width x height, and the threshold's y (null without one). The axis tops at the largest value or the
+ * threshold, but at most 3x the threshold so its line stays readable (taller bars are cut: `clipped`
+ * counts them); a threshold of 0 (never skip) lies on the floor.
+ */
+export function traceBars(trace, cells, threshold, { width, height }) {
+  const values = cells.map((c) => {
+    let v = null;
+    for (let j = c.start; j < c.start + c.calls; j += 1) {
+      const t = Array.isArray(trace) ? trace[j] : undefined;
+      if (finite(t) && (v === null || t > v)) v = t;
+    }
+    return v;
+  });
+  const largest = Math.max(0, ...values.filter((v) => v !== null));
+  const hasLine = finite(threshold) && threshold >= 0;
+  const top = hasLine && threshold > 0 ? Math.min(Math.max(largest, threshold) * 1.1, threshold * 3)
+    : largest > 0 ? largest * 1.1 : 1;
+  const r = (n) => Math.round(n * 100) / 100;
+  const bars = [];
+  let clipped = 0;
+  values.forEach((v, i) => {
+    if (v === null) return;
+    if (v > top) clipped += 1;
+    const h = Math.max(0, Math.min(1, v / top)) * height;
+    const c = cells[i];
+    bars.push({ x: r(c.x * width), w: r(c.w * width), y: r(height - h), h: r(h), value: v, state: c.state });
+  });
+  return { bars, top, clipped, largest, thresholdY: hasLine ? r(height - (threshold / top) * height) : null };
+}
+
+/** Why a run deserves a look: `warn` when it skipped nothing (or was disabled), with the reasons. */
+export function runFlag(summary) {
+  const computed = finite(summary?.calls_computed) ? summary.calls_computed : 0;
+  const skipped = finite(summary?.calls_skipped) ? summary.calls_skipped : 0;
+  const reasons = [];
+  const disabled = summary?.disabled_reason;
+  const hasDisabled = disabled !== undefined && disabled !== null && disabled !== "" && disabled !== false;
+  if (hasDisabled) reasons.push(`disabled: ${formatValue(disabled, "disabled_reason")}`);
+  if (finite(summary?.unhooked_calls) && summary.unhooked_calls > 0) {
+    reasons.push(`${formatCount(summary.unhooked_calls)} call${summary.unhooked_calls === 1 ? "" : "s"} not hooked`);
+  }
+  if (typeof summary?.outcome === "string" && summary.outcome !== "completed") reasons.push(`run ${summary.outcome}`);
+  const nothing = skipped === 0 && computed + skipped > 1;
+  return { warn: nothing || hasDisabled, title: hasDisabled ? "disabled" : nothing ? "skipped nothing" : null, reasons };
+}
+
+/** A step-cache run summary as the panel shows it (any missing field falls back to a dash or nothing). */
+export function stepRun(summary, maxCells = STRIP_MAX_CELLS) {
+  const threshold = runThreshold(summary);
+  const computed = finite(summary?.calls_computed) ? summary.calls_computed : 0;
+  const skipped = finite(summary?.calls_skipped) ? summary.calls_skipped : 0;
+  // summaries from before the rule input had one rule only: TeaCache's, thresholded by rel_l1_thresh
+  const rule = typeof summary?.rule === "string" ? summary.rule : finite(summary?.rel_l1_thresh) ? "teacache" : null;
+  const conds = Object.entries(summary?.conds && typeof summary.conds === "object" ? summary.conds : {})
+    .map(([label, c]) => {
+      const pattern = typeof c?.pattern === "string" ? c.pattern : "";
+      const cells = stripCells(pattern, maxCells);
+      return { label, pattern, cells, computed: finite(c?.computed) ? c.computed : null,
+        skipped: finite(c?.skipped) ? c.skipped : null, trace: Array.isArray(c?.trace) ? c.trace : [] };
+    });
+  const settings = [
+    rule ?? "rule –",
+    `threshold ${threshold === null ? "–" : formatValue(threshold)}`,
+    summary?.residual_mode,
+    [summary?.model_type, summary?.variant].filter((v) => typeof v === "string" && v).join(" · ") || null,
+  ].filter(Boolean).map(String);
+  const speedup = finite(summary?.speedup_calls) ? summary.speedup_calls : null;
+  const rest = summary && typeof summary === "object" && !Array.isArray(summary)
+    ? Object.entries(summary).filter(([k]) => !RUN_SHOWN.has(k)).map(([k, v]) => [humanize(k), formatValue(v, k)]) : [];
+  return {
+    model: typeof summary?.model === "string" ? summary.model : typeof summary?.family === "string" ? summary.family : "model",
+    outcome: typeof summary?.outcome === "string" ? summary.outcome : null,
+    rule, threshold, settings, computed, skipped, calls: computed + skipped,
+    calls_text: `${formatCount(computed)} of ${formatCount(computed + skipped)} calls computed` +
+      (speedup === null ? "" : ` (${speedup.toFixed(2)}x fewer)`),
+    flag: runFlag(summary), conds, rest,
+  };
+}
+
+/** The step cache's runs to show, most recent first: its per-model reports, else its last run. */
+export function stepRuns(info) {
+  const models = info?.models;
+  if (models && typeof models === "object" && !Array.isArray(models)) {
+    const list = Object.values(models).filter((s) => s && typeof s === "object" && s.conds);
+    if (list.length) return list.reverse();
+  }
+  const last = info?.last_run;
+  return last && typeof last === "object" && last.conds && typeof last.conds === "object" ? [last] : [];
+}

@@ -8,16 +8,21 @@ import {
   formatCount,
   formatPercent,
   formatSeconds,
+  formatValue,
   humanize,
   lastRunRows,
   memoryRows,
   niceMax,
+  stepRun,
+  stepRuns,
+  traceBars,
 } from "./format.mjs";
 
 const STYLE_ID = "reusekit-panel-style";
 const BUDGET_KEY = "conditioning.budget_mib";
 const CHART = { width: 300, height: 70 };
 const TIER_COLORS = { total: "var(--p-primary-color, #4f9dff)", cpu: "#e0a83a", device: "#5ec27a" };
+const RUN_CHART = { width: 1000, height: 36 };
 
 const CSS = `
 .rk-panel { padding: 8px 10px 16px; font-size: 12px; color: var(--fg-color, #ddd); overflow-y: auto; height: 100%; box-sizing: border-box; }
@@ -45,13 +50,30 @@ const CSS = `
 .rk-card-head span { word-break: break-all; font-weight: 600; }
 .rk-desc { opacity: .7; margin: 2px 0 4px; }
 .rk-grid { display: grid; grid-template-columns: repeat(4, 1fr); gap: 2px 6px; margin: 4px 0; }
-.rk-grid div { display: flex; flex-direction: column; }
+.rk-grid div { display: flex; flex-direction: column; min-width: 0; }
+.rk-grid small { overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
 .rk-grid small, .rk-rows small { opacity: .7; }
 .rk-rows { display: grid; grid-template-columns: auto 1fr; gap: 1px 8px; margin-top: 4px; }
 .rk-setting { display: grid; grid-template-columns: 1fr auto; gap: 2px 6px; align-items: center; margin: 4px 0; }
 .rk-setting input, .rk-setting select { width: 90px; background: var(--comfy-input-bg, #222); color: inherit; border: 1px solid var(--border-color, #444); border-radius: 4px; padding: 1px 4px; }
 .rk-setting .rk-error { grid-column: 1 / span 2; color: #e06c6c; }
 .rk-empty { opacity: .75; margin: 8px 0; }
+.rk-run { border-left: 3px solid var(--border-color, #444); padding: 2px 0 4px 6px; margin: 6px 0; }
+.rk-run.rk-run-warn { border-left-color: #f0b400; background: rgba(240, 180, 0, .07); }
+.rk-run-head { display: flex; justify-content: space-between; gap: 6px; font-weight: 600; }
+.rk-run-badge { color: #f0b400; font-weight: 600; white-space: nowrap; }
+.rk-run-reasons { color: #f0b400; }
+.rk-cond { display: grid; grid-template-columns: 52px 1fr; gap: 1px 6px; align-items: center; margin-top: 3px; }
+.rk-cond small { opacity: .75; overflow: hidden; text-overflow: ellipsis; white-space: nowrap; font-size: 10px; }
+.rk-legend-run { opacity: .75; font-size: 11px; }
+.rk-legend-run svg { vertical-align: middle; margin: 0 3px 0 6px; }
+.rk-legend-run svg:first-child { margin-left: 0; }
+.rk-strip { width: 100%; height: 8px; display: block; }
+.rk-trace { width: 100%; height: 28px; display: block; background: var(--comfy-input-bg, #222); border-radius: 2px; }
+.rk-panel rect.rk-C { fill: #6b7a99; }
+.rk-panel rect.rk-S, .rk-panel rect.rk-mixed { fill: #5ec27a; }
+.rk-trace line { stroke: #e06c6c; stroke-width: 1.5; stroke-dasharray: 4 3; }
+.rk-run details { opacity: .85; margin-top: 3px; }
 `;
 
 function el(tag, attrs = {}, ...children) {
@@ -117,6 +139,78 @@ function confirmButton(label, confirmLabel, action, attrs = {}) {
   return button;
 }
 
+// One cond of a step-cache run: its compute/skip strip and its accumulated distance against the threshold.
+function condView(cond, threshold) {
+  const { width, height } = RUN_CHART;
+  const strip = svg("svg", { class: "rk-strip", viewBox: `0 0 ${width} 8`, preserveAspectRatio: "none",
+    "data-rk": "strip", "data-calls": cond.pattern.length });
+  const gap = cond.cells.length > 1 ? Math.min(2, (width / cond.cells.length) * 0.15) : 0;
+  for (const c of cond.cells) {
+    const cell = svg("rect", { class: `rk-${c.state}`, x: c.x * width, width: Math.max(0.5, c.w * width - gap), y: 0, height: 8,
+      "data-start": c.start, "data-calls": c.calls, "data-skipped": c.skipped, "data-state": c.state });
+    if (c.state === "mixed") cell.setAttribute("fill-opacity", String(0.3 + (0.7 * c.skipped) / c.calls));
+    const tip = svg("title");
+    tip.textContent = `calls ${c.start + 1}-${c.start + c.calls}: ${c.skipped} skipped`;
+    cell.append(tip);
+    strip.append(cell);
+  }
+  const row = el("div", { class: "rk-cond", "data-rk-cond": cond.label },
+    el("small", { text: cond.label }), strip);
+  if (cond.trace.length) {
+    const chart = traceBars(cond.trace, cond.cells, threshold, { width, height });
+    const box = svg("svg", { class: "rk-trace", viewBox: `0 0 ${width} ${height}`, preserveAspectRatio: "none",
+      "data-rk": "trace", "data-top": chart.top });
+    for (const b of chart.bars) {
+      box.append(svg("rect", { class: `rk-${b.state}`, x: b.x, width: Math.max(0.5, b.w - gap), y: b.y, height: b.h,
+        "data-value": b.value }));
+    }
+    if (chart.thresholdY !== null) {
+      box.append(svg("line", { x1: 0, x2: width, y1: chart.thresholdY, y2: chart.thresholdY,
+        "vector-effect": "non-scaling-stroke", "data-rk": "threshold" }));
+    }
+    const note = `max ${formatValue(Number(chart.largest.toPrecision(3)))}${chart.clipped ? "+" : ""}`;
+    const tip = svg("title");
+    tip.textContent = `accumulated distance per call, largest ${formatValue(chart.largest)}` +
+      (chart.clipped ? ` (${chart.clipped} bar${chart.clipped === 1 ? "" : "s"} cut at the top)` : "") +
+      (threshold === null ? "" : `; dashed line: threshold ${formatValue(threshold)}`);
+    box.append(tip);
+    row.append(el("small", { text: note, title: tip.textContent }), box);
+  }
+  return row;
+}
+
+// What the strips and bars mean, once above the runs.
+function runLegend() {
+  const swatch = (cls) => {
+    const box = svg("svg", { width: 9, height: 7 });
+    box.append(svg("rect", { class: cls, width: 9, height: 7 }));
+    return box;
+  };
+  return el("div", { class: "rk-legend-run rk-strip-legend" },
+    swatch("rk-C"), document.createTextNode("computed"), swatch("rk-S"), document.createTextNode("skipped"),
+    document.createTextNode(" · bars: accumulated distance, dashed: threshold"));
+}
+
+// A step-cache run: its settings, calls, the strip and distance per cond, and a warning when it skipped nothing.
+function runView(summary) {
+  const run = stepRun(summary);
+  const head = el("div", { class: "rk-run-head" }, el("span", { text: run.model }));
+  if (run.flag.warn) head.append(el("span", { class: "rk-run-badge", "data-rk": "run-flag", text: `⚠ ${run.flag.title}` }));
+  const box = el("div", { class: `rk-run${run.flag.warn ? " rk-run-warn" : ""}`, "data-rk": "step-run",
+    "data-rk-model": run.model, "data-warn": run.flag.warn ? "true" : "false" },
+  head,
+  el("div", { class: "rk-sub", "data-rk": "run-settings", text: [...run.settings, run.outcome].filter(Boolean).join(" · ") }),
+  el("div", { "data-rk": "run-calls", text: run.calls_text }));
+  if (run.flag.reasons.length) box.append(el("div", { class: "rk-run-reasons", "data-rk": "run-reasons", text: run.flag.reasons.join(" · ") }));
+  for (const cond of run.conds) box.append(condView(cond, run.threshold));
+  if (run.rest.length) {
+    const rows = el("div", { class: "rk-rows" });
+    for (const [k, v] of run.rest) rows.append(el("small", { text: k }), el("span", { text: v }));
+    box.append(el("details", {}, el("summary", { text: "details" }), rows));
+  }
+  return box;
+}
+
 /**
  * Mounts the panel in `root`. `actions`: { clear(name|null), setSetting(key, value) -> Promise that
  * rejects with an Error carrying the server's message }. `history` is a MemoryHistory.
@@ -139,6 +233,16 @@ export function createPanel(root, { actions, history }) {
     groups,
     settingsBox);
   root.replaceChildren(panel);
+  // run views by their summary's JSON: a push that leaves a run unchanged reuses its elements
+  let runViews = new Map();
+  let nextRunViews = new Map();
+
+  function cachedRun(summary) {
+    const key = JSON.stringify(summary);
+    const view = (!nextRunViews.has(key) && runViews.get(key)) || runView(summary);
+    nextRunViews.set(key, view);
+    return view;
+  }
 
   function renderChart() {
     const now = Date.now() / 1000;
@@ -240,9 +344,15 @@ export function createPanel(root, { actions, history }) {
     const cells = [["entries", formatCount(c.entries ?? 0)], ...counterRows(c).map(([k, v]) => [k, formatCount(v)]),
       ["hit rate", formatPercent(c.hit_rate)], ["time saved", formatSeconds(c.time_saved_s ?? 0)]];
     for (const [k, v] of cells) {
-      grid.append(el("div", { "data-rk-counter": k }, el("small", { text: k }), el("span", { text: v })));
+      grid.append(el("div", { "data-rk-counter": k }, el("small", { text: k, title: k }), el("span", { text: v })));
     }
     card.append(grid);
+    const runs = c.kind === "step" ? stepRuns(c.info) : [];
+    if (runs.length) {
+      card.append(el("h3", { text: runs.length === 1 ? "Last run" : "Last run per model" }), runLegend(),
+        el("div", { "data-rk": "step-runs" }, ...runs.map(cachedRun)));
+      return card;
+    }
     const lastRun = lastRunRows(c.info?.last_run);
     if (lastRun.length) {
       const rows = el("div", { class: "rk-rows", "data-rk": "last-run" });
@@ -286,6 +396,8 @@ export function createPanel(root, { actions, history }) {
     groups.replaceChildren(...agg.groups.map((g) => el("section", { "data-rk-kind": g.kind },
       el("h3", { text: `${g.label} · ${formatBytes(g.bytes)} · hit rate ${formatPercent(g.hitRate)} · saved ${formatSeconds(g.timeSaved)}` }),
       ...g.caches.map(cacheCard))));
+    runViews = nextRunViews;
+    nextRunViews = new Map();
   }
 
   const ticker = setInterval(renderChart, 5000);
