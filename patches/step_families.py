@@ -7,6 +7,7 @@ simply lacks it); the seams themselves are in patches/teacache.py.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -153,22 +154,30 @@ FAMILIES = (
     Family("ltxv", "calibrated", LTXV, _ltxv_modulated, _transformer_blocks),
 )
 
+def _no_block_options(cls) -> bool:
+    """Whether ``cls.forward_orig`` hands its block patches no ``transformer_options`` (read from the host's
+    source; where it cannot be read, assumed to hand them: a run then reports blocks it never reached)."""
+    try:
+        return '"transformer_options": transformer_options' not in inspect.getsource(cls.forward_orig)
+    except (OSError, TypeError, AttributeError):
+        return False
+
+
 NO_BLOCK_SEAM = "its forward offers no block-replace seam (patches_replace \"dit\") to hook, and the cache " \
     "never copies a core forward"
-# ("module:Class", why) of diffusion models the step cache refuses, subclasses of a family's among them;
-# checked before the families. Wan S2V: a skip would add the last block's audio injection twice (and
-# ComfyUI 0.3 hands its block patches no transformer_options)
+# ("module:Class", why, when) of diffusion models the step cache refuses (when ``when(cls)`` holds, if given),
+# subclasses of a family's among them; checked before the families
 REFUSED = (
-    ("comfy.ldm.wan.model:WanModel_S2V", "it injects audio between its blocks, outside the block seam the cache "
-     "hooks"),
+    ("comfy.ldm.wan.model:WanModel_S2V", "this ComfyUI hands its block patches no transformer_options, so the "
+     "cache never sees a call (newer ones do)", _no_block_options),
     ("comfy.ldm.lightricks.av_model:LTXAVModel", "its blocks carry a (video, audio) pair of streams, and the "
-     "cache's block patches store and add the residual of one image stream"),
+     "cache's block patches store and add the residual of one image stream", None),
     ("comfy.ldm.genmo.joint_model.asymm_models_joint:AsymmDiTJoint", "its forward runs no DIFFUSION_MODEL "
-     "wrapper, where the cache learns which conds and sigma each call has"),
-    *((spec, NO_BLOCK_SEAM) for spec in ("comfy.ldm.lumina.model:NextDiT", "comfy.ldm.cosmos.model:GeneralDIT",
-                                         "comfy.ldm.cosmos.predict2:MiniTrainDIT",
-                                         "comfy.ldm.hidream.model:HiDreamImageTransformer2DModel",
-                                         "comfy.ldm.omnigen.omnigen2:OmniGen2Transformer2DModel")),
+     "wrapper, where the cache learns which conds and sigma each call has", None),
+    *((spec, NO_BLOCK_SEAM, None) for spec in ("comfy.ldm.lumina.model:NextDiT", "comfy.ldm.cosmos.model:GeneralDIT",
+                                               "comfy.ldm.cosmos.predict2:MiniTrainDIT",
+                                               "comfy.ldm.hidream.model:HiDreamImageTransformer2DModel",
+                                               "comfy.ldm.omnigen.omnigen2:OmniGen2Transformer2DModel")),
 )
 
 
@@ -197,9 +206,9 @@ def detect_family(model_patcher) -> Family:
     """The family of a ModelPatcher's diffusion model; ValueError when TeaCache does not cover it."""
     model = getattr(model_patcher, "model", None)
     dm = getattr(model, "diffusion_model", None)
-    for spec, why in REFUSED:
+    for spec, why, when in REFUSED:
         cls = _resolve(spec)
-        if cls is not None and isinstance(dm, cls):
+        if cls is not None and isinstance(dm, cls) and (when is None or when(cls)):
             raise ValueError(f"model: the step cache does not support {type(dm).__name__} models ({why})")
     for family in FAMILIES:
         if _matches(family, model):

@@ -249,3 +249,56 @@ def test_the_wan22_14b_experts_never_share_a_calibration(conds):
     with pytest.raises(ValueError, match="ReuseKit TeaCache: model_type: no calibration"):
         sample(step_cache(low, model_type="calibrated", threshold=0.0), conds, shape)
     assert P().model_fingerprint(high, wan) != P().model_fingerprint(low, wan)
+
+
+def s2v_inputs(frames=2):
+    """A Wan S2V call: latent, text and the audio features (wav2vec layers x width x 4 per latent frame)."""
+    g = torch.Generator().manual_seed(0)
+    kwargs = {"c_crossattn": torch.randn((1, 7, rkharness.TINY.TEXT_DIM), generator=g),
+              "audio_embed": torch.randn((1, 25, 32, 4 * frames), generator=g)}
+    return torch.randn((1, 16, frames, 8, 8), generator=g), torch.full((1,), 0.7), kwargs
+
+
+def block_patch_gets_options(model) -> bool:
+    """Whether this ComfyUI's forward of ``model`` hands a block-replace patch its transformer_options."""
+    seen = []
+
+    def patch(args, extra):
+        seen.append("transformer_options" in args)
+        return extra["original_block"](args)
+
+    m = model.clone()
+    m.set_model_patch_replace(patch, "dit", "double_block", 0)
+    x, sigma, kwargs = s2v_inputs()
+    with torch.inference_mode():
+        m.model.apply_model(x, sigma, transformer_options=m.model_options["transformer_options"], **kwargs)
+    return seen == [True]
+
+
+def test_wan_s2v_skips_where_its_blocks_get_the_options_else_the_node_says_why(conds):
+    """Wan S2V adds audio after its blocks, the last one's included: a skip gives the computed output
+    (the residual is stored before the audio after the last block, which runs once either way). On a
+    ComfyUI whose S2V hands its block patches no transformer_options (0.3) the cache could never see a
+    call: the node refuses it saying so."""
+    h = helpers()
+    model = h.tiny_wan_s2v(0)
+    if not block_patch_gets_options(model):
+        with pytest.raises(ValueError, match="ReuseKit TeaCache: model: .*does not support WanModel_S2V models "
+                                             ".*no transformer_options"):
+            step_cache(model)
+        return
+    x, sigma, kwargs = h.batched(*s2v_inputs())
+    first, second, run = h.two_calls(step_cache(model), x, sigma, kwargs)
+    assert [s.pattern for s in run.conds.values()] == [["C", "S"], ["C", "S"]]
+    assert torch.allclose(second, first, atol=1e-5, rtol=1e-5), rel_err(second, first)
+    import node_helpers
+
+    audio = s2v_inputs(frames=2)[2]["audio_embed"]
+    s2v_conds = tuple(node_helpers.conditioning_set_values(c, {"audio_embed": audio}) for c in conds)
+    shape = (1, 16, 2, 8, 8)
+    (cal,) = N().TeaCacheCalibrateNode.execute(model).args
+    ref = sample(cal, s2v_conds, shape)
+    out = sample(step_cache(model, threshold=3.0), s2v_conds, shape)
+    run = last_run()
+    assert run["family"] == "wan" and run["model_type"] == "calibrated" and run["calls_skipped"] >= 1
+    assert set(run["conds"]) == {"cond", "uncond"} and torch.isfinite(out).all() and out.shape == ref.shape
