@@ -170,10 +170,13 @@ def run_variant(model, conds, shape):
 
 
 def test_flux_with_reference_latents_is_flux_kontext(tiny, conds):
-    """Kontext is a Flux fed a reference image (ReferenceLatent adds ``reference_latents`` to the cond)."""
+    """Kontext is a Flux fed a reference image through ComfyUI's ReferenceLatent node."""
+    import comfy_extras.nodes_edit_model
+
     flux = tiny.tiny_flux(0)
-    ref = torch.randn((1, 16, 4, 6), generator=torch.Generator().manual_seed(7))
-    kontext = tuple([[c, {**e, "reference_latents": [ref]}] for c, e in cond] for cond in conds)
+    ref = {"samples": torch.randn((1, 16, 4, 6), generator=torch.Generator().manual_seed(7))}
+    (pos,) = comfy_extras.nodes_edit_model.ReferenceLatent.execute(conds[0], ref).args
+    kontext = (pos, conds[1])
     assert run_variant(flux, conds, (1, 16, 8, 8)) == "flux"
     assert run_variant(flux, kontext, (1, 16, 8, 8)) == "flux-kontext"
     assert set(rkharness.pack("caching.teacache").COEFFICIENTS) >= {"flux", "flux-kontext"}
