@@ -1,21 +1,30 @@
-"""Step cache (TeaCache) math: pure torch + stdlib, no ComfyUI.
+"""Step cache math: pure torch + stdlib, no ComfyUI.
 
-TeaCache (Liu et al., CVPR 2025) predicts how much a DiT's output will change from how much the
-timestep-modulated input of its first block changed: ``x = mean|m_t - m_prev| / mean|m_prev|``,
-rescaled by a per-model polynomial and accumulated over steps. While the sum stays under
-``rel_l1_thresh`` the transformer stack is skipped and the residual (stack output minus stack
-input) stored at the last computed step is added instead; a computed step resets the sum.
+Three skip rules decide, per model call, whether the transformer stack may be skipped and the
+residual (stack output minus stack input) of the last computed call added instead:
+
+- ``teacache`` (Liu et al., CVPR 2025): the relative L1 change of the first block's
+  timestep-modulated input, rescaled by a per-model polynomial and accumulated over calls.
+- ``magcache`` (Ma et al., 2025): the calibrated ratio of consecutive residual magnitudes; the
+  accumulated ``|1 - prod(ratios)|`` since the last computed call.
+- ``first_block`` (First-Block-Cache, ParaAttention FBCache / cache-dit DBCache F1B0): the first block
+  always runs; the relative L1 change of its residual against the last computed call's. A skip adds
+  the stored residual of the remaining blocks to the first block's output.
+
+A skip stays while the rule's distance is under ``threshold``; a computed call resets it. What a
+skip adds (``residual_mode``): the stored residual (``reuse``), or it continued in sigma to first
+(``extrapolate``) or second (``taylor2``) order from the last computed residuals.
 
 This module holds the per-cond state (:class:`CondState`), the joint skip decision for one model
-call (:class:`RunState.decide`), the per-run report, the published coefficients and the
-calibration fit. The ComfyUI side (patches/teacache.py) only finds the modulated input and the
-block stack's ends.
+call (:meth:`RunState.decide`), the per-run report, the published tables and the calibration fits.
+The ComfyUI side (patches/teacache.py) only finds the rule's inputs and the block stack's ends.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import tempfile
 import threading
@@ -37,6 +46,87 @@ COEFFICIENTS: dict[str, tuple[float, ...]] = {
     "wan2.1_i2v_480p_14B_ret_mode": (2.57151496e+05, -3.54229917e+04, 1.40286849e+03, -1.35890334e+01, 1.32517977e-01),
     "wan2.1_i2v_720p_14B_ret_mode": (8.10705460e+03, 2.13393892e+03, -3.72934672e+02, 1.66203073e+01, -4.17769401e-02),
 }
+
+# Published MagCache magnitude ratios (Zehong-Ma/ComfyUI-MagCache nodes.py ``SUPPORTED_MODELS_MAG_RATIOS``,
+# from the MagCache paper's calibrations; read via its mirror wzgrx/ComfyUI-MagCache): per call of one
+# published run, keyed by the COEFFICIENTS variant names. Facts, not code. (ratios, steps, shift): where a
+# list interleaves cond and uncond (two calls per step) it has 2 * steps entries; ``shift`` is the flow
+# shift of the schedule it was measured on (Flux.1 dev at 1024px: exp(1.15); Wan generate.py: 5), which
+# places each call at its sigma (:func:`published_magnitudes`).
+MAG_RATIOS: dict[str, tuple[tuple[float, ...], int, float]] = {
+    "flux": ((1.0, 1.21094, 1.11719, 1.07812, 1.0625, 1.03906, 1.03125, 1.03906, 1.02344, 1.03125, 1.02344,
+              0.98047, 1.01562, 1.00781, 1.0, 1.00781, 1.0, 1.00781, 1.0, 1.0, 0.99609, 0.99609, 0.98047,
+              0.98828, 0.96484, 0.95703, 0.93359, 0.89062), 28, math.exp(1.15)),
+    "flux-kontext": ((1.0, 1.21875, 1.0625, 1.03125, 1.03125, 1.0, 1.00781, 1.03906, 0.98047, 1.03125, 0.96875,
+                      1.02344, 1.0, 0.99219, 1.02344, 0.98047, 0.95703, 0.98828, 0.98047, 0.88672), 20,
+                     math.exp(1.15)),
+    "hunyuan_video": ((1.0, 1.0754, 1.27807, 1.11596, 1.09504, 1.05188, 1.00844, 1.05779, 1.00657, 1.04142,
+                       1.03101, 1.00679, 1.02556, 1.00908, 1.06949, 1.05438, 1.02214, 1.02321, 1.03019, 1.00779,
+                       1.03381, 1.01886, 1.01161, 1.02968, 1.00544, 1.02822, 1.00689, 1.02119, 1.0105, 1.01044,
+                       1.01572, 1.02972, 1.0094, 1.02368, 1.0226, 0.98965, 1.01588, 1.02146, 1.0018, 1.01687,
+                       0.99436, 1.00283, 1.01139, 0.97122, 0.98251, 0.94513, 0.97656, 0.90943, 0.85703,
+                       0.75456), 50, 7.0),
+    "wan2.1_t2v_1.3B_ret_mode": ((1.0, 1.0, 1.0124, 1.02213, 1.00166, 1.0041, 0.99791, 1.00061, 0.99682, 0.99762,
+                                  0.99634, 0.99685, 0.99567, 0.99586, 0.99416, 0.99422, 0.99578, 0.99575, 0.9957,
+                                  0.99563, 0.99511, 0.99506, 0.99535, 0.99531, 0.99552, 0.99549, 0.99541, 0.99539,
+                                  0.9954, 0.99536, 0.99489, 0.99485, 0.99518, 0.99514, 0.99484, 0.99478, 0.99481,
+                                  0.99479, 0.99415, 0.99413, 0.99419, 0.99416, 0.99396, 0.99393, 0.99388, 0.99386,
+                                  0.99349, 0.99349, 0.99309, 0.99304, 0.9927, 0.9927, 0.99228, 0.99226, 0.99171,
+                                  0.9917, 0.99137, 0.99135, 0.99068, 0.99063, 0.99005, 0.99003, 0.98944, 0.98942,
+                                  0.98849, 0.98849, 0.98758, 0.98757, 0.98644, 0.98643, 0.98504, 0.98503, 0.9836,
+                                  0.98359, 0.98202, 0.98201, 0.97977, 0.97978, 0.97717, 0.97718, 0.9741, 0.97411,
+                                  0.97003, 0.97002, 0.96538, 0.96541, 0.9593, 0.95933, 0.95086, 0.95089, 0.94013,
+                                  0.94019, 0.92402, 0.92414, 0.90241, 0.9026, 0.86821, 0.86868, 0.81838,
+                                  0.81939), 50, 5.0),
+    "wan2.1_t2v_14B_ret_mode": ((1.0, 1.0, 1.02504, 1.03017, 1.00025, 1.00251, 0.9985, 0.99962, 0.99779, 0.99771,
+                                 0.9966, 0.99658, 0.99482, 0.99476, 0.99467, 0.99451, 0.99664, 0.99656, 0.99434,
+                                 0.99431, 0.99533, 0.99545, 0.99468, 0.99465, 0.99438, 0.99434, 0.99516, 0.99517,
+                                 0.99384, 0.9938, 0.99404, 0.99401, 0.99517, 0.99516, 0.99409, 0.99408, 0.99428,
+                                 0.99426, 0.99347, 0.99343, 0.99418, 0.99416, 0.99271, 0.99269, 0.99313, 0.99311,
+                                 0.99215, 0.99215, 0.99218, 0.99215, 0.99216, 0.99217, 0.99163, 0.99161, 0.99138,
+                                 0.99135, 0.98982, 0.9898, 0.98996, 0.98995, 0.9887, 0.98866, 0.98772, 0.9877,
+                                 0.98767, 0.98765, 0.98573, 0.9857, 0.98501, 0.98498, 0.9838, 0.98376, 0.98177,
+                                 0.98173, 0.98037, 0.98035, 0.97678, 0.97677, 0.97546, 0.97543, 0.97184, 0.97183,
+                                 0.96711, 0.96708, 0.96349, 0.96345, 0.95629, 0.95625, 0.94926, 0.94929, 0.93964,
+                                 0.93961, 0.92511, 0.92504, 0.90693, 0.90678, 0.8796, 0.87945, 0.86111,
+                                 0.86189), 50, 5.0),
+    "wan2.1_i2v_480p_14B_ret_mode": ((1.0, 1.0, 0.98783, 0.98993, 0.97559, 0.97593, 0.98311, 0.98319, 0.98202,
+                                      0.98225, 0.9888, 0.98878, 0.98762, 0.98759, 0.98957, 0.98971, 0.99052, 0.99043,
+                                      0.99383, 0.99384, 0.98857, 0.9886, 0.99065, 0.99068, 0.98845, 0.98847, 0.99057,
+                                      0.99057, 0.98957, 0.98961, 0.98601, 0.9861, 0.98823, 0.98823, 0.98756, 0.98759,
+                                      0.98808, 0.98814, 0.98721, 0.98724, 0.98571, 0.98572, 0.98543, 0.98544, 0.98157,
+                                      0.98165, 0.98411, 0.98413, 0.97952, 0.97953, 0.98149, 0.9815, 0.9774, 0.97742,
+                                      0.97825, 0.97826, 0.97355, 0.97361, 0.97085, 0.97087, 0.97056, 0.97055, 0.96588,
+                                      0.96587, 0.96113, 0.96124, 0.9567, 0.95681, 0.94961, 0.94969, 0.93973, 0.93988,
+                                      0.93217, 0.93224, 0.91878, 0.91896, 0.90955, 0.90954, 0.92617, 0.92616), 40, 3.0),
+    "wan2.1_i2v_720p_14B_ret_mode": ((1.0, 1.0, 0.99428, 0.99498, 0.98588, 0.98621, 0.98273, 0.98281, 0.99018,
+                                      0.99023, 0.98911, 0.98917, 0.98646, 0.98652, 0.99454, 0.99456, 0.9891, 0.98909,
+                                      0.99124, 0.99127, 0.99102, 0.99103, 0.99215, 0.99212, 0.99515, 0.99515, 0.99576,
+                                      0.99572, 0.99068, 0.99072, 0.99097, 0.99097, 0.99166, 0.99169, 0.99041, 0.99042,
+                                      0.99201, 0.99198, 0.99101, 0.99101, 0.98599, 0.98603, 0.98845, 0.98844, 0.98848,
+                                      0.98851, 0.98862, 0.98857, 0.98718, 0.98719, 0.98497, 0.98497, 0.98264, 0.98263,
+                                      0.98389, 0.98393, 0.97938, 0.9794, 0.97535, 0.97536, 0.97498, 0.97499, 0.973,
+                                      0.97301, 0.96827, 0.96828, 0.96261, 0.96263, 0.95335, 0.9534, 0.94649, 0.94655,
+                                      0.93397, 0.93414, 0.91636, 0.9165, 0.89088, 0.89109, 0.8679, 0.86768), 40, 5.0),
+}
+
+# The defaults of rule="auto" / residual_mode="auto" / threshold=-1 per family: (rule, threshold,
+# residual_mode), and each rule's own default threshold per family. Placeholders until the benchmark
+# (bench/step_cache.py) sets them; a family without an entry takes FALLBACK_DEFAULTS.
+FAMILY_DEFAULTS: dict[str, tuple[str, float, str]] = {
+    "flux": ("teacache", 0.4, "extrapolate"),
+    "wan": ("teacache", 0.3, "reuse"),
+}
+FALLBACK_DEFAULTS: tuple[str, float, str] = ("teacache", 0.4, "extrapolate")
+RULE_THRESHOLDS: dict[str, dict[str, float]] = {
+    "flux": {"teacache": 0.4, "magcache": 0.24, "first_block": 0.12},
+    "wan": {"teacache": 0.3, "magcache": 0.12, "first_block": 0.1},
+}
+FALLBACK_THRESHOLDS: dict[str, float] = {"teacache": 0.4, "magcache": 0.12, "first_block": 0.1}
+
+RULES = ("teacache", "magcache", "first_block")
+RESIDUAL_MODES = ("reuse", "extrapolate", "taylor2")
+MIN_CALIBRATION_POINTS = 4  # a calibration run with fewer fitted points is discarded
 
 EXTRAPOLATE_SPAN = 1.0  # how far (in units of the measured sigma gap) a residual is extrapolated
 
@@ -73,19 +163,80 @@ def fit_polynomial(xs: list[float], ys: list[float], degree: int = 2) -> tuple[f
     return tuple(coeffs)
 
 
+def published_magnitudes(variant: str) -> dict[str, list[tuple[float, float]]] | None:
+    """A published MagCache table as curves per cond ("cond", and "uncond" where the list interleaves
+    them): (sigma, cumulative log magnitude) per call, each call placed at the sigma of the schedule it
+    was measured on (flow sigmas ``1 - i/steps`` under the table's shift)."""
+    entry = MAG_RATIOS.get(variant)
+    if entry is None:
+        return None
+    ratios, steps, shift = entry
+    per_step = len(ratios) // steps
+    labels = ("cond", "uncond")[:per_step]
+    out = {}
+    for j, label in enumerate(labels):
+        points, log_mag = [], 0.0
+        for i, ratio in enumerate(ratios[j::per_step]):
+            t = 1.0 - i / steps
+            log_mag += math.log(ratio)
+            points.append((shift * t / (1 + (shift - 1) * t), log_mag))
+        out[label] = points
+    return out
+
+
+def magnitude_curve(sigmas: list[float], ratios: list[float]) -> list[tuple[float, float]]:
+    """Calibrated ratios (each against the call before; the first call's is 1) as (sigma, cumulative
+    log magnitude) points."""
+    points, log_mag = [], 0.0
+    for sigma, ratio in zip(sigmas, ratios, strict=True):
+        if ratio > 0 and math.isfinite(ratio):
+            log_mag += math.log(ratio)
+        points.append((float(sigma), log_mag))
+    return points
+
+
+class MagnitudeCurve:
+    """log ||residual|| against sigma, linear between calibrated points and flat beyond them.
+
+    The ratio between two calls is read as ``exp(L(sigma_now) - L(sigma_before))``. Interpolating in
+    sigma (not by step index, as MagCache's code does) keeps a calibration valid for other step counts
+    and schedules: a larger step simply spans more of the curve."""
+
+    def __init__(self, points: list[tuple[float, float]]):
+        pts = sorted((float(s), float(v)) for s, v in points)
+        self.sigmas = torch.tensor([p[0] for p in pts], dtype=torch.float32)
+        self.values = torch.tensor([p[1] for p in pts], dtype=torch.float32)
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def at(self, sigma: torch.Tensor) -> torch.Tensor:
+        """L(sigma) as a 0-d tensor on sigma's device (no host sync)."""
+        xs, ys = self._on.get(sigma.device) or self._on.setdefault(
+            sigma.device, (self.sigmas.to(sigma.device), self.values.to(sigma.device)))
+        if len(xs) == 1:
+            return ys[0]
+        x = sigma.float().reshape(1).clamp(xs[0], xs[-1])
+        i = torch.searchsorted(xs, x).clamp(1, len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return (y0 + (x - x0) / (x1 - x0).clamp_min(1e-12) * (y1 - y0)).reshape(())
+
+    def ratio(self, before: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
+        return torch.exp(self.at(now) - self.at(before.to(now.device)))
+
+
 @dataclass(frozen=True)
 class StepCacheConfig:
-    """What a user sets on the node (validated there)."""
+    """What a user sets on the node (validated there); rule, threshold and residual_mode resolved."""
 
     coefficients: tuple[float, ...] | None  # None: resolve per run (calibration, then published)
     model_type: str
-    rel_l1_thresh: float
+    threshold: float
     start_percent: float = 0.0
     end_percent: float = 1.0
     max_consecutive_skips: int = 0  # 0: no limit
     cache_device: str = "device"  # "device" (the model's) or "cpu"
     calibrate: bool = False
-    residual_mode: str = "reuse"  # "reuse" (TeaCache) or "extrapolate" (first order in sigma)
+    residual_mode: str = "reuse"  # one of RESIDUAL_MODES
+    rule: str = "teacache"  # one of RULES
 
 
 @dataclass
@@ -93,36 +244,45 @@ class CondState:
     """One conditioning's cache state within a run (keyed by its uuid)."""
 
     label: str
-    prev_modulated: torch.Tensor | None = None
+    prev_signal: torch.Tensor | None = None  # the rule's input at the call it compares against
+    sigma: torch.Tensor | None = None  # of the previous call (magcache)
     residual: torch.Tensor | None = None
     residual_sigma: torch.Tensor | None = None  # 0-d, on the sampler's device
     slope: torch.Tensor | None = None  # d residual / d sigma between the last two computed calls
     slope_span: torch.Tensor | None = None
+    gap: torch.Tensor | None = None  # signed sigma gap of the last two computed calls (taylor2)
+    curvature: torch.Tensor | None = None  # second divided difference of the last three (taylor2)
     accumulated: torch.Tensor | float = 0.0
+    ratio: torch.Tensor | float = 1.0  # magcache: the magnitude ratio since the last computed call
     consecutive: int = 0
     computed: int = 0
     skipped: int = 0
-    trace: list = field(default_factory=list)  # accumulated distance per call (tensors until the end)
+    trace: list = field(default_factory=list)  # the rule's accumulated distance per call (tensors until the end)
     pattern: list = field(default_factory=list)  # "C" computed / "S" skipped, per call
-    meta: tuple | None = None  # (shape, dtype, device) of the modulated input
+    meta: tuple | None = None  # (shape, dtype, device) of the rule's input
     # calibration
-    prev_residual: torch.Tensor | None = None
     calib_x: list = field(default_factory=list)
     calib_y: list = field(default_factory=list)
+    calib_sigma: list = field(default_factory=list)
+    calib_ratio: list = field(default_factory=list)
 
     def clear(self) -> None:
-        self.prev_modulated = self.residual = self.prev_residual = self.slope = None
-        self.residual_sigma = self.slope_span = None
-        self.accumulated, self.consecutive, self.meta = 0.0, 0, None
+        self.prev_signal = self.residual = self.slope = self.sigma = None
+        self.residual_sigma = self.slope_span = self.gap = self.curvature = None
+        self.accumulated, self.ratio, self.consecutive, self.meta = 0.0, 1.0, 0, None
 
 
 class RunState:
-    """Everything one sampling run holds. Created at the start of each run, dropped at its end."""
+    """Everything one sampling run holds. Created at the start of each run, dropped at its end.
 
-    def __init__(self, config: StepCacheConfig, coefficients: tuple[float, ...],
-                 start_sigma: float, end_sigma: float):
+    ``magnitudes``: the magcache curves per cond label (a label without its own uses "cond")."""
+
+    def __init__(self, config: StepCacheConfig, coefficients: tuple[float, ...] | None,
+                 start_sigma: float, end_sigma: float,
+                 magnitudes: dict[str, list[tuple[float, float]]] | None = None):
         self.config = config
         self.coefficients = coefficients
+        self.curves = {k: MagnitudeCurve(v) for k, v in (magnitudes or {}).items() if v}
         self.start_sigma, self.end_sigma = start_sigma, end_sigma
         self.conds: dict[Any, CondState] = {}
         self.calls_computed = 0
@@ -143,9 +303,33 @@ class RunState:
             state = self.conds[key] = CondState(label)
         return state
 
-    def decide(self, keys: list[Any], labels: list[str], modulated: list[torch.Tensor],
-               may_skip: bool | torch.Tensor, residual_shape: tuple | None = None) -> bool:
-        """Update each cond's distance from its modulated input; True when the whole call skips.
+    def _curve(self, label: str) -> MagnitudeCurve | None:
+        return self.curves.get(label.split("#")[0]) or self.curves.get("cond")
+
+    def _distance(self, state: CondState, signal: torch.Tensor, sigma) -> tuple[Any, Any]:
+        """(the rule's accumulated distance if this call skips, the magcache ratio with it)."""
+        rule = self.config.rule
+        if rule == "magcache":
+            curve = self._curve(state.label)
+            if curve is None or sigma is None or state.sigma is None:
+                return None, None
+            ratio = state.ratio * curve.ratio(state.sigma, torch.as_tensor(sigma))
+            return state.accumulated + (1 - ratio).abs(), ratio
+        if state.prev_signal is None:
+            return None, None
+        dist = rel_l1(signal, state.prev_signal)
+        if self.config.calibrate:
+            state.calib_x.append(dist)
+        if rule == "first_block":
+            return dist, None
+        return state.accumulated + rescale(self.coefficients, dist), None
+
+    def decide(self, keys: list[Any], labels: list[str], signals: list[torch.Tensor],
+               may_skip: bool | torch.Tensor, residual_shape: tuple | None = None,
+               sigma: torch.Tensor | float | None = None) -> bool:
+        """Update each cond's distance from the rule's input (teacache: the modulated input;
+        first_block: the first block's residual; magcache: only its shape is read, the distance
+        comes from ``sigma``); True when the whole call skips.
 
         A call skips only when every cond in it has a residual for the same shape, stays under the
         threshold and under ``max_consecutive_skips``, inside the window (``may_skip``, a bool or a
@@ -157,37 +341,35 @@ class RunState:
         states = [self.cond(k, lab) for k, lab in zip(keys, labels, strict=True)]
         candidates = []
         possible = may_skip is not False and not cfg.calibrate
-        for state, mod in zip(states, modulated, strict=True):
-            meta = (tuple(mod.shape), mod.dtype, mod.device)
+        for state, sig in zip(states, signals, strict=True):
+            meta = (tuple(sig.shape), sig.dtype, sig.device)
             if state.meta is not None and state.meta != meta:  # shape/dtype/device change: start clean
                 state.clear()
                 self.resets += 1
             state.meta = meta
-            if state.prev_modulated is None:
-                candidates.append(None)
-                possible = False
-                continue
-            dist = rel_l1(mod, state.prev_modulated)
-            if cfg.calibrate:
-                state.calib_x.append(dist)
-            candidates.append(state.accumulated + rescale(self.coefficients, dist))
-            if state.residual is None or (cfg.max_consecutive_skips and state.consecutive >= cfg.max_consecutive_skips):
+            cand = self._distance(state, sig, sigma)
+            candidates.append(cand)
+            if cand[0] is None or state.residual is None or (
+                    cfg.max_consecutive_skips and state.consecutive >= cfg.max_consecutive_skips):
                 possible = False
             elif residual_shape is not None and tuple(state.residual.shape) != tuple(residual_shape):
                 possible = False
         skip = False
         if possible:
-            worst = torch.stack([torch.as_tensor(c, dtype=torch.float32) for c in candidates]).max()
-            ok = torch.logical_and(worst < cfg.rel_l1_thresh, torch.as_tensor(may_skip, device=worst.device))
+            worst = torch.stack([torch.as_tensor(c[0], dtype=torch.float32) for c in candidates]).max()
+            ok = torch.logical_and(worst < cfg.threshold, torch.as_tensor(may_skip, device=worst.device))
             skip = bool(ok)  # the one sync per call
-        for state, mod, cand in zip(states, modulated, candidates, strict=True):
-            state.prev_modulated = mod
+        for state, sig, (cand, ratio) in zip(states, signals, candidates, strict=True):
+            if cfg.rule == "teacache" or not skip:  # first_block compares against the last computed call
+                state.prev_signal = sig
+            state.sigma = None if sigma is None else torch.as_tensor(sigma)
             if skip:
                 state.accumulated = cand
+                state.ratio = 1.0 if ratio is None else ratio
                 state.consecutive += 1
                 state.skipped += 1
             else:
-                state.accumulated = 0.0
+                state.accumulated, state.ratio = 0.0, 1.0
                 state.consecutive = 0
                 state.computed += 1
             state.trace.append(cand if cand is not None else 0.0)
@@ -195,33 +377,52 @@ class RunState:
         return skip
 
     def store_residual(self, key: Any, residual: torch.Tensor, sigma: torch.Tensor | float | None = None) -> None:
-        """Keep a computed call's residual (and, to extrapolate, its slope in sigma). No host sync.
+        """Keep a computed call's residual (and, to forecast, its divided differences in sigma). No
+        host sync.
 
         Every computation runs on the residual's device; with ``cache_device`` "cpu" the results are
         then copied to the CPU without waiting, so a CPU-held tensor is never read on the CPU: it only
         goes back to the device by a copy queued on the same stream (:meth:`residual`, the slope here)."""
         state = self.conds[key]
-        extrapolate = self.config.residual_mode == "extrapolate"
-        prev = (state.residual.to(residual.device, non_blocking=True)
-                if state.residual is not None and (extrapolate or self.config.calibrate) else None)
+        mode = self.config.residual_mode
+        forecast = mode in ("extrapolate", "taylor2")
+        dev = residual.device
+        prev = (state.residual.to(dev, non_blocking=True)
+                if state.residual is not None and (forecast or self.config.calibrate) else None)
+        if prev is not None and prev.shape != residual.shape:
+            prev = None
+        sigma = None if sigma is None else torch.as_tensor(sigma, dtype=torch.float32)
         if self.config.calibrate and prev is not None:
             state.calib_y.append(rel_l1(residual, prev))
-        sigma = None if sigma is None else torch.as_tensor(sigma, dtype=torch.float32)
-        slope = span = None
-        if (extrapolate and sigma is not None and prev is not None
-                and state.residual_sigma is not None and prev.shape == residual.shape):
-            gap = (sigma - state.residual_sigma).to(residual.device)
+        if self.config.calibrate and sigma is not None:  # magcache: mean over tokens of the per-token norm ratio
+            ratio = torch.ones(())
+            if prev is not None:
+                ratio = (residual.float().norm(dim=-1) / prev.float().norm(dim=-1).clamp_min(1e-12)).mean()
+            state.calib_sigma.append(sigma)
+            state.calib_ratio.append(ratio)
+        slope = span = gap = curvature = None
+        if forecast and sigma is not None and prev is not None and state.residual_sigma is not None:
+            gap = (sigma - state.residual_sigma).to(dev)
             safe = torch.where(gap == 0, torch.ones_like(gap), gap)
             slope = torch.where(gap == 0, 0.0, 1.0) * (residual - prev) / safe
-            span = (sigma - state.residual_sigma).abs() * EXTRAPOLATE_SPAN
+            span = gap.abs() * EXTRAPOLATE_SPAN
+            if mode == "taylor2" and state.slope is not None and state.gap is not None:
+                # second divided difference over the last three computed sigmas (s0, s1, s2)
+                whole = gap + state.gap.to(dev)
+                safe = torch.where(whole == 0, torch.ones_like(whole), whole)
+                old = state.slope.to(dev, non_blocking=True)
+                curvature = torch.where(whole == 0, 0.0, 1.0) * (slope - old) / safe
         if self.config.cache_device == "cpu":
             residual = residual.to("cpu", non_blocking=True)
             slope = None if slope is None else slope.to("cpu", non_blocking=True)
+            curvature = None if curvature is None else curvature.to("cpu", non_blocking=True)
         state.residual, state.residual_sigma, state.slope, state.slope_span = residual, sigma, slope, span
+        state.gap, state.curvature = gap, curvature
 
     def residual(self, key: Any, like: torch.Tensor, sigma: torch.Tensor | float | None = None) -> torch.Tensor:
-        """The residual to add on a skipped call: the stored one, or (``extrapolate``) continued
-        along its last slope to ``sigma``, computed on ``like``'s device (no host sync)."""
+        """The residual to add on a skipped call: the stored one, or (``extrapolate``/``taylor2``)
+        its Newton forecast to ``sigma`` from the last two/three computed residuals, computed on
+        ``like``'s device (no host sync)."""
         state = self.conds[key]
         res = state.residual.to(like.device, like.dtype, non_blocking=True)
         if state.slope is not None and sigma is not None:
@@ -230,6 +431,9 @@ class RunState:
             step = torch.as_tensor(sigma, dtype=torch.float32).to(like.device) - state.residual_sigma.to(like.device)
             step = torch.minimum(torch.maximum(step, -span), span)
             res = res + state.slope.to(like.device, like.dtype, non_blocking=True) * step.to(like.dtype)
+            if state.curvature is not None:
+                bend = step * (step + state.gap.to(like.device))  # (s - s2)(s - s1)
+                res = res + state.curvature.to(like.device, like.dtype, non_blocking=True) * bend.to(like.dtype)
         return res
 
     def release(self) -> None:
@@ -240,7 +444,7 @@ class RunState:
     def residual_bytes(self) -> dict[str, int]:
         out = {"cpu": 0, "device": 0}
         for state in self.conds.values():
-            for t in (state.residual, state.slope, state.prev_modulated):
+            for t in (state.residual, state.slope, state.curvature, state.prev_signal):
                 if t is not None:
                     out["cpu" if t.device.type == "cpu" else "device"] += t.numel() * t.element_size()
         return out
@@ -255,6 +459,16 @@ class RunState:
                 return xs, ys
         return [], []
 
+    def calibration_magnitudes(self) -> dict[str, list[tuple[float, float]]]:
+        """The magcache curve measured per cond label: (sigma, cumulative log magnitude) per call."""
+        out = {}
+        for state in self.conds.values():
+            if state.calib_ratio and state.label not in out:
+                sigmas = [float(s) for s in state.calib_sigma]
+                ratios = [float(r) for r in state.calib_ratio]
+                out[state.label] = magnitude_curve(sigmas, ratios)
+        return out
+
     def summary(self, total_steps: int | None = None) -> dict[str, Any]:
         """The run's report, JSON-ready (converts the traces: one sync, at the end of the run)."""
         calls = self.calls_computed + self.calls_skipped
@@ -268,13 +482,14 @@ class RunState:
                 "trace": [round(float(v), 5) for v in state.trace],
             }
         return {
+            "rule": self.config.rule,
             "model_type": self.config.model_type,
-            "rel_l1_thresh": self.config.rel_l1_thresh,
+            "threshold": self.config.threshold,
+            "residual_mode": self.config.residual_mode,
             "start_percent": self.config.start_percent,
             "end_percent": self.config.end_percent,
             "max_consecutive_skips": self.config.max_consecutive_skips,
             "cache_device": self.config.cache_device,
-            "residual_mode": self.config.residual_mode,
             "steps": total_steps,
             "calls_computed": self.calls_computed,
             "calls_skipped": self.calls_skipped,
@@ -286,8 +501,43 @@ class RunState:
         }
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """What one calibration run measured for a model: the teacache polynomial and the magcache
+    curves per cond label (either may be missing)."""
+
+    coefficients: tuple[float, ...] | None = None
+    magnitudes: dict[str, list[tuple[float, float]]] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"coefficients": None if self.coefficients is None else list(self.coefficients),
+                "magnitudes": None if self.magnitudes is None else {k: [list(p) for p in v]
+                                                                    for k, v in self.magnitudes.items()}}
+
+    @classmethod
+    def from_json(cls, entry: Any) -> Calibration | None:
+        """The calibration in a stored entry; None for anything malformed (a miss, never an error)."""
+        if not isinstance(entry, dict):
+            return None
+        coeffs, mags = entry.get("coefficients"), entry.get("magnitudes")
+
+        def number(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        if coeffs is not None and not (isinstance(coeffs, list) and len(coeffs) == 5 and all(map(number, coeffs))):
+            return None
+        if mags is not None and not (isinstance(mags, dict) and all(
+                isinstance(v, list) and v and all(isinstance(p, list) and len(p) == 2 and all(map(number, p))
+                                                  for p in v) for v in mags.values())):
+            return None
+        if coeffs is None and not mags:
+            return None
+        return cls(None if coeffs is None else tuple(float(c) for c in coeffs),
+                   None if not mags else {str(k): [(float(a), float(b)) for a, b in v] for k, v in mags.items()})
+
+
 class CalibrationStore:
-    """Fitted polynomials per model fingerprint, in memory and in a JSON file (when given a path)."""
+    """Calibrations per model fingerprint, in memory and in a JSON file (when given a path)."""
 
     def __init__(self, path: Path | None = None):
         self.path = path
@@ -303,20 +553,15 @@ class CalibrationStore:
             return {}
         return data if isinstance(data, dict) else {}
 
-    def get(self, fingerprint: str) -> tuple[float, ...] | None:
+    def get(self, fingerprint: str) -> Calibration | None:
         with self._lock:
             entry = self._memory.get(fingerprint) or self._read().get(fingerprint)
-        if not isinstance(entry, dict):
-            return None
-        coeffs = entry.get("coefficients")
-        if not isinstance(coeffs, list) or len(coeffs) != 5 or not all(isinstance(c, (int, float)) for c in coeffs):
-            return None
-        return tuple(float(c) for c in coeffs)
+        return Calibration.from_json(entry)
 
-    def put(self, fingerprint: str, coefficients: tuple[float, ...], **info: Any) -> None:
+    def put(self, fingerprint: str, calibration: Calibration, **info: Any) -> None:
         """Keep a calibration in memory, then in the file; OSError when the file cannot be written
         (the calibration stays in memory for this process, the file is left as it was)."""
-        entry = {"coefficients": list(coefficients), "time": time.time(), **info}
+        entry = {**calibration.to_json(), "time": time.time(), **info}
         with self._lock:
             self._memory[fingerprint] = entry
             if self.path is None:

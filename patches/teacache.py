@@ -1,14 +1,15 @@
-"""TeaCache on ComfyUI's seams: ModelPatcher wrappers and the block-replace patches. No core
-forward is copied.
+"""The step cache (TeaCache, MagCache, First-Block-Cache rules) on ComfyUI's seams: ModelPatcher
+wrappers and the block-replace patches. No core forward is copied.
 
 - OUTER_SAMPLE wrapper: one :class:`~..caching.teacache.RunState` per sampling run (so a second
-  run, a split sampler or a hires pass starts clean), resolved coefficients, and at the end one
-  log line, the stats and (when calibrating) the fitted polynomial.
+  run, a split sampler or a hires pass starts clean), the resolved rule, threshold, residual mode
+  and tables, and at the end one log line, the stats and (when calibrating) the fitted tables.
 - DIFFUSION_MODEL wrapper: one model call; knows the conds in the batch (``uuids``) and whether
   the current sigma is inside the start/end window.
 - ``patches_replace["dit"]`` block patches on the first and every later block: the first block
-  reads the modulated input and decides; on a skip every block passes its input through and the
-  last one adds the stored residual; on a computed call the last one stores the new residual.
+  decides (teacache: from the modulated input, magcache: from sigma, before it runs; first_block:
+  from its own residual, after it runs); on a skip every later block passes its input through and
+  the last one adds the stored residual; on a computed call the last one makes the new residual.
 
 The per-family code is in :mod:`.step_families`: where the modulated input is and which blocks make
 up the stack.
@@ -16,6 +17,7 @@ up the stack.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -40,8 +42,10 @@ PATCHER = (("comfy.model_patcher:ModelPatcher.set_model_patch_replace", ("patch"
 WRAPPERS = "comfy.patcher_extension:WrappersMP"  # the wrapper kinds apply() adds
 
 TYPE_FAMILY = {"flux": "flux", "flux-kontext": "flux", "hunyuan_video": "hunyuan_video",
-               **{k: "wan" for k in tc.COEFFICIENTS if k.startswith("wan")}}
-MODEL_TYPES = ("auto", "calibrated", *tc.COEFFICIENTS)
+               **{k: "wan" for k in (*tc.COEFFICIENTS, *tc.MAG_RATIOS) if k.startswith("wan")}}
+MODEL_TYPES = ("auto", "calibrated", *dict.fromkeys((*tc.COEFFICIENTS, *tc.MAG_RATIOS)))
+RULES = ("auto", *tc.RULES)
+RESIDUAL_MODES = ("auto", *tc.RESIDUAL_MODES)
 
 
 # ---- stats and calibration storage -------------------------------------------------------
@@ -111,9 +115,19 @@ def apply(model_patcher, config: tc.StepCacheConfig):
         return model_patcher.clone()  # this host reshaped what the family reads: it runs uncached
     if config.model_type not in MODEL_TYPES:
         raise ValueError(f"model_type: unknown {config.model_type!r} (one of {', '.join(MODEL_TYPES)})")
+    if config.rule not in RULES:
+        raise ValueError(f"rule: unknown {config.rule!r} (one of {', '.join(RULES)})")
+    if config.residual_mode not in RESIDUAL_MODES:
+        raise ValueError(f"residual_mode: unknown {config.residual_mode!r} (one of {', '.join(RESIDUAL_MODES)})")
     wanted = TYPE_FAMILY.get(config.model_type)
     if wanted is not None and wanted != family.name:
         raise ValueError(f"model_type: {config.model_type!r} is for {wanted} models, this is a {family.name} model")
+    if config.model_type in tc.COEFFICIENTS or config.model_type in tc.MAG_RATIOS:
+        rule = _rule(config, family)
+        table = {"teacache": tc.COEFFICIENTS, "magcache": tc.MAG_RATIOS}.get(rule, {config.model_type: None})
+        if config.model_type not in table:
+            raise ValueError(f"model_type: {config.model_type!r} has no published {rule} table (use auto or "
+                             "calibrated)")
     from comfy.patcher_extension import WrappersMP
 
     m = model_patcher.clone()
@@ -158,22 +172,24 @@ class _Computed(Exception):
 
 class _Call:
     """One diffusion-model call: the conds in the batch, the skip decision and, on a computed
-    call, the new residual (stored by the wrapper after the forward).
+    call, the new residuals (stored by the wrapper after the forward).
 
     Alone it decides at the first block in one eager pass. Under graph capture the decision stays
     outside the graph: :meth:`probe` runs the forward eagerly up to the decision; a skip finishes
-    there, a computed call stops and the graph replays it, its block patches making the residual
+    there, a computed call stops and the graph replays it, its block patches making the residuals
     in the graph (:meth:`graph_outputs` / :meth:`take_graph_outputs`)."""
 
     def __init__(self, run: tc.RunState, family: Family, dm, keys: list, labels: list[str], may_skip: bool,
                  sigma: torch.Tensor | None):
         self.run, self.family, self.dm, self.sigma = run, family, dm, sigma
         self.keys, self.labels, self.may_skip = keys, labels, may_skip
+        self.after_first = run.config.rule == "first_block"  # decides on the first block's output
         self.skip: bool | None = None
         self.undecided = False  # the decision could not run: computed, and no residual is kept
         self.probing = False
         self.stack_in: torch.Tensor | None = None
-        self.residual: torch.Tensor | None = None
+        self.first: torch.Tensor | None = None  # the first block's residual (its output minus the stack input)
+        self.residual: torch.Tensor | None = None  # the whole stack's residual
 
     def probe(self, forward):
         self.probing = True
@@ -185,17 +201,24 @@ class _Call:
             self.probing = False
 
     def graph_outputs(self) -> list[torch.Tensor]:
-        return [self.residual]
+        return [self.residual, self.first]
 
     def take_graph_outputs(self, tensors: list[torch.Tensor]) -> None:
-        (self.residual,) = tensors
+        self.residual, self.first = tensors
 
     def _decide(self, args: dict) -> None:
         img = args["img"]
         if img.shape[0] % len(self.keys):  # a batch we cannot split per cond: treat as one
             self.keys, self.labels = [tuple(self.keys)], ["batch"]
+        rule = self.run.config.rule
         try:
-            mods = self.family.modulated(self.dm, args).chunk(len(self.keys))
+            if rule == "first_block":
+                signal = self.first
+            elif rule == "magcache":  # decides from sigma; the stack input only tells a shape change
+                signal = img
+            else:
+                signal = self.family.modulated(self.dm, args)
+            signals = signal.chunk(len(self.keys))
         except (AttributeError, TypeError, IndexError, KeyError, RuntimeError, ValueError) as exc:
             # a variant we do not know: compute, never skip
             host.say_once(f"teacache-modulated:{self.family.name}", "ReuseKit TeaCache: cannot read the modulated "
@@ -204,19 +227,21 @@ class _Call:
             self.skip, self.undecided = False, True
             return
         chunk = (img.shape[0] // len(self.keys), *img.shape[1:])
-        self.skip = self.run.decide(self.keys, self.labels, list(mods), self.may_skip, chunk)
+        self.skip = self.run.decide(self.keys, self.labels, list(signals), self.may_skip, chunk, self.sigma)
 
     def block(self, args: dict, run_block, first: bool, last: bool) -> dict:
         if first:
-            if self.skip is None:
+            if self.skip is None and not self.after_first:
                 self._decide(args)
             if self.undecided:  # runs to the end eagerly (graph capture: "undecided")
                 return run_block(args)
-            if self.probing and not self.skip:
+            if self.probing and self.skip is False:
                 raise _Computed
             # blocks (and ControlNet between them) add in place; a skip adds the residual to this copy,
             # which already holds what ControlNet added inside the stack at the last computed step
             self.stack_in = args["img"].clone()
+            if self.after_first or not self.skip:
+                return self._first_block(args, run_block, last)
         elif self.skip is None:  # our first-block patch was replaced later: stay out
             return run_block(args)
         if self.skip:
@@ -224,16 +249,38 @@ class _Call:
             if last:
                 img = out["img"]
                 start, end = self._image_tokens(args, img.shape[1])
+                base = self.stack_in + self.first if self.after_first else self.stack_in
                 res = torch.cat([self.run.residual(k, img, self.sigma) for k in self.keys])
-                out["img"] = torch.cat([img[:, :start], self.stack_in + res, img[:, end:]], 1)
+                out["img"] = torch.cat([img[:, :start], base + res, img[:, end:]], 1)
                 self.stack_in = None
             return out
         out = run_block(args)
-        if last and self.stack_in is not None:
+        if last:
+            self._stack_residual(args, out)
+        return out
+
+    def _first_block(self, args: dict, run_block, last: bool) -> dict:
+        """Runs the first block and keeps its residual; first_block decides on it here."""
+        out = run_block(args)
+        start, end = self._image_tokens(args, out["img"].shape[1])
+        self.first = out["img"][:, start:end] - self.stack_in
+        if self.skip is None:
+            if last:  # a stack of one block leaves nothing to skip
+                self.may_skip = False
+            self._decide(args)
+            if self.undecided:
+                return out
+            if self.probing and not self.skip:
+                raise _Computed
+        if not self.skip and last:
+            self._stack_residual(args, out)
+        return out
+
+    def _stack_residual(self, args: dict, out: dict) -> None:
+        if self.stack_in is not None:
             start, end = self._image_tokens(args, out["img"].shape[1])
             self.residual = out["img"][:, start:end] - self.stack_in
             self.stack_in = None
-        return out
 
     def _image_tokens(self, args: dict, total: int) -> tuple[int, int]:
         """Where the image tokens are in the last block's stream: the single stream's ``img_slice``
@@ -249,11 +296,13 @@ class _Call:
         return total - n, total
 
     def store_residual(self) -> None:
-        """After a computed forward: keep its residual per cond."""
+        """After a computed forward: keep its residual per cond (first_block: the residual of the
+        blocks after the first, which a skip adds to the first block's new output)."""
         if self.residual is not None:
-            for key, r in zip(self.keys, self.residual.chunk(len(self.keys)), strict=True):
+            residual = self.residual - self.first if self.after_first and self.first is not None else self.residual
+            for key, r in zip(self.keys, residual.chunk(len(self.keys)), strict=True):
                 self.run.store_residual(key, r, self.sigma)
-            self.residual = None
+            self.residual = self.first = None
 
 
 def _labels(to: dict, n: int) -> list[str]:
@@ -327,21 +376,60 @@ def _diffusion_model(executor, *args, **kwargs):
     return out
 
 
-def resolve(settings: Settings, model_patcher) -> tuple[tuple[float, ...], str, str]:
-    """(coefficients, model_type used, fingerprint) for this run."""
-    cfg, family = settings.config, settings.family
+def _rule(config: tc.StepCacheConfig, family: Family) -> str:
+    return tc.FAMILY_DEFAULTS.get(family.name, tc.FALLBACK_DEFAULTS)[0] if config.rule == "auto" else config.rule
+
+
+def resolved_config(config: tc.StepCacheConfig, family: Family) -> tc.StepCacheConfig:
+    """``config`` with rule, threshold (-1) and residual mode "auto" replaced by the family's defaults."""
+    rule0, threshold0, mode0 = tc.FAMILY_DEFAULTS.get(family.name, tc.FALLBACK_DEFAULTS)
+    rule = "teacache" if config.calibrate else _rule(config, family)
+    threshold = config.threshold
+    if threshold < 0:
+        threshold = threshold0 if rule == rule0 else tc.RULE_THRESHOLDS.get(family.name, tc.FALLBACK_THRESHOLDS).get(
+            rule, tc.FALLBACK_THRESHOLDS[rule])
+    mode = mode0 if config.residual_mode == "auto" else config.residual_mode
+    return dataclasses.replace(config, rule=rule, threshold=float(threshold), residual_mode=mode)
+
+
+class Plan:
+    """What one run uses: the resolved config, the rule's table, where it came from, the fingerprint."""
+
+    def __init__(self, config: tc.StepCacheConfig, used_type: str, fp: str,
+                 coefficients: tuple[float, ...] | None = None, magnitudes: dict | None = None):
+        self.config, self.used_type, self.fp = config, used_type, fp
+        self.coefficients, self.magnitudes = coefficients, magnitudes
+
+
+def resolve(settings: Settings, model_patcher) -> Plan:
+    """This run's rule, threshold, residual mode and table (the model's calibration, else the
+    published one for its variant); ValueError where the rule needs a calibration it lacks."""
+    family = settings.family
+    cfg = resolved_config(settings.config, family)
     fp = model_fingerprint(model_patcher, family)
     if cfg.calibrate:
-        return tc.COEFFICIENTS.get(family.default_type, (0, 0, 0, 1.0, 0)), "calibrating", fp
+        return Plan(cfg, "calibrating", fp, tc.COEFFICIENTS.get(family.default_type, (0, 0, 0, 1.0, 0)))
+    if cfg.rule == "first_block":  # needs no table
+        return Plan(cfg, "none", fp)
+    teacache = cfg.rule == "teacache"
+
+    def published(variant):
+        return tc.COEFFICIENTS.get(variant) if teacache else tc.published_magnitudes(variant)
+
     if cfg.model_type in ("auto", "calibrated"):
         stored = STORE.get(fp)
-        if stored is not None:
-            return stored, "calibrated", fp
-        if cfg.model_type == "calibrated" or family.default_type == "calibrated":
-            raise ValueError(f"ReuseKit TeaCache: model_type: no calibration for this {family.name} model yet; run it once "
-                             "through ReuseKit TeaCache Calibrate (or pick published coefficients)")
-        return tc.COEFFICIENTS[family.default_type], family.default_type, fp
-    return tc.COEFFICIENTS[cfg.model_type], cfg.model_type, fp
+        table = None if stored is None else (stored.coefficients if teacache else stored.magnitudes)
+        if table is not None:
+            return Plan(cfg, "calibrated", fp, *((table, None) if teacache else (None, table)))
+        variant = family.default_type
+        table = None if cfg.model_type == "calibrated" else published(variant)
+        if table is None:
+            raise ValueError(f"ReuseKit TeaCache: model_type: no calibration for this {family.name} model yet "
+                             f"({cfg.rule}); run it once through ReuseKit TeaCache Calibrate (or pick published "
+                             "coefficients)")
+    else:
+        variant, table = cfg.model_type, published(cfg.model_type)
+    return Plan(cfg, variant, fp, *((table, None) if teacache else (None, table)))
 
 
 def _outer_sample(executor, *args, **kwargs):
@@ -352,11 +440,11 @@ def _outer_sample(executor, *args, **kwargs):
     settings: Settings | None = orig.get("transformer_options", {}).get(KEY)
     if settings is None:
         return executor(*args, **kwargs)
-    cfg = settings.config
-    coeffs, used_type, fp = resolve(settings, guider.model_patcher)
+    plan = resolve(settings, guider.model_patcher)
+    cfg = plan.config
     ms = guider.model_patcher.model.model_sampling
-    run = tc.RunState(cfg, coeffs, float(ms.percent_to_sigma(cfg.start_percent)),
-                      float(ms.percent_to_sigma(cfg.end_percent)))
+    run = tc.RunState(cfg, plan.coefficients, float(ms.percent_to_sigma(cfg.start_percent)),
+                      float(ms.percent_to_sigma(cfg.end_percent)), plan.magnitudes)
     guider.model_options = comfy.model_patcher.create_model_options_clone(orig)
     guider.model_options["transformer_options"][RUN_KEY] = run
     sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
@@ -371,7 +459,7 @@ def _outer_sample(executor, *args, **kwargs):
         raise
     finally:
         guider.model_options = orig
-        _report(run, settings, used_type, fp, steps, outcome)
+        _report(run, settings, plan.used_type, plan.fp, steps, outcome)
         run.release()  # the residuals go now, even while a failure's traceback keeps this frame
 
 
@@ -424,28 +512,41 @@ def _finish(run: tc.RunState, settings: Settings, used_type: str, fp: str, total
         log.warning("ReuseKit TeaCache Calibrate (%s): the run was %s; nothing is saved (calibration comes "
                     "from complete runs only)", settings.family.name, outcome)
     elif run.config.calibrate:
-        xs, ys = run.calibration_points()
-        try:
-            coeffs = tc.fit_polynomial(xs, ys)
-        except ValueError as exc:
-            log.warning("ReuseKit TeaCache Calibrate: no polynomial fitted (%s)", exc)
-        else:
-            try:
-                STORE.put(fp, coeffs, family=settings.family.name, points=len(xs))
-            except OSError as exc:  # never lose the run for the file: it is kept in memory
-                log.warning("ReuseKit TeaCache Calibrate: could not save the calibration to %s (%s); "
-                            "it is used until ComfyUI restarts", STORE.path, exc)
-            summary["calibration"] = {"coefficients": list(coeffs), "points": len(xs), "fingerprint": fp}
-            s.set_info("last_calibration", summary["calibration"])
-            log.info("ReuseKit TeaCache Calibrate (%s): fitted %s from %d steps; later runs of this model "
-                     "with model_type auto/calibrated use it", settings.family.name,
-                     [round(c, 4) for c in coeffs], len(xs))
+        _save_calibration(run, settings, fp, summary)
     s.set_info("last_run", summary)
     models = {k: v for k, v in (s.snapshot()["info"].get("models") or {}).items() if k != summary["model"]}
     models[summary["model"]] = summary
     s.set_info("models", dict(list(models.items())[-MODEL_REPORTS:]))
-    log.info("ReuseKit TeaCache (%s, %s, thresh %.3g)%s: computed %d of %d model calls (%.2fx fewer; per cond %s), "
-             "~%.2f s saved", settings.family.name, used_type, run.config.rel_l1_thresh,
+    log.info("ReuseKit TeaCache (%s, %s, %s %.3g, %s)%s: computed %d of %d model calls (%.2fx fewer; per cond %s), "
+             "~%.2f s saved", settings.family.name, used_type, run.config.rule, run.config.threshold,
+             run.config.residual_mode,
              "" if outcome == "completed" else f", {outcome}", run.calls_computed,
              run.calls_computed + run.calls_skipped, summary["speedup_calls"], per_cond or "none",
              summary["time_saved_s"])
+
+
+def _save_calibration(run: tc.RunState, settings: Settings, fp: str, summary: dict) -> None:
+    """Fit and keep what a complete calibration run measured: the teacache polynomial and the
+    magcache curves; a run with fewer than MIN_CALIBRATION_POINTS fitted points is discarded."""
+    xs, ys = run.calibration_points()
+    if len(xs) < tc.MIN_CALIBRATION_POINTS:
+        log.warning("ReuseKit TeaCache Calibrate (%s): only %d fitted points (at least %d needed: sample more "
+                    "steps); nothing is saved", settings.family.name, len(xs), tc.MIN_CALIBRATION_POINTS)
+        return
+    try:
+        coeffs = tc.fit_polynomial(xs, ys)
+    except ValueError as exc:
+        log.warning("ReuseKit TeaCache Calibrate: no polynomial fitted (%s); nothing is saved", exc)
+        return
+    calibration = tc.Calibration(coeffs, run.calibration_magnitudes() or None)
+    try:
+        STORE.put(fp, calibration, family=settings.family.name, points=len(xs))
+    except OSError as exc:  # never lose the run for the file: it is kept in memory
+        log.warning("ReuseKit TeaCache Calibrate: could not save the calibration to %s (%s); "
+                    "it is used until ComfyUI restarts", STORE.path, exc)
+    summary["calibration"] = {"coefficients": list(coeffs), "points": len(xs), "fingerprint": fp,
+                              "magnitudes": sorted(calibration.magnitudes or ())}
+    stats().set_info("last_calibration", summary["calibration"])
+    log.info("ReuseKit TeaCache Calibrate (%s): fitted %s and the magnitude curves of %s from %d steps; later "
+             "runs of this model with model_type auto/calibrated use them", settings.family.name,
+             [round(c, 4) for c in coeffs], ", ".join(sorted(calibration.magnitudes or ())) or "no cond", len(xs))

@@ -4,6 +4,7 @@ Quality-relevant tests use the small Flux trained on captioned shapes (tests/tin
 trained_flux.py): on random weights consecutive steps barely differ and CFG does nothing.
 """
 
+import dataclasses
 import importlib
 import json
 import logging
@@ -72,13 +73,25 @@ def sample(model, conds, steps=STEPS, cfg=3.0, shape=(1, 16, 8, 8), seed=3, fill
 
 
 def teacache(model, thresh, model_type="flux", start=0.0, end=1.0, max_skips=0, device="device",
-             mode="extrapolate"):
-    (m,) = N().TeaCacheNode.execute(model, model_type, thresh, start, end, max_skips, device, mode).args
+             mode="extrapolate", rule="teacache"):
+    (m,) = N().TeaCacheNode.execute(model=model, rule=rule, threshold=thresh, model_type=model_type,
+                                    start_percent=start, end_percent=end, max_consecutive_skips=max_skips,
+                                    cache_device=device, residual_mode=mode).args
     return m
 
 
 def last_run():
     return P().stats().snapshot()["info"]["last_run"]
+
+
+FLAT = {"cond": [(1.0, 0.0), (0.0, 0.0)]}  # a magcache curve whose ratio is always 1
+
+
+def call_state(to):
+    """A run state for calling the model directly: the node's config resolved, unit teacache
+    polynomial, flat magcache curve, skipping allowed at every sigma."""
+    settings = to[P().KEY]
+    return tc().RunState(P().resolved_config(settings.config, settings.family), (0, 0, 0, 1.0, 0), 1.0, 0.0, FLAT)
 
 
 def rel_err(a, b):
@@ -151,6 +164,93 @@ def test_extrapolated_residual_follows_the_last_slope_and_never_overshoots_its_s
     assert torch.equal(reuse.residual("a", like, 0.7), torch.full((1, 2, 2), 2.0))
 
 
+def test_taylor2_forecasts_a_residual_quadratic_in_sigma_exactly():
+    m = tc()
+
+    def r(s):
+        return torch.tensor([[[1.0 + 2.0 * s - 3.0 * s * s, -0.5 * s * s]]])
+
+    got = {}
+    for mode in ("taylor2", "extrapolate"):
+        rs = m.RunState(m.StepCacheConfig(None, "test", 1.0, residual_mode=mode), (0, 0, 0, 1.0, 0), 1.0, 0.0)
+        rs.decide(["a"], ["cond"], [torch.ones(1, 2, 2)], True)
+        for s in (1.0, 0.8, 0.6):
+            rs.store_residual("a", r(s), sigma=torch.tensor(s))
+        got[mode] = rs.residual("a", torch.zeros(1, 1, 2), torch.tensor(0.45))
+    assert torch.allclose(got["taylor2"], r(0.45), atol=1e-5)
+    assert not torch.allclose(got["extrapolate"], r(0.45), atol=1e-3)  # first order misses the bend
+    # clamped like extrapolate: never further than the last sigma gap
+    far = rs.residual("a", torch.zeros(1, 1, 2), torch.tensor(0.0))
+    assert torch.allclose(far, rs.residual("a", torch.zeros(1, 1, 2), torch.tensor(0.4)))
+
+
+def magcache_state(thresh, ratios, sigmas, max_skips=0):
+    m = tc()
+    cfg = m.StepCacheConfig(None, "test", thresh, max_consecutive_skips=max_skips, rule="magcache")
+    return m.RunState(cfg, None, 1.0, 0.0, {"cond": m.magnitude_curve(sigmas, ratios)})
+
+
+def run_magcache(rs, sigmas):
+    x = torch.ones(1, 4, 8)
+    out = []
+    for s in sigmas:
+        skip = rs.decide(["a"], ["cond"], [x], True, sigma=torch.tensor(s))
+        if not skip:
+            rs.store_residual("a", torch.zeros(1, 4, 8), torch.tensor(s))
+        out.append("S" if skip else "C")
+    return "".join(out), [round(float(v), 4) for v in rs.conds["a"].trace]
+
+
+def test_magcache_decides_as_worked_out_by_hand():
+    """Calibrated ratios 0.9, 0.95, 1.0, 0.75, 1.0 after the first call, threshold 0.2: the ratio and
+    the error |1 - ratio| accumulate since the last computed call, which resets both."""
+    sigmas = [1.0, 0.9, 0.8, 0.7, 0.6, 0.5]
+    ratios = [1.0, 0.9, 0.95, 1.0, 0.75, 1.0]
+    pattern, trace = run_magcache(magcache_state(0.2, ratios, sigmas), sigmas)
+    # call 1: 0.1 < 0.2 skip; call 2: 0.1 + |1 - 0.9 * 0.95| = 0.245 compute; call 3: 0 skip;
+    # call 4: 0 + |1 - 0.75| = 0.25 compute; call 5: 0 skip
+    assert pattern == "CSCSCS"
+    assert trace == pytest.approx([0.0, 0.1, 0.245, 0.0, 0.25, 0.0], abs=1e-4)
+    # K (max_consecutive_skips) = 1 on ratios of exactly 1: every other call computes
+    flat = [1.0] * 6
+    assert run_magcache(magcache_state(0.2, flat, sigmas, max_skips=1), sigmas)[0] == "CSCSCS"
+    # another schedule: a call two calibrated steps later reads their product (0.9 * 0.95), by sigma
+    pattern, trace = run_magcache(magcache_state(0.2, ratios, sigmas), [1.0, 0.8, 0.75])
+    assert pattern == "CSC" and trace == pytest.approx([0.0, 0.145, 0.29], abs=1e-4)
+    # halfway between calibrated sigmas the log magnitude is interpolated (the square root of 0.75)
+    pattern, trace = run_magcache(magcache_state(0.2, ratios, sigmas), [1.0, 0.65])
+    assert pattern == "CC" and trace[1] == pytest.approx(abs(1 - 0.9 * 0.95 * 0.75 ** 0.5), abs=1e-4)
+
+
+def test_published_magcache_ratios_are_placed_on_their_schedules_sigmas():
+    m = tc()
+    flux = m.published_magnitudes("flux")
+    assert set(flux) == {"cond"} and len(flux["cond"]) == 28
+    curve = m.MagnitudeCurve(flux["cond"])
+    s0, s1 = flux["cond"][0][0], flux["cond"][1][0]
+    assert s0 == pytest.approx(1.0) and 0 < s1 < s0
+    assert float(curve.ratio(torch.tensor(s0), torch.tensor(s1))) == pytest.approx(1.21094, rel=1e-5)
+    wan = m.published_magnitudes("wan2.1_t2v_1.3B_ret_mode")
+    assert set(wan) == {"cond", "uncond"} and len(wan["cond"]) == 50
+    assert m.published_magnitudes("flux2") is None
+    assert set(m.MAG_RATIOS) <= set(m.COEFFICIENTS) | {"chroma", "qwen_image"}
+
+
+def test_first_block_compares_against_the_last_computed_calls_residual():
+    m = tc()
+    rs = m.RunState(m.StepCacheConfig(None, "test", 0.15, rule="first_block"), None, 1.0, 0.0)
+    r1 = torch.ones(1, 4, 8)
+    got = []
+    for scale in (1.0, 1.1, 1.2, 1.05):
+        skip = rs.decide(["a"], ["cond"], [r1 * scale], True)
+        if not skip:
+            rs.store_residual("a", torch.zeros(1, 4, 8))
+        got.append(skip)
+    # 1.1 vs 1.0: 0.1 skip; 1.2 vs 1.0 (not 1.1): 0.2 compute; 1.05 vs 1.2: 0.125 skip; never accumulated
+    assert got == [False, True, False, True]
+    assert [round(float(v), 4) for v in rs.conds["a"].trace] == [0.0, 0.1, 0.2, 0.125]
+
+
 class InFlightCopies(torch.overrides.TorchFunctionMode):
     """Emulates CUDA's copies to the CPU without waiting (on a CPU-only run the sampling device is the
     CPU too, so the offload is told apart as ``.to("cpu")`` by name): such a copy reads as NaN to any
@@ -214,9 +314,10 @@ def test_decide_never_skips_onto_a_residual_of_another_shape():
 def test_calibration_store_round_trips_through_its_file(tmp_path):
     m = tc()
     path = tmp_path / "cal.json"
-    m.CalibrationStore(path).put("fp1", (0.0, 0.0, 1.0, 2.0, 3.0), family="flux")
+    cal = m.Calibration((0.0, 0.0, 1.0, 2.0, 3.0), {"cond": [(1.0, 0.0), (0.5, 0.1)]})
+    m.CalibrationStore(path).put("fp1", cal, family="flux")
     fresh = m.CalibrationStore(path)
-    assert fresh.get("fp1") == (0.0, 0.0, 1.0, 2.0, 3.0)
+    assert fresh.get("fp1") == cal
     assert fresh.get("other") is None
     path.write_text("not json")
     assert m.CalibrationStore(path).get("fp1") is None  # a broken file is a miss, never an error
@@ -224,12 +325,49 @@ def test_calibration_store_round_trips_through_its_file(tmp_path):
 
 # ---- on the trained Flux through the real KSampler ------------------------------------------
 
-def test_threshold_zero_gives_exactly_the_uncached_latent(flux, conds):
+RULES = ("teacache", "magcache", "first_block")
+MODES = ("reuse", "extrapolate", "taylor2")
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("mode", MODES)
+def test_threshold_zero_gives_exactly_the_uncached_latent(flux, conds, rule, mode):
     ref = sample(flux, conds)
-    out = sample(teacache(flux, 0.0), conds)
+    out = sample(teacache(flux, 0.0, rule=rule, mode=mode), conds)
     assert torch.equal(out, ref)
     run = last_run()
     assert run["calls_skipped"] == 0 and run["calls_computed"] == STEPS
+    assert (run["rule"], run["threshold"], run["residual_mode"]) == (rule, 0.0, mode)
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("mode", MODES)
+def test_every_rule_and_mode_skips_the_trained_flux_close_to_the_uncached_latent(flux, conds, rule, mode):
+    ref = sample(flux, conds)
+    thresh = {"teacache": 0.4, "magcache": 0.05, "first_block": 0.2}[rule]
+    out = sample(teacache(flux, thresh, rule=rule, mode=mode), conds)
+    run = last_run()
+    assert run["calls_skipped"] >= 2, run["conds"]
+    assert run["model_type"] == ("none" if rule == "first_block" else "flux")
+    for c in run["conds"].values():  # the panel's strip and trace: one entry per call, C first
+        assert len(c["pattern"]) == len(c["trace"]) == STEPS and c["pattern"][0] == "C"
+        skipped = [t for t, p in zip(c["trace"], c["pattern"]) if p == "S"]
+        assert all(t < thresh for t in skipped)
+    assert rel_err(out, ref) < 0.3
+
+
+def test_auto_takes_the_familys_rule_threshold_and_mode(flux, conds):
+    (m,) = N().TeaCacheNode.execute(model=flux, rule="auto", threshold=-1.0, model_type="auto", start_percent=0.0,
+                                    end_percent=1.0, max_consecutive_skips=0, cache_device="device",
+                                    residual_mode="auto").args
+    sample(m, conds)
+    rule, threshold, mode = tc().FAMILY_DEFAULTS["flux"]
+    run = last_run()
+    assert (run["rule"], run["threshold"], run["residual_mode"]) == (rule, threshold, mode)
+    assert "rel_l1_thresh" not in run
+    sample(teacache(flux, -1.0, rule="first_block", mode="auto"), conds)  # -1 with a rule: that rule's default
+    run = last_run()
+    assert run["threshold"] == tc().RULE_THRESHOLDS["flux"]["first_block"] and run["residual_mode"] == mode
 
 
 def test_a_high_threshold_skips_steps_and_reports_them(flux, conds, caplog):
@@ -275,7 +413,7 @@ def test_an_area_cond_and_the_uncond_core_makes_for_it_keep_separate_state(flux,
     pooled = torch.cat([conds[1][0][1]["pooled_output"], conds[0][0][1]["pooled_output"]])
     to = m.model_options["transformer_options"].copy()
     to.update({"wrappers": m.wrappers, "sigmas": sigma, "uuids": ["u", "u"], "cond_or_uncond": [1, 0],
-               P().RUN_KEY: tc().RunState(to[P().KEY].config, (0, 0, 0, 1.0, 0), 1.0, 0.0)})
+               P().RUN_KEY: call_state(to)})
     with torch.inference_mode():
         computed = m.model.apply_model(x, sigma, c_crossattn=context, y=pooled, transformer_options=to)
         skipped = m.model.apply_model(x, sigma, c_crossattn=context, y=pooled, transformer_options=to)
@@ -342,7 +480,9 @@ def test_cached_ksampler_equals_teacache_then_ksampler(flux, conds):
     pos, neg = conds
     latent = {"samples": torch.zeros(1, 16, 8, 8)}
     (out,) = N().CachedKSamplerNode.execute(flux, 3, STEPS, 3.0, "euler", "simple", pos, neg, latent, 1.0,
-                                            "flux", 0.8, 0.0, 1.0, 0, "device", "extrapolate").args
+                                            rule="teacache", threshold=0.8, model_type="flux", start_percent=0.0,
+                                            end_percent=1.0, max_consecutive_skips=0, cache_device="device",
+                                            residual_mode="extrapolate").args
     assert torch.equal(out["samples"], sample(teacache(flux, 0.8), conds))
 
 
@@ -375,7 +515,8 @@ def test_other_block_patches_are_chained_and_a_later_one_on_the_first_block_disa
     assert last_run()["calls_skipped"] == 0
 
 
-def test_a_skipped_call_adds_controlnet_once_not_again_on_top_of_the_residual(flux, conds):
+@pytest.mark.parametrize("rule", RULES)
+def test_a_skipped_call_adds_controlnet_once_not_again_on_top_of_the_residual(flux, conds, rule):
     """ControlNet adds into the image stream between blocks; the stored residual already holds what it
     added at the last computed call, so a skip must not add this call's control on top of it. Two calls
     on the same input: the skipped second one must give exactly the computed first one's output."""
@@ -389,7 +530,7 @@ def test_a_skipped_call_adds_controlnet_once_not_again_on_top_of_the_residual(fl
     trained.init_weights(cn, 5)
     for block in cn.controlnet_single_blocks:  # only control inside the block stack
         torch.nn.init.zeros_(block.weight)
-    m = teacache(flux, 1.0, mode="reuse")
+    m = teacache(flux, 1.0, mode="reuse", rule=rule)
     x = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))
     sigma = torch.tensor([0.5])
     context, pooled = conds[0][0][0], conds[0][0][1]["pooled_output"]
@@ -397,7 +538,7 @@ def test_a_skipped_call_adds_controlnet_once_not_again_on_top_of_the_residual(fl
     control = cn(x, sigma, context, y=pooled, hint=hint)
     to = m.model_options["transformer_options"].copy()
     to.update({"wrappers": m.wrappers, "sigmas": sigma, "uuids": ["c"], "cond_or_uncond": [0],
-               P().RUN_KEY: tc().RunState(to[P().KEY].config, (0, 0, 0, 1.0, 0), 1.0, 0.0)})
+               P().RUN_KEY: call_state(to)})
     with torch.inference_mode():
         computed = m.model.apply_model(x, sigma, c_crossattn=context, y=pooled, control=control,
                                        transformer_options=to)
@@ -409,8 +550,10 @@ def test_a_skipped_call_adds_controlnet_once_not_again_on_top_of_the_residual(fl
 
 @pytest.mark.hardening
 @pytest.mark.parametrize("kwargs,needle", [
-    ({"thresh": -0.1}, "rel_l1_thresh"),
-    ({"thresh": float("nan")}, "rel_l1_thresh"),
+    ({"thresh": -0.1}, "threshold"),
+    ({"thresh": float("nan")}, "threshold"),
+    ({"rule": "fastest"}, "rule"),
+    ({"rule": "magcache", "model_type": "wan2.1_t2v_14B_ret_mode"}, "model_type"),
     ({"start": 0.7, "end": 0.3}, "start_percent"),
     ({"max_skips": -1}, "max_consecutive_skips"),
     ({"device": "gpu"}, "cache_device"),
@@ -439,6 +582,33 @@ def test_calibration_fits_a_polynomial_that_the_next_run_uses(flux, conds, _isol
     run = last_run()
     assert run["model_type"] == "calibrated" and run["calls_skipped"] >= 2
     assert rel_err(out, ref) < 0.3
+
+
+def test_one_calibration_run_serves_teacache_and_magcache_per_cond(flux, conds, _isolated_calibrations):
+    (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
+    sample(cal, conds)
+    stored = _isolated_calibrations.get(P().model_fingerprint(flux, SF().detect_family(flux)))
+    assert stored.coefficients is not None and set(stored.magnitudes) == {"cond", "uncond"}
+    assert [len(v) for v in stored.magnitudes.values()] == [STEPS, STEPS]
+    assert stored.magnitudes["cond"] != stored.magnitudes["uncond"]
+    ref = sample(flux, conds)
+    out = sample(teacache(flux, 0.1, model_type="calibrated", rule="magcache"), conds)
+    run = last_run()
+    assert run["model_type"] == "calibrated" and run["rule"] == "magcache" and run["calls_skipped"] >= 2
+    assert rel_err(out, ref) < 0.3
+
+
+@pytest.mark.hardening
+def test_a_short_calibration_run_is_discarded_with_one_line(flux, conds, _isolated_calibrations, caplog):
+    (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
+    with caplog.at_level(logging.INFO, logger="reusekit"):
+        sample(cal, conds, steps=4)  # 3 fitted points
+    assert "calibration" not in last_run() and not _isolated_calibrations.path.exists()
+    assert len([r for r in caplog.records if "only 3 fitted points" in r.getMessage()]) == 1
+    with pytest.raises(ValueError, match="no calibration"):
+        sample(teacache(flux, 0.3, model_type="calibrated"), conds)
+    sample(cal, conds, steps=5)  # 4 points: kept
+    assert last_run()["calibration"]["points"] == 4
 
 
 def test_a_calibration_file_that_cannot_be_written_keeps_the_run_and_the_calibration(flux, conds, monkeypatch,
@@ -688,11 +858,84 @@ def two_calls(model, x, sigma, kwargs, keys=("c", "u")):
     """The same input twice through the cached model: (first output, second output, run state)."""
     to = model.model_options["transformer_options"].copy()
     to.update({"wrappers": model.wrappers, "sigmas": sigma, "uuids": list(keys), "cond_or_uncond": [0, 1][:len(keys)],
-               P().RUN_KEY: tc().RunState(to[P().KEY].config, (0, 0, 0, 1.0, 0), 1.0, 0.0)})
+               P().RUN_KEY: call_state(to)})
     with torch.inference_mode():
         first = model.model.apply_model(x, sigma, transformer_options=to, **kwargs)
         second = model.model.apply_model(x, sigma, transformer_options=to, **kwargs)
     return first, second, to[P().RUN_KEY]
+
+
+def flux_call(model, x, to, conds, sigma=0.5):
+    sigma = torch.tensor([sigma])
+    to["sigmas"] = sigma
+    with torch.inference_mode():
+        return model.model.apply_model(x, sigma, c_crossattn=conds[0][0][0], y=conds[0][0][1]["pooled_output"],
+                                       transformer_options=to)
+
+
+def flux_options(model):
+    to = model.model_options["transformer_options"].copy()
+    to.update({"wrappers": model.wrappers, "uuids": ["c"], "cond_or_uncond": [0]})
+    to[P().RUN_KEY] = call_state(to)
+    return to
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("mode", MODES)
+def test_on_the_same_input_every_rule_and_mode_returns_the_computed_output(flux, conds, rule, mode):
+    """After three computed calls (so extrapolate and taylor2 hold their differences), a skip at the
+    last computed call's sigma, on its input, gives its output."""
+    m = teacache(flux, 0.0, rule=rule, mode=mode)
+    to = flux_options(m)
+    x = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    for s in (0.9, 0.7):
+        flux_call(m, x * s, to, conds, s)
+    computed = flux_call(m, x, to, conds, 0.5)
+    to[P().RUN_KEY].config = dataclasses.replace(to[P().RUN_KEY].config, threshold=1.0)
+    skipped = flux_call(m, x, to, conds, 0.5)
+    assert to[P().RUN_KEY].conds[("c", 0)].pattern == ["C", "C", "C", "S"]
+    assert torch.allclose(skipped, computed, atol=1e-5), rel_err(skipped, computed)
+
+
+def test_first_block_skips_add_the_rest_of_the_stack_to_the_recomputed_first_block(flux, conds):
+    """On a changed input, first_block's skip runs the first block anew and adds the residual the
+    blocks after it made at the computed call: the model's output is what the host's own forward
+    gives when its stack ends in exactly that sum. The trace holds the first block's distance."""
+    seen = {"first": [], "last": []}
+
+    def recorder(name):
+        def patch(args, extra):
+            out = extra["original_block"](args)
+            seen[name].append(out["img"].clone())
+            return out
+        return patch
+
+    base = flux.clone()
+    last = ("single_block", len(flux.model.diffusion_model.single_blocks) - 1)
+    base.set_model_patch_replace(recorder("first"), "dit", "double_block", 0)
+    base.set_model_patch_replace(recorder("last"), "dit", *last)
+    m = teacache(base, 10.0, rule="first_block", mode="reuse")
+    to = flux_options(m)
+    x = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    moved = x + 0.3 * torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(1))
+    flux_call(m, x, to, conds)
+    skipped = flux_call(m, moved, to, conds)
+    state = to[P().RUN_KEY].conds[("c", 0)]
+    assert state.pattern == ["C", "S"] and len(seen["first"]) == 2 and len(seen["last"]) == 1
+    assert 0 < float(state.trace[1]) < 10.0
+    n = seen["first"][0].shape[1]  # image tokens: the end of the single stream (text first)
+    stack_out = seen["first"][1] + (seen["last"][0][:, -n:] - seen["first"][0])
+
+    def ends_in_that_sum(args, extra):
+        out = extra["original_block"](args)
+        return {**out, "img": torch.cat([out["img"][:, :-n], stack_out], 1)}
+
+    expected_model = flux.clone()
+    expected_model.set_model_patch_replace(ends_in_that_sum, "dit", *last)
+    expected = flux_call(expected_model, moved, {"patches_replace": expected_model.model_options[
+        "transformer_options"]["patches_replace"]}, conds)
+    assert torch.allclose(skipped, expected, atol=1e-5), rel_err(skipped, expected)
+    assert not torch.allclose(skipped, flux_call(flux, moved, {}, conds), atol=1e-3)  # it did skip work
 
 
 # family (in tests/tinymodels/families.py), the step cache's name for it, extra call inputs
@@ -711,8 +954,9 @@ RESULT_FAMILIES = {
 }
 
 
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("name", list(RESULT_FAMILIES))
-def test_a_skipped_step_on_the_same_input_returns_the_computed_output(name):
+def test_a_skipped_step_on_the_same_input_returns_the_computed_output(name, rule):
     """Per family, cond and uncond batched: the second call on the same input skips and must give the
     first one's output, so the residual is taken from and added to the image tokens, wherever the
     host puts them (HunyuanVideo's single stream is text first from ComfyUI 0.14) and however the
@@ -727,10 +971,12 @@ def test_a_skipped_step_on_the_same_input_returns_the_computed_output(name):
         kwargs = dict(kwargs, ref_latents=[torch.randn((1, *spec.sizes[0][:-2], 4, 6),
                                                        generator=torch.Generator().manual_seed(7))], **extra)
     x, sigma, kwargs = batched(x, sigma, kwargs)
-    cached = teacache(model, 1.0, model_type="auto", mode="reuse")
-    assert cached.model_options["transformer_options"][P().KEY].family.name == family
+    cached = teacache(model, 1.0, model_type="auto", mode="reuse", rule=rule)
+    settings = cached.model_options["transformer_options"][P().KEY]
+    assert settings.family.name == family
     first, second, run = two_calls(cached, x, sigma, kwargs)
-    assert [s.pattern for s in run.conds.values()] == [["C", "S"], ["C", "S"]]
+    one_block = rule == "first_block" and len(settings.blocks) == 1  # the first block is the whole stack
+    assert [s.pattern for s in run.conds.values()] == [["C", "C" if one_block else "S"]] * 2
     assert torch.allclose(second, first, atol=1e-5, rtol=1e-5), rel_err(second, first)
 
 
@@ -884,7 +1130,7 @@ def test_example_workflow_runs_on_the_trained_flux(harness):
     assert any(n["type"] == "Note" for n in wf["nodes"])
     prompt = harness.workflow_to_prompt(wf, family="flux_trained", overrides={
         "8": {"width": 64, "height": 64}, "9": {"steps": STEPS}})
-    assert prompt["4"]["class_type"] == "ReuseKitTeaCache" and prompt["4"]["inputs"]["rel_l1_thresh"] == 0.4
+    assert prompt["4"]["class_type"] == "ReuseKitTeaCache" and prompt["4"]["inputs"]["threshold"] == 0.4
     result = harness.Executor(cache="none").run(prompt)
     run = last_run()
     assert run["family"] == "flux" and run["calls_skipped"] >= 1
