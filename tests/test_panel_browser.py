@@ -87,9 +87,10 @@ SHOWN_RUN = """(model) => {
 def expected_run(run: dict) -> dict:
     """What the panel must show for a run summary (short runs: one cell per call)."""
     calls = run["calls_computed"] + run["calls_skipped"]
-    return {"warn": "true" if run["calls_skipped"] == 0 and calls > 1 else "false",
+    flag = "⚠ disabled" if run.get("disabled_reason") else "⚠ skipped nothing" if run["calls_skipped"] == 0 and calls > 1 else None
+    return {"warn": "true" if flag else "false",
             "calls": f"{run['calls_computed']} of {calls} calls computed ({run['speedup_calls']:.2f}x fewer)",
-            "flag": "⚠ skipped nothing" if run["calls_skipped"] == 0 and calls > 1 else None,
+            "flag": flag,
             "conds": {lab: {"states": c["pattern"], "bars": len(c["trace"]), "line": 1}
                       for lab, c in run["conds"].items()}}
 
@@ -176,7 +177,10 @@ def test_panel_fills_with_real_numbers_and_clear_drops_memory(comfy_server, brow
             assert page.evaluate(SHOWN_RUN, run["model"]) == want
         card = page.locator(f'[data-rk-cache="{step_name}"]')
         assert card.locator("[data-rk=step-run]").first.get_attribute("data-rk-model") == nothing["model"]  # newest first
-        assert card.locator('[data-rk=step-run][data-warn="true"]').count() == 1
+        models = next(c for c in comfy_server.get("/reusekit/stats")["caches"] if c["name"] == step_name)["info"]["models"]
+        flagged = sum(expected_run(m)["warn"] == "true" for m in models.values())  # other tests' runs too
+        assert flagged >= 1 and card.locator('[data-rk=step-run][data-warn="true"]').count() == flagged
+        assert card.locator("[data-rk=runs-flagged]").inner_text() == f"⚠ {flagged} run{'s' * (flagged > 1)} skipped nothing"
         page.wait_for_timeout(300)  # let the last push paint
         rkharness.ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(rkharness.ARTIFACTS / "panel.png"), clip={"x": 0, "y": 40, "width": 640, "height": 1000})

@@ -13,6 +13,7 @@ import {
   lastRunRows,
   memoryRows,
   niceMax,
+  runFlag,
   stepRun,
   stepRuns,
   traceBars,
@@ -335,6 +336,12 @@ export function createPanel(root, { actions, history }) {
         onclick: () => actions.clear(c.name),
       }));
     }
+    const runs = c.kind === "step" ? stepRuns(c.info) : [];
+    const flagged = runs.filter((r) => runFlag(r).warn).length;
+    if (flagged) {
+      head.firstChild.after(el("span", { class: "rk-run-badge", "data-rk": "runs-flagged",
+        text: `⚠ ${flagged} run${flagged === 1 ? "" : "s"} skipped nothing` }));
+    }
     card.append(head);
     if (c.description) card.append(el("div", { class: "rk-desc", text: c.description }));
     for (const r of memoryRows([c])) {
@@ -347,7 +354,6 @@ export function createPanel(root, { actions, history }) {
       grid.append(el("div", { "data-rk-counter": k }, el("small", { text: k, title: k }), el("span", { text: v })));
     }
     card.append(grid);
-    const runs = c.kind === "step" ? stepRuns(c.info) : [];
     if (runs.length) {
       card.append(el("h3", { text: runs.length === 1 ? "Last run" : "Last run per model" }), runLegend(),
         el("div", { "data-rk": "step-runs" }, ...runs.map(cachedRun)));
