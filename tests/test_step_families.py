@@ -8,7 +8,6 @@ then skip, a finite latent, cond and uncond reported.
 """
 
 import importlib
-import inspect
 
 import pytest
 import rkharness
@@ -54,11 +53,9 @@ def conds(tiny):
 
 def step_cache(model, model_type="auto", threshold=1.0):
     """ReuseKit TeaCache by keyword: the TeaCache rule (what the calibration fits), plain reuse."""
-    params = inspect.signature(N().TeaCacheNode.execute).parameters
-    inputs = {"threshold" if "threshold" in params else "rel_l1_thresh": threshold, "model_type": model_type,
-              "start_percent": 0.0, "end_percent": 1.0, "max_consecutive_skips": 0, "cache_device": "device",
-              "residual_mode": "reuse", "rule": "teacache"}
-    (m,) = N().TeaCacheNode.execute(model, **{k: v for k, v in inputs.items() if k in params}).args
+    (m,) = N().TeaCacheNode.execute(model, model_type=model_type, threshold=threshold, start_percent=0.0,
+                                    end_percent=1.0, max_consecutive_skips=0, cache_device="device",
+                                    residual_mode="reuse", rule="teacache").args
     return m
 
 
