@@ -41,6 +41,7 @@ import torch
 from .keys import Uncacheable, encode, nbytes
 from .settings import SETTINGS
 from .stats import REGISTRY
+from .tiers import TIERS, SharedKey
 
 log = logging.getLogger("reusekit")
 
@@ -392,22 +393,34 @@ class ConditioningCache:
             return self._counts.get(name, 0)
 
     # -- the one entry point for encoders
-    def fetch(self, key: Key, compute: Callable[[], Any], *, check_rng: bool = False, admit: Callable[[], str | None] | None = None) -> Any:
+    def fetch(self, key: Key, compute: Callable[[], Any], *, check_rng: bool = False, admit: Callable[[], str | None] | None = None,
+              shared: Callable[[], SharedKey | None] | None = None) -> Any:
         """The cached result for ``key`` (a private copy), or ``compute()`` stored on a miss.
 
         ``check_rng``: when the computation moves torch's global random state, its result depends
         on randomness and is not stored (the randomness then runs on every request).
-        ``admit``: asked after a miss's computation; a returned reason means "do not store"."""
+        ``admit``: asked after a miss's computation; a returned reason means "do not store".
+        ``shared``: the key for the shared tiers (None when this encode cannot use them), asked on a
+        miss: a shared hit is promoted into this LRU; a computed result is written through to them."""
         if not self.enabled:
             return compute()
         self.reap()
         found = self.lookup(key)
         if found is not _MISS:
             return found
+        skey = _shared_key(shared)
+        if skey is not None:
+            got = TIERS.get(skey, {name: cls for cls, name in _CONTAINERS.items()})
+            if got is not None:
+                stored, seconds = got
+                self._admit(Entry(key, stored, _held_bytes(stored), seconds))
+                return thaw(stored)
         rng = _rng_state() if check_rng else None
         start = time.perf_counter()
         result = compute()
         seconds = time.perf_counter() - start
+        with self._lock:
+            self._count("encodes", key.kind)
         if rng is not None and not _rng_equal(rng, _rng_state()):
             self.bypass(key.kind, "random")
             return result
@@ -415,7 +428,9 @@ class ConditioningCache:
         if refused:
             self.bypass(key.kind, refused)
             return result
-        self.store(key, result, seconds)
+        stored = self._store(key, result, seconds)
+        if stored is not None and skey is not None:
+            TIERS.put(skey, stored, seconds, _CONTAINERS)
         return result
 
     def lookup(self, key: Key) -> Any:
@@ -436,15 +451,24 @@ class ConditioningCache:
 
     def store(self, key: Key, value: Any, seconds: float) -> bool:
         """Store a private copy of ``value``; False when not admitted (oversized or uncacheable)."""
+        return self._store(key, value, seconds, admitted_only=True) is not None
+
+    def _store(self, key: Key, value: Any, seconds: float, admitted_only: bool = False) -> Any:
+        """Freeze ``value`` and admit it; the frozen copy (None when uncacheable, or not admitted
+        with ``admitted_only``)."""
         try:
             stored, value_bytes = freeze(value)
         except Uncacheable as exc:
             self.bypass(key.kind, str(exc))
-            return False
+            return None
         except (RuntimeError, MemoryError) as exc:  # no room for the copy: the caller keeps its result
             self.bypass(key.kind, f"copy failed: {exc}")
-            return False
-        entry = Entry(key, stored, value_bytes, seconds)
+            return None
+        admitted = self._admit(Entry(key, stored, value_bytes, seconds))
+        return stored if admitted or not admitted_only else None
+
+    def _admit(self, entry: Entry) -> bool:
+        key = entry.key
         with self._lock:
             if not self.enabled:
                 return False
@@ -551,6 +575,31 @@ class ConditioningCache:
             self._counts.clear()
         if self.stats is not None:
             self.stats.reset_counters()
+
+
+def _shared_key(shared: Callable[[], SharedKey | None] | None) -> SharedKey | None:
+    """The shared tiers' key of an encode, or None (tiers off, or the encoder has no shared identity)."""
+    if shared is None or not TIERS.active:
+        return None
+    try:
+        return shared()
+    except Exception as exc:  # a key the shared tiers cannot build: this encode stays in the process
+        log.debug("ReuseKit conditioning: no shared key (%s)", exc)
+        return None
+
+
+def _held_bytes(stored: Any) -> int:
+    """Tensor bytes of a frozen value."""
+    tag = stored[0]
+    if tag == "T":
+        return stored[1].numel() * stored[1].element_size()
+    if tag in ("L", "U"):
+        return sum(_held_bytes(x) for x in stored[1])
+    if tag == "D":
+        return sum(_held_bytes(x) for _, x in stored[1])
+    if tag == "C":
+        return sum(_held_bytes(x) for _, x in stored[2])
+    return 0
 
 
 def _rng_state() -> tuple:

@@ -29,7 +29,11 @@ install (patches/host.py): on a host that reshaped one, the cache stays off with
 from __future__ import annotations
 
 import copy
+import hashlib
+import inspect
 import logging
+import os
+import re
 import threading
 import types
 import weakref
@@ -47,6 +51,7 @@ from ..caching.conditioning import (
 )
 from ..caching.keys import Uncacheable, digest, encode
 from ..caching.settings import SETTINGS
+from ..caching.tiers import FORMAT, TIERS, SharedKey
 from . import host
 
 log = logging.getLogger("reusekit")
@@ -301,6 +306,10 @@ def _options(extra: dict) -> tuple:
     return encode(tuple(sorted(extra.items())))
 
 
+# where each kind's key fields hold the in-process weight generation (left out of a shared key)
+_GENERATION_AT = {"text": 3, "vision": 2, "vae": 2}
+
+
 def text_key(clip, tokens, return_pooled, return_dict, extra: dict | None = None) -> Key:
     if clip.apply_hooks_to_conds:
         raise Uncacheable("hooks applied to the conditioning")
@@ -334,6 +343,107 @@ def vae_key(vae, method: str, pixels, options: tuple, extra: dict | None = None)
     return Key("vae", fields, owners=(serial,), weights=(_weights(vae.patcher),))
 
 
+# ---- shared keys: the encoder by its weight files' content -------------------------------------
+
+_sources: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (generation, loader, files, options)
+_sources_lock = threading.Lock()
+_patch_digests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # WeightSet -> digest of its contents
+_DEVICE = re.compile(r"^([a-z]+):(\d+)$")
+_device_names: dict[str, str] = {}
+
+
+def _encoder_module(encoder):
+    """The module holding an encoder's weights (CLIP, VAE, CLIP vision or the module itself)."""
+    for name in ("cond_stage_model", "first_stage_model", "model"):
+        module = getattr(encoder, name, None)
+        if isinstance(module, torch.nn.Module):
+            return module
+    return encoder if isinstance(encoder, torch.nn.Module) else None
+
+
+def register_source(encoder, paths, loader: str, options=None) -> bool:
+    """Record that ``encoder``'s weights are exactly what ``loader`` made from the files ``paths`` with
+    ``options``, so the shared tiers can key it by the files' content (for custom loaders too). It
+    holds while the encoder's weights are not replaced or edited. False when it cannot be recorded
+    (then the encoder never uses the shared tiers)."""
+    module = _encoder_module(encoder)
+    if module is None or not paths:
+        return False
+    try:
+        keyed = encode(options)
+    except Uncacheable:
+        return False
+    files = tuple(os.path.realpath(os.fspath(p)) for p in paths)
+    with _sources_lock:
+        _sources[module] = (getattr(module, _GENERATION, 0), str(loader), files, keyed)
+    for f in files:
+        TIERS.hashes.get(f)  # small files now, large ones on a background thread
+    return True
+
+
+def _portable_device(name: str) -> str:
+    """``cuda:1`` as ``cuda[<device name>]``: the same kind of device in another process keys alike."""
+    found = _device_names.get(name)
+    if found is None:
+        kind = _DEVICE.match(name).group(1)
+        label = kind
+        if kind == "cuda" and torch.cuda.is_available():
+            label = f"cuda[{torch.cuda.get_device_name(torch.device(name))}]"
+        found = _device_names[name] = label
+    return found
+
+
+def _portable(tree):
+    """An encoded key tree with indexed device names replaced by :func:`_portable_device`."""
+    if isinstance(tree, tuple):
+        return tuple(_portable(x) for x in tree)
+    if isinstance(tree, str) and _DEVICE.match(tree):
+        return _portable_device(tree)
+    return tree
+
+
+def _patch_digest(weights) -> str:
+    """A digest of a weight patch set's structure, strengths and tensor contents (memoised per set)."""
+    found = _patch_digests.get(weights)
+    if found is None:
+        h = hashlib.blake2b(repr(_portable(weights.skeleton)).encode(), digest_size=32)
+        for t in weights.tensors:
+            h.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
+            h.update(memoryview(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()))
+        found = _patch_digests[weights] = h.hexdigest()
+    return found
+
+
+def _weight_layout(module) -> tuple:
+    """Names, dtypes and shapes of the module's weights: the same file loaded in another precision differs."""
+    return digest(tuple((name, str(t.dtype), tuple(t.shape))
+                        for name, t in (*module.named_parameters(), *module.named_buffers())))
+
+
+def _host_versions() -> tuple:
+    return ("torch", torch.__version__, "comfyui", host.comfyui_version())
+
+
+def shared_key(key: Key, module) -> SharedKey | None:
+    """The key of an encode for the shared tiers, or None while the encoder has no shared identity:
+    no recorded source, weights replaced or edited since loading, or a weight file not hashed yet.
+    It holds the in-process key's fields (devices by kind and name, not index; the generation left out),
+    the weight files by content, the loader and its options, the weights' layout and the patch set by
+    content, and the torch and ComfyUI versions."""
+    with _sources_lock:
+        source = _sources.get(module)
+    if source is None or source[0] != getattr(module, _GENERATION, 0):
+        return None
+    hashes = tuple(TIERS.hashes.get(f) for f in source[2])
+    if None in hashes:
+        return None
+    at = _GENERATION_AT[key.kind]
+    fields = key.fields[:at] + key.fields[at + 1:]
+    tree = (FORMAT, key.kind, _host_versions(), (source[1], hashes, source[3]), _weight_layout(module),
+            tuple(_patch_digest(w) for w in key.weights), _portable(fields))
+    return SharedKey(tree)
+
+
 _local = threading.local()  # per thread: inside a plain VAE encode, and whether it fell back to tiles
 
 
@@ -349,7 +459,7 @@ def _tiled_fallback_reason():
     return "VAE encode fell back to tiles (out of memory)" if getattr(_local, "fell_back", False) else None
 
 
-def _route(kind: str, patcher, make_key, compute, check_rng=False, admit=None):
+def _route(kind: str, patcher, module, make_key, compute, check_rng=False, admit=None):
     if not _routed(patcher) or not _active or not CACHE.enabled:
         return compute()
     try:
@@ -360,7 +470,7 @@ def _route(kind: str, patcher, make_key, compute, check_rng=False, admit=None):
     except Exception as exc:  # an encoder object this key builder does not know: never break the encode
         CACHE.bypass(kind, f"unexpected {type(exc).__name__}: {exc}")
         return compute()
-    return CACHE.fetch(key, compute, check_rng=check_rng, admit=admit)
+    return CACHE.fetch(key, compute, check_rng=check_rng, admit=admit, shared=lambda: shared_key(key, module))
 
 
 # ---- the patched methods ----------------------------------------------------------------------
@@ -378,7 +488,7 @@ def _make_methods():
 
     def encode_from_tokens(self, tokens, return_pooled=False, return_dict=False, **extra):
         orig = _orig(CLIP, "encode_from_tokens")
-        return _route("text", self.patcher,
+        return _route("text", self.patcher, self.cond_stage_model,
                       lambda: text_key(self, tokens, return_pooled, return_dict, extra),
                       lambda: orig(self, tokens, return_pooled=return_pooled, return_dict=return_dict, **extra))
 
@@ -392,7 +502,7 @@ def _make_methods():
         orig = _orig(VAE, "encode")
         # ComfyUI retries a plain encode in tiles when it runs out of memory: that result is not
         # what a plain encode gives with room to spare, so it is returned but never stored
-        return _route("vae", self.patcher, lambda: vae_key(self, "encode", pixel_samples, (), extra),
+        return _route("vae", self.patcher, self.first_stage_model, lambda: vae_key(self, "encode", pixel_samples, (), extra),
                       lambda: _plain_vae_encode(orig, self, pixel_samples, extra), check_rng=True,
                       admit=_tiled_fallback_reason)
 
@@ -407,13 +517,13 @@ def _make_methods():
                          **extra):
         orig = _orig(VAE, "encode_tiled")
         options = (tile_x, tile_y, overlap, tile_t, overlap_t)
-        return _route("vae", self.patcher, lambda: vae_key(self, "encode_tiled", pixel_samples, options, extra),
+        return _route("vae", self.patcher, self.first_stage_model, lambda: vae_key(self, "encode_tiled", pixel_samples, options, extra),
                       lambda: orig(self, pixel_samples, tile_x=tile_x, tile_y=tile_y, overlap=overlap,
                                    tile_t=tile_t, overlap_t=overlap_t, **extra), check_rng=True)
 
     def encode_image(self, image, crop=True, **extra):
         orig = _orig(Vision, "encode_image")
-        return _route("vision", self.patcher, lambda: vision_key(self, image, crop, extra),
+        return _route("vision", self.patcher, self.model, lambda: vision_key(self, image, crop, extra),
                       lambda: orig(self, image, crop=crop, **extra))
 
     def clip_load_sd(self, sd, full_model=False):
@@ -439,7 +549,50 @@ def _make_methods():
     ]
 
 
+_NOT_OPTIONS = frozenset({"ckpt_path", "ckpt_paths", "embedding_directory", "disable_dynamic"})
+
+
+def _loader(owner, name: str, parts):
+    """A wrapper of one of ComfyUI's loader functions that records where each encoder it returns came
+    from (:func:`register_source`). ``parts(arguments, result)`` lists (encoder, files, role)."""
+    def load(*args, **kwargs):
+        orig = _orig(owner, name)
+        result = orig(*args, **kwargs)
+        try:
+            bound = inspect.signature(orig).bind(*args, **kwargs)
+            bound.apply_defaults()
+            options = {k: v for k, v in bound.arguments.items() if k not in _NOT_OPTIONS}
+            for encoder, files, role in parts(bound.arguments, result):
+                if encoder is not None:
+                    register_source(encoder, files, f"{owner.__name__}.{name}:{role}", options)
+        except Exception as exc:  # never break a load: the encoder only misses the shared tiers
+            log.debug("ReuseKit: no source recorded for %s: %s", name, exc)
+        return result
+    return load
+
+
+def _loader_methods():
+    """ComfyUI's loaders of encoders from files (CLIPLoader, DualCLIPLoader, TripleCLIPLoader and
+    the checkpoint and CLIP-vision loaders go through them)."""
+    import comfy.clip_vision
+    import comfy.sd
+
+    def checkpoint_parts(a, out):
+        return [(out[1], [a["ckpt_path"]], "clip"), (out[2], [a["ckpt_path"]], "vae"),
+                (out[3] if len(out) > 3 else None, [a["ckpt_path"]], "clip_vision")]
+
+    return [
+        (comfy.sd, "load_clip", _loader(comfy.sd, "load_clip", lambda a, out: [(out, list(a["ckpt_paths"]), "clip")]),
+         ("ckpt_paths",)),
+        (comfy.sd, "load_checkpoint_guess_config", _loader(comfy.sd, "load_checkpoint_guess_config", checkpoint_parts),
+         ("ckpt_path",)),
+        (comfy.clip_vision, "load", _loader(comfy.clip_vision, "load", lambda a, out: [(out, [a["ckpt_path"]], "clip_vision")]),
+         ("ckpt_path",)),
+    ]
+
+
 FEATURE = "conditioning cache"
+SHARED_FEATURE = "conditioning cache shared tiers (encoder files)"
 
 
 def _current(owner, name):
@@ -447,7 +600,9 @@ def _current(owner, name):
 
 
 def _where(owner, name) -> str:
-    """``comfy.sd.CLIP.encode_from_tokens`` for a patched method."""
+    """``comfy.sd.CLIP.encode_from_tokens`` for a patched method, ``comfy.sd.load_clip`` for a function."""
+    if isinstance(owner, types.ModuleType):
+        return f"{owner.__name__}.{name}"
     return f"{owner.__module__}.{owner.__qualname__}.{name}"
 
 
@@ -466,13 +621,24 @@ def install() -> bool:
         if not all(host.check(FEATURE, _where(owner, name), _current(owner, name), params)
                    for owner, name, _, params, _ in methods):
             return False
-        for owner, name, fn, _, _ in methods:
+        loaders = [m for m in _loader_methods() if (m[0], m[1]) not in _originals]
+        loaders = [m for m in loaders if host.check(SHARED_FEATURE, _where(m[0], m[1]), _current(m[0], m[1]), m[3])]
+        for owner, name, fn, *_ in (*methods, *loaders):
             _originals[(owner, name)] = _current(owner, name)
             fn.__reusekit__ = True
             setattr(owner, name, fn)
             _replacements[(owner, name)] = fn
         _active = True
-        return True
+    _configure_tiers()
+    return True
+
+
+def _configure_tiers() -> None:
+    """The shared tiers' default folder (under ComfyUI's user directory), then the tiers themselves."""
+    import folder_paths
+
+    TIERS.default_folder = os.path.join(folder_paths.get_user_directory(), "reusekit", "conditioning")
+    TIERS.configure(SETTINGS)
 
 
 def uninstall() -> None:
@@ -485,7 +651,7 @@ def uninstall() -> None:
                 setattr(owner, name, _originals.pop((owner, name)))
                 del _replacements[(owner, name)]
             else:
-                host.say_once(f"wrapped:{owner.__qualname__}.{name}",
+                host.say_once(f"wrapped:{_where(owner, name)}",
                               "ReuseKit: %s was wrapped again by another pack; left in place, passing through",
                               _where(owner, name), level=logging.WARNING)
         _active = False

@@ -310,8 +310,9 @@ class Server:
 
 
 @contextlib.contextmanager
-def running_server(*extra_args: str, timeout: float = 120):
-    """Start ``main.py --cpu`` on a free loopback port with the pack and the tiny-model nodes."""
+def running_server(*extra_args: str, timeout: float = 120, env: dict | None = None):
+    """Start ``main.py --cpu`` on a free loopback port with the pack and the tiny-model nodes;
+    ``env``: extra environment variables (e.g. a shared cache's folder or server) for this one."""
     base = Path(tempfile.mkdtemp(prefix="reusekit-server-"))
     (base / "custom_nodes").mkdir()
     (base / "custom_nodes" / "reusekit").symlink_to(ROOT, target_is_directory=True)
@@ -324,7 +325,7 @@ def running_server(*extra_args: str, timeout: float = 120):
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=host_dir(), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True,
-                                env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={"OMP_NUM_THREADS": "1", **os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
     server = Server(f"http://127.0.0.1:{port}", base, log, proc)
     try:
         deadline = time.monotonic() + timeout

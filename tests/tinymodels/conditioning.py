@@ -5,7 +5,9 @@ that re-run loaders (ComfyUI's --cache-none) still hand the same encoder instanc
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -106,4 +108,89 @@ class RKTestSharedTinyCheckpoint:
         return _SHARED[key]
 
 
-NODE_CLASS_MAPPINGS = {"RKTestSharedTinyCheckpoint": RKTestSharedTinyCheckpoint}
+def write_tiny_clip_file(folder: str, seed: int = 0) -> str:
+    """The tiny CLIP's weights at ``seed`` as a safetensors file in ``folder`` (its full state dict)."""
+    from safetensors.torch import save_file
+
+    from . import tiny_clip
+
+    path = os.path.join(folder, f"tiny_clip_{seed}.safetensors")
+    sd = {k: v.detach().contiguous().clone() for k, v in tiny_clip(seed).cond_stage_model.state_dict().items()}
+    save_file(sd, path)
+    return path
+
+
+def _pack_module(name: str):
+    """A module of the ReuseKit pack as this process loaded it (ComfyUI names it by its folder)."""
+    root = Path(__file__).resolve().parents[2]
+    target = root / Path(*name.split("."))
+    for module in list(sys.modules.values()):
+        found = getattr(module, "__file__", None)
+        if found and Path(found).resolve() == target.with_suffix(".py"):
+            return module
+    raise RuntimeError(f"the ReuseKit pack's {name} is not loaded")
+
+
+def load_tiny_clip_file(path: str):
+    """A real ``comfy.sd.CLIP`` at the tiny CLIP's shape with its weights loaded from ``path`` through
+    ``CLIP.load_sd`` (as ComfyUI's loaders do), recorded as coming from that file (a custom loader
+    registering its source with ReuseKit)."""
+    import comfy.sd
+    import comfy.sd1_clip
+    import comfy.supported_models_base
+    import comfy.utils
+
+    from . import _SHAPES
+
+    target = comfy.supported_models_base.ClipTarget(comfy.sd1_clip.SD1Tokenizer, comfy.sd1_clip.SD1ClipModel)
+    clip = comfy.sd.CLIP(target=target, model_options={"clip_l_model_config": dict(_SHAPES.CLIP_CONFIG)})
+    missing, unexpected = clip.load_sd(comfy.utils.load_torch_file(path, safe_load=True), full_model=True)
+    if missing or unexpected:
+        raise RuntimeError(f"{path}: missing {missing}, unexpected {unexpected}")
+    _pack_module("patches.conditioning").register_source(clip, [path], "rk_tinymodels.load_tiny_clip_file",
+                                                        dict(_SHAPES.CLIP_CONFIG))
+    return clip
+
+
+_FILE_CLIPS: dict = {}
+
+
+class RKTestFileCLIP:
+    """The tiny CLIP loaded from a weights file (kept between prompts, as a model manager would)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"path": ("STRING", {"default": ""})}}
+
+    RETURN_TYPES = ("CLIP",)
+    FUNCTION = "load"
+    CATEGORY = "ReuseKit tests"
+
+    def load(self, path):
+        if path not in _FILE_CLIPS:
+            _FILE_CLIPS[path] = load_tiny_clip_file(path)
+        return (_FILE_CLIPS[path],)
+
+
+class RKTestSaveConditioning:
+    """Writes a conditioning's first tensor and pooled output to a safetensors file (bit-exact checks)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"conditioning": ("CONDITIONING",), "path": ("STRING", {"default": ""})}}
+
+    RETURN_TYPES = ()
+    FUNCTION = "save"
+    OUTPUT_NODE = True
+    CATEGORY = "ReuseKit tests"
+
+    def save(self, conditioning, path):
+        from safetensors.torch import save_file
+
+        cond, extra = conditioning[0]
+        save_file({"cond": cond.contiguous(), "pooled": extra["pooled_output"].contiguous()}, path)
+        return {}
+
+
+NODE_CLASS_MAPPINGS = {"RKTestSharedTinyCheckpoint": RKTestSharedTinyCheckpoint, "RKTestFileCLIP": RKTestFileCLIP,
+                       "RKTestSaveConditioning": RKTestSaveConditioning}

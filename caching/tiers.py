@@ -1,0 +1,685 @@
+"""The conditioning cache's shared tiers: a disk tier (processes on one host) and a Redis tier (hosts).
+
+Pure logic (torch, safetensors and the standard library; the ``redis`` client only when a URL is set).
+
+- A :class:`SharedKey` is the exact text of a key that means the same in every process (the encoder by
+  its weight files' content, never by object identity) and a BLAKE2b-256 name of it.
+- An entry is a safetensors blob: the stored value's tensors as tensors, the rest of it and the full key
+  text as JSON in the header, a BLAKE2b checksum over all of it and, with a secret, an HMAC-SHA256 of
+  that checksum. A read checks the format, the signature, the key (whole, field by field as text) and
+  the checksum before anything is used: a torn, corrupted, foreign or unsigned entry is a counted miss.
+- The disk tier writes atomically (a temporary file, then ``os.replace``), bounds its bytes and evicts
+  the least recently used files (a hit touches the file's mtime).
+- The Redis tier has short socket timeouts and a circuit breaker (after a failure the tier is skipped
+  for a while, one log line, an error counted); writes go through a background queue.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from .settings import SETTINGS
+from .stats import REGISTRY
+
+log = logging.getLogger("reusekit")
+
+FORMAT = "reusekit-conditioning-1"
+MIB = 1 << 20
+
+
+class Rejected(Exception):
+    """A stored entry that must not be used; ``reason`` names the counter it goes to."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+class SharedKey:
+    """A key for the shared tiers: ``text`` (exact, compared whole) and ``name`` (its 256-bit digest)."""
+
+    __slots__ = ("text", "name")
+
+    def __init__(self, tree: Any):
+        self.text = repr(tree)
+        self.name = hashlib.blake2b(self.text.encode(), digest_size=32).hexdigest()
+
+
+# ---- file hashes: weights by content ----------------------------------------------------------
+
+class FileHashes:
+    """BLAKE2b-256 of whole files, remembered by real path, size and mtime. Files up to
+    ``inline_bytes`` are hashed at once; larger ones on a background thread (``get`` is None meanwhile)."""
+
+    def __init__(self, inline_bytes: int = 16 * MIB):
+        self.inline_bytes = inline_bytes
+        self._known: dict[tuple, str] = {}
+        self._pending: set[tuple] = set()
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def _stamp(path: str) -> tuple | None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+
+    def get(self, path: str) -> str | None:
+        """The file's digest if known (or small enough to hash now); else None and hashing is queued."""
+        stamp = self._stamp(path)
+        if stamp is None:
+            return None
+        with self._lock:
+            found = self._known.get(stamp)
+            if found is not None or stamp in self._pending:
+                return found
+            if stamp[1] > self.inline_bytes:
+                self._pending.add(stamp)
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._work, name="reusekit-file-hash", daemon=True)
+                    self._thread.start()
+                self._queue.put(stamp)
+                return None
+        return self._hash(stamp)
+
+    def wait(self, timeout: float = 60.0) -> bool:
+        """Wait until no file is waiting to be hashed (tests, the bench); False on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._pending:
+                    return True
+            time.sleep(0.01)
+        return False
+
+    def _work(self) -> None:
+        while True:
+            stamp = self._queue.get()
+            try:
+                self._hash(stamp)
+            except Exception as exc:  # an unreadable file: never known, the shared tiers stay off for it
+                log.debug("ReuseKit: hashing %s failed: %s", stamp[0], exc)
+            finally:
+                with self._lock:
+                    self._pending.discard(stamp)
+
+    def _hash(self, stamp: tuple) -> str | None:
+        h = hashlib.blake2b(digest_size=32)
+        buf = bytearray(8 * MIB)
+        view = memoryview(buf)
+        try:
+            with open(stamp[0], "rb") as f:
+                while n := f.readinto(buf):
+                    h.update(view[:n])
+        except OSError:
+            return None
+        if self._stamp(stamp[0]) != stamp:  # changed while we read it: not remembered
+            return None
+        digest = h.hexdigest()
+        with self._lock:
+            self._known[stamp] = digest
+        return digest
+
+
+# ---- entries: stored values as safetensors -----------------------------------------------------
+
+def _plain(v: Any) -> list:
+    if v is None:
+        return ["none"]
+    if isinstance(v, bool):
+        return ["b", v]
+    if isinstance(v, int):
+        return ["i", str(v)]
+    if isinstance(v, float):
+        return ["f", v.hex()]
+    if isinstance(v, str):
+        return ["s", v]
+    if isinstance(v, bytes):
+        return ["y", v.hex()]
+    if isinstance(v, torch.dtype):
+        return ["dtype", str(v).removeprefix("torch.")]
+    if isinstance(v, torch.device):
+        return ["device", str(v)]
+    if isinstance(v, torch.Size):
+        return ["size", list(v)]
+    raise TypeError(f"cannot share a {type(v).__name__}")
+
+
+def _unplain(p: list) -> Any:
+    tag = p[0]
+    if tag == "none":
+        return None
+    if tag == "b":
+        return bool(p[1])
+    if tag == "i":
+        return int(p[1])
+    if tag == "f":
+        return float.fromhex(p[1])
+    if tag == "s":
+        return str(p[1])
+    if tag == "y":
+        return bytes.fromhex(p[1])
+    if tag == "dtype":
+        dtype = getattr(torch, p[1], None)
+        if not isinstance(dtype, torch.dtype):
+            raise Rejected("malformed", f"dtype {p[1]!r}")
+        return dtype
+    if tag == "device":
+        return _device(p[1])
+    if tag == "size":
+        return torch.Size(int(d) for d in p[1])
+    raise Rejected("malformed", f"value tag {tag!r}")
+
+
+def _device(name: str) -> torch.device:
+    """A device of this process; an entry made for one it lacks cannot be used here."""
+    device = torch.device(name)
+    if device.type != "cpu":
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError) as exc:
+            raise Rejected("device", str(exc)) from None
+    return device
+
+
+def _to_json(stored: Any, tensors: list, names: dict[type, str]) -> Any:
+    tag = stored[0]
+    if tag == "T":
+        tensors.append(stored[1])
+        return {"T": len(tensors) - 1, "on": str(stored[2])}
+    if tag == "V":
+        return {"V": _plain(stored[1])}
+    if tag in ("L", "U"):
+        return {tag: [_to_json(x, tensors, names) for x in stored[1]]}
+    if tag == "D":
+        return {"D": [[_plain(k), _to_json(x, tensors, names)] for k, x in stored[1]]}
+    return {"C": names[stored[1]], "attrs": [[k, _to_json(x, tensors, names)] for k, x in stored[2]]}
+
+
+def _from_json(node: Any, tensors: dict[str, torch.Tensor], classes: dict[str, type]) -> Any:
+    if not isinstance(node, dict):
+        raise Rejected("malformed", "value node")
+    if "T" in node:
+        t = tensors.get(f"t{int(node['T'])}")
+        if t is None:
+            raise Rejected("malformed", "missing tensor")
+        return ("T", t, _device(node["on"]))
+    if "V" in node:
+        return ("V", _unplain(node["V"]))
+    if "L" in node:
+        return ("L", [_from_json(x, tensors, classes) for x in node["L"]])
+    if "U" in node:
+        return ("U", tuple(_from_json(x, tensors, classes) for x in node["U"]))
+    if "D" in node:
+        return ("D", [(_unplain(k), _from_json(x, tensors, classes)) for k, x in node["D"]])
+    cls = classes.get(node.get("C"))
+    if cls is None:
+        raise Rejected("malformed", f"container {node.get('C')!r}")
+    return ("C", cls, [(str(k), _from_json(x, tensors, classes)) for k, x in node["attrs"]])
+
+
+def _checksum(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> bytes:
+    """BLAKE2b-256 over the header fields (but the checksum and signature) and every tensor's name,
+    dtype, shape and bytes."""
+    h = hashlib.blake2b(digest_size=32)
+    h.update(json.dumps({k: v for k, v in meta.items() if k not in ("checksum", "hmac")}, sort_keys=True).encode())
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(memoryview(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy()))
+    return h.digest()
+
+
+def pack(key: SharedKey, stored: Any, seconds: float, secret: bytes | None, names: dict[type, str]) -> bytes:
+    """An entry's bytes: a frozen value (``caching.conditioning.freeze``) with its key, checksum, signature."""
+    tensors: list[torch.Tensor] = []
+    value = json.dumps(_to_json(stored, tensors, names), separators=(",", ":"))
+    named = {f"t{i}": t.contiguous() for i, t in enumerate(tensors)}
+    meta = {"format": FORMAT, "key": key.text, "value": value, "seconds": float(seconds).hex()}
+    check = _checksum(meta, named)
+    meta["checksum"] = check.hex()
+    if secret:
+        meta["hmac"] = hmac.new(secret, check, hashlib.sha256).hexdigest()
+    return st_save(named, metadata=meta)
+
+
+def _header(data: bytes) -> dict[str, str]:
+    if len(data) < 8:
+        raise Rejected("corrupt", "shorter than a header")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise Rejected("corrupt", "truncated header")
+    try:
+        meta = json.loads(data[8:8 + n]).get("__metadata__")
+    except (ValueError, AttributeError) as exc:
+        raise Rejected("corrupt", str(exc)) from None
+    if not isinstance(meta, dict):
+        raise Rejected("corrupt", "no metadata")
+    return meta
+
+
+def unpack(data: bytes, key: SharedKey, secret: bytes | None, classes: dict[str, type]) -> tuple[Any, float]:
+    """The frozen value and compute seconds of an entry, after every check; Rejected otherwise."""
+    meta = _header(data)
+    if meta.get("format") != FORMAT:
+        raise Rejected("corrupt", f"format {meta.get('format')!r}")
+    if secret and "hmac" not in meta:
+        raise Rejected("unsigned")
+    if meta.get("key") != key.text:
+        raise Rejected("foreign")
+    try:
+        tensors = st_load(data)
+    except Exception as exc:  # safetensors raises its own error type for a truncated or bad body
+        raise Rejected("corrupt", str(exc)) from None
+    check = _checksum(meta, tensors)
+    if not hmac.compare_digest(check.hex(), str(meta.get("checksum"))):
+        raise Rejected("corrupt", "checksum")
+    if secret and not hmac.compare_digest(hmac.new(secret, check, hashlib.sha256).hexdigest(), str(meta["hmac"])):
+        raise Rejected("unsigned", "wrong signature")
+    try:
+        stored = _from_json(json.loads(meta["value"]), tensors, classes)
+        seconds = float.fromhex(meta["seconds"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise Rejected("malformed", str(exc)) from None
+    return stored, seconds
+
+
+# ---- the disk tier -----------------------------------------------------------------------------
+
+class DiskTier:
+    """Entries as files ``<folder>/<2 hex>/<name>.safetensors``; bytes bounded, least recently used out."""
+
+    SUFFIX = ".safetensors"
+    RESCAN_S = 30.0  # other processes' writes are seen by a rescan at least this often
+
+    def __init__(self, folder: str | os.PathLike, budget_bytes: int):
+        self.folder = Path(folder)
+        self.budget_bytes = int(budget_bytes)
+        self._lock = threading.Lock()
+        self._usage: tuple[int, int] | None = None  # (entries, bytes) at the last scan, plus our writes since
+        self._scanned = 0.0
+
+    def path(self, name: str) -> Path:
+        return self.folder / name[:2] / f"{name}{self.SUFFIX}"
+
+    def read(self, name: str) -> bytes | None:
+        path = self.path(name)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            os.utime(path)  # least recently used: a hit is a use
+        except OSError:
+            pass
+        return data
+
+    def write(self, name: str, data: bytes) -> None:
+        """Write atomically: a reader sees the old file, the new one or none, never a part."""
+        path = self.path(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        with self._lock:
+            if self._usage is not None:
+                self._usage = (self._usage[0] + 1, self._usage[1] + len(data))
+        if self.usage()[1] > self.budget_bytes:
+            self.evict()
+
+    def remove(self, name: str) -> None:
+        try:
+            self.path(name).unlink()
+        except OSError:
+            pass
+
+    def _files(self) -> list[tuple[float, int, Path]]:
+        out = []
+        if not self.folder.is_dir():
+            return out
+        for sub in self.folder.iterdir():
+            if not sub.is_dir():
+                continue
+            for entry in os.scandir(sub):
+                if entry.name.endswith(self.SUFFIX) and not entry.name.startswith("."):
+                    try:
+                        st = entry.stat()
+                    except OSError:
+                        continue
+                    out.append((st.st_mtime, st.st_size, Path(entry.path)))
+        return out
+
+    def usage(self, fresh: bool = False) -> tuple[int, int]:
+        """(entries, bytes) in the folder: from a scan at most RESCAN_S old unless ``fresh``."""
+        with self._lock:
+            if not fresh and self._usage is not None and time.monotonic() - self._scanned < self.RESCAN_S:
+                return self._usage
+        files = self._files()
+        usage = (len(files), sum(f[1] for f in files))
+        with self._lock:
+            self._usage, self._scanned = usage, time.monotonic()
+        return usage
+
+    def evict(self) -> int:
+        """Remove the least recently used files until the folder is within 90% of its budget."""
+        files = sorted(self._files())
+        total = sum(f[1] for f in files)
+        removed = 0
+        for _, size, path in files:
+            if total <= self.budget_bytes * 0.9:
+                break
+            try:
+                path.unlink()
+            except OSError:
+                continue
+            total -= size
+            removed += 1
+        self.usage(fresh=True)
+        return removed
+
+
+# ---- the Redis tier ----------------------------------------------------------------------------
+
+class Unavailable(Exception):
+    """The Redis tier is skipped right now (breaker open, or the client failed)."""
+
+
+class RedisTier:
+    """Entries as Redis values with a TTL. Reads are synchronous with short timeouts; writes go through
+    a bounded background queue (a full queue drops the write). A failure opens the breaker: the tier
+    is skipped for ``cooldown_s`` seconds, with one log line."""
+
+    PREFIX = "reusekit:cond:1:"
+
+    def __init__(self, url: str, ttl_s: int, timeout_s: float = 0.25, cooldown_s: float = 15.0,
+                 on_error=None, on_written=None):
+        import redis  # optional dependency: the caller checks it is installed
+
+        self.url = url
+        self.ttl_s = int(ttl_s)
+        self.cooldown_s = cooldown_s
+        self._redis = redis
+        self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                            retry_on_timeout=False)
+        self._down_until = 0.0
+        self._on_error = on_error or (lambda exc: None)
+        self._on_written = on_written or (lambda n: None)
+        self._queue: queue.Queue = queue.Queue(maxsize=64)
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name="reusekit-redis-writer", daemon=True)
+        self._thread.start()
+
+    def _fail(self, exc: Exception) -> None:
+        first = time.monotonic() >= self._down_until
+        self._down_until = time.monotonic() + self.cooldown_s
+        if first:
+            log.warning("ReuseKit: the Redis tier at %s failed (%s); skipped for %.0f s",
+                        _redacted(self.url), exc, self.cooldown_s)
+        self._on_error(exc)
+
+    def _call(self, fn, *args, **kwargs):
+        if time.monotonic() < self._down_until:
+            raise Unavailable("breaker open")
+        try:
+            return fn(*args, **kwargs)
+        except (self._redis.RedisError, OSError) as exc:
+            self._fail(exc)
+            raise Unavailable(str(exc)) from None
+
+    def read(self, name: str) -> bytes | None:
+        return self._call(self._client.get, self.PREFIX + name)
+
+    def write(self, name: str, data: bytes) -> bool:
+        """Queue a write; False when it was dropped (queue full or breaker open)."""
+        if self._closed or time.monotonic() < self._down_until:
+            return False
+        try:
+            self._queue.put_nowait((name, data))
+            return True
+        except queue.Full:
+            return False
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until queued writes are done (tests, the bench)."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return not self._queue.unfinished_tasks
+
+    def usage(self) -> tuple[int, int]:
+        """(entries, bytes) under our prefix, by one SCAN and pipelined STRLENs."""
+        keys = self._call(lambda: list(self._client.scan_iter(match=self.PREFIX + "*", count=500)))
+        if not keys:
+            return (0, 0)
+        pipe = self._client.pipeline(transaction=False)
+        for k in keys:
+            pipe.strlen(k)
+        return (len(keys), sum(self._call(pipe.execute)))
+
+    def close(self) -> None:
+        self._closed = True
+        self._queue.put((None, None))
+
+    def _work(self) -> None:
+        while True:
+            name, data = self._queue.get()
+            try:
+                if name is None:
+                    return
+                self._call(self._client.set, self.PREFIX + name, data, ex=max(1, self.ttl_s))
+                self._on_written(len(data))
+            except Unavailable:
+                pass
+            except Exception as exc:  # never let the writer thread die
+                log.debug("ReuseKit: Redis write failed: %s", exc)
+            finally:
+                self._queue.task_done()
+
+
+def _redacted(url: str) -> str:
+    """A Redis URL without its password."""
+    if "@" not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://***@{rest.rpartition('@')[2]}"
+
+
+# ---- the tiers together, their settings and stats ----------------------------------------------
+
+ENV_DISK = "REUSEKIT_DISK_CACHE"
+ENV_REDIS = "REUSEKIT_REDIS_URL"
+ENV_SECRET = "REUSEKIT_CACHE_SECRET"
+
+
+class SharedTiers:
+    """The enabled shared tiers in order (disk, then Redis), each with its own stats handle."""
+
+    def __init__(self, registry):
+        self.hashes = FileHashes()
+        self.disk: DiskTier | None = None
+        self.redis: RedisTier | None = None
+        self.secret: bytes | None = None
+        self.default_folder: str | None = None  # ComfyUI's user directory + reusekit/conditioning (patches set it)
+        self._warned: set[str] = set()
+        self._redis_scanned = 0.0
+        self.stats = {
+            "disk": registry.register(
+                "conditioning_disk", "conditioning",
+                "The conditioning cache's disk tier: entries shared by the ComfyUI processes of one host."),
+            "redis": registry.register(
+                "conditioning_redis", "conditioning",
+                "The conditioning cache's Redis tier: entries shared across hosts."),
+        }
+
+    @property
+    def active(self) -> bool:
+        return self.disk is not None or self.redis is not None
+
+    def _say_once(self, tag: str, msg: str, *args) -> None:
+        if tag not in self._warned:
+            self._warned.add(tag)
+            log.warning(msg, *args)
+
+    def configure(self, settings) -> None:
+        """(Re)build the tiers from the settings and the secret from the environment."""
+        secret = os.environ.get(ENV_SECRET, "")
+        self.secret = secret.encode() if secret else None
+        folder = settings.get("conditioning.disk.folder") or self.default_folder
+        disk = None
+        if settings.get("conditioning.disk.enabled") and folder:
+            disk = DiskTier(folder, settings.get("conditioning.disk.budget_mib") * MIB)
+        self.disk = disk
+        old, self.redis = self.redis, None
+        if old is not None:
+            old.close()
+        url = settings.get("conditioning.redis.url")
+        if settings.get("conditioning.redis.enabled") and url:
+            try:
+                import redis  # noqa: F401
+            except ImportError:
+                self._say_once("redis-missing", "ReuseKit: a Redis URL is set but the `redis` client is not "
+                               "installed (pip install redis); the Redis tier stays off")
+            else:
+                stats = self.stats["redis"]
+                self.redis = RedisTier(url, settings.get("conditioning.redis.ttl_hours") * 3600,
+                                       timeout_s=settings.get("conditioning.redis.timeout_ms") / 1000,
+                                       on_error=lambda exc: stats.incr("errors"),
+                                       on_written=self._redis_written)
+        self.publish()
+
+    def _tiers(self):
+        return [(n, t) for n, t in (("disk", self.disk), ("redis", self.redis)) if t is not None]
+
+    def get(self, key: SharedKey, classes: dict[str, type]) -> tuple[Any, float] | None:
+        """The frozen value and compute seconds from the first tier that has a valid entry; a hit
+        in Redis is promoted to the disk tier. Every miss, error and rejection is counted."""
+        for name, tier in self._tiers():
+            stats = self.stats[name]
+            try:
+                data = tier.read(key.name)
+            except Unavailable:
+                data = None
+            except OSError as exc:
+                stats.incr("errors")
+                log.debug("ReuseKit: %s tier read failed: %s", name, exc)
+                data = None
+            if data is None:
+                stats.incr("misses")
+                continue
+            try:
+                stored, seconds = unpack(data, key, self.secret, classes)
+            except Rejected as exc:
+                stats.incr("rejected")
+                stats.incr(f"rejected.{exc.reason}")
+                stats.incr("misses")
+                log.debug("ReuseKit: %s tier entry %s rejected (%s)", name, key.name, exc)
+                if name == "disk" and exc.reason == "corrupt":
+                    tier.remove(key.name)
+                continue
+            stats.incr("hits")
+            stats.add_time_saved(seconds)
+            if name == "redis" and self.disk is not None:
+                self._write_disk(key.name, data)
+            self.publish(redis=False)
+            return stored, seconds
+        return None
+
+    def put(self, key: SharedKey, stored: Any, seconds: float, names: dict[type, str]) -> None:
+        """Write an entry through to every enabled tier (Redis in the background)."""
+        try:
+            data = pack(key, stored, seconds, self.secret, names)
+        except (TypeError, KeyError) as exc:
+            log.debug("ReuseKit: entry not shared: %s", exc)
+            return
+        if self.disk is not None:
+            self._write_disk(key.name, data)
+        if self.redis is not None and not self.redis.write(key.name, data):
+            self.stats["redis"].incr("dropped")
+        self.publish(redis=False)
+
+    def _write_disk(self, name: str, data: bytes) -> None:
+        try:
+            self.disk.write(name, data)
+            self.stats["disk"].incr("written")
+        except OSError as exc:
+            self.stats["disk"].incr("errors")
+            self._say_once("disk-write", "ReuseKit: the disk tier cannot write to %s (%s)", self.disk.folder, exc)
+
+    def _redis_written(self, n: int) -> None:
+        self.stats["redis"].incr("written")
+        if time.monotonic() - self._redis_scanned > 2.0:
+            self.publish(disk=False)
+
+    def publish(self, disk: bool = True, redis: bool = True) -> None:
+        """Entries and bytes of each tier into its stats (Redis's by a throttled scan)."""
+        if disk:
+            stats = self.stats["disk"]
+            entries, held = self.disk.usage() if self.disk is not None else (0, 0)
+            stats.set_entries(entries)
+            stats.set_memory("disk", held, self.disk.budget_bytes if self.disk is not None else 0)
+            stats.set_info("folder", str(self.disk.folder) if self.disk is not None else None)
+        if redis:
+            stats = self.stats["redis"]
+            entries, held = 0, 0
+            if self.redis is not None:
+                self._redis_scanned = time.monotonic()
+                try:
+                    entries, held = self.redis.usage()
+                except Unavailable:
+                    entries, held = 0, 0
+            stats.set_entries(entries)
+            stats.set_memory("redis", held)
+            stats.set_info("url", _redacted(self.redis.url) if self.redis is not None else None)
+
+
+TIERS = SharedTiers(REGISTRY)
+
+
+def _reconfigure(_value=None) -> None:
+    TIERS.configure(SETTINGS)
+
+
+SETTINGS.define("conditioning.disk.enabled", bool, bool(os.environ.get(ENV_DISK)),
+                "The conditioning cache's disk tier: entries shared by every ComfyUI process of this host, "
+                f"kept across restarts. Environment: {ENV_DISK}=<folder> turns it on there.",
+                on_change=_reconfigure)
+SETTINGS.define("conditioning.disk.folder", str, os.environ.get(ENV_DISK, ""),
+                "The disk tier's folder; empty: reusekit/conditioning under ComfyUI's user directory.",
+                on_change=_reconfigure)
+SETTINGS.define("conditioning.disk.budget_mib", int, 4096,
+                "MiB the disk tier may hold; the least recently used files go first.",
+                minimum=1, maximum=1 << 24, on_change=_reconfigure)
+SETTINGS.define("conditioning.redis.enabled", bool, bool(os.environ.get(ENV_REDIS)),
+                f"The conditioning cache's Redis tier, shared across hosts. Environment: {ENV_REDIS}=redis://... "
+                "turns it on with that server.", on_change=_reconfigure)
+SETTINGS.define("conditioning.redis.url", str, os.environ.get(ENV_REDIS, ""),
+                "The Redis server of the Redis tier (redis://host:port/db).", on_change=_reconfigure)
+SETTINGS.define("conditioning.redis.ttl_hours", int, 168,
+                "Hours a Redis entry lives (Redis's own maxmemory policy evicts before that).",
+                minimum=1, maximum=1 << 20, on_change=_reconfigure)
+SETTINGS.define("conditioning.redis.timeout_ms", int, 250,
+                "Socket timeout of a Redis call; a failure skips the tier for a while.",
+                minimum=10, maximum=60_000, on_change=_reconfigure)

@@ -1,0 +1,497 @@
+"""Conditioning cache, shared tiers: the disk tier and the Redis tier, in process and across real
+ComfyUI server processes; faults (corrupt, truncated, foreign, unsigned entries, Redis down, racing
+writers) are counted misses, never wrong results."""
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from importlib import import_module
+from pathlib import Path
+
+import pytest
+import rkharness
+import torch
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.conditioning
+
+TEXT = "a red circle on a blue square"
+
+
+def _tiny_files():
+    return import_module(rkharness.TINY.__name__ + ".conditioning")
+
+
+@pytest.fixture
+def shared(tmp_path, monkeypatch):
+    """Global mode on, an empty LRU, the disk tier on in a fresh folder; everything put back after."""
+    cc = rkharness.pack("caching.conditioning")
+    tiers = rkharness.pack("caching.tiers")
+    settings = rkharness.pack("caching.settings").SETTINGS
+    rkharness.pack("patches.conditioning").install()
+    keys = ("conditioning.enabled", "conditioning.disk.enabled", "conditioning.disk.folder",
+            "conditioning.redis.enabled", "conditioning.redis.url")
+    saved = {k: settings.get(k) for k in keys}
+    monkeypatch.delenv("REUSEKIT_CACHE_SECRET", raising=False)
+    settings.update({"conditioning.enabled": True, "conditioning.disk.enabled": True,
+                     "conditioning.disk.folder": str(tmp_path / "disk"), "conditioning.redis.enabled": False})
+    cc.CACHE.clear()
+    cc.CACHE.reset_counts()
+    for stats in tiers.TIERS.stats.values():
+        stats.reset_counters()
+    yield type("Shared", (), {"cc": cc, "tiers": tiers, "settings": settings, "folder": tmp_path / "disk",
+                              "files": tmp_path})
+    monkeypatch.delenv("REUSEKIT_CACHE_SECRET", raising=False)
+    settings.update(saved)
+    tiers.TIERS.configure(settings)
+    cc.CACHE.clear()
+
+
+def counter(tiers, tier, name):
+    return tiers.TIERS.stats[tier].counter(name)
+
+
+def encode(clip, text=TEXT):
+    return clip.encode_from_tokens(clip.tokenize(text), return_pooled=True)
+
+
+def reference(seed=0, text=TEXT):
+    """The same encode by a plain tiny CLIP with the cache off: what every hit must equal."""
+    settings = rkharness.pack("caching.settings").SETTINGS
+    before = settings.get("conditioning.enabled")
+    settings.set("conditioning.enabled", False)
+    try:
+        return encode(rkharness.TINY.tiny_clip(seed), text)
+    finally:
+        settings.set("conditioning.enabled", before)
+
+
+def equal(a, b):
+    return all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def entry_files(folder: Path):
+    return sorted(folder.rglob("*.safetensors"))
+
+
+# ---- disk tier, in process --------------------------------------------------------------------
+
+def test_disk_tier_hit_after_the_lru_is_emptied_equals_encoding(shared):
+    path = _tiny_files().write_tiny_clip_file(str(shared.files), 0)
+    clip = _tiny_files().load_tiny_clip_file(path)
+    first = encode(clip)
+    assert shared.cc.CACHE.count("encodes") == 1 and len(entry_files(shared.folder)) == 1
+    shared.cc.CACHE.clear()
+    again = encode(clip)
+    assert shared.cc.CACHE.count("encodes") == 1  # the encoder did not run again
+    assert counter(shared.tiers, "disk", "hits") == 1
+    assert equal(first, again) and equal(again, reference(0))
+    assert len(shared.cc.CACHE) == 1  # promoted into the LRU: the next call is an in-process hit
+    encode(clip)
+    assert counter(shared.tiers, "disk", "hits") == 1
+
+
+def test_a_new_encoder_from_a_copy_of_the_file_hits_and_other_weights_miss(shared):
+    files = _tiny_files()
+    path = files.write_tiny_clip_file(str(shared.files), 0)
+    first = encode(files.load_tiny_clip_file(path))
+    copy_dir = shared.files / "elsewhere"
+    copy_dir.mkdir()
+    copied = str(shutil.copy(path, copy_dir / "renamed.safetensors"))
+    other = files.load_tiny_clip_file(copied)  # another object, another path, the same bytes
+    assert equal(encode(other), first) and counter(shared.tiers, "disk", "hits") == 1
+    assert shared.cc.CACHE.count("encodes") == 1
+    seed1 = files.load_tiny_clip_file(files.write_tiny_clip_file(str(shared.files), 1))
+    out = encode(seed1)
+    assert shared.cc.CACHE.count("encodes") == 2 and equal(out, reference(1))
+    assert not equal(out, first)
+
+
+def test_an_encoder_without_a_known_file_never_uses_the_shared_tiers(shared):
+    encode(rkharness.TINY.tiny_clip(0))
+    assert shared.cc.CACHE.count("encodes") == 1
+    assert entry_files(shared.folder) == [] and counter(shared.tiers, "disk", "misses") == 0
+
+
+def test_weights_replaced_or_edited_after_loading_leave_the_shared_tiers(shared):
+    files = _tiny_files()
+    path = files.write_tiny_clip_file(str(shared.files), 0)
+    clip = files.load_tiny_clip_file(path)
+    encode(clip)
+    assert len(entry_files(shared.folder)) == 1
+    w = clip.cond_stage_model.clip_l.transformer.text_model.final_layer_norm.weight
+    w.data[0] += 1.0  # an in-place edit of an inference tensor: seen by its fingerprint
+    edited = encode(clip)
+    assert shared.cc.CACHE.count("encodes") == 2 and len(entry_files(shared.folder)) == 1
+    assert not equal(edited, reference(0))
+    fresh = files.load_tiny_clip_file(path)  # the file is unchanged: a fresh load still hits
+    assert equal(encode(fresh), reference(0)) and counter(shared.tiers, "disk", "hits") == 1
+
+
+def test_lora_patch_sets_key_by_content_and_strength(shared):
+    import comfy.sd
+    import comfy.utils
+
+    files = _tiny_files()
+    path = files.write_tiny_clip_file(str(shared.files), 0)
+    lora = comfy.utils.load_torch_file(os.path.join(files.lora_dir(), files.write_lora("tiers.safetensors", flux=False)))
+    base = files.load_tiny_clip_file(path)
+    _, strong = comfy.sd.load_lora_for_models(None, base, lora, 0.0, 1.0)
+    _, weak = comfy.sd.load_lora_for_models(None, base, lora, 0.0, 0.5)
+    a, b = encode(strong), encode(weak)
+    assert not equal(a, b) and len(entry_files(shared.folder)) == 2
+    shared.cc.CACHE.clear()
+    again = files.load_tiny_clip_file(path)
+    lora2 = comfy.utils.load_torch_file(os.path.join(files.lora_dir(), "tiers.safetensors"))
+    _, strong2 = comfy.sd.load_lora_for_models(None, again, lora2, 0.0, 1.0)
+    assert equal(encode(strong2), a) and counter(shared.tiers, "disk", "hits") == 1
+    assert shared.cc.CACHE.count("encodes") == 2
+
+
+def test_until_a_weight_file_is_hashed_the_shared_tiers_are_bypassed(shared):
+    hashes = shared.tiers.TIERS.hashes
+    saved = hashes.inline_bytes
+    hashes.inline_bytes = 0  # every file on the background thread, as a large one would be
+    gate = threading.Event()
+    real = hashes._hash
+    hashes._hash = lambda stamp: gate.wait(30) and real(stamp)  # a slow hash: the encode must not wait
+    try:
+        files = _tiny_files()
+        path = files.write_tiny_clip_file(str(shared.files), 2)
+        clip = files.load_tiny_clip_file(path)
+        assert hashes.get(path) is None
+        assert equal(encode(clip), reference(2))
+        assert entry_files(shared.folder) == [] and shared.cc.CACHE.count("encodes") == 1
+        gate.set()
+        assert hashes.wait(30) and hashes.get(path) is not None
+        encode(clip, "another prompt")
+        assert len(entry_files(shared.folder)) == 1
+    finally:
+        del hashes._hash
+        hashes.inline_bytes = saved
+
+
+def test_the_disk_tier_evicts_least_recently_used_files_within_its_budget(shared):
+    files = _tiny_files()
+    clip = files.load_tiny_clip_file(files.write_tiny_clip_file(str(shared.files), 0))
+    encode(clip, "first")
+    size = entry_files(shared.folder)[0].stat().st_size
+    shared.settings.set("conditioning.disk.budget_mib", 1)
+    disk = shared.tiers.TIERS.disk
+    disk.budget_bytes = int(size * 2.5)  # room for two entries
+    try:
+        encode(clip, "second")
+        first_name = {p.name for p in entry_files(shared.folder)}
+        time.sleep(0.05)
+        shared.cc.CACHE.clear()
+        encode(clip, "first")  # a disk hit: now the most recently used
+        encode(clip, "third")
+        left = entry_files(shared.folder)
+        assert len(left) <= 2 and sum(p.stat().st_size for p in left) <= disk.budget_bytes
+        assert counter(shared.tiers, "disk", "hits") == 1
+        shared.cc.CACHE.clear()
+        assert equal(encode(clip, "first"), reference(0, "first"))
+        assert counter(shared.tiers, "disk", "hits") == 2  # "first" survived, "second" went
+        assert first_name - {p.name for p in entry_files(shared.folder)}
+    finally:
+        shared.settings.set("conditioning.disk.budget_mib", 4096)
+
+
+# ---- faults: every bad entry is a counted miss ---------------------------------------------------
+
+def _stored_entry(shared, text=TEXT):
+    files = _tiny_files()
+    clip = files.load_tiny_clip_file(files.write_tiny_clip_file(str(shared.files), 0))
+    encode(clip, text)
+    shared.cc.CACHE.clear()
+    (path,) = entry_files(shared.folder)
+    return clip, path
+
+
+@pytest.mark.hardening
+@pytest.mark.parametrize("damage", ["flip a value byte", "truncate", "empty", "garbage header"])
+def test_a_corrupted_or_truncated_file_is_a_counted_miss(shared, damage):
+    clip, path = _stored_entry(shared)
+    data = bytearray(path.read_bytes())
+    if damage == "flip a value byte":
+        data[-3] ^= 0x40
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "empty":
+        data = bytearray()
+    else:
+        data[8:20] = b"not json at!"
+    path.write_bytes(bytes(data))
+    out = encode(clip)
+    assert equal(out, reference(0))
+    assert shared.cc.CACHE.count("encodes") == 2 and counter(shared.tiers, "disk", "hits") == 0
+    assert counter(shared.tiers, "disk", "rejected.corrupt") == 1
+    shared.cc.CACHE.clear()
+    assert equal(encode(clip), reference(0)) and counter(shared.tiers, "disk", "hits") == 1  # rewritten
+
+
+@pytest.mark.hardening
+def test_a_foreign_entry_under_the_same_name_is_a_counted_miss(shared):
+    clip, path = _stored_entry(shared)
+    encode(clip, "a different prompt")
+    shared.cc.CACHE.clear()
+    other = next(p for p in entry_files(shared.folder) if p != path)
+    shutil.copy(other, path)  # a valid, checksummed entry of another key under this key's name
+    assert equal(encode(clip), reference(0))
+    assert counter(shared.tiers, "disk", "rejected.foreign") == 1 and counter(shared.tiers, "disk", "hits") == 0
+
+
+@pytest.mark.hardening
+def test_with_a_secret_unsigned_and_wrongly_signed_entries_are_counted_misses(shared, monkeypatch):
+    clip, path = _stored_entry(shared)  # written without a secret: unsigned
+    monkeypatch.setenv("REUSEKIT_CACHE_SECRET", "right")
+    shared.tiers.TIERS.configure(shared.settings)
+    assert equal(encode(clip), reference(0))
+    assert counter(shared.tiers, "disk", "rejected.unsigned") == 1
+    monkeypatch.setenv("REUSEKIT_CACHE_SECRET", "wrong")
+    shared.tiers.TIERS.configure(shared.settings)
+    shared.cc.CACHE.clear()
+    encode(clip)  # the entry now on disk is signed with "right"
+    assert counter(shared.tiers, "disk", "rejected.unsigned") == 2 and counter(shared.tiers, "disk", "hits") == 0
+    monkeypatch.setenv("REUSEKIT_CACHE_SECRET", "right")
+    shared.tiers.TIERS.configure(shared.settings)
+    shared.cc.CACHE.clear()
+    assert equal(encode(clip), reference(0)) and counter(shared.tiers, "disk", "hits") == 0  # "wrong" rewrote it
+    shared.cc.CACHE.clear()
+    assert equal(encode(clip), reference(0)) and counter(shared.tiers, "disk", "hits") == 1
+
+
+_WRITER = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    from reusekit.caching import tiers
+    disk = tiers.DiskTier(sys.argv[2], 1 << 30)
+    key = tiers.SharedKey(("race",))
+    me = int(sys.argv[3])
+    stored = ("L", [("T", torch.full((256, 64), float(me)), torch.device("cpu"))])
+    data = tiers.pack(key, stored, 0.5, None, {})
+    bad = 0
+    deadline = time.monotonic() + float(sys.argv[4])
+    while time.monotonic() < deadline:
+        disk.write(key.name, data)
+        got = disk.read(key.name)
+        if got is not None:
+            value, _ = tiers.unpack(got, key, None, {})
+            t = value[1][0][1]
+            if not (torch.all(t == 0) or torch.all(t == 1)):
+                bad += 1
+    print("bad", bad)
+""")
+
+
+@pytest.mark.hardening
+def test_two_processes_writing_the_same_entries_at_once_never_read_a_torn_file(shared, tmp_path):
+    links = Path(rkharness.PACK.__file__).resolve()  # the pack's folder, importable as `reusekit` via a link
+    root = tmp_path / "import"
+    root.mkdir()
+    (root / "reusekit").symlink_to(links.parent, target_is_directory=True)
+    folder = tmp_path / "race"
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(root), str(folder), str(i), "4"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        assert out.strip() == "bad 0"
+    assert list(folder.rglob("*.tmp")) == []
+
+
+# ---- the Redis tier ----------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def redis_server():
+    """A real redis-server on a free loopback port, without persistence."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("no redis-server (make test installs Debian's redis-server)")
+    pytest.importorskip("redis", reason="the redis client is not installed (pip install redis)")
+    port = rkharness.free_port()
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    import redis
+
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("redis-server did not start") from None
+            time.sleep(0.05)
+    try:
+        yield type("Redis", (), {"url": f"redis://127.0.0.1:{port}/0", "proc": proc, "client": client})
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def _use_redis(shared, url, disk=False):
+    shared.settings.update({"conditioning.disk.enabled": disk, "conditioning.redis.enabled": True,
+                            "conditioning.redis.url": url})
+
+
+def test_redis_tier_hit_equals_encoding_and_promotes_to_the_disk_tier(shared):
+    with redis_server() as server:
+        _use_redis(shared, server.url)
+        files = _tiny_files()
+        clip = files.load_tiny_clip_file(files.write_tiny_clip_file(str(shared.files), 0))
+        first = encode(clip)
+        assert shared.tiers.TIERS.redis.flush()
+        assert len(server.client.keys("reusekit:cond:*")) == 1
+        ttl = server.client.ttl(server.client.keys("reusekit:cond:*")[0])
+        assert 0 < ttl <= 168 * 3600
+        shared.settings.set("conditioning.disk.enabled", True)  # a worker with an empty disk tier
+        shared.cc.CACHE.clear()
+        again = encode(clip)
+        assert equal(again, first) and equal(again, reference(0))
+        assert counter(shared.tiers, "redis", "hits") == 1 and shared.cc.CACHE.count("encodes") == 1
+        assert len(entry_files(shared.folder)) == 1  # promoted
+        shared.cc.CACHE.clear()
+        encode(clip)
+        assert counter(shared.tiers, "disk", "hits") == 1 and counter(shared.tiers, "redis", "hits") == 1
+
+
+@pytest.mark.hardening
+def test_redis_killed_mid_run_prompts_complete_identically_and_errors_are_counted(shared):
+    with redis_server() as server:
+        _use_redis(shared, server.url)
+        shared.settings.set("conditioning.redis.timeout_ms", 200)
+        try:
+            files = _tiny_files()
+            clip = files.load_tiny_clip_file(files.write_tiny_clip_file(str(shared.files), 0))
+            encode(clip)
+            assert shared.tiers.TIERS.redis.flush()
+            os.killpg(server.proc.pid, signal.SIGKILL)
+            server.proc.wait(10)
+            shared.cc.CACHE.clear()
+            start = time.perf_counter()
+            outs = [encode(clip, t) for t in (TEXT, "second", "third")]
+            assert time.perf_counter() - start < 5
+            assert all(equal(o, reference(0, t)) for o, t in zip(outs, (TEXT, "second", "third")))
+            assert counter(shared.tiers, "redis", "errors") >= 1
+            assert counter(shared.tiers, "redis", "hits") == 0
+        finally:
+            shared.settings.set("conditioning.redis.timeout_ms", 250)
+
+
+@pytest.mark.hardening
+def test_a_truncated_redis_value_and_an_unsigned_one_are_counted_misses(shared, monkeypatch):
+    with redis_server() as server:
+        _use_redis(shared, server.url)
+        files = _tiny_files()
+        clip = files.load_tiny_clip_file(files.write_tiny_clip_file(str(shared.files), 0))
+        encode(clip)
+        assert shared.tiers.TIERS.redis.flush()
+        (name,) = server.client.keys("reusekit:cond:*")
+        value = server.client.get(name)
+        server.client.set(name, value[: len(value) - 7])
+        shared.cc.CACHE.clear()
+        assert equal(encode(clip), reference(0))
+        assert counter(shared.tiers, "redis", "rejected.corrupt") == 1
+        assert shared.tiers.TIERS.redis.flush()
+        server.client.set(name, value)  # valid but unsigned
+        monkeypatch.setenv("REUSEKIT_CACHE_SECRET", "s3cret")
+        shared.tiers.TIERS.configure(shared.settings)
+        shared.cc.CACHE.clear()
+        assert equal(encode(clip), reference(0))
+        assert counter(shared.tiers, "redis", "rejected.unsigned") == 1
+        assert counter(shared.tiers, "redis", "hits") == 0
+
+
+def test_without_the_redis_client_the_pack_says_so_once_and_runs(shared, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "redis", None)  # as if not installed
+    shared.tiers.TIERS._warned.discard("redis-missing")
+    with caplog.at_level("WARNING", logger="reusekit"):
+        _use_redis(shared, "redis://127.0.0.1:1/0")
+        shared.tiers.TIERS.configure(shared.settings)
+    assert shared.tiers.TIERS.redis is None
+    assert sum("redis` client is not installed" in r.getMessage() for r in caplog.records) == 1
+    files = _tiny_files()
+    clip = files.load_tiny_clip_file(files.write_tiny_clip_file(str(shared.files), 0))
+    assert equal(encode(clip), reference(0))
+
+
+# ---- two real ComfyUI servers ----------------------------------------------------------------
+
+def _prompt(clip_path: str, out: str, text: str = TEXT) -> dict:
+    return {
+        "1": {"class_type": "RKTestFileCLIP", "inputs": {"path": clip_path}},
+        "2": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 0], "text": text}},
+        "3": {"class_type": "RKTestSaveConditioning", "inputs": {"conditioning": ["2", 0], "path": out}},
+    }
+
+
+def _run(server, prompt) -> None:
+    history = server.wait_for_prompt(server.queue(prompt))
+    assert history["status"]["status_str"] == "success", history["status"]
+
+
+def _stats(server) -> dict:
+    snap = server.get("/reusekit/stats")
+    return {c["name"]: c for c in snap["caches"]}
+
+
+def _saved(path) -> tuple:
+    data = load_file(path)
+    return data["cond"], data["pooled"]
+
+
+def test_a_second_server_hits_the_first_servers_encodes_through_the_disk_tier_and_after_a_restart(tmp_path):
+    files = _tiny_files()
+    clip_path = files.write_tiny_clip_file(str(tmp_path), 0)
+    env = {"REUSEKIT_DISK_CACHE": str(tmp_path / "shared-disk")}
+    ref = reference(0)
+    with rkharness.running_server(env=env) as a:
+        _run(a, _prompt(clip_path, str(tmp_path / "a.safetensors")))
+        assert _stats(a)["conditioning"]["counters"].get("encodes") == 1
+    for name in ("b", "c"):  # b: another process; c: the same folder after a restart
+        with rkharness.running_server(env=env) as s:
+            _run(s, _prompt(clip_path, str(tmp_path / f"{name}.safetensors")))
+            stats = _stats(s)
+            assert stats["conditioning"]["counters"].get("encodes", 0) == 0
+            assert stats["conditioning_disk"]["counters"].get("hits") == 1
+            assert stats["conditioning_disk"]["entries"] == 1 and stats["conditioning_disk"]["bytes"]["disk"] > 0
+        assert equal(_saved(tmp_path / f"{name}.safetensors"), _saved(tmp_path / "a.safetensors"))
+    assert equal(_saved(tmp_path / "a.safetensors"), (ref[0], ref[1]))
+
+
+def test_a_second_server_hits_through_redis_and_survives_redis_being_killed(tmp_path):
+    files = _tiny_files()
+    clip_path = files.write_tiny_clip_file(str(tmp_path), 0)
+    with redis_server() as redis:
+        env = {"REUSEKIT_REDIS_URL": redis.url}
+        with rkharness.running_server(env=env) as a:
+            _run(a, _prompt(clip_path, str(tmp_path / "a.safetensors")))
+            deadline = time.monotonic() + 20
+            while not redis.client.keys("reusekit:cond:*") and time.monotonic() < deadline:
+                time.sleep(0.1)  # the write-through is asynchronous
+        with rkharness.running_server(env=env) as b:
+            _run(b, _prompt(clip_path, str(tmp_path / "b.safetensors")))
+            stats = _stats(b)
+            assert stats["conditioning"]["counters"].get("encodes", 0) == 0
+            assert stats["conditioning_redis"]["counters"].get("hits") == 1
+            assert equal(_saved(tmp_path / "b.safetensors"), _saved(tmp_path / "a.safetensors"))
+            os.killpg(redis.proc.pid, signal.SIGKILL)
+            redis.proc.wait(10)
+            for i, text in enumerate(("after the kill", "and again")):
+                _run(b, _prompt(clip_path, str(tmp_path / f"k{i}.safetensors"), text))
+                assert equal(_saved(tmp_path / f"k{i}.safetensors"), reference(0, text))
+            stats = _stats(b)
+            assert stats["conditioning_redis"]["counters"].get("errors", 0) >= 1
+            assert stats["conditioning"]["counters"].get("encodes") == 2
+    assert equal(_saved(tmp_path / "a.safetensors"), reference(0))
