@@ -2,7 +2,8 @@
 # Set up what ReuseKit runs in: a virtual environment and a host ComfyUI with the pack linked into
 # its custom_nodes/. Idempotent: a finished step leaves a stamp and is skipped next time.
 #   scripts/setup.sh                  run path: venv, torch, ComfyUI and its requirements
-#   scripts/setup.sh --test           also the test tools (pytest, Playwright, Debian's chromium)
+#   scripts/setup.sh --test           also the test tools (pytest, Playwright, the redis client, Debian's
+#                                     chromium and redis-server)
 #   scripts/setup.sh --host 0.33      the current host (ComfyUI 0.33.0 from ../shared/hosts) in
 #                                     .venv-0.33/ instead of the bundled 0.3.75 in .venv/
 # COMFYUI_PATH=/path/to/ComfyUI uses your own checkout (in .venv/) instead of the bundled 0.3.75.
@@ -111,7 +112,8 @@ fi
 # 5. test tools, only for the test path
 if [ "$test_tools" = 1 ]; then
   stamp=$VENV/.reusekit-test-tools
-  tools="pytest playwright websocket-client ruff scikit-image"  # scikit-image: the step cache bench's PSNR/SSIM
+  # scikit-image: the step cache bench's PSNR/SSIM; redis: the conditioning cache's Redis tier (optional for users)
+  tools="pytest playwright websocket-client ruff scikit-image redis"
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$tools" ]; then
     say "installing test tools"
     "${PIP[@]}" $tools
@@ -120,6 +122,7 @@ if [ "$test_tools" = 1 ]; then
   missing=()
   command -v chromium >/dev/null 2>&1 || missing+=(chromium)   # the browser tests
   command -v node >/dev/null 2>&1 || missing+=(nodejs)        # the panel's JS unit tests
+  command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)  # the Redis tier's tests
   if [ ${#missing[@]} -gt 0 ]; then
     say "installing Debian's ${missing[*]}"
     if [ "$(id -u)" = 0 ]; then apt_get=(apt-get); else apt_get=(sudo apt-get); fi
