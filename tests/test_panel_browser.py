@@ -175,8 +175,18 @@ def test_panel_fills_with_real_numbers_and_clear_drops_memory(comfy_server, brow
                 page.wait_for_function(f"(w) => JSON.stringify(({SHOWN_RUN})(w.model)) === JSON.stringify(w.shown)",
                                        arg={"model": run["model"], "shown": want}, timeout=15_000)
             assert page.evaluate(SHOWN_RUN, run["model"]) == want
+        # a long run stays one line: fewer cells than calls, each cell holding exactly its calls' skips
+        _, long_run = run_step_cached(comfy_server, 2.0, checkpoint_seed=2, steps=150)
+        pattern = long_run["conds"]["cond"]["pattern"]
+        assert len(pattern) == 150 and "S" in pattern and "C" in pattern[1:], pattern
+        strip = page.locator(f'[data-rk=step-run][data-rk-model="{long_run["model"]}"] [data-rk-cond="cond"] [data-rk=strip]')
+        strip.wait_for()
+        cells = strip.evaluate("(s) => [...s.querySelectorAll('rect')].map((r) => [+r.dataset.start, +r.dataset.calls, +r.dataset.skipped])")
+        assert 0 < len(cells) < 150 and sum(n for _, n, _ in cells) == 150
+        assert all(pattern[start:start + n].count("S") == skipped for start, n, skipped in cells)
+        assert strip.bounding_box()["height"] <= 10
         card = page.locator(f'[data-rk-cache="{step_name}"]')
-        assert card.locator("[data-rk=step-run]").first.get_attribute("data-rk-model") == nothing["model"]  # newest first
+        assert card.locator("[data-rk=step-run]").first.get_attribute("data-rk-model") == long_run["model"]  # newest first
         models = next(c for c in comfy_server.get("/reusekit/stats")["caches"] if c["name"] == step_name)["info"]["models"]
         flagged = sum(expected_run(m)["warn"] == "true" for m in models.values())  # other tests' runs too
         assert flagged >= 1 and card.locator('[data-rk=step-run][data-warn="true"]').count() == flagged

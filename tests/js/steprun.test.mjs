@@ -102,6 +102,7 @@ test("a run's view model: settings, calls, conds in order, the rest for details"
   assert.deepEqual(run.conds.map((c) => [c.label, c.pattern, c.cells.length]), [["cond", "CCSSC", 5], ["uncond", "CCSSC", 5]]);
   assert.deepEqual(run.rest, [["time saved s", "500 ms"], ["start percent", "0"], ["end percent", "1"]]);
   assert.equal(run.outcome, "completed");
+  assert.deepEqual(stepRun(summary({ variant: "flux" })).settings.at(-1), "flux"); // a variant named as its type: once
 });
 
 test("an older summary reads rel_l1_thresh as TeaCache's threshold; missing fields fall back", () => {

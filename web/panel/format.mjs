@@ -340,7 +340,7 @@ export function stepRun(summary, maxCells = STRIP_MAX_CELLS) {
     rule ?? "rule –",
     `threshold ${threshold === null ? "–" : formatValue(threshold)}`,
     summary?.residual_mode,
-    [summary?.model_type, summary?.variant].filter((v) => typeof v === "string" && v).join(" · ") || null,
+    [...new Set([summary?.model_type, summary?.variant])].filter((v) => typeof v === "string" && v).join(" · ") || null,
   ].filter(Boolean).map(String);
   const speedup = finite(summary?.speedup_calls) ? summary.speedup_calls : null;
   const rest = summary && typeof summary === "object" && !Array.isArray(summary)
