@@ -29,6 +29,7 @@ install (patches/host.py): on a host that reshaped one, the cache stays off with
 from __future__ import annotations
 
 import copy
+import enum
 import hashlib
 import inspect
 import logging
@@ -552,6 +553,15 @@ def _make_methods():
 _NOT_OPTIONS = frozenset({"ckpt_path", "ckpt_paths", "embedding_directory", "disable_dynamic"})
 
 
+def _enums_by_name(value):
+    """Loader options with enums (``CLIPType``) as (class, member name): a key field like any other."""
+    if isinstance(value, enum.Enum):
+        return ("enum", type(value).__module__, type(value).__qualname__, value.name)
+    if type(value) is dict:
+        return {k: _enums_by_name(v) for k, v in value.items()}
+    return value
+
+
 def _loader(owner, name: str, parts):
     """A wrapper of one of ComfyUI's loader functions that records where each encoder it returns came
     from (:func:`register_source`). ``parts(arguments, result)`` lists (encoder, files, role)."""
@@ -561,7 +571,7 @@ def _loader(owner, name: str, parts):
         try:
             bound = inspect.signature(orig).bind(*args, **kwargs)
             bound.apply_defaults()
-            options = {k: v for k, v in bound.arguments.items() if k not in _NOT_OPTIONS}
+            options = {k: _enums_by_name(v) for k, v in bound.arguments.items() if k not in _NOT_OPTIONS}
             for encoder, files, role in parts(bound.arguments, result):
                 if encoder is not None:
                     register_source(encoder, files, f"{owner.__name__}.{name}:{role}", options)

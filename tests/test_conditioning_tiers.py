@@ -113,6 +113,26 @@ def test_a_new_encoder_from_a_copy_of_the_file_hits_and_other_weights_miss(share
     assert not equal(out, first)
 
 
+def test_comfyuis_own_clip_loader_records_the_file_and_a_second_load_hits(shared):
+    """CLIPLoader's path (``comfy.sd.load_clip``) on a CLIP-L-sized file (the tiny CLIP cannot be
+    detected): the file is hashed in the background, then a fresh load of it hits the disk tier."""
+    import comfy.sd
+    from safetensors.torch import save_file
+
+    model = _tiny_files().clip_l_sized(0).cond_stage_model.clip_l.transformer
+    path = str(shared.files / "clip_l.safetensors")
+    save_file({k: v.to(torch.float16).contiguous() for k, v in model.state_dict().items()}, path)
+    del model
+    first = comfy.sd.load_clip([path])
+    assert shared.tiers.TIERS.hashes.wait(120)
+    out = encode(first)
+    assert shared.cc.CACHE.count("encodes") == 1 and len(entry_files(shared.folder)) == 1
+    del first
+    second = comfy.sd.load_clip([path])
+    assert equal(encode(second), out)
+    assert shared.cc.CACHE.count("encodes") == 1 and counter(shared.tiers, "disk", "hits") == 1
+
+
 def test_an_encoder_without_a_known_file_never_uses_the_shared_tiers(shared):
     encode(rkharness.TINY.tiny_clip(0))
     assert shared.cc.CACHE.count("encodes") == 1
