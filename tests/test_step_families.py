@@ -51,11 +51,11 @@ def conds(tiny):
     return pos, neg
 
 
-def step_cache(model, model_type="auto", threshold=1.0):
-    """ReuseKit TeaCache by keyword: the TeaCache rule (what the calibration fits), plain reuse."""
+def step_cache(model, model_type="auto", threshold=1.0, rule="teacache"):
+    """ReuseKit TeaCache by keyword (the TeaCache rule by default: what the calibration fits), plain reuse."""
     (m,) = N().TeaCacheNode.execute(model, model_type=model_type, threshold=threshold, start_percent=0.0,
                                     end_percent=1.0, max_consecutive_skips=0, cache_device="device",
-                                    residual_mode="reuse", rule="teacache").args
+                                    residual_mode="reuse", rule=rule).args
     return m
 
 
@@ -85,19 +85,22 @@ HOOKED = {
 }
 
 
+@pytest.mark.parametrize("rule", ("teacache", "magcache", "first_block"))
 @pytest.mark.parametrize("name", list(HOOKED))
-def test_a_skipped_step_on_the_same_input_returns_the_computed_output(name):
-    """Cond and uncond batched: the second call on the same input skips and gives the first one's output,
-    so the residual is taken from and added to the image tokens (Chroma's single stream is text first;
-    LTXV's blocks add into their input in place)."""
+def test_a_skipped_step_on_the_same_input_returns_the_computed_output(name, rule):
+    """Cond and uncond batched, each skip rule: the second call on the same input skips and gives the
+    first one's output, so the residual is taken from and added to the image tokens (Chroma's single
+    stream is text first; LTXV's blocks add into their input in place)."""
     h = helpers()
     spec = h.family_spec(name)
     model = spec.build(0)
     x, sigma, kwargs = h.batched(*spec.inputs(spec.sizes[0], 0))
-    cached = step_cache(model)
-    assert cached.model_options["transformer_options"][P().KEY].family.name == HOOKED[name][0]
+    cached = step_cache(model, rule=rule)
+    settings = cached.model_options["transformer_options"][P().KEY]
+    assert settings.family.name == HOOKED[name][0]
     first, second, run = h.two_calls(cached, x, sigma, kwargs)
-    assert [s.pattern for s in run.conds.values()] == [["C", "S"], ["C", "S"]]
+    one_block = rule == "first_block" and len(settings.blocks) == 1  # the first block is the whole stack
+    assert [s.pattern for s in run.conds.values()] == [["C", "C" if one_block else "S"]] * 2
     assert torch.allclose(second, first, atol=1e-5, rtol=1e-5), rel_err(second, first)
 
 
@@ -288,9 +291,10 @@ def test_wan_s2v_skips_where_its_blocks_get_the_options_else_the_node_says_why(c
             step_cache(model)
         return
     x, sigma, kwargs = h.batched(*s2v_inputs())
-    first, second, run = h.two_calls(step_cache(model), x, sigma, kwargs)
-    assert [s.pattern for s in run.conds.values()] == [["C", "S"], ["C", "S"]]
-    assert torch.allclose(second, first, atol=1e-5, rtol=1e-5), rel_err(second, first)
+    for rule in ("teacache", "magcache", "first_block"):
+        first, second, run = h.two_calls(step_cache(model, rule=rule), x, sigma, kwargs)
+        assert [s.pattern for s in run.conds.values()] == [["C", "S"], ["C", "S"]], rule
+        assert torch.allclose(second, first, atol=1e-5, rtol=1e-5), (rule, rel_err(second, first))
     import node_helpers
 
     audio = s2v_inputs(frames=2)[2]["audio_embed"]

@@ -102,16 +102,22 @@ def batched(x, sigma, kwargs):
     return torch.cat([x, x.flip(-1)]), two(sigma), {k: two(v) for k, v in kwargs.items()}
 
 
+FLAT = {"cond": [(1.0, 0.0), (0.0, 0.0)]}  # a magcache curve whose ratio is always 1
+
+
 def two_calls(model, x, sigma, kwargs, keys=("c", "u")):
-    """The same input twice through a step-cached model, as one sampling run's calls (threshold and
-    rescale 1: an unchanged input skips): (first output, second output, the run's state)."""
+    """The same input twice through a step-cached model, as one sampling run's calls (the node's config
+    resolved, unit teacache polynomial, flat magcache curve: an unchanged input skips):
+    (first output, second output, the run's state)."""
     import rkharness
 
     patch, math = rkharness.pack("patches.teacache"), rkharness.pack("caching.teacache")
     to = model.model_options["transformer_options"].copy()
+    settings = to[patch.KEY]
+    config = patch.resolved_config(settings.config, settings.family)
     to.update({"wrappers": model.wrappers, "sigmas": sigma, "uuids": list(keys),
                "cond_or_uncond": [0, 1][:len(keys)],
-               patch.RUN_KEY: math.RunState(to[patch.KEY].config, (0, 0, 0, 1.0, 0), 1.0, 0.0)})
+               patch.RUN_KEY: math.RunState(config, (0, 0, 0, 1.0, 0), 1.0, 0.0, FLAT)})
     with torch.inference_mode():
         first = model.model.apply_model(x, sigma, transformer_options=to, **kwargs)
         second = model.model.apply_model(x, sigma, transformer_options=to, **kwargs)
