@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from .weights_identity import WeightsIdentity
+
 # Published rescale polynomials (highest power first), from ali-vilab/TeaCache via the ComfyUI
 # TeaCache pack: see README "Step cache". Facts, not code.
 COEFFICIENTS: dict[str, tuple[float, ...]] = {
@@ -291,6 +293,7 @@ class RunState:
         self.time_computed = 0.0
         self.time_skipped = 0.0
         self.resets = 0
+        self.disabled_reason: str | None = None  # why every step of this run is computed, if one is
         self.started = time.perf_counter()
 
     def in_window(self, sigma: torch.Tensor) -> torch.Tensor:
@@ -497,6 +500,7 @@ class RunState:
             "time_saved_s": round(saved, 4),
             "resets": self.resets,
             "unhooked_calls": self.unhooked,
+            "disabled_reason": self.disabled_reason,
             "conds": conds,
         }
 
@@ -537,12 +541,14 @@ class Calibration:
 
 
 class CalibrationStore:
-    """Calibrations per model fingerprint, in memory and in a JSON file (when given a path)."""
+    """Calibrations per weight structure, each beside the identity of the weights it was made on, in
+    memory and in a JSON file (when given a path). A lookup returns the calibration whose identity
+    matches (:meth:`WeightsIdentity.matches`: precision copies do, fine-tunes do not)."""
 
     def __init__(self, path: Path | None = None):
         self.path = path
         self._lock = threading.Lock()
-        self._memory: dict[str, dict[str, Any]] = {}
+        self._memory: dict[str, list[dict[str, Any]]] = {}
 
     def _read(self) -> dict[str, Any]:
         if self.path is None or not self.path.is_file():
@@ -553,21 +559,44 @@ class CalibrationStore:
             return {}
         return data if isinstance(data, dict) else {}
 
-    def get(self, fingerprint: str) -> Calibration | None:
-        with self._lock:
-            entry = self._memory.get(fingerprint) or self._read().get(fingerprint)
-        return Calibration.from_json(entry)
+    @staticmethod
+    def _find(entries: Any, ident: WeightsIdentity) -> int | None:
+        """Index of the entry made on weights matching ``ident``."""
+        for i, entry in enumerate(entries if isinstance(entries, list) else ()):
+            other = WeightsIdentity.from_json(entry.get("identity")) if isinstance(entry, dict) else None
+            if other is not None and other.matches(ident):
+                return i
+        return None
 
-    def put(self, fingerprint: str, calibration: Calibration, **info: Any) -> None:
-        """Keep a calibration in memory, then in the file; OSError when the file cannot be written
-        (the calibration stays in memory for this process, the file is left as it was)."""
-        entry = {**calibration.to_json(), "time": time.time(), **info}
+    def get(self, key: str, ident: WeightsIdentity) -> Calibration | None:
         with self._lock:
-            self._memory[fingerprint] = entry
+            for entries in (self._memory.get(key), self._read().get(key)):
+                i = self._find(entries, ident)
+                if i is not None:
+                    return Calibration.from_json(entries[i])
+        return None
+
+    def put(self, key: str, ident: WeightsIdentity, calibration: Calibration, **info: Any) -> None:
+        """Keep a calibration in memory, then in the file (replacing one made on matching weights);
+        OSError when the file cannot be written (the calibration stays in memory for this process,
+        the file is left as it was)."""
+        entry = {**calibration.to_json(), "identity": ident.to_json(), "time": time.time(), **info}
+
+        def add(entries: Any) -> list:
+            entries = list(entries) if isinstance(entries, list) else []
+            i = self._find(entries, ident)
+            if i is None:
+                entries.append(entry)
+            else:
+                entries[i] = entry
+            return entries
+
+        with self._lock:
+            self._memory[key] = add(self._memory.get(key))
             if self.path is None:
                 return
             data = self._read()
-            data[fingerprint] = entry
+            data[key] = add(data.get(key))
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".teacache-", suffix=".json")
             try:
@@ -579,12 +608,8 @@ class CalibrationStore:
                 raise
 
 
-def fingerprint(family: str, config_repr: str, tensors: list[tuple[str, torch.Tensor]]) -> str:
-    """A model's identity for calibration: family, config and a sample of its weights' values."""
-    h = hashlib.sha256(f"{family}|{config_repr}".encode())
-    for name, t in tensors:
-        flat = t.detach().reshape(-1)[:256].to("cpu", torch.float32)
-        h.update(name.encode())
-        h.update(str(tuple(t.shape)).encode())
-        h.update(flat.numpy().tobytes())
+def identity_digest(ident: WeightsIdentity) -> str:
+    """A short stable name for one model's weights (its structure and sampled values)."""
+    h = hashlib.sha256(ident.structure.encode())
+    h.update(json.dumps([ident.dtypes, ident.samples]).encode())
     return h.hexdigest()[:32]

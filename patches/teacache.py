@@ -25,8 +25,10 @@ from pathlib import Path
 import torch
 
 from ..caching import teacache as tc
+from ..caching import weights_identity
 from ..caching.protocol import GRAPH_SAFE, STEP_HOOK, transformer_options
 from ..caching.stats import REGISTRY
+from ..caching.weights_identity import WeightsIdentity
 from . import host, step_families
 from .step_families import Family, _resolve, detect_family
 
@@ -67,15 +69,19 @@ def _default_store_path() -> Path | None:
 STORE = tc.CalibrationStore(_default_store_path())
 
 
-def model_fingerprint(model_patcher, family: Family) -> str:
-    model = model_patcher.model
-    params = list(model.diffusion_model.named_parameters())
-    sample = params[:2] + params[-2:]
-    # weights as loaded, not as patched by the LoRA of whichever clone of this model sampled last
+def model_identity(model_patcher, family: Family) -> tuple[str, WeightsIdentity]:
+    """(the calibration store's key: family and weight structure, the weights' identity), read from
+    the weights as loaded, not as patched by the LoRA of whichever clone of this model sampled last."""
     backup = getattr(model_patcher, "backup", None) or {}
-    sample = [(n, getattr(backup.get(f"diffusion_model.{n}"), "weight", t)) for n, t in sample]
-    cfg = getattr(getattr(model, "model_config", None), "unet_config", {})
-    return tc.fingerprint(family.name, repr(sorted((str(k), repr(v)) for k, v in dict(cfg).items())), sample)
+    named = ((n, getattr(backup.get(f"diffusion_model.{n}"), "weight", t))
+             for n, t in model_patcher.model.diffusion_model.named_parameters())
+    ident = weights_identity.identity(named)
+    return f"{family.name}:{ident.structure}", ident
+
+
+def model_fingerprint(model_patcher, family: Family) -> str:
+    """A model's name in the stats and reports: a digest of its weights' identity."""
+    return tc.identity_digest(model_identity(model_patcher, family)[1])
 
 
 # ---- the settings the node attaches ------------------------------------------------------
@@ -318,16 +324,19 @@ def _labels(to: dict, n: int) -> list[str]:
     return out
 
 
-def _blocks_ours(to: dict, settings: Settings) -> bool:
-    """Whether every block patch the cache installed is still in place (a later node may have
-    replaced one: a skip would then run that node's block on the stack input); warns once if not."""
+def replaced_reason(to: dict, settings: Settings) -> str | None:
+    """Why the cache must compute every step of this run, or None: a block patch it installed is no
+    longer its own (a later node replaced it: a skip would then run that node's block on the stack
+    input). Says so once."""
     dit = (to.get("patches_replace") or {}).get("dit") or {}
     replaced = [key for key in settings.blocks if not getattr(dit.get(key), "_reusekit_block", False)]
-    if replaced:
-        host.say_once(f"teacache-replaced:{settings.family.name}:{replaced[0]}", "ReuseKit TeaCache: another node "
-                      "replaced the patch of %s %d after ReuseKit TeaCache; computing every step (put ReuseKit "
-                      "TeaCache after that node to skip steps)", *replaced[0], level=logging.WARNING)
-    return not replaced
+    if not replaced:
+        return None
+    reason = (f"another node replaced the patch of {replaced[0][0]} {replaced[0][1]} after ReuseKit TeaCache; "
+              "computing every step (put ReuseKit TeaCache after that node to skip steps)")
+    host.say_once(f"teacache-replaced:{settings.family.name}:{replaced[0]}", "ReuseKit TeaCache: %s", reason,
+                  level=logging.WARNING)
+    return reason
 
 
 def _diffusion_model(executor, *args, **kwargs):
@@ -343,7 +352,7 @@ def _diffusion_model(executor, *args, **kwargs):
     cond_or_uncond = list(to.get("cond_or_uncond") or [])
     if len(cond_or_uncond) == len(keys):  # core gives an area cond's made-up uncond the cond's uuid
         keys = list(zip(keys, cond_or_uncond, strict=True))
-    if not _blocks_ours(to, settings):  # a later node replaced one of our block patches: never skip
+    if run.disabled_reason is not None:  # checked at the run's start: never skip
         out = executor(*args, **kwargs)
         run.calls_computed += 1
         return out
@@ -393,43 +402,49 @@ def resolved_config(config: tc.StepCacheConfig, family: Family) -> tc.StepCacheC
 
 
 class Plan:
-    """What one run uses: the resolved config, the rule's table, where it came from, the fingerprint."""
+    """What one run uses: the resolved config, the rule's table and where it came from (``used_type``:
+    "calibrated", a published variant, "none", "calibrating"), the model's variant and identity."""
 
-    def __init__(self, config: tc.StepCacheConfig, used_type: str, fp: str,
+    def __init__(self, config: tc.StepCacheConfig, used_type: str, variant: str, key: str, ident: WeightsIdentity,
                  coefficients: tuple[float, ...] | None = None, magnitudes: dict | None = None):
-        self.config, self.used_type, self.fp = config, used_type, fp
+        self.config, self.used_type, self.variant = config, used_type, variant
+        self.key, self.ident, self.fp = key, ident, tc.identity_digest(ident)
         self.coefficients, self.magnitudes = coefficients, magnitudes
 
 
-def resolve(settings: Settings, model_patcher) -> Plan:
-    """This run's rule, threshold, residual mode and table (the model's calibration, else the
-    published one for its variant); ValueError where the rule needs a calibration it lacks."""
+def resolve(settings: Settings, model_patcher, conds: dict | None = None) -> Plan:
+    """This run's rule, threshold, residual mode and table: the model's calibration, else the published
+    one for its variant (read from the model and the run's ``conds``); ValueError where the rule needs a
+    calibration it lacks."""
     family = settings.family
     cfg = resolved_config(settings.config, family)
-    fp = model_fingerprint(model_patcher, family)
+    key, ident = model_identity(model_patcher, family)
+    variant = step_families.model_variant(family, model_patcher, conds or {})
+
+    def plan(used_type, table=None):
+        teacache = cfg.rule == "teacache"
+        return Plan(cfg, used_type, variant, key, ident, table if teacache else None, None if teacache else table)
+
     if cfg.calibrate:
-        return Plan(cfg, "calibrating", fp, tc.COEFFICIENTS.get(family.default_type, (0, 0, 0, 1.0, 0)))
+        return plan("calibrating", tc.COEFFICIENTS.get(family.default_type, (0, 0, 0, 1.0, 0)))
     if cfg.rule == "first_block":  # needs no table
-        return Plan(cfg, "none", fp)
-    teacache = cfg.rule == "teacache"
+        return plan("none")
 
-    def published(variant):
-        return tc.COEFFICIENTS.get(variant) if teacache else tc.published_magnitudes(variant)
+    def published(name):
+        return tc.COEFFICIENTS.get(name) if cfg.rule == "teacache" else tc.published_magnitudes(name)
 
-    if cfg.model_type in ("auto", "calibrated"):
-        stored = STORE.get(fp)
-        table = None if stored is None else (stored.coefficients if teacache else stored.magnitudes)
-        if table is not None:
-            return Plan(cfg, "calibrated", fp, *((table, None) if teacache else (None, table)))
-        variant = family.default_type
-        table = None if cfg.model_type == "calibrated" else published(variant)
-        if table is None:
-            raise ValueError(f"ReuseKit TeaCache: model_type: no calibration for this {family.name} model yet "
-                             f"({cfg.rule}); run it once through ReuseKit TeaCache Calibrate (or pick published "
-                             "coefficients)")
-    else:
-        variant, table = cfg.model_type, published(cfg.model_type)
-    return Plan(cfg, variant, fp, *((table, None) if teacache else (None, table)))
+    if cfg.model_type not in ("auto", "calibrated"):
+        return plan(cfg.model_type, published(cfg.model_type))
+    stored = STORE.get(key, ident)
+    table = None if stored is None else (stored.coefficients if cfg.rule == "teacache" else stored.magnitudes)
+    if table is not None:
+        return plan("calibrated", table)
+    table = None if cfg.model_type == "calibrated" else published(variant)
+    if table is None:
+        raise ValueError(f"ReuseKit TeaCache: model_type: no calibration for this {family.name} model yet "
+                         f"({variant}, {cfg.rule}); run it once through ReuseKit TeaCache Calibrate (or pick "
+                         "published coefficients)")
+    return plan(variant, table)
 
 
 def _outer_sample(executor, *args, **kwargs):
@@ -440,11 +455,12 @@ def _outer_sample(executor, *args, **kwargs):
     settings: Settings | None = orig.get("transformer_options", {}).get(KEY)
     if settings is None:
         return executor(*args, **kwargs)
-    plan = resolve(settings, guider.model_patcher)
+    plan = resolve(settings, guider.model_patcher, getattr(guider, "conds", None))
     cfg = plan.config
     ms = guider.model_patcher.model.model_sampling
     run = tc.RunState(cfg, plan.coefficients, float(ms.percent_to_sigma(cfg.start_percent)),
                       float(ms.percent_to_sigma(cfg.end_percent)), plan.magnitudes)
+    run.disabled_reason = replaced_reason(orig.get("transformer_options", {}), settings)
     guider.model_options = comfy.model_patcher.create_model_options_clone(orig)
     guider.model_options["transformer_options"][RUN_KEY] = run
     sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
@@ -459,7 +475,7 @@ def _outer_sample(executor, *args, **kwargs):
         raise
     finally:
         guider.model_options = orig
-        _report(run, settings, plan.used_type, plan.fp, steps, outcome)
+        _report(run, settings, plan, steps, outcome)
         run.release()  # the residuals go now, even while a failure's traceback keeps this frame
 
 
@@ -486,13 +502,13 @@ def model_label(family: Family, fp: str) -> str:
     return f"{family.name} {fp[:8]}"
 
 
-def _finish(run: tc.RunState, settings: Settings, used_type: str, fp: str, total_steps: int | None,
-            outcome: str) -> None:
+def _finish(run: tc.RunState, settings: Settings, plan: Plan, total_steps: int | None, outcome: str) -> None:
     """Report the run (stats, log line); a completed calibration run also fits and saves its polynomial."""
     summary = run.summary(total_steps)
-    summary["model_type"] = used_type
+    summary["model_type"] = used_type = plan.used_type
+    summary["variant"] = plan.variant
     summary["family"] = settings.family.name
-    summary["model"] = model_label(settings.family, fp)
+    summary["model"] = model_label(settings.family, plan.fp)
     summary["outcome"] = outcome
     s = stats()
     s.incr("runs")
@@ -512,7 +528,7 @@ def _finish(run: tc.RunState, settings: Settings, used_type: str, fp: str, total
         log.warning("ReuseKit TeaCache Calibrate (%s): the run was %s; nothing is saved (calibration comes "
                     "from complete runs only)", settings.family.name, outcome)
     elif run.config.calibrate:
-        _save_calibration(run, settings, fp, summary)
+        _save_calibration(run, settings, plan, summary)
     s.set_info("last_run", summary)
     models = {k: v for k, v in (s.snapshot()["info"].get("models") or {}).items() if k != summary["model"]}
     models[summary["model"]] = summary
@@ -525,7 +541,7 @@ def _finish(run: tc.RunState, settings: Settings, used_type: str, fp: str, total
              summary["time_saved_s"])
 
 
-def _save_calibration(run: tc.RunState, settings: Settings, fp: str, summary: dict) -> None:
+def _save_calibration(run: tc.RunState, settings: Settings, plan: Plan, summary: dict) -> None:
     """Fit and keep what a complete calibration run measured: the teacache polynomial and the
     magcache curves; a run with fewer than MIN_CALIBRATION_POINTS fitted points is discarded."""
     xs, ys = run.calibration_points()
@@ -540,11 +556,11 @@ def _save_calibration(run: tc.RunState, settings: Settings, fp: str, summary: di
         return
     calibration = tc.Calibration(coeffs, run.calibration_magnitudes() or None)
     try:
-        STORE.put(fp, calibration, family=settings.family.name, points=len(xs))
+        STORE.put(plan.key, plan.ident, calibration, family=settings.family.name, points=len(xs))
     except OSError as exc:  # never lose the run for the file: it is kept in memory
         log.warning("ReuseKit TeaCache Calibrate: could not save the calibration to %s (%s); "
                     "it is used until ComfyUI restarts", STORE.path, exc)
-    summary["calibration"] = {"coefficients": list(coeffs), "points": len(xs), "fingerprint": fp,
+    summary["calibration"] = {"coefficients": list(coeffs), "points": len(xs), "fingerprint": plan.fp,
                               "magnitudes": sorted(calibration.magnitudes or ())}
     stats().set_info("last_calibration", summary["calibration"])
     log.info("ReuseKit TeaCache Calibrate (%s): fitted %s and the magnitude curves of %s from %d steps; later "

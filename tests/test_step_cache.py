@@ -314,13 +314,18 @@ def test_decide_never_skips_onto_a_residual_of_another_shape():
 def test_calibration_store_round_trips_through_its_file(tmp_path):
     m = tc()
     path = tmp_path / "cal.json"
-    cal = m.Calibration((0.0, 0.0, 1.0, 2.0, 3.0), {"cond": [(1.0, 0.0), (0.5, 0.1)]})
-    m.CalibrationStore(path).put("fp1", cal, family="flux")
+    ident = rkharness.pack("caching.weights_identity").identity
+    a = ident([("w", torch.arange(8.0))])
+    b = ident([("w", torch.arange(8.0) + 1)])  # same structure, other weights
+    cal, other = (m.Calibration((0.0, 0.0, 1.0, 2.0, 3.0), {"cond": [(1.0, 0.0), (0.5, 0.1)]}),
+                  m.Calibration(None, {"cond": [(1.0, 0.0)]}))
+    m.CalibrationStore(path).put("flux:" + a.structure, a, cal, family="flux")
+    m.CalibrationStore(path).put("flux:" + a.structure, b, other, family="flux")
     fresh = m.CalibrationStore(path)
-    assert fresh.get("fp1") == cal
-    assert fresh.get("other") is None
+    assert fresh.get("flux:" + a.structure, a) == cal and fresh.get("flux:" + a.structure, b) == other
+    assert fresh.get("wan:" + a.structure, a) is None
     path.write_text("not json")
-    assert m.CalibrationStore(path).get("fp1") is None  # a broken file is a miss, never an error
+    assert m.CalibrationStore(path).get("flux:" + a.structure, a) is None  # a broken file is a miss, never an error
 
 
 # ---- on the trained Flux through the real KSampler ------------------------------------------
@@ -587,7 +592,7 @@ def test_calibration_fits_a_polynomial_that_the_next_run_uses(flux, conds, _isol
 def test_one_calibration_run_serves_teacache_and_magcache_per_cond(flux, conds, _isolated_calibrations):
     (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
     sample(cal, conds)
-    stored = _isolated_calibrations.get(P().model_fingerprint(flux, SF().detect_family(flux)))
+    stored = _isolated_calibrations.get(*P().model_identity(flux, SF().detect_family(flux)))
     assert stored.coefficients is not None and set(stored.magnitudes) == {"cond", "uncond"}
     assert [len(v) for v in stored.magnitudes.values()] == [STEPS, STEPS]
     assert stored.magnitudes["cond"] != stored.magnitudes["uncond"]
@@ -609,6 +614,79 @@ def test_a_short_calibration_run_is_discarded_with_one_line(flux, conds, _isolat
         sample(teacache(flux, 0.3, model_type="calibrated"), conds)
     sample(cal, conds, steps=5)  # 4 points: kept
     assert last_run()["calibration"]["points"] == 4
+
+
+def weights_copy(change=None):
+    """Another trained Flux (the same weights), changed in place by ``change(diffusion_model)``."""
+    model = tiny_module("trained_flux").build()
+    if change is not None:
+        with torch.no_grad():
+            change(model.model.diffusion_model)
+    return model
+
+
+def plan_of(model, rule="teacache", model_type="calibrated"):
+    m = teacache(model, 0.3, rule=rule, model_type=model_type)
+    return P().resolve(m.model_options["transformer_options"][P().KEY], m)
+
+
+def test_a_block_only_fine_tune_gets_no_calibration_of_its_base(flux, conds, _isolated_calibrations):
+    (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
+    sample(cal, conds)
+    assert plan_of(weights_copy()).used_type == "calibrated"  # the same weights, another object
+
+    def tune(dm):  # one block's weights moved by ~5%
+        for p in dm.single_blocks[0].parameters():
+            p.mul_(1.05)
+
+    tuned = weights_copy(tune)
+    for rule in ("teacache", "magcache"):
+        with pytest.raises(ValueError, match="no calibration"):
+            plan_of(tuned, rule)
+    assert plan_of(tuned, model_type="auto").used_type == "flux"  # auto: the published polynomial instead
+
+
+def test_fp8_and_bf16_copies_of_one_model_find_each_others_calibration(flux, _isolated_calibrations):
+    def cast(dtype):
+        def change(dm):
+            for p in dm.parameters():
+                p.data = p.data.to(dtype)
+        return weights_copy(change)
+
+    bf16, fp8 = cast(torch.bfloat16), cast(torch.float8_e4m3fn)
+    family = SF().detect_family(flux)
+    for i, (maker, finder) in enumerate(((bf16, fp8), (fp8, bf16))):
+        cal = tc().Calibration((0, 0, 0, 2.0 + i, 0), {"cond": [(1.0, 0.0), (0.5, float(i))]})
+        _isolated_calibrations.put(*P().model_identity(maker, family), cal)
+        plan = plan_of(finder)
+        assert plan.used_type == "calibrated" and plan.coefficients == cal.coefficients
+        assert plan_of(finder, "magcache").magnitudes == cal.magnitudes
+    stored = json.loads(_isolated_calibrations.path.read_text())
+    assert [len(entries) for entries in stored.values()] == [1]  # one model: one entry, replaced
+
+
+def test_auto_takes_the_published_table_of_the_models_variant(flux, conds, monkeypatch):
+    """auto reads the variant from the model and the run's conds (step_families.model_variant): the run
+    then decides exactly as with that variant's table named, and its report names the variant."""
+    seen = []
+
+    def kontext(family, model_patcher, conds):
+        seen.append(sorted(conds))
+        return "flux-kontext"
+
+    runs = {}
+    for rule in ("teacache", "magcache"):
+        sample(teacache(flux, 0.3, rule=rule, model_type="flux-kontext"), conds)
+        runs["named", rule] = last_run()
+        with monkeypatch.context() as mp:
+            mp.setattr(SF(), "model_variant", kontext)
+            sample(teacache(flux, 0.3, rule=rule, model_type="auto"), conds)
+        runs["auto", rule] = last_run()
+        assert runs["auto", rule]["variant"] == runs["auto", rule]["model_type"] == "flux-kontext"
+        assert runs["auto", rule]["conds"] == runs["named", rule]["conds"]
+        sample(teacache(flux, 0.3, rule=rule, model_type="auto"), conds)
+        assert last_run()["conds"] != runs["named", rule]["conds"]  # the plain Flux table decides otherwise
+    assert seen and all(c == ["negative", "positive"] for c in seen)
 
 
 def test_a_calibration_file_that_cannot_be_written_keeps_the_run_and_the_calibration(flux, conds, monkeypatch,
@@ -760,7 +838,10 @@ def test_a_later_node_replacing_the_last_block_patch_never_skips(flux, conds, ca
     assert torch.equal(out, ref)
     run = last_run()
     assert run["calls_skipped"] == 0 and run["calls_computed"] == STEPS
-    assert "replaced the patch of" in caplog.text
+    assert "replaced the patch of single_block" in run["disabled_reason"]
+    assert len([r for r in caplog.records if "replaced the patch of" in r.getMessage()]) <= 1
+    sample(teacache(flux, 5.0), conds)  # its own patches: skips again, nothing disabled
+    assert last_run()["disabled_reason"] is None and last_run()["calls_skipped"] >= 1
 
 
 def test_a_model_whose_blocks_never_reach_the_cache_computes_and_says_so(flux, conds, monkeypatch, caplog):
@@ -778,16 +859,6 @@ def test_a_model_whose_blocks_never_reach_the_cache_computes_and_says_so(flux, c
     run = last_run()
     assert run["calls_computed"] == STEPS and run["unhooked_calls"] == STEPS and run["calls_skipped"] == 0
     assert "never reached the step cache" in caplog.text
-
-
-def test_wan_s2v_is_a_clear_error_at_the_node():
-    """Wan S2V injects audio between blocks, outside the seam the cache hooks (and on ComfyUI 0.3
-    hands its block patches no transformer_options): refused at the node, never a silent no-op."""
-    s2v = tiny_module("step_families").tiny_wan_s2v(0)
-    with pytest.raises(ValueError, match="ReuseKit TeaCache: model: .*does not support WanModel_S2V"):
-        teacache(s2v, 0.4, model_type="auto")
-    with pytest.raises(ValueError, match="ReuseKit TeaCache Calibrate: model: .*does not support WanModel_S2V"):
-        N().TeaCacheCalibrateNode.execute(s2v)
 
 
 # ---- other families ---------------------------------------------------------------------
@@ -1045,7 +1116,7 @@ def test_the_two_wan22_experts_keep_separate_state_and_calibrations(conds):
         assert run["model_type"] == "calibrated" and run["family"] == "wan"
         assert all(c["pattern"][0] == "C" and len(c["pattern"]) == 4 for c in run["conds"].values())
     wan = next(f for f in SF().FAMILIES if f.name == "wan")
-    assert P().STORE.get(P().model_fingerprint(high, wan)) != P().STORE.get(P().model_fingerprint(low, wan))
+    assert P().STORE.get(*P().model_identity(high, wan)) != P().STORE.get(*P().model_identity(low, wan))
 
 
 @pytest.mark.parametrize("name,cls", [("ltx2", "LTXAVModel"), ("z_image", "NextDiT")])
