@@ -1,5 +1,7 @@
 """Conditioning cache benchmark: hit vs miss per kind, then five workflow scenarios through the
-real executor in each ComfyUI cache mode, with and without ReuseKit, counting encoder forwards.
+real executor in each ComfyUI cache mode, with and without ReuseKit, counting encoder forwards;
+then the shared tiers: a disk-tier and a Redis hit (an entry another process wrote) against an
+encode, and two ComfyUI server processes sharing them (Redis rows need Debian's redis-server).
 
     .venv/bin/python bench/conditioning.py [--quick]
 
@@ -10,8 +12,13 @@ The scenario definitions are also used by tests/test_conditioning_workflows.py.
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -192,6 +199,153 @@ def sampler_side_table(rkharness):
     return out
 
 
+# ---- the shared tiers ---------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def redis_server(rkharness):
+    """A redis-server on a free loopback port (None where Debian's redis-server or the client is missing)."""
+    exe = shutil.which("redis-server")
+    try:
+        import redis
+    except ImportError:
+        redis = None
+    if exe is None or redis is None:
+        yield None
+        return
+    port = rkharness.free_port()
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    client = redis.Redis(port=port)
+    try:
+        for _ in range(400):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def _use_tiers(settings, folder, url):
+    settings.update({"conditioning.disk.enabled": folder is not None, "conditioning.disk.folder": str(folder or ""),
+                     "conditioning.redis.enabled": url is not None, "conditioning.redis.url": url or ""})
+
+
+def shared_table(rkharness, quick: bool, url):
+    """A shared-tier hit (LRU emptied first, so the entry comes from the tier) against an encode of a
+    CLIP-L-sized encoder loaded from a file; and the tiers' own read + verify + copy of a CLIP-L-size
+    (1x77x768) and a T5-size (1x512x4096) output."""
+    import comfy.sd
+    import torch
+    from safetensors.torch import save_file
+
+    tiny = rkharness.TINY
+    cache = rkharness.pack("caching.conditioning").CACHE
+    tiers = rkharness.pack("caching.tiers")
+    settings = rkharness.pack("caching.settings").SETTINGS
+    files = __import__(f"{tiny.__name__}.conditioning", fromlist=["clip_l_sized"])
+    thaw = rkharness.pack("caching.conditioning").thaw
+    work = Path(tempfile.mkdtemp(prefix="rk_bench_tiers_"))
+    repeat = 3 if quick else 7
+    try:
+        model = files.clip_l_sized(0).cond_stage_model.clip_l.transformer
+        path = str(work / "clip_l.safetensors")
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+        del model
+        clip = comfy.sd.load_clip([path], model_options={"dtype": torch.float32})
+        tiers.TIERS.hashes.wait(300)
+        tokens = clip.tokenize("a photograph of an astronaut riding a (horse:1.2) on the moon, detailed")
+        settings.set("conditioning.enabled", True)
+
+        def miss():
+            _use_tiers(settings, None, None)
+            cache.clear()
+            clip.encode_from_tokens(tokens, return_pooled=True)
+
+        miss()
+        t_miss = _median_time(miss, repeat)
+        print(f"\n== shared tiers: an entry another process wrote vs an encode (CLIP-L-size miss {t_miss * 1e3:.1f} ms) ==")
+        print(f"{'tier':8} {'output':22} {'tier read+verify+copy ms':>25} {'/ CLIP-L miss':>14} "
+              f"{'end-to-end hit ms':>18} {'/ miss':>8}   (weight edit checks off: ms, / miss)")
+        ratios = {}
+        t5 = ("L", [("T", torch.randn(1, 512, 4096), torch.device("cpu"))])
+        cl = ("L", [("T", torch.randn(1, 77, 768), torch.device("cpu"))])
+        for tier, (folder, tier_url) in (("disk", (work / "disk", None)), ("redis", (None, url))):
+            if tier == "redis" and url is None:
+                print(f"{tier:8} (no redis-server or redis client here)")
+                ratios[tier] = float("nan")
+                continue
+            _use_tiers(settings, folder, tier_url)
+            cache.clear()
+            clip.encode_from_tokens(tokens, return_pooled=True)  # written through
+            if tiers.TIERS.redis is not None:
+                tiers.TIERS.redis.flush()
+
+            def hit():
+                cache.clear()
+                clip.encode_from_tokens(tokens, return_pooled=True)
+
+            hits_before = tiers.TIERS.stats[tier].counter("hits")
+            t_hit = _median_time(hit, repeat * 3)
+            assert tiers.TIERS.stats[tier].counter("hits") > hits_before, f"no {tier} hits"
+            ratios[tier] = t_hit / t_miss
+            settings.set("conditioning.check_weight_edits", False)
+            t_unchecked = _median_time(hit, repeat * 3)
+            settings.set("conditioning.check_weight_edits", True)
+            for label, stored in (("CLIP-L (1x77x768)", cl), ("T5 (1x512x4096)", t5)):
+                key = tiers.SharedKey(("bench", tier, label))
+                tiers.TIERS.put(key, stored, 1.0, {})
+                if tiers.TIERS.redis is not None:
+                    tiers.TIERS.redis.flush()
+                t_tier = _median_time(lambda key=key: thaw(tiers.TIERS.get(key, {})[0]), repeat * 3)
+                e2e = (f"{t_hit * 1e3:18.2f} {t_hit / t_miss:8.4f}   {t_unchecked * 1e3:10.2f} {t_unchecked / t_miss:8.4f}"
+                       if label.startswith("CLIP") else "")
+                print(f"{tier:8} {label:22} {t_tier * 1e3:25.2f} {t_tier / t_miss:14.4f} {e2e}")
+        return ratios
+    finally:
+        _use_tiers(settings, None, None)
+        cache.clear()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def two_workers(rkharness, url, quick: bool) -> dict[str, int]:
+    """Two ComfyUI server processes run the same prompts (a shared negative, several positives) with
+    one shared tier; encoder calls of each, from its /reusekit/stats."""
+    files = __import__(f"{rkharness.TINY.__name__}.conditioning", fromlist=["write_tiny_clip_file"])
+    work = Path(tempfile.mkdtemp(prefix="rk_bench_workers_"))
+    texts = [NEGATIVE, "a red square", "a blue circle", "a green tree", "a yellow star", "a red square"]
+    texts = texts[:3] if quick else texts
+    clip_path = files.write_tiny_clip_file(str(work), 0)
+    setups = {"disk": {"REUSEKIT_DISK_CACHE": str(work / "disk")}}
+    if url is not None:
+        setups["redis"] = {"REUSEKIT_REDIS_URL": url}
+    out = {}
+    print(f"\n== two workers (ComfyUI server processes), {len(texts)} encodes each, one shared tier ==")
+    try:
+        for tier, env in setups.items():
+            counts = []
+            for worker in (1, 2):
+                with rkharness.running_server(env=env) as server:
+                    for i, text in enumerate(texts):
+                        prompt = {"1": {"class_type": "RKTestFileCLIP", "inputs": {"path": clip_path}},
+                                  "2": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 0], "text": text}},
+                                  "3": {"class_type": "RKTestSaveConditioning",
+                                        "inputs": {"conditioning": ["2", 0], "path": str(work / f"{tier}{worker}_{i}.st")}}}
+                        server.wait_for_prompt(server.queue(prompt))
+                    (stats,) = [c for c in server.get("/reusekit/stats")["caches"] if c["name"] == "conditioning"]
+                    counts.append(stats["counters"].get("encodes", 0))
+                    if tier == "redis":
+                        time.sleep(1.0)  # the write-through is asynchronous
+            out[tier] = counts[1]
+            print(f"{tier:8} worker 1 encodes {counts[0]}   worker 2 encodes {counts[1]}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
 def main() -> None:
     quick = "--quick" in sys.argv
     root = Path(__file__).resolve().parents[1]
@@ -241,13 +395,19 @@ def main() -> None:
         print(f"classic: {wall[False]:.2f} s ({calls[False]} encodes)   classic+ReuseKit: {wall[True]:.2f} s "
               f"({calls[True]} encodes)   speedup {wall[False] / wall[True]:.2f}x")
 
+        with redis_server(rkharness) as url:
+            shared = shared_table(rkharness, quick, url)
+            workers = two_workers(rkharness, url, quick)
+
     n = len(table) * len(MODES)
     speedup = wall[False] / wall[True]
     text_ratio, text_unchecked = next(v for k, v in ratios.items() if k.startswith("text"))
     vae_ratio, vae_unchecked = next(v for k, v in ratios.items() if k.startswith("VAE"))
     print(f"RESULT text_hit_over_miss={text_ratio:.4f} vae_hit_over_miss={vae_ratio:.4f} "
           f"workload_speedup={speedup:.2f} scenarios_at_ideal={at_ideal}/{n} "
-          f"unchecked_text_hit_over_miss={text_unchecked:.4f} unchecked_vae_hit_over_miss={vae_unchecked:.4f}")
+          f"unchecked_text_hit_over_miss={text_unchecked:.4f} unchecked_vae_hit_over_miss={vae_unchecked:.4f} "
+          f"disk_hit_over_miss={shared['disk']:.4f} redis_hit_over_miss={shared['redis']:.4f} "
+          f"second_worker_encodes={max(workers.values())}")
 
 
 if __name__ == "__main__":
