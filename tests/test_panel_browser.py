@@ -54,11 +54,17 @@ def with_real_caches(prompt: dict, server, threshold: float = 2.0) -> dict:
     return prompt
 
 
-def run_step_cached(server, threshold: float, checkpoint_seed: int, steps: int = 6) -> tuple[str, dict]:
-    """One step-cached sampling of the tiny Flux (weights by ``checkpoint_seed``): the step cache's
-    stats name and the run's summary as the server reports it."""
+def run_step_cached(server, threshold: float, checkpoint_seed: int, steps: int = 6,
+                    replace_block: bool = False) -> tuple[str, dict]:
+    """One step-cached sampling of the tiny Flux (weights by ``checkpoint_seed``; with
+    ``replace_block`` another node replaces a block patch after the cache): the step cache's stats
+    name and the run's summary as the server reports it."""
     prompt = with_real_caches(rkharness.TINY.panelprobe.probe_prompt(seed=7, steps=steps), server, threshold)
     prompt["1"]["inputs"]["seed"] = checkpoint_seed
+    if replace_block:
+        prompt["23"] = {"class_type": "RKTestBlockReplace",
+                        "inputs": {"model": ["21", 0], "block_name": "double_block", "index": 0}}
+        prompt["22"]["inputs"]["model"] = ["23", 0]
     entry = server.wait_for_prompt(server.queue(prompt))
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:2000]
     caches = server.get("/reusekit/stats")["caches"]
@@ -175,6 +181,18 @@ def test_panel_fills_with_real_numbers_and_clear_drops_memory(comfy_server, brow
                 page.wait_for_function(f"(w) => JSON.stringify(({SHOWN_RUN})(w.model)) === JSON.stringify(w.shown)",
                                        arg={"model": run["model"], "shown": want}, timeout=15_000)
             assert page.evaluate(SHOWN_RUN, run["model"]) == want
+        # a run whose block patch another node replaced computes every step and says why
+        _, disabled = run_step_cached(comfy_server, 2.0, checkpoint_seed=3, replace_block=True)
+        assert disabled["calls_skipped"] == 0 and disabled["disabled_reason"], disabled
+        want = expected_run(disabled)
+        assert want["flag"] == "⚠ disabled"
+        with contextlib.suppress(PlaywrightTimeout):
+            page.wait_for_function(f"(w) => JSON.stringify(({SHOWN_RUN})(w.model)) === JSON.stringify(w.shown)",
+                                   arg={"model": disabled["model"], "shown": want}, timeout=15_000)
+        assert page.evaluate(SHOWN_RUN, disabled["model"]) == want
+        reasons = page.locator(f'[data-rk=step-run][data-rk-model="{disabled["model"]}"] [data-rk=run-reasons]')
+        assert reasons.inner_text() == f"disabled: {disabled['disabled_reason']}"
+
         # a long run stays one line: fewer cells than calls, each cell holding exactly its calls' skips
         _, long_run = run_step_cached(comfy_server, 2.0, checkpoint_seed=2, steps=150)
         pattern = long_run["conds"]["cond"]["pattern"]
@@ -210,7 +228,8 @@ def test_panel_fills_with_real_numbers_and_clear_drops_memory(comfy_server, brow
             assert page.get_by_text("Conditioning budget (MiB)").count() == 1
 
         # clear all, with confirmation: memory drops to zero
-        held = bytes_of(page, "[data-rk=total-bytes]")
+        held = comfy_server.get("/reusekit/stats")["totals"]["bytes"]
+        page.locator(f'[data-rk=total-bytes][data-bytes="{held}"]').wait_for()  # the last push has painted
         clear_all = page.locator("[data-rk=clear-all]")
         clear_all.click()
         assert clear_all.get_attribute("data-armed") == "true"  # first press only asks

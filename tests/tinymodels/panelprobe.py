@@ -9,6 +9,7 @@ numbers from real work before the pack's own caches exist:
   bypasses, time saved.
 - ``RKTestStepProbe`` (kind ``step``): counts the diffusion model's calls in each sampling run and
   keeps the last output (like a step cache's residual) on tier ``device``; ``info["last_run"]``.
+- ``RKTestBlockReplace``: replaces one DiT block's patch with a pass-through, as other packs do.
 
 Both register lazily, on first use, in the pack that the loader imported (found by file path: this
 folder is a separate package and must not import a second copy of the pack).
@@ -190,7 +191,30 @@ class RKTestStepProbe:
         return (model,)
 
 
-NODE_CLASS_MAPPINGS = {"RKTestDecodeMemo": RKTestDecodeMemo, "RKTestStepProbe": RKTestStepProbe}
+class RKTestBlockReplace:
+    """Replaces one DiT block's patch with a pass-through to the original block, as packs that wrap
+    blocks do: placed after the step cache, it takes that block's patch from the cache."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "block_name": ("STRING", {"default": "double_block"}),
+                             "index": ("INT", {"default": 0, "min": 0})}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    CATEGORY = "ReuseKit tests"
+
+    def patch(self, model, block_name, index):
+        def passthrough(args, extra):
+            return extra["original_block"](args)
+
+        model = model.clone()
+        model.set_model_patch_replace(passthrough, "dit", block_name, index)
+        return (model,)
+
+
+NODE_CLASS_MAPPINGS = {"RKTestDecodeMemo": RKTestDecodeMemo, "RKTestStepProbe": RKTestStepProbe,
+                       "RKTestBlockReplace": RKTestBlockReplace}
 
 
 def probe_prompt(seed: int = 1, steps: int = 2, text: str = "a red square") -> dict:
