@@ -348,7 +348,7 @@ export function stepRun(summary, maxCells = STRIP_MAX_CELLS) {
   return {
     model: typeof summary?.model === "string" ? summary.model : typeof summary?.family === "string" ? summary.family : "model",
     outcome: typeof summary?.outcome === "string" ? summary.outcome : null,
-    rule, threshold, settings, computed, skipped, calls: computed + skipped,
+    rule, threshold, settings,
     calls_text: `${formatCount(computed)} of ${formatCount(computed + skipped)} calls computed` +
       (speedup === null ? "" : ` (${speedup.toFixed(2)}x fewer)`),
     flag: runFlag(summary), conds, rest,

@@ -156,7 +156,7 @@ function condView(cond, threshold) {
     strip.append(cell);
   }
   const row = el("div", { class: "rk-cond", "data-rk-cond": cond.label },
-    el("small", { text: cond.label }), strip);
+    el("small", { text: cond.label, title: `${cond.label}: ${cond.computed ?? "–"} computed, ${cond.skipped ?? "–"} skipped` }), strip);
   if (cond.trace.length) {
     const chart = traceBars(cond.trace, cond.cells, threshold, { width, height });
     const box = svg("svg", { class: "rk-trace", viewBox: `0 0 ${width} ${height}`, preserveAspectRatio: "none",
