@@ -630,7 +630,7 @@ class SharedTiers:
 
     def _redis_written(self, n: int) -> None:
         self.stats["redis"].incr("written")
-        if time.monotonic() - self._redis_scanned > 2.0:
+        if time.monotonic() - self._redis_scanned > 30.0:  # a SCAN of every entry: not after every write
             self.publish(disk=False)
 
     def publish(self, disk: bool = True, redis: bool = True) -> None:

@@ -349,7 +349,7 @@ def vae_key(vae, method: str, pixels, options: tuple, extra: dict | None = None)
 _sources: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (generation, loader, files, options)
 _sources_lock = threading.Lock()
 _patch_digests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # WeightSet -> digest of its contents
-_DEVICE = re.compile(r"^([a-z]+):(\d+)$")
+_DEVICE = re.compile(r"^(cuda|xpu|mps|npu|mlu|hpu|xla|privateuseone|mtia):(\d+)$")
 _device_names: dict[str, str] = {}
 
 
@@ -395,12 +395,22 @@ def _portable_device(name: str) -> str:
 
 
 def _portable(tree):
-    """An encoded key tree with indexed device names replaced by :func:`_portable_device`."""
-    if isinstance(tree, tuple):
-        return tuple(_portable(x) for x in tree)
-    if isinstance(tree, str) and _DEVICE.match(tree):
-        return _portable_device(tree)
-    return tree
+    """An encoded key tree with indexed device names replaced by :func:`_portable_device`: in device
+    fields (``("device", name)``), tensor fields (``caching/keys.py``: device after the layout) and
+    weight-patch skeletons (``("T", dtype, shape, device)``); other strings stay as they are."""
+    if not isinstance(tree, tuple):
+        return tree
+    out = tuple(_portable(x) for x in tree)
+    at = None
+    if len(out) == 2 and out[0] == "device":
+        at = 1
+    elif out and out[0] == "T" and len(out) >= 6 and isinstance(out[4], str) and out[4].startswith("torch."):
+        at = 5
+    elif out and out[0] == "T" and len(out) == 4:
+        at = 3
+    if at is not None and isinstance(out[at], str) and _DEVICE.match(out[at]):
+        out = (*out[:at], _portable_device(out[at]), *out[at + 1:])
+    return out
 
 
 def _patch_digest(weights) -> str:

@@ -133,6 +133,23 @@ def test_comfyuis_own_clip_loader_records_the_file_and_a_second_load_hits(shared
     assert shared.cc.CACHE.count("encodes") == 1 and counter(shared.tiers, "disk", "hits") == 1
 
 
+def test_shared_keys_name_devices_by_kind_and_model_not_index_and_leave_text_alone():
+    """Workers on different GPUs of one model share entries; a string that looks like a device stays."""
+    pc = rkharness.pack("patches.conditioning")
+    keys = rkharness.pack("caching.keys")
+    pc._device_names.update({"cuda:0": "cuda[Same GPU]", "cuda:1": "cuda[Same GPU]", "cuda:2": "cuda[Other GPU]"})
+    try:
+        def tree(index):
+            return pc._portable(keys.encode((torch.device(f"cuda:{index}"), "cuda:1")))
+
+        assert tree(0) == tree(1) != tree(2)
+        assert tree(0)[1][1] == ("s", "cuda:1")
+        assert pc._portable(("T", "torch.float32", (2,), "cuda:0")) == ("T", "torch.float32", (2,), "cuda[Same GPU]")
+    finally:
+        for name in ("cuda:0", "cuda:1", "cuda:2"):
+            pc._device_names.pop(name, None)
+
+
 def test_an_encoder_without_a_known_file_never_uses_the_shared_tiers(shared):
     encode(rkharness.TINY.tiny_clip(0))
     assert shared.cc.CACHE.count("encodes") == 1
