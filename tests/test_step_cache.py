@@ -1219,13 +1219,15 @@ def test_on_cuda_residuals_live_where_cache_device_says_and_the_latents_agree(fl
     assert torch.allclose(on_device, on_cpu, rtol=1e-4, atol=1e-5)
 
 
-def test_trained_wan_calibrates_then_skips_close_to_the_uncached_latent(tiny, conds):
+@pytest.mark.parametrize("rule,thresh", [("teacache", 0.15), ("magcache", 0.1), ("first_block", 0.2)])
+def test_trained_wan_calibrates_then_skips_close_to_the_uncached_latent(tiny, conds, rule, thresh):
     model = tiny.BUILDERS["wan_trained"](0)
     shape = (1, 16, 1, 8, 8)
     ref = sample(model, conds, shape=shape)
     (cal,) = N().TeaCacheCalibrateNode.execute(model).args
     sample(cal, conds, shape=shape)
-    out = sample(teacache(model, 0.15, model_type="calibrated"), conds, shape=shape)
+    out = sample(teacache(model, thresh, model_type="auto", rule=rule), conds, shape=shape)
     run = last_run()
     assert run["family"] == "wan" and run["calls_skipped"] >= 3
+    assert run["model_type"] == ("none" if rule == "first_block" else "calibrated")
     assert rel_err(out, ref) < 0.25, rel_err(out, ref)
