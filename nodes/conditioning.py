@@ -98,7 +98,7 @@ class ConditioningCacheSettings(io.ComfyNode):
             display_name="ReuseKit Conditioning Cache Settings",
             category=AREA,
             description="Sets the conditioning cache for this ComfyUI process (the panel changes the same "
-                        "settings) and shows what it holds.",
+                        "settings, the shared disk and Redis tiers' too) and shows what it and its tiers hold.",
             inputs=[
                 io.Boolean.Input("global_mode", default=True,
                                  tooltip="Every text, CLIP-vision and VAE encode of every workflow goes through "
@@ -133,7 +133,7 @@ class ConditioningCacheSettings(io.ComfyNode):
                 _applied["inputs"] = inputs
         install()
         snap = REGISTRY.snapshot()
-        snap["caches"] = [c for c in snap["caches"] if c["name"] == "conditioning"]
+        snap["caches"] = [c for c in snap["caches"] if c["kind"] == "conditioning"]  # the LRU and its shared tiers
         text = format_snapshot(snap)
         return io.NodeOutput(text, ui=ui.PreviewText(text))
 

@@ -133,6 +133,15 @@ def test_comfyuis_own_clip_loader_records_the_file_and_a_second_load_hits(shared
     assert shared.cc.CACHE.count("encodes") == 1 and counter(shared.tiers, "disk", "hits") == 1
 
 
+def test_the_settings_node_shows_the_shared_tiers(shared):
+    files = _tiny_files()
+    encode(files.load_tiny_clip_file(files.write_tiny_clip_file(str(shared.files), 0)))
+    node = rkharness.pack("nodes.conditioning").ConditioningCacheSettings
+    text = node.execute(True, 512, 128, False).args[0]
+    assert "conditioning_disk: 1 entries" in text and "conditioning_redis: 0 entries" in text
+    assert "written=1" in text
+
+
 def test_shared_keys_name_devices_by_kind_and_model_not_index_and_leave_text_alone():
     """Workers on different GPUs of one model share entries; a string that looks like a device stays."""
     pc = rkharness.pack("patches.conditioning")
