@@ -273,20 +273,24 @@ class InFlightCopies(torch.overrides.TorchFunctionMode):
         return out
 
 
-def test_a_cpu_cache_never_reads_a_copy_still_in_flight():
-    """cache_device cpu with extrapolate: the slope is made on the device before the residual leaves
-    it, so a copy to the CPU that has not landed yet is never read there."""
+@pytest.mark.parametrize("mode", ["extrapolate", "taylor2"])
+def test_a_cpu_cache_never_reads_a_copy_still_in_flight(mode):
+    """cache_device cpu with a forecast: the differences are made on the device before the residual
+    leaves it, so a copy to the CPU that has not landed yet is never read there."""
     m = tc()
     got = {}
     for device in ("device", "cpu"):
-        cfg = m.StepCacheConfig(None, "test", 1.0, cache_device=device, residual_mode="extrapolate")
+        cfg = m.StepCacheConfig(None, "test", 1.0, cache_device=device, residual_mode=mode)
         rs = m.RunState(cfg, (0, 0, 0, 1.0, 0), 1.0, 0.0)
         rs.decide(["a"], ["cond"], [torch.ones(1, 2, 2)], True)
         with InFlightCopies():
-            rs.store_residual("a", torch.full((1, 2, 2), 1.0), sigma=torch.tensor(1.0))
-            rs.store_residual("a", torch.full((1, 2, 2), 2.0), sigma=torch.tensor(0.8))
+            for sigma in (1.2, 1.0, 0.8):  # r(s) = 6 - 5s + (s - 1)^2
+                rs.store_residual("a", torch.full((1, 2, 2), 6 - 5 * sigma + (sigma - 1) ** 2),
+                                  sigma=torch.tensor(sigma))
             got[device] = rs.residual("a", torch.zeros(1, 2, 2), torch.tensor(0.7))
-    assert torch.allclose(got["device"], torch.full((1, 2, 2), 2.5))
+    # taylor2: r(0.7) exactly; extrapolate: along the last slope, (2.04 - 1) / -0.2, from r(0.8)
+    expected = 6 - 3.5 + 0.09 if mode == "taylor2" else 2.04 + 5.2 * 0.1
+    assert torch.allclose(got["device"], torch.full((1, 2, 2), expected), atol=1e-5), got["device"]
     assert torch.equal(got["cpu"], got["device"])
 
 
