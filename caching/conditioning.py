@@ -410,7 +410,7 @@ class ConditioningCache:
             return found
         skey = _shared_key(shared)
         if skey is not None:
-            got = TIERS.get(skey, {name: cls for cls, name in _CONTAINERS.items()})
+            got = _shared_get(skey)
             if got is not None:
                 stored, seconds = got
                 self._admit(Entry(key, stored, _held_bytes(stored), seconds))
@@ -430,7 +430,10 @@ class ConditioningCache:
             return result
         stored = self._store(key, result, seconds)
         if stored is not None and skey is not None:
-            TIERS.put(skey, stored, seconds, _CONTAINERS)
+            try:
+                TIERS.put(skey, stored, seconds, _CONTAINERS)
+            except Exception as exc:  # a shared tier never fails an encode
+                log.debug("ReuseKit conditioning: shared write failed: %s", exc)
         return result
 
     def lookup(self, key: Key) -> Any:
@@ -585,6 +588,15 @@ def _shared_key(shared: Callable[[], SharedKey | None] | None) -> SharedKey | No
         return shared()
     except Exception as exc:  # a key the shared tiers cannot build: this encode stays in the process
         log.debug("ReuseKit conditioning: no shared key (%s)", exc)
+        return None
+
+
+def _shared_get(key: SharedKey) -> tuple[Any, float] | None:
+    """A shared tiers' entry (frozen value, compute seconds), or None; their failures are misses."""
+    try:
+        return TIERS.get(key, {name: cls for cls, name in _CONTAINERS.items()})
+    except Exception as exc:  # a shared tier never fails an encode
+        log.debug("ReuseKit conditioning: shared read failed: %s", exc)
         return None
 
 

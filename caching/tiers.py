@@ -564,10 +564,13 @@ class SharedTiers:
                                "installed (pip install redis); the Redis tier stays off")
             else:
                 stats = self.stats["redis"]
-                self.redis = RedisTier(url, settings.get("conditioning.redis.ttl_hours") * 3600,
-                                       timeout_s=settings.get("conditioning.redis.timeout_ms") / 1000,
-                                       on_error=lambda exc: stats.incr("errors"),
-                                       on_written=self._redis_written)
+                try:
+                    self.redis = RedisTier(url, settings.get("conditioning.redis.ttl_hours") * 3600,
+                                           timeout_s=settings.get("conditioning.redis.timeout_ms") / 1000,
+                                           on_error=lambda exc: stats.incr("errors"),
+                                           on_written=self._redis_written)
+                except ValueError as exc:  # redis-py's parse of the URL
+                    raise ValueError(f"setting 'conditioning.redis.url': {exc}") from None
         self.publish()
 
     def _tiers(self):
@@ -601,8 +604,9 @@ class SharedTiers:
                 continue
             stats.incr("hits")
             stats.add_time_saved(seconds)
-            if name == "redis" and self.disk is not None:
-                self._write_disk(key.name, data)
+            disk = self.disk
+            if name == "redis" and disk is not None:
+                self._write_disk(disk, key.name, data)
             self.publish(redis=False)
             return stored, seconds
         return None
@@ -611,22 +615,23 @@ class SharedTiers:
         """Write an entry through to every enabled tier (Redis in the background)."""
         try:
             data = pack(key, stored, seconds, self.secret, names)
-        except (TypeError, KeyError) as exc:
+        except Exception as exc:  # a value safetensors cannot hold (or a container not registered): not shared
             log.debug("ReuseKit: entry not shared: %s", exc)
             return
-        if self.disk is not None:
-            self._write_disk(key.name, data)
-        if self.redis is not None and not self.redis.write(key.name, data):
+        disk, redis = self.disk, self.redis  # the settings may rebuild the tiers meanwhile
+        if disk is not None:
+            self._write_disk(disk, key.name, data)
+        if redis is not None and not redis.write(key.name, data):
             self.stats["redis"].incr("dropped")
         self.publish(redis=False)
 
-    def _write_disk(self, name: str, data: bytes) -> None:
+    def _write_disk(self, disk: DiskTier, name: str, data: bytes) -> None:
         try:
-            self.disk.write(name, data)
+            disk.write(name, data)
             self.stats["disk"].incr("written")
         except OSError as exc:
             self.stats["disk"].incr("errors")
-            self._say_once("disk-write", "ReuseKit: the disk tier cannot write to %s (%s)", self.disk.folder, exc)
+            self._say_once("disk-write", "ReuseKit: the disk tier cannot write to %s (%s)", disk.folder, exc)
 
     def _redis_written(self, n: int) -> None:
         self.stats["redis"].incr("written")
@@ -635,24 +640,25 @@ class SharedTiers:
 
     def publish(self, disk: bool = True, redis: bool = True) -> None:
         """Entries and bytes of each tier into its stats (Redis's by a throttled scan)."""
+        tier_disk, tier_redis = self.disk, self.redis
         if disk:
             stats = self.stats["disk"]
-            entries, held = self.disk.usage() if self.disk is not None else (0, 0)
+            entries, held = tier_disk.usage() if tier_disk is not None else (0, 0)
             stats.set_entries(entries)
-            stats.set_memory("disk", held, self.disk.budget_bytes if self.disk is not None else 0)
-            stats.set_info("folder", str(self.disk.folder) if self.disk is not None else None)
+            stats.set_memory("disk", held, tier_disk.budget_bytes if tier_disk is not None else 0)
+            stats.set_info("folder", str(tier_disk.folder) if tier_disk is not None else None)
         if redis:
             stats = self.stats["redis"]
             entries, held = 0, 0
-            if self.redis is not None:
+            if tier_redis is not None:
                 self._redis_scanned = time.monotonic()
                 try:
-                    entries, held = self.redis.usage()
+                    entries, held = tier_redis.usage()
                 except Unavailable:
                     entries, held = 0, 0
             stats.set_entries(entries)
             stats.set_memory("redis", held)
-            stats.set_info("url", _redacted(self.redis.url) if self.redis is not None else None)
+            stats.set_info("url", _redacted(tier_redis.url) if tier_redis is not None else None)
 
 
 TIERS = SharedTiers(REGISTRY)

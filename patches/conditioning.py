@@ -658,7 +658,11 @@ def _configure_tiers() -> None:
     import folder_paths
 
     TIERS.default_folder = os.path.join(folder_paths.get_user_directory(), "reusekit", "conditioning")
-    TIERS.configure(SETTINGS)
+    try:
+        TIERS.configure(SETTINGS)
+    except ValueError as exc:  # a bad REUSEKIT_REDIS_URL: the pack still loads, the Redis tier stays off
+        host.say_once("tiers-config", "ReuseKit: the conditioning cache's Redis tier is off: %s", exc,
+                      level=logging.WARNING)
 
 
 def uninstall() -> None:

@@ -459,6 +459,14 @@ def test_a_truncated_redis_value_and_an_unsigned_one_are_counted_misses(shared, 
         assert counter(shared.tiers, "redis", "hits") == 0
 
 
+@pytest.mark.hardening
+def test_a_bad_redis_url_is_a_value_error_naming_the_setting_and_changes_nothing(shared):
+    with pytest.raises(ValueError, match="conditioning.redis.url"):
+        _use_redis(shared, "not-a-url://x")
+    assert shared.settings.get("conditioning.redis.url") == "" or not shared.settings.get("conditioning.redis.enabled")
+    assert shared.tiers.TIERS.redis is None and shared.tiers.TIERS.disk is not None
+
+
 def test_without_the_redis_client_the_pack_says_so_once_and_runs(shared, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "redis", None)  # as if not installed
     shared.tiers.TIERS._warned.discard("redis-missing")
