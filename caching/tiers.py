@@ -16,6 +16,7 @@ Pure logic (torch, safetensors and the standard library; the ``redis`` client on
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -309,6 +310,7 @@ class DiskTier:
 
     SUFFIX = ".safetensors"
     RESCAN_S = 30.0  # other processes' writes are seen by a rescan at least this often
+    STALE_TMP_S = 3600.0  # a temporary file this old belongs to no live write
 
     def __init__(self, folder: str | os.PathLike, budget_bytes: int):
         self.folder = Path(folder)
@@ -364,12 +366,15 @@ class DiskTier:
             if not sub.is_dir():
                 continue
             for entry in os.scandir(sub):
+                try:
+                    st = entry.stat()
+                except OSError:
+                    continue
                 if entry.name.endswith(self.SUFFIX) and not entry.name.startswith("."):
-                    try:
-                        st = entry.stat()
-                    except OSError:
-                        continue
                     out.append((st.st_mtime, st.st_size, Path(entry.path)))
+                elif entry.name.endswith(".tmp") and time.time() - st.st_mtime > self.STALE_TMP_S:
+                    with contextlib.suppress(OSError):  # left by a writer that died mid-write
+                        os.unlink(entry.path)
         return out
 
     def usage(self, fresh: bool = False) -> tuple[int, int]:

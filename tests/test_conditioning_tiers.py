@@ -353,6 +353,18 @@ def test_two_processes_writing_the_same_entries_at_once_never_read_a_torn_file(s
     assert list(folder.rglob("*.tmp")) == []
 
 
+@pytest.mark.hardening
+def test_a_temporary_file_left_by_a_dead_writer_is_never_read_and_is_swept(shared):
+    clip, path = _stored_entry(shared)
+    tmp = path.with_name(f".{path.name}.999.deadbeef.tmp")
+    tmp.write_bytes(path.read_bytes()[:100])  # a half-written file of a writer that died
+    old = time.time() - 2 * 3600
+    os.utime(tmp, (old, old))
+    assert equal(encode(clip), reference(0)) and counter(shared.tiers, "disk", "hits") == 1
+    assert shared.tiers.TIERS.disk.usage(fresh=True) == (1, path.stat().st_size)
+    assert not tmp.exists()
+
+
 # ---- the Redis tier ----------------------------------------------------------------------------
 
 @contextlib.contextmanager
