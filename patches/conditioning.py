@@ -375,6 +375,9 @@ def register_source(encoder, paths, loader: str, options=None) -> bool:
     except Uncacheable:
         return False
     files = tuple(os.path.realpath(os.fspath(p)) for p in paths)
+    patcher = getattr(encoder, "patcher", None)
+    if patcher is not None and TIERS.active:
+        _check_in_place_edits(module, patcher)  # the weights as loaded: an edit before the first encode shows
     with _sources_lock:
         _sources[module] = (getattr(module, _GENERATION, 0), str(loader), files, keyed)
     for f in files:
@@ -435,7 +438,32 @@ def _host_versions() -> tuple:
     return ("torch", torch.__version__, "comfyui", host.comfyui_version())
 
 
-def shared_key(key: Key, module) -> SharedKey | None:
+def _factory_source(module, patcher):
+    """A source from ComfyUI's own record of how to reload a patcher (``cached_patcher_init``, ComfyUI
+    0.2x+: VAELoader and custom loaders that follow core), taken only for weights never replaced or
+    seen edited (generation 0): (fn, args[, index]), the files among the args by content."""
+    init = getattr(patcher, "cached_patcher_init", None)
+    if getattr(module, _GENERATION, 0) != 0 or not isinstance(init, tuple) or len(init) not in (2, 3):
+        return None
+    fn, args = init[0], init[1]
+    if not callable(fn) or not isinstance(args, (tuple, list)):
+        return None
+    files, options = [], []
+    for a in args:
+        if isinstance(a, str) and os.path.isfile(a):
+            files.append(a)
+        elif isinstance(a, (list, tuple)) and a and all(isinstance(p, str) and os.path.isfile(p) for p in a):
+            files.extend(a)
+        else:
+            options.append(_enums_by_name(a))
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}:{init[2] if len(init) == 3 else ''}"
+    if not files or not register_source(module, files, name, options):
+        return None
+    with _sources_lock:
+        return _sources.get(module)
+
+
+def shared_key(key: Key, module, patcher=None) -> SharedKey | None:
     """The key of an encode for the shared tiers, or None while the encoder has no shared identity:
     no recorded source, weights replaced or edited since loading, or a weight file not hashed yet.
     It holds the in-process key's fields (devices by kind and name, not index; the generation left out),
@@ -443,6 +471,8 @@ def shared_key(key: Key, module) -> SharedKey | None:
     content, and the torch and ComfyUI versions."""
     with _sources_lock:
         source = _sources.get(module)
+    if source is None and patcher is not None:
+        source = _factory_source(module, patcher)
     if source is None or source[0] != getattr(module, _GENERATION, 0):
         return None
     hashes = tuple(TIERS.hashes.get(f) for f in source[2])
@@ -481,7 +511,7 @@ def _route(kind: str, patcher, module, make_key, compute, check_rng=False, admit
     except Exception as exc:  # an encoder object this key builder does not know: never break the encode
         CACHE.bypass(kind, f"unexpected {type(exc).__name__}: {exc}")
         return compute()
-    return CACHE.fetch(key, compute, check_rng=check_rng, admit=admit, shared=lambda: shared_key(key, module))
+    return CACHE.fetch(key, compute, check_rng=check_rng, admit=admit, shared=lambda: shared_key(key, module, patcher))
 
 
 # ---- the patched methods ----------------------------------------------------------------------

@@ -159,6 +159,30 @@ def test_shared_keys_name_devices_by_kind_and_model_not_index_and_leave_text_alo
             pc._device_names.pop(name, None)
 
 
+def test_comfyuis_vae_loader_reaches_the_disk_tier_through_its_reload_factory(shared):
+    """VAELoader (ComfyUI 0.2x+ records ``cached_patcher_init`` with the file) on a tiny Wan VAE file."""
+    import folder_paths
+    from safetensors.torch import save_file
+
+    import nodes
+
+    vae = _tiny_files().tiny_wan_vae(0)
+    folder = shared.files / "vae"
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in vae.first_stage_model.state_dict().items()}, str(folder / "rk_wan.safetensors"))
+    folder_paths.add_model_folder_path("vae", str(folder))
+    first = nodes.VAELoader().load_vae("rk_wan.safetensors")[0]
+    if getattr(first.patcher, "cached_patcher_init", None) is None:
+        pytest.skip("this ComfyUI's VAELoader records no file (no ModelPatcher.cached_patcher_init)")
+    image = torch.rand(1, 32, 32, 3, generator=torch.Generator().manual_seed(0))
+    out = first.encode(image)
+    assert len(entry_files(shared.folder)) == 1
+    second = nodes.VAELoader().load_vae("rk_wan.safetensors")[0]
+    again = second.encode(image)
+    assert torch.equal(again, out) and counter(shared.tiers, "disk", "hits") == 1
+    assert shared.cc.CACHE.count("encodes") == 1
+
+
 def test_an_encoder_without_a_known_file_never_uses_the_shared_tiers(shared):
     encode(rkharness.TINY.tiny_clip(0))
     assert shared.cc.CACHE.count("encodes") == 1
@@ -178,6 +202,17 @@ def test_weights_replaced_or_edited_after_loading_leave_the_shared_tiers(shared)
     assert not equal(edited, reference(0))
     fresh = files.load_tiny_clip_file(path)  # the file is unchanged: a fresh load still hits
     assert equal(encode(fresh), reference(0)) and counter(shared.tiers, "disk", "hits") == 1
+
+
+def test_weights_edited_between_loading_and_the_first_encode_never_hit_the_files_entries(shared):
+    files = _tiny_files()
+    path = files.write_tiny_clip_file(str(shared.files), 0)
+    encode(files.load_tiny_clip_file(path))  # the file's entry, from its true weights
+    edited = files.load_tiny_clip_file(path)
+    edited.cond_stage_model.clip_l.transformer.text_model.final_layer_norm.weight.data[0] += 1.0
+    out = encode(edited)
+    assert counter(shared.tiers, "disk", "hits") == 0 and shared.cc.CACHE.count("encodes") == 2
+    assert not equal(out, reference(0)) and len(entry_files(shared.folder)) == 1
 
 
 def test_lora_patch_sets_key_by_content_and_strength(shared):
