@@ -21,6 +21,9 @@ Exactness rules kept here:
 - Bytes (values + key contents + pinned weights, which stay where their patcher keeps them: the
   ``device`` tier) and entries are bounded; an entry larger than the
   budget is not admitted; a budget or entry capacity of 0 disables the cache.
+- Behind the LRU, the shared tiers (``caching/tiers.py``: disk, then Redis) are asked on a miss with
+  a key that means the same in every process; a shared hit is promoted into the LRU, a computed
+  result is written through to them. Their failures are misses, never a failed encode.
 """
 
 from __future__ import annotations

@@ -24,6 +24,13 @@ than ComfyUI's own are refused. Anything else the key cannot describe exactly (h
 such as bypass LoRA, object patches holding code or modules, weight wrappers, patcher callbacks and wrappers, autograd, unknown
 input types) bypasses the cache and runs unchanged. Every patched method's shape is checked at
 install (patches/host.py): on a host that reshaped one, the cache stays off with one warning.
+
+Shared tiers (disk, Redis: ``caching/tiers.py``) key an encoder by the content of the files it was
+loaded from, never by identity. ``comfy.sd.load_clip``, ``load_checkpoint_guess_config`` and
+``comfy.clip_vision.load`` are wrapped to record each encoder's files and loader options
+(:func:`register_source`, also for custom loaders); ComfyUI's ``cached_patcher_init`` (VAELoader on
+0.2x+) is read for encoders without a record. An encoder with no record, with weights replaced or
+edited since loading, or with a file not hashed yet stays in the process.
 """
 
 from __future__ import annotations
