@@ -576,6 +576,9 @@ class SharedTiers:
                                            on_written=self._redis_written)
                 except ValueError as exc:  # redis-py's parse of the URL
                     raise ValueError(f"setting 'conditioning.redis.url': {exc}") from None
+        for stats in self.stats.values():  # the panel shows these counters from the start, zero or not
+            for name in ("hits", "misses", "errors", "rejected"):
+                stats.incr(name, 0)
         self.publish()
 
     def _tiers(self):

@@ -138,6 +138,11 @@ def test_the_settings_node_shows_the_shared_tiers(shared):
     encode(files.load_tiny_clip_file(files.write_tiny_clip_file(str(shared.files), 0)))
     node = rkharness.pack("nodes.conditioning").ConditioningCacheSettings
     text = node.execute(True, 512, 128, False).args[0]
+    shared.tiers.TIERS.configure(shared.settings)
+    snap = {c["name"]: c for c in rkharness.pack("caching.stats").REGISTRY.snapshot()["caches"]}
+    for tier in ("conditioning_disk", "conditioning_redis"):
+        assert {"hits", "misses", "errors", "rejected"} <= set(snap[tier]["counters"])
+        assert "time_saved_s" in snap[tier] and "entries" in snap[tier]
     assert "conditioning_disk: 1 entries" in text and "conditioning_redis: 0 entries" in text
     assert "written=1" in text
 
