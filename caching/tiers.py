@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import queue
+import re
 import struct
 import threading
 import time
@@ -305,6 +306,10 @@ def unpack(data: bytes, key: SharedKey, secret: bytes | None, classes: dict[str,
 
 # ---- the disk tier -----------------------------------------------------------------------------
 
+_HEX2 = re.compile(r"^[0-9a-f]{2}$")
+_ENTRY = re.compile(r"^(\.)?([0-9a-f]{64})\.safetensors(\.\d+\.[0-9a-f]{8}\.tmp)?$")  # an entry, or its temporary file
+
+
 class DiskTier:
     """Entries as files ``<folder>/<2 hex>/<name>.safetensors``; bytes bounded, least recently used out."""
 
@@ -359,20 +364,25 @@ class DiskTier:
             pass
 
     def _files(self) -> list[tuple[float, int, Path]]:
+        """(mtime, size, path) of our entries. Only names this tier writes count (``<2 hex>/<64 hex>``
+        + suffix): a folder pointed at other files never has them counted, evicted or swept."""
         out = []
         if not self.folder.is_dir():
             return out
         for sub in self.folder.iterdir():
-            if not sub.is_dir():
+            if not (_HEX2.match(sub.name) and sub.is_dir()):
                 continue
             for entry in os.scandir(sub):
+                ours = _ENTRY.match(entry.name)
+                if ours is None or not ours.group(2).startswith(sub.name):
+                    continue
                 try:
                     st = entry.stat()
                 except OSError:
                     continue
-                if entry.name.endswith(self.SUFFIX) and not entry.name.startswith("."):
+                if ours.group(1) is None and ours.group(3) is None:
                     out.append((st.st_mtime, st.st_size, Path(entry.path)))
-                elif entry.name.endswith(".tmp") and time.time() - st.st_mtime > self.STALE_TMP_S:
+                elif ours.group(1) and ours.group(3) and time.time() - st.st_mtime > self.STALE_TMP_S:
                     with contextlib.suppress(OSError):  # left by a writer that died mid-write
                         os.unlink(entry.path)
         return out

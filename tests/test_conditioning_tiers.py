@@ -394,6 +394,23 @@ def test_two_processes_writing_the_same_entries_at_once_never_read_a_torn_file(s
 
 
 @pytest.mark.hardening
+def test_a_disk_tier_folder_pointed_at_other_files_never_counts_or_evicts_them(shared):
+    clip, path = _stored_entry(shared)
+    models = shared.folder / "checkpoints"
+    models.mkdir(parents=True)
+    precious = models / "model.safetensors"
+    precious.write_bytes(b"x" * 100_000)
+    stray = shared.folder / "ab" / "notes.safetensors"
+    stray.parent.mkdir(exist_ok=True)
+    stray.write_bytes(b"y" * 100_000)
+    disk = shared.tiers.TIERS.disk
+    disk.budget_bytes = 1  # every entry of ours must go, nothing else
+    disk.evict()
+    assert not path.exists() and precious.exists() and stray.exists()
+    assert disk.usage(fresh=True) == (0, 0)
+
+
+@pytest.mark.hardening
 def test_a_temporary_file_left_by_a_dead_writer_is_never_read_and_is_swept(shared):
     clip, path = _stored_entry(shared)
     tmp = path.with_name(f".{path.name}.999.deadbeef.tmp")
