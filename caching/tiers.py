@@ -495,14 +495,16 @@ class RedisTier:
         return (len(keys), sum(self._call(pipe.execute)))
 
     def close(self) -> None:
+        """Stop taking writes; the writer thread ends after the write in hand (the rest are dropped)."""
         self._closed = True
-        self._queue.put((None, None))
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait((None, None))
 
     def _work(self) -> None:
         while True:
             name, data = self._queue.get()
             try:
-                if name is None:
+                if name is None or self._closed:
                     return
                 self._call(self._client.set, self.PREFIX + name, data, ex=max(1, self.ttl_s))
                 self._on_written(len(data))
