@@ -47,6 +47,9 @@ COEFFICIENTS: dict[str, tuple[float, ...]] = {
     "wan2.1_t2v_14B_ret_mode": (-3.03318725e+05, 4.90537029e+04, -2.65530556e+03, 5.87365115e+01, -3.15583525e-01),
     "wan2.1_i2v_480p_14B_ret_mode": (2.57151496e+05, -3.54229917e+04, 1.40286849e+03, -1.35890334e+01, 1.32517977e-01),
     "wan2.1_i2v_720p_14B_ret_mode": (8.10705460e+03, 2.13393892e+03, -3.72934672e+02, 1.66203073e+01, -4.17769401e-02),
+    # ali-vilab/TeaCache: TeaCache4LTX-Video and TeaCache4Mochi
+    "ltxv": (2.14700694e+01, -1.28016453e+01, 2.31279151e+00, 7.92487521e-01, 9.69274326e-03),
+    "mochi": (-3.51241319e+03, 8.11675948e+02, -6.09400215e+01, 2.42429681e+00, 3.05291719e-03),
 }
 
 # Published MagCache magnitude ratios (Zehong-Ma/ComfyUI-MagCache nodes.py ``SUPPORTED_MODELS_MAG_RATIOS``,

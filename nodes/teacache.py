@@ -94,8 +94,10 @@ class TeaCacheNode(io.ComfyNode):
                         "instead (rules: TeaCache, MagCache, First-Block-Cache). Separate state per cond/uncond; "
                         "starts clean on every run and on any shape change. Works with any sampler; reports "
                         "computed and skipped steps in the log and the panel.",
-            inputs=[io.Model.Input("model", tooltip="The diffusion model (Flux, Flux.2, HunyuanVideo, HunyuanVideo 1.5, "
-                                                    "Wan 2.1/2.2, Qwen-Image incl. Edit).")]
+            inputs=[io.Model.Input("model", tooltip="The diffusion model (Flux, Flux Kontext, Flux.2, Chroma, "
+                                                    "Chroma Radiance, HunyuanVideo, HunyuanVideo 1.5, Wan 2.1/2.2 "
+                                                    "(S2V on ComfyUI 0.33+), Qwen-Image incl. Edit, LTXV, "
+                                                    "Mochi).")]
             + _cache_inputs(),
             outputs=[io.Model.Output(tooltip="A copy of the model with the step cache attached.")],
         )

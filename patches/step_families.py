@@ -66,6 +66,14 @@ def _ltxv_modulated(dm, args):
     return torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=1e-6) * (1 + scale) + shift
 
 
+def _mochi_modulated(dm, args):
+    """Mochi: the first block's RMS-normed image tokens scaled by its self-attention modulation (what
+    TeaCache4Mochi reads from norm1)."""
+    x = args["img"]
+    scale = dm.blocks[0].mod_x(torch.nn.functional.silu(args["vec"])).chunk(4, dim=1)[0]
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=1e-6) * (1 + scale.unsqueeze(1))
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -78,6 +86,8 @@ class Family:
     seams: tuple[tuple[str, tuple[str, ...]], ...] = ()  # ("module:attr.path", parameter names) it calls,
     # besides the ModelPatcher methods every family uses (PATCHER)
     variant: Callable[[Any, dict], str] | None = None  # (model_patcher, the run's conds) -> published variant
+    call_wrapper: str = "DIFFUSION_MODEL"  # the WrappersMP kind around one model call (APPLY_MODEL: Mochi's
+    # forward runs no DIFFUSION_MODEL wrapper)
 
 
 def _cond_values(conds: dict, key: str) -> list:
@@ -151,7 +161,9 @@ FAMILIES = (
     Family("wan22", "calibrated", WAN, _wan_modulated, _wan_blocks, bases=("comfy.model_base:WAN22",)),
     Family("wan", "wan2.1_t2v_1.3B_ret_mode", WAN, _wan_modulated, _wan_blocks, variant=_wan_variant),
     Family("qwen_image", "calibrated", QWEN, _qwen_modulated, _transformer_blocks, seams=QWEN_MODULATE),
-    Family("ltxv", "calibrated", LTXV, _ltxv_modulated, _transformer_blocks),
+    Family("ltxv", "ltxv", LTXV, _ltxv_modulated, _transformer_blocks),
+    Family("mochi", "mochi", ("comfy.ldm.genmo.joint_model.asymm_models_joint:AsymmDiTJoint",), _mochi_modulated,
+           _wan_blocks, call_wrapper="APPLY_MODEL"),
 )
 
 def _no_block_options(cls) -> bool:
@@ -172,8 +184,6 @@ REFUSED = (
      "cache never sees a call (newer ones do)", _no_block_options),
     ("comfy.ldm.lightricks.av_model:LTXAVModel", "its blocks carry a (video, audio) pair of streams, and the "
      "cache's block patches store and add the residual of one image stream", None),
-    ("comfy.ldm.genmo.joint_model.asymm_models_joint:AsymmDiTJoint", "its forward runs no DIFFUSION_MODEL "
-     "wrapper, where the cache learns which conds and sigma each call has", None),
     *((spec, NO_BLOCK_SEAM, None) for spec in ("comfy.ldm.lumina.model:NextDiT", "comfy.ldm.cosmos.model:GeneralDIT",
                                                "comfy.ldm.cosmos.predict2:MiniTrainDIT",
                                                "comfy.ldm.hidream.model:HiDreamImageTransformer2DModel",

@@ -43,7 +43,7 @@ PATCHER = (("comfy.model_patcher:ModelPatcher.set_model_patch_replace", ("patch"
            ("comfy.model_patcher:ModelPatcher.remove_wrappers_with_key", ("wrapper_type", "key")))
 WRAPPERS = "comfy.patcher_extension:WrappersMP"  # the wrapper kinds apply() adds
 
-TYPE_FAMILY = {"flux": "flux", "flux-kontext": "flux", "hunyuan_video": "hunyuan_video",
+TYPE_FAMILY = {"flux": "flux", "flux-kontext": "flux", "hunyuan_video": "hunyuan_video", "ltxv": "ltxv", "mochi": "mochi",
                **{k: "wan" for k in (*tc.COEFFICIENTS, *tc.MAG_RATIOS) if k.startswith("wan")}}
 MODEL_TYPES = ("auto", "calibrated", *dict.fromkeys((*tc.COEFFICIENTS, *tc.MAG_RATIOS)))
 RULES = ("auto", *tc.RULES)
@@ -100,7 +100,7 @@ class Settings:
 def _seams_fit(family: Family) -> bool:
     """The host's seams that ``family`` uses have the expected shape (else one warning says which)."""
     feature = f"TeaCache ({family.name})"
-    return (host.check(feature, WRAPPERS, _resolve(WRAPPERS), attrs=("OUTER_SAMPLE", "DIFFUSION_MODEL"))
+    return (host.check(feature, WRAPPERS, _resolve(WRAPPERS), attrs=("OUTER_SAMPLE", family.call_wrapper))
             and all(host.check(feature, where, _resolve(where), params) for where, params in PATCHER + family.seams))
 
 
@@ -139,7 +139,8 @@ def apply(model_patcher, config: tc.StepCacheConfig):
     m = model_patcher.clone()
     blocks = family.blocks(m.model.diffusion_model)
     m.model_options["transformer_options"][KEY] = Settings(config, family, tuple(blocks))
-    for kind, fn in ((WrappersMP.OUTER_SAMPLE, _outer_sample), (WrappersMP.DIFFUSION_MODEL, _diffusion_model)):
+    call_kind = getattr(WrappersMP, family.call_wrapper)
+    for kind, fn in ((WrappersMP.OUTER_SAMPLE, _outer_sample), (call_kind, _diffusion_model)):
         m.remove_wrappers_with_key(kind, KEY)  # applying twice replaces, never stacks
         m.add_wrapper_with_key(kind, KEY, fn)
     dit = m.model_options["transformer_options"].get("patches_replace", {}).get("dit", {})
@@ -356,7 +357,9 @@ def _diffusion_model(executor, *args, **kwargs):
         out = executor(*args, **kwargs)
         run.calls_computed += 1
         return out
-    call = _Call(run, settings.family, executor.class_obj, keys, _labels(to, len(keys)), may_skip, sigma)
+    dm = executor.class_obj
+    dm = dm.diffusion_model if settings.family.call_wrapper == "APPLY_MODEL" else dm  # a BaseModel there
+    call = _Call(run, settings.family, dm, keys, _labels(to, len(keys)), may_skip, sigma)
     to[CALL_KEY] = call
     t0 = time.perf_counter()
     try:

@@ -120,7 +120,7 @@ def build_prompt(case: dict, reusekit: bool, tag: str) -> dict:
         model = ["3", 0]
     if reusekit and case["tea"]:
         p["4"] = {"class_type": "ReuseKitTeaCache",
-                  "inputs": {"model": model, "model_type": "auto", "rel_l1_thresh": 0.0, "start_percent": 0.0,
+                  "inputs": {"model": model, "rule": "auto", "threshold": 0.0, "model_type": "auto", "start_percent": 0.0,
                              "end_percent": 1.0, "max_consecutive_skips": 0, "cache_device": case["tea_device"],
                              "residual_mode": case["tea_mode"]}}
         model = ["4", 0]

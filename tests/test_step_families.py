@@ -82,6 +82,7 @@ HOOKED = {
     "chroma": ("chroma", (1, 16, 8, 8), False),
     "chroma_radiance": ("chroma_radiance", (1, 3, 32, 32), False),
     "ltxv": ("ltxv", (1, 128, 2, 2, 2), True),
+    "mochi": ("mochi", (1, 12, 2, 8, 8), True),
 }
 
 
@@ -106,15 +107,18 @@ def test_a_skipped_step_on_the_same_input_returns_the_computed_output(name, rule
 
 @pytest.mark.parametrize("name", list(HOOKED))
 def test_calibrates_then_skips_through_the_real_ksampler(conds, name):
-    """No published coefficients: a clear error until calibrated; calibrating changes nothing; then
+    """Without published coefficients a clear error until calibrated; calibrating changes nothing; then
     skipped steps, a finite latent, cond and uncond reported."""
     family, shape, masked = HOOKED[name]
     model = helpers().family_spec(name).build(0)
     if masked:
         conds = tuple([[c, {**e, "attention_mask": torch.ones(c.shape[:2], dtype=torch.long)}] for c, e in cond] for cond in conds)
     ref = sample(model, conds, shape)
-    with pytest.raises(ValueError, match="ReuseKit TeaCache: model_type: no calibration"):
-        sample(step_cache(model, threshold=0.0), conds, shape)
+    if SF().detect_family(model).default_type == "calibrated":
+        with pytest.raises(ValueError, match="ReuseKit TeaCache: model_type: no calibration"):
+            sample(step_cache(model, threshold=0.0), conds, shape)
+    else:  # published coefficients (LTXV, Mochi): runs before any calibration, exact at threshold 0
+        assert torch.equal(sample(step_cache(model, threshold=0.0), conds, shape), ref)
     (cal,) = N().TeaCacheCalibrateNode.execute(model).args
     assert torch.equal(sample(cal, conds, shape), ref)
     assert last_run()["calibration"]["points"] >= 2
@@ -130,7 +134,6 @@ NO_SEAM = "no block-replace seam"
 
 @pytest.mark.parametrize("name,cls,why", [
     ("ltx2", "LTXAVModel", "a \\(video, audio\\) pair of streams"),
-    ("mochi", "AsymmDiTJoint", "no DIFFUSION_MODEL wrapper"),
     ("lumina2", "NextDiT", NO_SEAM),
     ("z_image", "NextDiT", NO_SEAM),
     ("cosmos", "MiniTrainDIT", NO_SEAM),
@@ -138,9 +141,9 @@ NO_SEAM = "no block-replace seam"
     ("omnigen2", "OmniGen2Transformer2DModel", NO_SEAM),
 ])
 def test_a_family_the_cache_cannot_hook_is_a_clear_error_that_says_why(name, cls, why):
-    """LTX-2 (its blocks carry video and audio together), Mochi (no per-call wrapper seam) and the
-    families whose forward has no block seam: both nodes refuse it naming themselves, the model class and
-    the reason, never a run that silently skips nothing."""
+    """LTX-2 (its blocks carry video and audio together) and the families whose forward has no block
+    seam: both nodes refuse it naming themselves, the model class and the reason, never a run that
+    silently skips nothing."""
     model = helpers().family_spec(name).build(0)
     with pytest.raises(ValueError, match=f"ReuseKit TeaCache: model: .*does not support {cls} models .*{why}"):
         step_cache(model)
@@ -226,11 +229,11 @@ def test_wan21_i2v_reads_the_start_image_latent_of_a_real_run(conds):
 def test_hunyuan_video_and_the_calibrated_families_read_their_default(tiny):
     h = helpers()
     for model, family, variant in ((h.tiny_hunyuan_video(0), "hunyuan_video", "hunyuan_video"),
-                                   (tiny.tiny_flux(0), "flux", "flux")):
+                                   (tiny.tiny_flux(0), "flux", "flux"),
+                                   (h.family_spec("ltxv").build(0), "ltxv", "ltxv")):
         fam = SF().detect_family(model)
         assert (fam.name, SF().model_variant(fam, model, {"positive": [{}]})) == (family, variant)
-    for name, family in (("hunyuan_video15", "hunyuan_video15"), ("wan22", "wan22"), ("chroma", "chroma"),
-                         ("ltxv", "ltxv")):
+    for name, family in (("hunyuan_video15", "hunyuan_video15"), ("wan22", "wan22"), ("chroma", "chroma")):
         model = h.family_spec(name).build(0)
         fam = SF().detect_family(model)
         assert (fam.name, SF().model_variant(fam, model, {})) == (family, "calibrated")
