@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 SCHEMA_VERSION = 1
+STORAGE_TIERS = frozenset({"disk", "redis"})  # bytes held outside this process: never in the memory total
 
 
 class CacheStats:
@@ -195,7 +196,7 @@ class StatsRegistry:
             "time": time.time(),
             "caches": entries,
             "totals": {
-                "bytes": sum(bytes_by_tier.values()),
+                "bytes": sum(n for tier, n in bytes_by_tier.items() if tier not in STORAGE_TIERS),
                 "bytes_by_tier": bytes_by_tier,
                 "bytes_by_kind": bytes_by_kind,
                 "time_saved_s": sum(e["time_saved_s"] for e in entries),

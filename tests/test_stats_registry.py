@@ -42,6 +42,9 @@ def test_register_count_and_snapshot_is_json_ready(stats):
     assert snap["totals"]["bytes_by_tier"] == {"cpu": 1076, "device": 24}
     assert snap["totals"]["bytes_by_kind"] == {"conditioning": 1024, "pe": 76}
     assert snap["totals"]["time_saved_s"] == 0.5
+    reg.register("conditioning_disk", "conditioning").set_memory("disk", 9000)  # files, not memory
+    totals = reg.snapshot()["totals"]
+    assert totals["bytes"] == 1100 and totals["bytes_by_tier"]["disk"] == 9000
 
 
 def test_names_are_unique_and_unregister_frees_them(stats):

@@ -114,6 +114,11 @@ test("aggregate groups by kind in a fixed order, unknown kinds last, with totals
   assert.deepEqual(agg.tiers, [{ tier: "cpu", bytes: 1000, budget: 4000 }, { tier: "device", bytes: 185, budget: null }]);
   assert.deepEqual(aggregate(undefined).groups, []);
   assert.equal(aggregate({ caches: "nope" }).count, 0);
+  // the conditioning cache's shared tiers hold files and Redis values, not memory: shown, never summed in
+  const shared = aggregate({ caches: [...snap.caches, cache("conditioning_disk", "conditioning", { bytes: { disk: 7000 } })] });
+  assert.equal(shared.totalBytes, 1185);
+  assert.equal(shared.groups[0].bytes, 1010);
+  assert.deepEqual(shared.tiers.map((t) => t.tier), ["cpu", "device", "disk"]);
 });
 
 test("tier totals add the budgets that caches declare", () => {

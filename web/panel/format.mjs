@@ -10,6 +10,14 @@ export const KIND_LABELS = {
   graph: "Graph reuse",
 };
 export const TIER_ORDER = ["cpu", "device"];
+/** Tiers that hold bytes outside this process's memory (the conditioning cache's shared tiers): shown per
+ * cache, never added to the memory held. */
+export const STORAGE_TIERS = new Set(["disk", "redis"]);
+
+/** A cache's bytes in memory tiers (storage tiers left out). */
+function memoryBytes(c) {
+  return Object.entries(c.bytes ?? {}).reduce((s, [tier, n]) => s + (STORAGE_TIERS.has(tier) ? 0 : n), 0);
+}
 export const COUNTER_ORDER = ["hits", "misses", "evictions", "bypasses"];
 
 const UNITS = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -160,7 +168,7 @@ export function aggregate(snapshot) {
       kind,
       label: KIND_LABELS[kind] ?? humanize(kind),
       caches: [...list].sort((a, b) => a.name.localeCompare(b.name)),
-      bytes: list.reduce((s, c) => s + Object.values(c.bytes ?? {}).reduce((x, y) => x + y, 0), 0),
+      bytes: list.reduce((s, c) => s + memoryBytes(c), 0),
       hitRate: hitRate(list),
       timeSaved: list.reduce((s, c) => s + (c.time_saved_s ?? 0), 0),
     }));
@@ -168,7 +176,7 @@ export function aggregate(snapshot) {
     schema: snapshot?.schema ?? null,
     groups,
     tiers: tierTotals(caches),
-    totalBytes: caches.reduce((s, c) => s + Object.values(c.bytes ?? {}).reduce((x, y) => x + y, 0), 0),
+    totalBytes: caches.reduce((s, c) => s + memoryBytes(c), 0),
     timeSaved: caches.reduce((s, c) => s + (c.time_saved_s ?? 0), 0),
     hitRate: hitRate(caches),
     count: caches.length,
