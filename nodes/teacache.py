@@ -18,7 +18,8 @@ def _cache_inputs() -> list:
                                "modulated input, rescaled by a per-model polynomial. magcache: the calibrated "
                                "ratio of consecutive residual magnitudes. first_block: the first block always "
                                "runs and the rest is skipped while its residual barely changes (no calibration). "
-                               "auto: the family's benchmarked rule."),
+                               "auto: the family's benchmarked rule (first_block while that rule has no published or "
+                               "calibrated table for this model)."),
         io.Float.Input("threshold", default=-1.0, min=-1.0, max=10.0, step=0.01,
                        tooltip="Skip while the rule's accumulated distance stays under this (teacache: rescaled "
                                "relative L1 of the modulated input; magcache: accumulated |1 - magnitude ratio|; "

@@ -443,6 +443,15 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None) -> Pla
     if table is not None:
         return plan("calibrated", table)
     table = None if cfg.model_type == "calibrated" else published(variant)
+    if table is None and settings.config.rule == "auto" and cfg.model_type == "auto":
+        # the family's rule has no table for this model yet: First-Block needs none, so "auto" still saves
+        host.say_once(f"teacache-no-table:{family.name}:{cfg.rule}", "ReuseKit Step Cache: no %s table for this %s "
+                      "model yet (%s); rule auto uses first_block until ReuseKit TeaCache Calibrate has run on it",
+                      cfg.rule, family.name, variant)
+        threshold = 0.0 if settings.config.threshold == 0.0 else tc.RULE_THRESHOLDS.get(
+            family.name, tc.FALLBACK_THRESHOLDS).get("first_block", tc.FALLBACK_THRESHOLDS["first_block"])
+        cfg = dataclasses.replace(cfg, rule="first_block", threshold=float(threshold))
+        return plan("none")
     if table is None:
         raise ValueError(f"ReuseKit TeaCache: model_type: no calibration for this {family.name} model yet "
                          f"({variant}, {cfg.rule}); run it once through ReuseKit TeaCache Calibrate (or pick "

@@ -129,6 +129,32 @@ def test_calibrates_then_skips_through_the_real_ksampler(conds, name):
     assert out.shape == ref.shape and torch.isfinite(out).all()
 
 
+def test_rule_auto_without_a_table_runs_first_block_until_calibrated(conds, caplog):
+    """A family with no published table (Chroma): the node's defaults (rule auto) run First-Block, which
+    needs none, exact at threshold 0, saying so once; after a calibration auto is TeaCache again. An
+    explicit rule that lacks its table stays a clear error."""
+    import logging
+
+    family, shape, _ = HOOKED["chroma"]
+    model = helpers().family_spec("chroma").build(0)
+    ref = sample(model, conds, shape)
+    defaults = {i.id: i.default for i in N().TeaCacheNode.define_schema().inputs if i.id != "model"}
+    with caplog.at_level(logging.INFO, logger="reusekit"):
+        (auto,) = N().TeaCacheNode.execute(model=model, **{**defaults, "threshold": 0.0}).args
+        assert torch.equal(sample(auto, conds, shape), ref)
+        assert last_run()["rule"] == "first_block" and last_run()["model_type"] == "none"
+        (auto,) = N().TeaCacheNode.execute(model=model, **{**defaults, "threshold": 5.0}).args
+        assert torch.isfinite(sample(auto, conds, shape)).all() and last_run()["rule"] == "first_block"
+    assert len([r for r in caplog.records if "rule auto uses first_block" in r.getMessage()]) == 1
+    with pytest.raises(ValueError, match="no calibration"):
+        sample(step_cache(model, threshold=0.0), conds, shape)
+    (cal,) = N().TeaCacheCalibrateNode.execute(model).args
+    sample(cal, conds, shape)
+    (auto,) = N().TeaCacheNode.execute(model=model, **defaults).args
+    sample(auto, conds, shape)
+    assert last_run()["rule"] == "teacache" and last_run()["model_type"] == "calibrated"
+
+
 NO_SEAM = "no block-replace seam"
 
 
