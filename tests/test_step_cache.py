@@ -26,6 +26,11 @@ def P():
     return rkharness.pack("patches.teacache")
 
 
+def H():
+    """The step-cache test helpers shared with test_step_families.py."""
+    return tiny_module("step_families")
+
+
 def SF():
     return rkharness.pack("patches.step_families")
 
@@ -816,7 +821,7 @@ def test_a_failed_run_keeps_no_residuals_while_its_error_is_held(flux, conds):
 def test_two_step_cached_models_in_one_workflow_keep_their_own_reports(conds):
     """Wan 2.2's two experts (or any two models) sampled one after the other: each run's report
     stays in the stats under its model, not overwritten by the other's."""
-    spec = family_spec("wan22_14b")
+    spec = H().family_spec("wan22_14b")
     high, low = spec.build(0), spec.build(1)
     shape = (1, 16, 1, 8, 8)
     sample(teacache(high, 0.0, model_type="auto"), conds, steps=4, shape=shape)
@@ -903,41 +908,11 @@ def test_hunyuan_video_with_a_guiding_frame_reads_its_per_frame_modulation_and_s
     assert last_run()["calls_skipped"] >= 1 and torch.isfinite(out).all()
 
 
-def family_spec(name):
-    """FAMILY_SPECS[name] (tests/tinymodels/families.py), or a skip naming the class this host lacks."""
-    spec = tiny_module("families").FAMILY_SPECS[name]
-    missing = spec.missing() if hasattr(spec, "missing") else None
-    if missing:
-        pytest.skip(f"this ComfyUI has no {missing}")
-    return spec
-
-
 def skip_without_timestep_zero(model):
     import inspect
 
     if "index_timestep_zero" not in inspect.getsource(type(model.model.diffusion_model)._forward):
         pytest.skip("this ComfyUI's Flux has no index_timestep_zero reference method")
-
-
-def batched(x, sigma, kwargs):
-    """One model call's inputs as cond and uncond batched together (the uncond's latent differs)."""
-    def two(v):
-        if isinstance(v, list):  # reference latents
-            return [two(r) for r in v]
-        return torch.cat([v, v]) if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == 1 else v
-
-    return torch.cat([x, x.flip(-1)]), two(sigma), {k: two(v) for k, v in kwargs.items()}
-
-
-def two_calls(model, x, sigma, kwargs, keys=("c", "u")):
-    """The same input twice through the cached model: (first output, second output, run state)."""
-    to = model.model_options["transformer_options"].copy()
-    to.update({"wrappers": model.wrappers, "sigmas": sigma, "uuids": list(keys), "cond_or_uncond": [0, 1][:len(keys)],
-               P().RUN_KEY: call_state(to)})
-    with torch.inference_mode():
-        first = model.model.apply_model(x, sigma, transformer_options=to, **kwargs)
-        second = model.model.apply_model(x, sigma, transformer_options=to, **kwargs)
-    return first, second, to[P().RUN_KEY]
 
 
 def flux_call(model, x, to, conds, sigma=0.5):
@@ -1038,18 +1013,18 @@ def test_a_skipped_step_on_the_same_input_returns_the_computed_output(name, rule
     block is modulated (the doubled timestep-zero modulation of Flux.2 / Qwen-Image-Edit-2511)."""
     spec_name = "flux2_klein" if name == "flux2_index_timestep_zero" else name  # the host doubles no guidance
     family, extra = RESULT_FAMILIES[name]
-    spec = family_spec(spec_name)
+    spec = H().family_spec(spec_name)
     model = spec.build(0)
     x, sigma, kwargs = spec.inputs(spec.sizes[0], 0)
     if extra.get("ref_latents_method"):
         skip_without_timestep_zero(model)
         kwargs = dict(kwargs, ref_latents=[torch.randn((1, *spec.sizes[0][:-2], 4, 6),
                                                        generator=torch.Generator().manual_seed(7))], **extra)
-    x, sigma, kwargs = batched(x, sigma, kwargs)
+    x, sigma, kwargs = H().batched(x, sigma, kwargs)
     cached = teacache(model, 1.0, model_type="auto", mode="reuse", rule=rule)
     settings = cached.model_options["transformer_options"][P().KEY]
     assert settings.family.name == family
-    first, second, run = two_calls(cached, x, sigma, kwargs)
+    first, second, run = H().two_calls(cached, x, sigma, kwargs)
     one_block = rule == "first_block" and len(settings.blocks) == 1  # the first block is the whole stack
     assert [s.pattern for s in run.conds.values()] == [["C", "C" if one_block else "S"]] * 2
     assert torch.allclose(second, first, atol=1e-5, rtol=1e-5), rel_err(second, first)
@@ -1072,7 +1047,7 @@ def test_families_of_the_current_host_calibrate_then_skip_through_the_real_ksamp
     Klein and Qwen-Image-Edit-2511 at timestep zero: these crashed the sampler): no published
     coefficients, so a clear error until calibrated, then skipped steps and a finite latent."""
     family, shape, extra, fill = NEW_FAMILIES[name]
-    spec = family_spec(name.removesuffix("_index_timestep_zero"))
+    spec = H().family_spec(name.removesuffix("_index_timestep_zero"))
     model = spec.build(0)
     if "reference_latents_method" in extra:
         skip_without_timestep_zero(model)
@@ -1099,7 +1074,7 @@ def test_the_two_wan22_experts_keep_separate_state_and_calibrations(conds):
     residual)."""
     import nodes
 
-    spec = family_spec("wan22_14b")
+    spec = H().family_spec("wan22_14b")
     high, low = spec.build(0), spec.build(1)
     shape = (1, 16, 1, 8, 8)
     latent = {"samples": torch.zeros(shape)}
@@ -1127,7 +1102,7 @@ def test_the_two_wan22_experts_keep_separate_state_and_calibrations(conds):
 def test_a_family_without_block_seams_is_a_clear_error_at_the_node(name, cls):
     """LTX-2 (a joint audio/video stream) and Z-Image (no block-replace seam) cannot be hooked
     without copying a core forward: the node says so, naming itself and the input."""
-    model = family_spec(name).build(0)
+    model = H().family_spec(name).build(0)
     for node in (N().TeaCacheNode, ):
         with pytest.raises(ValueError, match=f"ReuseKit TeaCache: model: .*does not support {cls}"):
             node.execute(model, "auto", 0.4, 0.0, 1.0, 0, "device", "reuse")
