@@ -235,11 +235,12 @@ def _node_prompt(class_type: str, inputs: dict, bad_name: str, bad_value) -> dic
 
 def _cases():
     for class_type, inputs in _reusekit_nodes().items():
-        for name, (kind, _options) in inputs.items():
+        for name, (kind, options) in inputs.items():
             if isinstance(kind, list):
                 values = BAD["COMBO"]
-            elif kind in BAD:
-                values = BAD[kind]
+            elif kind in BAD:  # a negative number is bad only under the input's minimum (-1: "auto")
+                values = [v for v in BAD[kind] if not (isinstance(v, (int, float)) and v < 0
+                                                        and (options or {}).get("min", 0) <= v)]
             elif kind in WRONG_LINK:
                 values = [WRONG_LINK[kind], 5, "text", None]
             else:
