@@ -73,14 +73,38 @@ def test_the_pareto_front_keeps_only_rows_no_other_beats(bench):
 
 
 def test_result_takes_the_worst_model_and_zeroes_a_default_under_the_floor(bench):
-    def table(default_x, default_psnr, ours, core):
-        return [{"method": "none", "setting": "uncached", "call_x": 1.0, "psnr": 100.0},
-                {"method": bench.DEFAULT[0], "setting": bench.DEFAULT[1], "call_x": default_x, "psnr": default_psnr},
-                {"method": "reusekit reuse", "setting": "a", "call_x": ours, "psnr": 31.0},
-                {"method": "core easycache", "setting": "b", "call_x": core, "psnr": 31.0},
-                {"method": "core lazycache", "setting": "c", "call_x": 9.0, "psnr": 20.0}]
+    def table(default_x, default_psnr, ours, base):
+        return [{"method": "none", "setting": "uncached", "kind": "none", "call_x": 1.0, "psnr": 100.0},
+                {"method": bench.DEFAULT[0], "setting": bench.DEFAULT[1], "kind": "reusekit", "call_x": default_x,
+                 "psnr": default_psnr},
+                {"method": "teacache extrapolate", "setting": "a", "kind": "reusekit", "call_x": ours, "psnr": 31.0},
+                {"method": "teacache reuse", "setting": "b", "kind": "baseline", "call_x": base, "psnr": 31.0},
+                {"method": "core lazycache", "setting": "c", "kind": "baseline", "call_x": 9.0, "psnr": 20.0}]
 
     x, y = bench.result({"flux": table(3.0, 36.0, 4.0, 2.0), "wan": table(2.6, 31.0, 3.0, 2.5)}, 30.0)
     assert (x, y) == (pytest.approx(2.6), pytest.approx(1.2))
     x, y = bench.result({"flux": table(3.0, 36.0, 4.0, 2.0), "wan": table(2.6, 31.0, 3.0, 2.5)}, 35.0)
     assert (x, y) == (0.0, pytest.approx(1.0))  # wan's default is under 35 dB; no row but the default reaches it
+
+
+def test_baselines_are_the_published_rules_with_their_reuse_and_the_core_nodes(bench):
+    rows = bench.configs("flux", quick=False)
+    assert rows[0]["kind"] == "none" and rows[1]["spec"] == ("default",)
+    for r in rows[2:]:
+        spec = r["spec"]
+        published_rule = spec[0] == "rk" and spec[4] == "reuse"
+        assert (r["kind"] == "baseline") == (published_rule or spec[0] == "core"), r
+    rules = {r["spec"][1] for r in rows if r["spec"][0] == "rk" and r["kind"] == "baseline"}
+    assert rules == {"teacache", "magcache", "first_block"}
+
+
+def test_the_default_is_picked_on_tuning_prompts_among_settings_that_need_no_calibration(bench):
+    def row(model_type, tune_x, tune_psnr, limit=0, start=0.0):
+        return {"spec": ("rk", "teacache", model_type, 0.4, "reuse", limit, start), "tune_x": tune_x,
+                "tune_psnr": tune_psnr, "call_x": 0.0, "psnr": 0.0}
+
+    table = [{"spec": ("none",), "tune_x": 1.0, "tune_psnr": 100.0}, row("calibrated", 9.0, 50.0),
+             row("flux", 5.0, 32.0), row("flux", 3.0, 34.0), row("flux", 4.0, 40.0, limit=2),
+             row("flux", 4.0, 40.0, start=0.2), row("flux", 2.0, 60.0)]
+    assert bench.pick_default(table) is table[3]
+    assert bench.pick_default(table[:3]) is None
