@@ -41,6 +41,20 @@ def tiny():
     return rkharness.TINY
 
 
+@pytest.fixture(scope="module")
+def conds(tiny):
+    """(positive, negative) of the tiny CLIP: a caption the trained models know and an empty negative."""
+    import torch
+
+    import nodes
+
+    clip = tiny.tiny_clip(0)
+    with torch.inference_mode():
+        (pos,) = nodes.CLIPTextEncode().encode(clip, "a red circle on a black background")
+        (neg,) = nodes.CLIPTextEncode().encode(clip, "")
+    return pos, neg
+
+
 @pytest.fixture(scope="session")
 def comfy_server():
     """One real ComfyUI server (main.py --cpu) with the pack, shared by the session's tests."""

@@ -48,17 +48,6 @@ def flux():
     return tiny_module("trained_flux").build()
 
 
-@pytest.fixture(scope="module")
-def conds(tiny):
-    import nodes
-
-    clip = tiny.tiny_clip(0)
-    with torch.inference_mode():
-        (pos,) = nodes.CLIPTextEncode().encode(clip, "a red circle on a black background")
-        (neg,) = nodes.CLIPTextEncode().encode(clip, "")
-    return pos, neg
-
-
 @pytest.fixture(autouse=True)
 def _isolated_calibrations(monkeypatch, tmp_path):
     """Calibrations go to a temporary file, and none leaks between tests."""

@@ -40,17 +40,6 @@ def _isolated_calibrations(monkeypatch, tmp_path):
     return store
 
 
-@pytest.fixture(scope="module")
-def conds(tiny):
-    import nodes
-
-    clip = tiny.tiny_clip(0)
-    with torch.inference_mode():
-        (pos,) = nodes.CLIPTextEncode().encode(clip, "a red circle on a black background")
-        (neg,) = nodes.CLIPTextEncode().encode(clip, "")
-    return pos, neg
-
-
 def step_cache(model, model_type="auto", threshold=1.0, rule="teacache"):
     """ReuseKit TeaCache by keyword (the TeaCache rule by default: what the calibration fits), plain reuse."""
     (m,) = N().TeaCacheNode.execute(model, model_type=model_type, threshold=threshold, start_percent=0.0,
