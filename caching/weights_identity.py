@@ -22,7 +22,8 @@ SAMPLES = 16  # values sampled per weight tensor, spread evenly over its element
 
 
 def _sample(t: torch.Tensor) -> torch.Tensor:
-    """Up to SAMPLES values of ``t`` at fixed, evenly spread positions, as float64 on the CPU."""
+    """Up to SAMPLES values of ``t`` at fixed, evenly spread positions, as float32 where ``t`` lives
+    (every float8/16/32 value is exact in float32)."""
     flat = t.detach().reshape(-1)
     n = flat.numel()
     k = min(SAMPLES, n)
@@ -32,7 +33,7 @@ def _sample(t: torch.Tensor) -> torch.Tensor:
         picked = flat.view(torch.uint8)[idx].view(flat.dtype)
     else:
         picked = flat[idx]
-    return picked.to("cpu", torch.float64)
+    return picked.float()
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def _known(name: str) -> bool:
 def identity(named_weights: Iterable[tuple[str, torch.Tensor]]) -> WeightsIdentity:
     """The identity of ``(name, tensor)`` pairs (a model's weights as loaded, in a fixed order)."""
     h = hashlib.sha256()
-    dtypes, counts, picked = [], [], []
+    dtypes, counts, picked = [], [], {}
     for name, t in named_weights:
         if not t.is_floating_point() or t.numel() == 0:
             continue
@@ -102,6 +103,12 @@ def identity(named_weights: Iterable[tuple[str, torch.Tensor]]) -> WeightsIdenti
         values = _sample(t)
         dtypes.append(str(t.dtype).removeprefix("torch."))
         counts.append(values.numel())
-        picked.append(values)
-    samples = torch.cat(picked).tolist() if picked else []
+        picked.setdefault(values.device, []).append((len(counts) - 1, values))
+    # one copy to the host per device (a model may be split over devices), then back into tensor order
+    parts: list = [None] * len(counts)
+    for pairs in picked.values():
+        host = torch.cat([v for _, v in pairs]).cpu().split([v.numel() for _, v in pairs])
+        for (i, _), values in zip(pairs, host, strict=True):
+            parts[i] = values
+    samples = torch.cat(parts).tolist() if parts else []
     return WeightsIdentity(h.hexdigest()[:32], tuple(dtypes), tuple(counts), tuple(samples))
