@@ -3,15 +3,20 @@
 A cache defines its settings once (``SETTINGS.define(...)``) with a type, a range and a callback
 that applies a new value at once (no restart). ``set`` validates before anything changes and
 raises ``ValueError`` with a message that names the setting; ``update`` applies several settings
-all or nothing.
+all or nothing. A setting may be ``env_only`` (where a value points the pack at a folder or a server:
+no client of ComfyUI's API may change it), may map values of an older form of itself (``legacy``,
+one log line), and may be shown otherwise than it is (``shown``: a URL without its password).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+log = logging.getLogger("reusekit")
 
 
 def _shown(raw: Any, limit: int = 80) -> str:
@@ -30,10 +35,18 @@ class Setting:
     maximum: float | None = None
     choices: tuple | None = None
     on_change: Callable[[Any], None] | None = None
+    env_only: str | None = None  # the environment variable that alone sets it
+    legacy: Callable[[Any], Any] | None = None  # an older form's value -> today's (None: not an older form)
+    shown: Callable[[Any], Any] | None = None
     value: Any = field(default=None)
 
     def validate(self, raw: Any) -> Any:
         name = f"setting {self.key!r}"
+        if self.legacy is not None:
+            mapped = self.legacy(raw)
+            if mapped is not None:
+                log.info("ReuseKit: %s: %s is an older form of %s", name, _shown(raw), _shown(mapped))
+                raw = mapped
         got = _shown(raw)
         if self.kind is bool:
             if not isinstance(raw, bool):
@@ -62,9 +75,11 @@ class Setting:
         return raw
 
     def describe(self) -> dict[str, Any]:
-        return {"value": self.value, "default": self.default, "type": self.kind.__name__,
+        show = self.shown or (lambda v: v)
+        return {"value": show(self.value), "default": show(self.default), "type": self.kind.__name__,
                 "min": self.minimum, "max": self.maximum,
-                "choices": list(self.choices) if self.choices else None, "description": self.description}
+                "choices": list(self.choices) if self.choices else None, "description": self.description,
+                "readonly": self.env_only is not None, "env": self.env_only}
 
 
 class SettingsRegistry:
@@ -74,9 +89,12 @@ class SettingsRegistry:
 
     def define(self, key: str, kind: type, default: Any, description: str = "", *,
                minimum: float | None = None, maximum: float | None = None, choices: tuple | None = None,
-               on_change: Callable[[Any], None] | None = None) -> Setting:
-        """Define a setting (its value starts at ``default``); defining a key twice is an error."""
-        setting = Setting(key, kind, default, description, minimum, maximum, choices, on_change)
+               on_change: Callable[[Any], None] | None = None, env_only: str | None = None,
+               legacy: Callable[[Any], Any] | None = None, shown: Callable[[Any], Any] | None = None) -> Setting:
+        """Define a setting (its value starts at ``default``); defining a key twice is an error.
+        ``env_only``: the environment variable that alone sets it (``set`` refuses, naming it)."""
+        setting = Setting(key, kind, default, description, minimum, maximum, choices, on_change, env_only, legacy,
+                          shown)
         setting.value = setting.validate(default)
         with self._lock:
             if key in self._settings:
@@ -88,13 +106,20 @@ class SettingsRegistry:
         with self._lock:
             return self._lookup(key).value
 
-    def set(self, key: str, raw: Any) -> Any:
-        return self.update({key: raw})[key]
+    def set(self, key: str, raw: Any, *, trusted: bool = False) -> Any:
+        return self.update({key: raw}, trusted=trusted)[key]
 
-    def update(self, values: dict[str, Any]) -> dict[str, Any]:
+    def update(self, values: dict[str, Any], *, trusted: bool = False) -> dict[str, Any]:
         """Validate every value first, then apply them in order; nothing changes if one is bad,
-        and a callback that raises undoes the settings already applied."""
+        and a callback that raises undoes the settings already applied. ``trusted``: the pack's
+        own code in this process (tests, the bench) may change ``env_only`` settings; the routes
+        and nodes never pass it."""
         with self._lock:
+            for key in values:
+                env = self._lookup(key).env_only
+                if env is not None and not trusted:
+                    raise ValueError(f"setting {key!r} is set from the environment only ({env}), "
+                                     "never through ComfyUI's API")
             validated = {key: self._lookup(key).validate(raw) for key, raw in values.items()}
             applied: list[tuple[Setting, Any]] = []
             try:
