@@ -33,10 +33,8 @@ import os
 import threading
 import time
 import weakref
-import zlib
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -45,6 +43,7 @@ from .keys import Uncacheable, encode, nbytes
 from .settings import SETTINGS
 from .stats import REGISTRY
 from .tiers import TIERS, SharedKey
+from .weight_edits import MODES, SETTING, legacy_mode
 
 log = logging.getLogger("reusekit")
 
@@ -54,32 +53,48 @@ ENV_SWITCH = "REUSEKIT_CONDITIONING"
 
 
 # ---- identity: serial numbers that are never reused -----------------------------------------
+# A weakref callback may run inside the garbage collector, on any thread, while any lock is held
+# (this module's included): it only records the death (deque appends are atomic); the serial table
+# is pruned and the cache's entries dropped at the next call (``_prune``, ``ConditioningCache.reap``).
 
-_serial_lock = threading.RLock()  # weakref callbacks may run inside (GC)
+_serial_lock = threading.Lock()
 _serials: dict[int, tuple[weakref.ref, int]] = {}
 _next_serial = [0]
-_death_listeners: list[Callable[[int], None]] = []
+_buried: deque[tuple[int, int]] = deque()  # (id, serial) of dead objects, pruned under the lock later
+_death_listeners: list[Callable[[int], None]] = []  # record-only (they run inside the collector)
+
+
+def _died(oid: int, serial: int) -> None:
+    """Inside the collector: records only (no lock, no stats, no ComfyUI)."""
+    _buried.append((oid, serial))
+    for fn in _death_listeners:
+        fn(serial)
+
+
+def _prune() -> None:
+    """Forget the serials of dead objects (under ``_serial_lock``): an id reused by a new object
+    keeps the new object's serial."""
+    while _buried:
+        try:
+            oid, serial = _buried.popleft()
+        except IndexError:
+            break
+        current = _serials.get(oid)
+        if current is not None and current[1] == serial:
+            del _serials[oid]
 
 
 def identity(obj: Any) -> int:
     """A serial number for ``obj``, stable while it lives and never given to another object."""
     with _serial_lock:
+        _prune()
         found = _serials.get(id(obj))
         if found is not None and found[0]() is obj:
             return found[1]
         _next_serial[0] += 1
         serial = _next_serial[0]
         oid = id(obj)
-
-        def _died(ref, oid=oid, serial=serial):
-            with _serial_lock:
-                current = _serials.get(oid)
-                if current is not None and current[1] == serial:
-                    del _serials[oid]
-            for fn in list(_death_listeners):
-                fn(serial)
-
-        _serials[oid] = (weakref.ref(obj, _died), serial)
+        _serials[oid] = (weakref.ref(obj, lambda _ref, oid=oid, serial=serial: _died(oid, serial)), serial)
         return serial
 
 
@@ -188,73 +203,6 @@ class Key:
                 and len(self.weights) == len(other.weights)
                 and all(a is b for a, b in zip(self.weights, other.weights, strict=True))
                 and self.fields == other.fields)
-
-
-# ---- weights without a version counter -------------------------------------------------------
-# A weight is fingerprinted where it lives: on the CPU by a CRC-32 (zlib releases the GIL, so large
-# tensors run on worker threads), on an accelerator by a multiply-sum (no copy to the host, one sync).
-# Either changes whenever any one 32-bit word (any one element of up to 4 bytes) changes.
-
-_POOLED = 1 << 20  # bytes: CPU tensors this large are checked on worker threads, smaller ones inline
-_crc_pool: list[ThreadPoolExecutor] = []
-_crc_lock = threading.Lock()
-_CHUNK = 1 << 20  # 32-bit words per step of a device fingerprint: its temporaries stay at 8 MiB
-_multipliers: dict[torch.device, torch.Tensor] = {}
-
-
-def _crc(t: torch.Tensor) -> int:
-    data = t.detach().reshape(-1).contiguous().view(torch.uint8).numpy()
-    return zlib.crc32(memoryview(data))
-
-
-def _odd_multipliers(device: torch.device) -> torch.Tensor:
-    """Fixed random odd 64-bit multipliers, one per word of a chunk, kept once per device."""
-    with _crc_lock:
-        found = _multipliers.get(device)
-        if found is None:
-            gen = torch.Generator().manual_seed(0x5EED)
-            found = (torch.randint(0, 1 << 62, (_CHUNK,), generator=gen, dtype=torch.int64) * 2 + 1).to(device)
-            _multipliers[device] = found
-        return found
-
-
-def _device_fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """A 0-d int64 tensor on ``t``'s device: the sum of its 32-bit words times odd multipliers,
-    chunk-weighted, modulo 2**64. A one-word change times an odd number is never 0 modulo 2**64."""
-    data = t.detach().reshape(-1).contiguous().view(torch.uint8)
-    words = data.view(torch.int32) if data.numel() % 4 == 0 else data.to(torch.int32)
-    mult = _odd_multipliers(words.device)
-    total = torch.zeros((), dtype=torch.int64, device=words.device)
-    for c, start in enumerate(range(0, words.numel(), _CHUNK)):
-        chunk = words[start:start + _CHUNK]
-        total += (chunk.to(torch.int64) * mult[:chunk.numel()]).sum() * (2 * c + 1)
-    return total
-
-
-def checksums(tensors: list[torch.Tensor]) -> list[int]:
-    """A fingerprint of each tensor's bytes, computed on the device that holds it. It sees every
-    one-word edit, and any other edit except with a chance of about 2**-32 per edited tensor."""
-    out: list[int | None] = [None] * len(tensors)
-    on_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        if t.device.type != "cpu":
-            on_device.setdefault(t.device, []).append(i)
-    for indices in on_device.values():
-        sums = torch.stack([_device_fingerprint(tensors[i]) for i in indices]).tolist()
-        for i, value in zip(indices, sums, strict=True):
-            out[i] = value
-    cpu = [i for i, t in enumerate(tensors) if out[i] is None]
-    large = [i for i in cpu if tensors[i].numel() * tensors[i].element_size() >= _POOLED]
-    if len(large) >= 2:
-        with _crc_lock:
-            if not _crc_pool:
-                _crc_pool.append(ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="reusekit-crc"))
-        for i, value in zip(large, _crc_pool[0].map(_crc, [tensors[i] for i in large]), strict=True):
-            out[i] = value
-    for i in cpu:
-        if out[i] is None:
-            out[i] = _crc(tensors[i])
-    return out
 
 
 # ---- stored values: private copies ------------------------------------------------------------
@@ -597,7 +545,7 @@ def _shared_key(shared: Callable[[], SharedKey | None] | None) -> SharedKey | No
 def _shared_get(key: SharedKey) -> tuple[Any, float] | None:
     """A shared tiers' entry (frozen value, compute seconds), or None; their failures are misses."""
     try:
-        return TIERS.get(key, {name: cls for cls, name in _CONTAINERS.items()})
+        return TIERS.get(key, {name: cls for cls, name in _CONTAINERS.items()}, key.local)
     except Exception as exc:  # a shared tier never fails an encode
         log.debug("ReuseKit conditioning: shared read failed: %s", exc)
         return None
@@ -649,10 +597,12 @@ SETTINGS.define("conditioning.budget_mib", int, 512,
 SETTINGS.define("conditioning.max_entries", int, 128,
                 "Entries the conditioning cache may hold (0 disables it).",
                 minimum=0, maximum=1 << 20, on_change=lambda v: CACHE.configure(max_entries=v))
-SETTINGS.define("conditioning.check_weight_edits", bool, True,
-                "Fingerprint the encoder's weights on every encode to see in-place edits (ComfyUI's loaders "
-                "make weights without a version counter): most of a hit's cost. Off, a node that edits an "
-                "encoder's weights in place outside ComfyUI's patcher gets the old encodes back; switching "
-                "it empties the cache.",
-                on_change=lambda _: CACHE.clear())
+SETTINGS.define(SETTING, str, "events",
+                "How in-place edits of an encoder's weights are seen. events: a full fingerprint when the weights "
+                "load, when ComfyUI applies or removes weight patches (at most once per node run), and per encode "
+                "a cheap check (small tensors whole, sampled values of large ones, the embedding rows the prompt "
+                "reads) whose cost does not grow with the weights. every_encode: a full fingerprint on every "
+                "encode (for nodes that edit a few values of a large weight in place). off: no check, and the "
+                "disk and Redis tiers neither read nor write. Switching it empties the cache.",
+                choices=MODES, legacy=legacy_mode, on_change=lambda _: CACHE.clear())
 CACHE.configure(SETTINGS.get("conditioning.budget_mib") * MIB, SETTINGS.get("conditioning.max_entries"))

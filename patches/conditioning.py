@@ -9,28 +9,33 @@ Patched (class attributes, one install and one uninstall, idempotent, each shape
 - ``comfy.sd.VAE.encode`` and ``encode_tiled`` (and its tile helpers, ``_encode_tiled_owned`` where
   the host has it, to see an out-of-memory fallback from a plain encode to tiles: that result is
   never stored);
-- ``CLIP.load_sd`` / ``ClipVisionModel.load_sd`` (weights replaced in place: a new generation).
+- ``CLIP.load_sd`` / ``ClipVisionModel.load_sd`` (weights replaced in place: a new generation) and
+  ``VAE.__init__``: the weights they load are fingerprinted as the reference of the edit checks.
 
 Entries are CPU copies (caching/conditioning.py): the cache makes no device copy of its own (weight
 patches it pins stay where their patcher keeps them), so nothing here hooks ComfyUI's memory manager.
 
 A call goes through the cache when global mode is on (setting ``conditioning.enabled``) or when the
 encoder object was made by a ReuseKit Cached node (a marker in its patcher's ``model_options``,
-which ComfyUI's clones copy). Plain-valued object patches (``manual_cast_dtype``...) and the encoder
-modules' own settings (``enable_attention_masks``, ``zero_out_masked``...; a digest) are part of the
-key; an in-place edit of a weight starts a new generation (seen by its version counter, or for
-inference tensors, which have none, by a fingerprint of its bytes on every key, computed on the device that holds it). Patcher classes other
-than ComfyUI's own are refused. Anything else the key cannot describe exactly (hooks, injections
-such as bypass LoRA, object patches holding code or modules, weight wrappers, patcher callbacks and wrappers, autograd, unknown
-input types) bypasses the cache and runs unchanged. Every patched method's shape is checked at
-install (patches/host.py): on a host that reshaped one, the cache stays off with one warning.
+which ComfyUI's clones copy). Plain-valued object patches (``manual_cast_dtype``...), the encoder
+modules' own settings (``enable_attention_masks``, ``zero_out_masked``...; a digest, memoised until
+one of them changes) and what changes an encode's bits on one device (attention functions, ``--fast``,
+TF32 flags) are part of the key. An in-place edit of a weight starts a new generation; it is seen
+by events, not by reading every weight per encode (patches/encoder_weights.py). Patcher classes
+other than ComfyUI's own are refused. Anything else the key cannot describe exactly (hooks,
+injections such as bypass LoRA, object patches holding code or modules, weight wrappers, patcher
+callbacks and wrappers, autograd, unknown input types) bypasses the cache and runs unchanged. Every
+patched method's shape is checked at install (patches/host.py): on a host that reshaped one, the
+cache stays off with one warning.
 
 Shared tiers (disk, Redis: ``caching/tiers.py``) key an encoder by the content of the files it was
 loaded from, never by identity. ``comfy.sd.load_clip``, ``load_checkpoint_guess_config`` and
 ``comfy.clip_vision.load`` are wrapped to record each encoder's files and loader options
-(:func:`register_source`, also for custom loaders); ComfyUI's ``cached_patcher_init`` (VAELoader on
-0.2x+) is read for encoders without a record. An encoder with no record, with weights replaced or
-edited since loading, or with a file not hashed yet stays in the process.
+(:func:`register_source`, also for custom loaders) with the files' stamps from before the load;
+ComfyUI's ``cached_patcher_init`` (VAELoader on 0.2x+) is read for encoders without a record whose
+files are older than the VAE's construction (``VAE.__init__`` fingerprints the weights it loads). An
+encoder with no record, with weights replaced or edited since loading, a file changed on disk since
+(its stamp), a file not hashed yet, or with edit checks off stays in the process.
 """
 
 from __future__ import annotations
@@ -41,8 +46,9 @@ import hashlib
 import inspect
 import logging
 import os
-import re
+import sys
 import threading
+import time
 import types
 import weakref
 
@@ -51,7 +57,6 @@ import torch
 from ..caching.conditioning import (
     CACHE,
     Key,
-    checksums,
     identity,
     intern_weights,
     known_identity,
@@ -59,8 +64,9 @@ from ..caching.conditioning import (
 )
 from ..caching.keys import Uncacheable, digest, encode
 from ..caching.settings import SETTINGS
-from ..caching.tiers import FORMAT, TIERS, SharedKey
-from . import host
+from ..caching.tiers import FORMAT, TIERS, FileHashes, SharedKey, is_indexed_device, portable_device
+from ..caching.weight_edits import SETTING as CHECK_SETTING
+from . import encoder_weights, host
 
 log = logging.getLogger("reusekit")
 
@@ -158,6 +164,9 @@ def _weights(patcher):
 
 
 def _precision() -> tuple:
+    """Autocast and what else changes an encode's bits on the same device: ComfyUI's attention
+    functions, its ``--fast`` options, TF32 and reduced-precision matmul flags, the scaled-dot-product
+    backends, cuDNN's algorithm choice."""
     if torch.is_grad_enabled():
         raise Uncacheable("autograd is enabled")
     fields = []
@@ -167,7 +176,30 @@ def _precision() -> tuple:
             fields.append((device_type, on, str(torch.get_autocast_dtype(device_type)) if on else None))
         except (AttributeError, TypeError, RuntimeError):
             fields.append((device_type, None, None))
-    return tuple(fields)
+    return (*fields, _numerics())
+
+
+def _where_defined(fn) -> str | None:
+    return None if fn is None else f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+
+def _numerics() -> tuple:
+    import comfy.cli_args
+
+    attention = sys.modules.get("comfy.ldm.modules.attention")
+    matmul, cudnn, cuda = torch.backends.cuda.matmul, torch.backends.cudnn, torch.backends.cuda
+    fast = getattr(comfy.cli_args.args, "fast", None)
+    flags = (torch.get_float32_matmul_precision(), matmul.allow_tf32,
+             getattr(matmul, "allow_fp16_reduced_precision_reduction", None),
+             getattr(matmul, "allow_bf16_reduced_precision_reduction", None),
+             getattr(matmul, "allow_fp16_accumulation", None),
+             cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic, torch.are_deterministic_algorithms_enabled(),
+             *(getattr(cuda, f, lambda: None)() for f in ("flash_sdp_enabled", "mem_efficient_sdp_enabled",
+                                                          "math_sdp_enabled", "cudnn_sdp_enabled")))
+    return ("numerics", repr(flags),
+            _where_defined(getattr(attention, "optimized_attention", None)),
+            _where_defined(getattr(attention, "optimized_attention_masked", None)),
+            None if fast is None else tuple(sorted(str(getattr(f, "value", f)) for f in fast)))
 
 
 def _config(obj, skip: tuple[str, ...]) -> tuple:
@@ -206,18 +238,66 @@ _RESET_OPTIONS = frozenset({"layer", "layer_idx", "return_projected_pooled"})
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
+_MISSING = object()
+
+
+class _StateMemo:
+    """A module-settings digest and what it was read from: every attribute of every module walked, by
+    identity (modules and bound methods by weak reference), each module's attribute count, its hook
+    tables (empty), the mutable settings by value and the patcher's object-patch backup. A plain
+    attribute set, a child module swapped, a hook added, a list edited in place or an object patch
+    applied or removed makes it stale; checking costs a pass over those references, no encoding."""
+
+    __slots__ = ("digest", "refs", "sizes", "hooks", "mutables", "backup")
+
+    def __init__(self) -> None:
+        self.refs: list[tuple[dict, str, object, bool]] = []  # (module dict, name, value or weakref, weak)
+        self.sizes: list[tuple[dict, int]] = []
+        self.hooks: list[dict] = []
+        self.mutables: list[tuple[str, object, object]] = []  # (path, value, its key field)
+        self.backup: list[tuple[str, object]] = []
+        self.digest = None
+
+    def remember(self, d: dict, name: str, value) -> None:
+        weak = isinstance(value, (torch.nn.Module, types.MethodType))
+        self.refs.append((d, name, weakref.ref(value) if weak else value, weak))
+
+    def fresh(self, backup: dict) -> bool:
+        if len(backup) != len(self.backup) or any(backup.get(k, _MISSING) is not v for k, v in self.backup):
+            return False
+        if any(len(d) != n for d, n in self.sizes) or any(self.hooks):
+            return False
+        for d, name, held, weak in self.refs:
+            if d.get(name, _MISSING) is not (held() if weak else held):
+                return False
+        return all(_setting(path, value) == field for path, value, field in self.mutables)
+
+
+_state_memos: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_state_lock = threading.Lock()
+
+
 def _module_state(model: torch.nn.Module, patcher) -> tuple:
     """Every plain-valued setting of the encoder's modules (``enable_attention_masks``,
     ``zero_out_masked``, special tokens, ``training``...) by module path and name, as they are without
-    ComfyUI's object patches (their originals in ``object_patches_backup``; a patcher's own object
-    patches are keyed by ``_patcher_fields``). Instance-level methods (injections) are left out.
-    Uncacheable for module hooks and for settings a key cannot describe."""
+    ComfyUI's object patches (their originals in ``object_patches_backup``, where ComfyUI 0.33+ marks
+    an attribute the patch added as ``ATTR_UNSET``; a patcher's own object patches are keyed by
+    ``_patcher_fields``), as a digest. Instance-level methods (injections) are
+    left out. Uncacheable for module hooks and for settings a key cannot describe. Memoised per
+    module until anything it was read from changes (:class:`_StateMemo`)."""
     import torch.nn.modules.module as torch_module
 
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         raise Uncacheable("global module hooks")
     backup = getattr(patcher, "object_patches_backup", None) or {}
+    with _state_lock:
+        memo = _state_memos.get(model)
+    if memo is not None and memo.fresh(backup):
+        return memo.digest
+    memo = _StateMemo()
+    memo.backup = list(backup.items())
     out, seen = [], set()
+    unset = getattr(sys.modules.get("comfy.utils"), "ATTR_UNSET", _MISSING)  # an object patch's "was absent"
 
     def walk(module, path):
         if id(module) in seen:
@@ -225,74 +305,47 @@ def _module_state(model: torch.nn.Module, patcher) -> tuple:
         seen.add(id(module))
         if any(getattr(module, h, None) for h in _HOOKS):
             raise Uncacheable(f"hooks on encoder module {path or type(model).__name__!r}")
+        d = vars(module)
+        memo.sizes.append((d, len(d)))
+        memo.hooks.extend(h for h in (d.get(name) for name in _HOOKS) if isinstance(h, dict))
         reset = _RESET_OPTIONS if hasattr(module, "reset_clip_options") else ()
-        for name, value in vars(module).items():
+        for name, value in d.items():
+            if name in _LOAD_STATE or name in reset:
+                continue
+            memo.remember(d, name, value)
             full = f"{path}.{name}" if path else name
             value = backup.get(full, value)
-            if (name.startswith("_") or name in _LOAD_STATE or name in reset
+            if (name.startswith("_") or value is unset
                     or isinstance(value, (torch.Tensor, torch.nn.Module, types.MethodType))):
                 continue
-            out.append((path, name, _setting(full, value)))
-        for name, child in module._modules.items():
+            field = _setting(full, value)
+            if isinstance(value, (list, dict, set)):
+                memo.mutables.append((full, value, field))
+            out.append((path, name, field))
+        children = module._modules
+        for name, child in children.items():
+            memo.remember(children, name, child)
             full = f"{path}.{name}" if path else name
             child = backup.get(full, child)
             if isinstance(child, torch.nn.Module):
                 walk(child, full)
 
     walk(model, "")
-    return digest(tuple(out))  # thousands of settings in a large VAE: a digest, not kept whole
+    memo.digest = digest(tuple(out))  # thousands of settings in a large VAE: a digest, not kept whole
+    with _state_lock:
+        _state_memos[model] = memo
+    return memo.digest
 
 
-# per encoder module: tensor id -> (weak reference, _version when last seen) for version-counted
-# weights, and weight name -> CRC-32 when last seen for inference tensors (no version counter)
-_versions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_contents: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_versions_lock = threading.Lock()
-
-
-def _check_in_place_edits(model: torch.nn.Module, patcher) -> None:
-    """An encoder weight (parameter or buffer) edited in place since the last key starts a new
-    generation: the old entries are dropped and never hit. A version-counted weight shows an edit by
-    its ``_version``; an inference tensor (every weight ComfyUI's loaders make, inside its executor)
-    has none, so its bytes are fingerprinted where they live (:func:`checksums`, on every key: the price of seeing edits
-    the version counter cannot). Weights ComfyUI has patched over right now (``patcher.backup``) are
-    not base weights and are skipped. The setting ``conditioning.check_weight_edits`` off skips the
-    fingerprints (and switching it empties the cache)."""
-    patched = getattr(patcher, "backup", None) or {}
-    fingerprint = SETTINGS.get("conditioning.check_weight_edits")
-    edited = False
-    untracked: list[tuple[str, torch.Tensor]] = []
-    with _versions_lock:
-        seen = _versions.get(model)
-        if seen is None:
-            seen = _versions[model] = {}
-        for name, t in (*model.named_parameters(), *model.named_buffers()):
-            if name in patched:
-                continue
-            if t.is_inference():
-                if fingerprint:
-                    untracked.append((name, t))
-                continue
-            version = t._version
-            old = seen.get(id(t))
-            if old is not None and old[0]() is t:
-                if old[1] != version:
-                    edited = True
-                    seen[id(t)] = (old[0], version)
-            else:
-                seen[id(t)] = (weakref.ref(t), version)
-    if untracked:
-        sums = checksums([t for _, t in untracked])
-        with _versions_lock:
-            known = _contents.get(model)
-            if known is None:
-                known = _contents[model] = {}
-            for (name, _), crc in zip(untracked, sums, strict=True):
-                if known.get(name, crc) != crc:
-                    edited = True
-                known[name] = crc
-    if edited:
-        _new_generation(model)
+def _weights_loaded(module, patcher, started_ns: int | None = None) -> None:
+    """Weights just loaded into ``module`` (a VAE built, ``load_sd``): fingerprinted now, before any
+    other node can touch them, as the reference of its edit checks (and of its shared identity)."""
+    if not _active or not isinstance(module, torch.nn.Module) or patcher is None:
+        return
+    try:
+        encoder_weights.reset(module, patcher, started_ns)
+    except Exception as exc:  # never break a load: the first encode takes the reference instead
+        log.debug("ReuseKit: no weight reference at load: %s", exc)
 
 
 def _new_generation(module) -> None:
@@ -303,10 +356,26 @@ def _new_generation(module) -> None:
         CACHE.drop_owner(serial)
 
 
-def _owner(module, patcher) -> tuple[int, int]:
-    """The encoder's serial and weight generation (after checking its weights for in-place edits)."""
-    _check_in_place_edits(module, patcher)
+def _owner(module, patcher, token_ids=()) -> tuple[int, int]:
+    """The encoder's serial and weight generation, after checking its weights for in-place edits
+    (patches/encoder_weights.py: an edit starts a new generation)."""
+    if encoder_weights.check(module, patcher, token_ids):
+        _new_generation(module)
     return identity(module), getattr(module, _GENERATION, 0)
+
+
+def _token_ids(tokens) -> list[int]:
+    """The integer token ids of a tokenized prompt (``{name: [[(token, weight, ...), ...], ...]}``):
+    the embedding rows an encode reads. Anything else in it is keyed by value and checked otherwise."""
+    ids = []
+    if isinstance(tokens, dict):
+        for batches in tokens.values():
+            for batch in batches if isinstance(batches, list) else ():
+                for item in batch if isinstance(batch, list) else ():
+                    token = item[0] if isinstance(item, tuple) and item else None
+                    if type(token) is int:
+                        ids.append(token)
+    return ids
 
 
 def _options(extra: dict) -> tuple:
@@ -322,7 +391,7 @@ def text_key(clip, tokens, return_pooled, return_dict, extra: dict | None = None
     if clip.apply_hooks_to_conds:
         raise Uncacheable("hooks applied to the conditioning")
     model = clip.cond_stage_model
-    serial, generation = _owner(model, clip.patcher)
+    serial, generation = _owner(model, clip.patcher, _token_ids(tokens))
     fields = ("encode_from_tokens", type(model).__module__, type(model).__qualname__, generation,
               encode(clip.patcher.load_device),  # where it runs: CPU and GPU results differ in bits
               encode(clip.layer_idx), encode(return_pooled), encode(return_dict),
@@ -353,11 +422,10 @@ def vae_key(vae, method: str, pixels, options: tuple, extra: dict | None = None)
 
 # ---- shared keys: the encoder by its weight files' content -------------------------------------
 
-_sources: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (generation, loader, files, options)
+# module -> (generation, loader, files, options, the files' stamps as loaded)
+_sources: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _sources_lock = threading.Lock()
 _patch_digests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # WeightSet -> digest of its contents
-_DEVICE = re.compile(r"^(cuda|xpu|mps|npu|mlu|hpu|xla|privateuseone|mtia):(\d+)$")
-_device_names: dict[str, str] = {}
 
 
 def _encoder_module(encoder):
@@ -369,11 +437,19 @@ def _encoder_module(encoder):
     return encoder if isinstance(encoder, torch.nn.Module) else None
 
 
-def register_source(encoder, paths, loader: str, options=None) -> bool:
+def _stamps(files) -> tuple | None:
+    """Each file's stamp (real path, size, mtime, inode, ctime), or None when one cannot be read."""
+    stamps = tuple(FileHashes.stamp(f) for f in files)
+    return None if None in stamps else stamps
+
+
+def register_source(encoder, paths, loader: str, options=None, *, stamps=None, patcher=None) -> bool:
     """Record that ``encoder``'s weights are exactly what ``loader`` made from the files ``paths`` with
-    ``options``, so the shared tiers can key it by the files' content (for custom loaders too). It
-    holds while the encoder's weights are not replaced or edited. False when it cannot be recorded
-    (then the encoder never uses the shared tiers)."""
+    ``options``, so the shared tiers can key it by the files' content (for custom loaders too: call it
+    right after loading). ``stamps``: the files' :meth:`FileHashes.stamp` from before the load (else
+    taken now). The weights are fingerprinted now, as loaded. The record holds while the files keep
+    these stamps and the weights are not replaced or edited. False when it cannot be recorded (then
+    the encoder never uses the shared tiers)."""
     module = _encoder_module(encoder)
     if module is None or not paths:
         return False
@@ -382,30 +458,21 @@ def register_source(encoder, paths, loader: str, options=None) -> bool:
     except Uncacheable:
         return False
     files = tuple(os.path.realpath(os.fspath(p)) for p in paths)
-    patcher = getattr(encoder, "patcher", None)
-    if patcher is not None and TIERS.active:
-        _check_in_place_edits(module, patcher)  # the weights as loaded: an edit before the first encode shows
+    stamps = _stamps(files) if stamps is None else tuple(stamps)
+    if stamps is None or len(stamps) != len(files):
+        return False
+    patcher = patcher if patcher is not None else getattr(encoder, "patcher", None)
+    if patcher is not None and encoder_weights.register(module, patcher):
+        _new_generation(module)  # edited since an earlier reference: not what the files hold
     with _sources_lock:
-        _sources[module] = (getattr(module, _GENERATION, 0), str(loader), files, keyed)
+        _sources[module] = (getattr(module, _GENERATION, 0), str(loader), files, keyed, stamps)
     for f in files:
         TIERS.hashes.get(f)  # small files now, large ones on a background thread
     return True
 
 
-def _portable_device(name: str) -> str:
-    """``cuda:1`` as ``cuda[<device name>]``: the same kind of device in another process keys alike."""
-    found = _device_names.get(name)
-    if found is None:
-        kind = _DEVICE.match(name).group(1)
-        label = kind
-        if kind == "cuda" and torch.cuda.is_available():
-            label = f"cuda[{torch.cuda.get_device_name(torch.device(name))}]"
-        found = _device_names[name] = label
-    return found
-
-
 def _portable(tree):
-    """An encoded key tree with indexed device names replaced by :func:`_portable_device`: in device
+    """An encoded key tree with indexed device names replaced by ``portable_device``: in device
     fields (``("device", name)``), tensor fields (``caching/keys.py``: device after the layout) and
     weight-patch skeletons (``("T", dtype, shape, device)``); other strings stay as they are."""
     if not isinstance(tree, tuple):
@@ -418,8 +485,8 @@ def _portable(tree):
         at = 5
     elif out and out[0] == "T" and len(out) == 4:
         at = 3
-    if at is not None and isinstance(out[at], str) and _DEVICE.match(out[at]):
-        out = (*out[:at], _portable_device(out[at]), *out[at + 1:])
+    if at is not None and isinstance(out[at], str) and is_indexed_device(out[at]):
+        out = (*out[:at], portable_device(out[at]), *out[at + 1:])
     return out
 
 
@@ -448,9 +515,12 @@ def _host_versions() -> tuple:
 def _factory_source(module, patcher):
     """A source from ComfyUI's own record of how to reload a patcher (``cached_patcher_init``, ComfyUI
     0.2x+: VAELoader and custom loaders that follow core), taken only for weights never replaced or
-    seen edited (generation 0): (fn, args[, index]), the files among the args by content."""
+    seen edited (generation 0) whose files have not changed since the weights began loading (the
+    VAE's construction, when they were fingerprinted): (fn, args[, index]), the files among the args
+    by content."""
     init = getattr(patcher, "cached_patcher_init", None)
-    if getattr(module, _GENERATION, 0) != 0 or not isinstance(init, tuple) or len(init) not in (2, 3):
+    started = encoder_weights.loaded_ns(module)
+    if getattr(module, _GENERATION, 0) != 0 or started is None or not isinstance(init, tuple) or len(init) not in (2, 3):
         return None
     fn, args = init[0], init[1]
     if not callable(fn) or not isinstance(args, (tuple, list)):
@@ -463,24 +533,40 @@ def _factory_source(module, patcher):
             files.extend(a)
         else:
             options.append(_enums_by_name(a))
+    stamps = _stamps(files)
+    if not files or stamps is None or any(st[2] >= started or st[4] >= started for st in stamps):
+        return None  # a file written or replaced after the weights were read: not what they hold
     name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}:{init[2] if len(init) == 3 else ''}"
-    if not files or not register_source(module, files, name, options):
+    if not register_source(module, files, name, options, stamps=stamps, patcher=patcher):
         return None
     with _sources_lock:
         return _sources.get(module)
 
 
+def _local_devices(patcher) -> dict:
+    """The devices an encode's outputs may be on here, by portable name (a stored value's tensors go
+    to this process's device of the same kind and model)."""
+    import comfy.model_management
+
+    devices = (getattr(patcher, "load_device", None), getattr(patcher, "offload_device", None),
+               comfy.model_management.intermediate_device())
+    return {portable_device(str(d)): torch.device(d) for d in devices if d is not None}
+
+
 def shared_key(key: Key, module, patcher=None) -> SharedKey | None:
     """The key of an encode for the shared tiers, or None while the encoder has no shared identity:
-    no recorded source, weights replaced or edited since loading, or a weight file not hashed yet.
-    It holds the in-process key's fields (devices by kind and name, not index; the generation left out),
-    the weight files by content, the loader and its options, the weights' layout and the patch set by
-    content, and the torch and ComfyUI versions."""
+    edit checks off, no recorded source, a file changed on disk since loading (its stamp), weights
+    replaced or edited since loading, or a weight file not hashed yet. It holds the in-process key's
+    fields (devices by kind and name, not index; the generation left out), the weight files by
+    content, the loader and its options, the weights' layout and the patch set by content, and the
+    torch and ComfyUI versions."""
+    if SETTINGS.get(CHECK_SETTING) == "off":  # nothing vouches that the weights are the files'
+        return None
     with _sources_lock:
         source = _sources.get(module)
     if source is None and patcher is not None:
         source = _factory_source(module, patcher)
-    if source is None or source[0] != getattr(module, _GENERATION, 0):
+    if source is None or source[0] != getattr(module, _GENERATION, 0) or _stamps(source[2]) != source[4]:
         return None
     hashes = tuple(TIERS.hashes.get(f) for f in source[2])
     if None in hashes:
@@ -489,7 +575,7 @@ def shared_key(key: Key, module, patcher=None) -> SharedKey | None:
     fields = key.fields[:at] + key.fields[at + 1:]
     tree = (FORMAT, key.kind, _host_versions(), (source[1], hashes, source[3]), _weight_layout(module),
             tuple(_patch_digest(w) for w in key.weights), _portable(fields))
-    return SharedKey(tree)
+    return SharedKey(tree, _local_devices(patcher))
 
 
 _local = threading.local()  # per thread: inside a plain VAE encode, and whether it fell back to tiles
@@ -576,14 +662,26 @@ def _make_methods():
 
     def clip_load_sd(self, sd, full_model=False):
         _new_generation(self.cond_stage_model)
-        return _orig(CLIP, "load_sd")(self, sd, full_model)
+        try:
+            return _orig(CLIP, "load_sd")(self, sd, full_model)
+        finally:
+            _weights_loaded(self.cond_stage_model, self.patcher)
 
     def vision_load_sd(self, sd):
         _new_generation(self.model)
-        return _orig(Vision, "load_sd")(self, sd)
+        try:
+            return _orig(Vision, "load_sd")(self, sd)
+        finally:
+            _weights_loaded(self.model, self.patcher)
+
+    def vae_init(self, *args, **kwargs):
+        started = time.time_ns()
+        _orig(VAE, "__init__")(self, *args, **kwargs)
+        _weights_loaded(getattr(self, "first_stage_model", None), getattr(self, "patcher", None), started)
 
     # (owner, name, replacement, the parameters it relies on, whether the host must have it)
     return [
+        (VAE, "__init__", vae_init, ("self", "sd", "device", "config", "dtype"), True),
         (CLIP, "encode_from_tokens", encode_from_tokens, ("self", "tokens", "return_pooled", "return_dict"), True),
         (CLIP, "encode_from_tokens_scheduled", encode_from_tokens_scheduled, ("self", "tokens"), True),
         (CLIP, "load_sd", clip_load_sd, ("self", "sd", "full_model"), True),
@@ -609,19 +707,30 @@ def _enums_by_name(value):
     return value
 
 
-def _loader(owner, name: str, parts):
+def _loader(owner, name: str, parts, paths):
     """A wrapper of one of ComfyUI's loader functions that records where each encoder it returns came
-    from (:func:`register_source`). ``parts(arguments, result)`` lists (encoder, files, role)."""
+    from (:func:`register_source`). ``parts(arguments, result)`` lists (encoder, files, role);
+    ``paths(arguments)`` the files it reads, stamped before the load and again after it (a file that
+    changed meanwhile is not recorded)."""
     def load(*args, **kwargs):
         orig = _orig(owner, name)
-        result = orig(*args, **kwargs)
         try:
             bound = inspect.signature(orig).bind(*args, **kwargs)
             bound.apply_defaults()
+            before = {f: FileHashes.stamp(f) for f in paths(bound.arguments)}
+        except Exception as exc:  # never break a load: the encoder only misses the shared tiers
+            log.debug("ReuseKit: no source recorded for %s: %s", name, exc)
+            return orig(*args, **kwargs)
+        result = orig(*args, **kwargs)
+        try:
             options = {k: _enums_by_name(v) for k, v in bound.arguments.items() if k not in _NOT_OPTIONS}
+            if any(FileHashes.stamp(f) != st for f, st in before.items()):
+                log.info("ReuseKit: a file changed while %s read it; its encoders stay out of the shared tiers", name)
+                return result
             for encoder, files, role in parts(bound.arguments, result):
                 if encoder is not None:
-                    register_source(encoder, files, f"{owner.__name__}.{name}:{role}", options)
+                    register_source(encoder, files, f"{owner.__name__}.{name}:{role}", options,
+                                    stamps=[before[f] for f in files])
         except Exception as exc:  # never break a load: the encoder only misses the shared tiers
             log.debug("ReuseKit: no source recorded for %s: %s", name, exc)
         return result
@@ -638,12 +747,16 @@ def _loader_methods():
         return [(out[1], [a["ckpt_path"]], "clip"), (out[2], [a["ckpt_path"]], "vae"),
                 (out[3] if len(out) > 3 else None, [a["ckpt_path"]], "clip_vision")]
 
+    def one(a):
+        return [a["ckpt_path"]]
+
     return [
-        (comfy.sd, "load_clip", _loader(comfy.sd, "load_clip", lambda a, out: [(out, list(a["ckpt_paths"]), "clip")]),
-         ("ckpt_paths",)),
-        (comfy.sd, "load_checkpoint_guess_config", _loader(comfy.sd, "load_checkpoint_guess_config", checkpoint_parts),
-         ("ckpt_path",)),
-        (comfy.clip_vision, "load", _loader(comfy.clip_vision, "load", lambda a, out: [(out, [a["ckpt_path"]], "clip_vision")]),
+        (comfy.sd, "load_clip", _loader(comfy.sd, "load_clip", lambda a, out: [(out, list(a["ckpt_paths"]), "clip")],
+                                        lambda a: list(a["ckpt_paths"])), ("ckpt_paths",)),
+        (comfy.sd, "load_checkpoint_guess_config",
+         _loader(comfy.sd, "load_checkpoint_guess_config", checkpoint_parts, one), ("ckpt_path",)),
+        (comfy.clip_vision, "load",
+         _loader(comfy.clip_vision, "load", lambda a, out: [(out, [a["ckpt_path"]], "clip_vision")], one),
          ("ckpt_path",)),
     ]
 
@@ -686,6 +799,7 @@ def install() -> bool:
             setattr(owner, name, fn)
             _replacements[(owner, name)] = fn
         _active = True
+    encoder_weights.install()
     _configure_tiers()
     return True
 
@@ -716,6 +830,7 @@ def uninstall() -> None:
                               "ReuseKit: %s was wrapped again by another pack; left in place, passing through",
                               _where(owner, name), level=logging.WARNING)
         _active = False
+    encoder_weights.uninstall()
 
 
 def installed() -> bool:

@@ -16,10 +16,15 @@ def cc():
     rkharness.pack("caching.stats").REGISTRY.clear("conditioning")
 
 
-def test_gpu_encoders_hit_bit_exact(cc, tiny):
+def test_gpu_encoders_hit_bit_exact_also_after_an_offload(cc, tiny):
+    """Inference-tensor weights (as ComfyUI's loaders make them) on the GPU: hits are bit-exact, and
+    after ComfyUI offloads the encoder to the CPU (and the next encode finds it there or loads it
+    back) the encode is still a hit: a move between devices is never an edit."""
     import comfy.model_management as mm
 
-    clip, vae = tiny.tiny_clip(0), tiny.tiny_vae(0)
+    with torch.inference_mode():
+        clip, vae = tiny.tiny_clip(0), tiny.tiny_vae(0)
+    assert all(w.is_inference() for w in clip.cond_stage_model.parameters())
     tokens = clip.tokenize("a (red:1.3) square")
     first = clip.encode_from_tokens(tokens, return_pooled=True)
     assert clip.patcher.load_device.type == "cuda"
@@ -27,8 +32,15 @@ def test_gpu_encoders_hit_bit_exact(cc, tiny):
     again = clip.encode_from_tokens(tokens, return_pooled=True)
     assert cc.CACHE.count("hits") == hits + 1
     assert all(torch.equal(a, b) for a, b in zip(first, again))
-    mm.unload_all_models()
-    assert torch.equal(clip.encode_from_tokens(tokens, return_pooled=True)[0], first[0])  # after an unload
+    for _ in range(2):
+        mm.unload_all_models()
+        hits = cc.CACHE.count("hits")
+        after = clip.encode_from_tokens(tokens, return_pooled=True)
+        assert cc.CACHE.count("hits") == hits + 1 and all(torch.equal(a, b) for a, b in zip(after, first))
+        mm.load_models_gpu([clip.patcher])
+        hits = cc.CACHE.count("hits")
+        after = clip.encode_from_tokens(tokens, return_pooled=True)
+        assert cc.CACHE.count("hits") == hits + 1 and all(torch.equal(a, b) for a, b in zip(after, first))
 
     image = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(0))
     latent = vae.encode(image)
@@ -52,14 +64,21 @@ def test_device_outputs_are_stored_on_the_cpu_and_returned_on_their_device(cc, t
     assert torch.equal(cc.CACHE.fetch(key, lambda: None), value)
 
 
-def test_weights_on_the_gpu_are_fingerprinted_there_and_edits_are_seen(cc):
-    """CUDA weights take the device multiply-sum (the same values as on the CPU: no host copy), and
-    an in-place one-element edit on the GPU changes only that weight's fingerprint."""
+def test_the_fingerprint_is_the_same_on_the_gpu_and_the_cpu_and_sees_edits_there(cc):
+    """One fingerprint function: computed on the GPU (no host copy of the weights) it gives the CPU's
+    values for the same bytes; an in-place one-element edit on the GPU changes only that weight's;
+    the cheap check of weights moved to the GPU finds no edit."""
+    we = rkharness.pack("caching.weight_edits")
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(1200, 1200, generator=gen), torch.randn(16, generator=gen).half()]
+    weights = [torch.randn(1200, 1200, generator=gen), torch.randn(16, generator=gen).half(),
+               torch.randn(5000, 64, generator=gen)]
     on_gpu = [w.cuda() for w in weights]
-    before = cc.checksums(on_gpu)
-    assert before == [int(cc._device_fingerprint(w)) for w in weights]
+    before = we.fingerprints(on_gpu)
+    assert before == we.fingerprints(weights)
+    watch = we.WeightWatch()
+    watch.full({str(i): w for i, w in enumerate(weights)}, embeddings=frozenset({"2"}))
+    assert not watch.quick({str(i): w for i, w in enumerate(on_gpu)}, token_ids=[0, 7, 4999])
     on_gpu[1][3] += 1
-    after = cc.checksums(on_gpu)
+    after = we.fingerprints(on_gpu)
     assert after[0] == before[0] and after[1] != before[1]
+    assert watch.quick({str(i): w for i, w in enumerate(on_gpu)})

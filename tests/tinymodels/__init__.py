@@ -92,13 +92,14 @@ def tiny_clip(seed: int = 0):
     return _SHAPES.build_clip(seed)
 
 
-def tiny_vae(seed: int = 0, latent_channels: int = 16):
-    """A real ``comfy.sd.VAE`` around a small AutoencoderKL (8x downscale, 16 latent channels)."""
+def tiny_vae(seed: int = 0, latent_channels: int = 16, ch: int = 32, ch_mult=(1, 2, 2, 2), num_res_blocks: int = 1):
+    """A real ``comfy.sd.VAE`` around a small AutoencoderKL (8x downscale, 16 latent channels); ``ch=128,
+    ch_mult=(1, 2, 4, 4), num_res_blocks=2`` is the size of Flux's and SD3's VAE (84M parameters)."""
     import comfy.ldm.models.autoencoder
     import comfy.sd
 
     ddconfig = {"double_z": True, "z_channels": latent_channels, "resolution": 256, "in_channels": 3,
-                "out_ch": 3, "ch": 32, "ch_mult": [1, 2, 2, 2], "num_res_blocks": 1,
+                "out_ch": 3, "ch": ch, "ch_mult": list(ch_mult), "num_res_blocks": num_res_blocks,
                 "attn_resolutions": [], "dropout": 0.0}
     params = {"ddconfig": ddconfig, "embed_dim": latent_channels}
     sd = fill_weights(comfy.ldm.models.autoencoder.AutoencoderKL(**params), seed).state_dict()

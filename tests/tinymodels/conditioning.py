@@ -66,9 +66,13 @@ CLIP_L = {"hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 
           "num_hidden_layers": 12, "projection_dim": 768}
 
 
-def clip_l_sized(seed: int = 0):
-    """A real ``comfy.sd.CLIP`` at CLIP-L size (768 wide, 12 layers, ~123M parameters), random weights,
-    float32 (fp16 matmuls on a CPU would make every number here meaningless)."""
+CLIP_MID = {"hidden_size": 128, "intermediate_size": 512, "num_attention_heads": 4,
+            "num_hidden_layers": 2, "projection_dim": 128}  # its MLP weights are larger than the cheap check reads whole
+
+
+def clip_l_sized(seed: int = 0, config: dict = CLIP_L):
+    """A real ``comfy.sd.CLIP`` at CLIP-L size (768 wide, 12 layers, ~123M parameters; or ``config``),
+    random weights, float32 (fp16 matmuls on a CPU would make every number here meaningless)."""
     import comfy.sd
     import comfy.sd1_clip
     import comfy.supported_models_base
@@ -76,7 +80,7 @@ def clip_l_sized(seed: int = 0):
     from . import fill_weights
 
     target = comfy.supported_models_base.ClipTarget(comfy.sd1_clip.SD1Tokenizer, comfy.sd1_clip.SD1ClipModel)
-    clip = comfy.sd.CLIP(target=target, model_options={"clip_l_model_config": dict(CLIP_L), "dtype": torch.float32})
+    clip = comfy.sd.CLIP(target=target, model_options={"clip_l_model_config": dict(config), "dtype": torch.float32})
     fill_weights(clip.cond_stage_model, seed)
     return clip
 
@@ -192,5 +196,93 @@ class RKTestSaveConditioning:
         return {}
 
 
+EDITS = ("dense", "embedding_row", "small", "sparse")
+
+
+def edit_weights(clip, what: str, text: str = "") -> None:
+    """Edit a CLIP's weights in place, as a custom node might (inference tensors, outside the patcher):
+    ``dense``: scale the first large MLP weight (or the token embedding); ``embedding_row``: one row of
+    the token embedding that ``text`` reads; ``small``: one value of the final layer norm; ``sparse``:
+    one value of the first MLP weight away from the positions the cheap check samples."""
+    weight_edits = _pack_module("caching.weight_edits")
+    model = clip.cond_stage_model.clip_l.transformer.text_model
+    mlp = model.encoder.layers[0].mlp.fc1.weight
+    with torch.inference_mode():
+        if what == "dense":
+            target = mlp if mlp.numel() * mlp.element_size() > weight_edits.SMALL else model.embeddings.token_embedding.weight
+            target.mul_(1.5)
+        elif what == "embedding_row":
+            row = clip.tokenize(text)["l"][0][1][0]  # the first word's token (after the start token)
+            model.embeddings.token_embedding.weight[row, 0] += 1.0
+        elif what == "small":
+            model.final_layer_norm.weight[0] += 1.0
+        elif what == "sparse":
+            sampled = set(weight_edits._positions(mlp.numel()).tolist())
+            flat = mlp.view(-1)
+            at = next(i for i in range(mlp.numel()) if i not in sampled)
+            flat[at] += 1.0
+        else:
+            raise ValueError(f"unknown edit {what!r}")
+
+
+class RKTestEditEncoder:
+    """Edits a CLIP's weights in place after ``after`` ran (ordering) and passes the CLIP on."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"clip": ("CLIP",), "what": (list(EDITS),), "text": ("STRING", {"default": ""}),
+                             "after": ("CONDITIONING",)}}
+
+    RETURN_TYPES = ("CLIP",)
+    FUNCTION = "edit"
+    CATEGORY = "ReuseKit tests"
+
+    def edit(self, clip, what, text, after):
+        edit_weights(clip, what, text)
+        return (clip,)
+
+
+class RKTestEncodeEditEncode:
+    """Inside one node: encode ``text``, edit the CLIP's weights in place, encode it again."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"clip": ("CLIP",), "text": ("STRING", {"default": ""}), "what": (list(EDITS),)}}
+
+    RETURN_TYPES = ("CONDITIONING", "CONDITIONING")
+    FUNCTION = "run"
+    CATEGORY = "ReuseKit tests"
+
+    def run(self, clip, text, what):
+        import nodes
+
+        (before,) = nodes.CLIPTextEncode().encode(clip, text)
+        edit_weights(clip, what, text)
+        (after,) = nodes.CLIPTextEncode().encode(clip, text)
+        return (before, after)
+
+
+_SIZED: dict = {}
+
+
+class RKTestSizedCLIP:
+    """A CLIP of the ``CLIP_MID`` shape (kept per seed and name, as a model manager would)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0}), "name": ("STRING", {"default": ""})}}
+
+    RETURN_TYPES = ("CLIP",)
+    FUNCTION = "load"
+    CATEGORY = "ReuseKit tests"
+
+    def load(self, seed, name):
+        key = (seed, name)
+        if key not in _SIZED:
+            _SIZED[key] = clip_l_sized(seed, CLIP_MID)
+        return (_SIZED[key],)
+
+
 NODE_CLASS_MAPPINGS = {"RKTestSharedTinyCheckpoint": RKTestSharedTinyCheckpoint, "RKTestFileCLIP": RKTestFileCLIP,
-                       "RKTestSaveConditioning": RKTestSaveConditioning}
+                       "RKTestSaveConditioning": RKTestSaveConditioning, "RKTestEditEncoder": RKTestEditEncoder,
+                       "RKTestEncodeEditEncode": RKTestEncodeEditEncode, "RKTestSizedCLIP": RKTestSizedCLIP}

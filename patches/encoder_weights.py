@@ -1,0 +1,197 @@
+"""When the conditioning cache checks an encoder's weights for in-place edits: the events.
+
+``caching/weight_edits.py`` holds what a check reads and compares; this module decides when each
+kind of check runs, per encoder module:
+
+- a full fingerprint when the weights become what they are: at registration (a ComfyUI loader
+  returned them, a VAE was built, a custom loader called ``register_source``), before any other node
+  can touch them; after ComfyUI's patcher applied or removed weight patches (a listener on
+  ``ModelPatcher.load / unpatch_model / partially_unload``, through patches/lifecycle.py, marks the
+  encoder and its next encode checks), at most once per encoder per node execution (ComfyUI's
+  executing-node context: other nodes' code runs only between node executions, so the encodes of
+  one node, a Prompt Batch or SDXL's two encoders, share one check); and after a cheap check saw an
+  edit (the edited weights become the reference of the new generation);
+- on every other encode, the cheap check (:meth:`caching.weight_edits.WeightWatch.quick`): its cost
+  follows the number of tensors, never their bytes, and a move between devices is never an edit.
+
+The setting ``conditioning.check_weight_edits`` picks the policy: ``events`` (the default, above),
+``every_encode`` (a full fingerprint on every encode, for nodes that edit a few values of a large
+weight in place, which the cheap check may not sample) or ``off`` (no check; the shared tiers then
+neither read nor write, since nothing vouches that the weights are the file's).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from ..caching.settings import SETTINGS
+from ..caching.weight_edits import SETTING, WeightWatch
+from . import lifecycle
+
+
+class _Encoder:
+    __slots__ = ("watch", "lock", "dirty", "epoch", "embeddings", "loaded_ns", "__weakref__")
+
+    def __init__(self, module: torch.nn.Module):
+        self.watch = WeightWatch()
+        self.lock = threading.Lock()
+        self.dirty = False  # weight patches applied or removed since the last full check
+        self.epoch = None  # the node execution of the last full check
+        self.embeddings = frozenset(f"{name}.weight" if name else "weight" for name, m in module.named_modules()
+                                    if isinstance(m, torch.nn.Embedding))
+        self.loaded_ns: int | None = None  # when its weights began loading, where known
+
+
+_encoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_encoders_lock = threading.Lock()
+
+
+def _encoder(module: torch.nn.Module) -> _Encoder:
+    found = _encoders.get(module)
+    if found is None:
+        with _encoders_lock:
+            found = _encoders.get(module)
+            if found is None:
+                found = _encoders[module] = _Encoder(module)
+    return found
+
+
+def loaded_ns(module: torch.nn.Module) -> int | None:
+    """When the module's weights began loading (a VAE's construction), or None where not seen."""
+    found = _encoders.get(module)
+    return None if found is None else found.loaded_ns
+
+
+def _base_weights(module: torch.nn.Module, patcher) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
+    """The weights an encode reads as its base (by name), as they are without object patches (a
+    clone's patched-in module or tensor: the originals are in the backup clones share), and the names
+    the patcher has patched over right now (their base values are in its weight backup)."""
+    weights_backup = getattr(patcher, "backup", None) or {}
+    objects_backup = getattr(patcher, "object_patches_backup", None) or {}
+    named: dict[str, torch.Tensor] = {}
+    patched, seen, modules = set(), set(), set()
+
+    def walk(m: torch.nn.Module, prefix: str) -> None:
+        if id(m) in modules:
+            return
+        modules.add(id(m))
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                full = prefix + name
+                t = objects_backup.get(full, t)
+                if not isinstance(t, torch.Tensor) or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                if full in weights_backup:
+                    patched.add(full)
+                else:
+                    named[full] = t
+        for name, child in m._modules.items():
+            child = objects_backup.get(prefix + name, child)
+            if isinstance(child, torch.nn.Module):
+                walk(child, f"{prefix}{name}.")
+
+    walk(module, "")
+    return named, frozenset(patched)
+
+
+_context = []  # ComfyUI's get_executing_context, once found (empty: not looked up yet)
+
+
+def node_execution():
+    """The node execution running now (prompt, node), or None outside ComfyUI's executor. The items of
+    a list input (a Prompt Batch) run inside one node execution: nothing else runs between them."""
+    if not _context:
+        try:
+            from comfy_execution.utils import get_executing_context
+        except ImportError:  # a host without it: every encode is its own execution (more full checks)
+            get_executing_context = None
+        _context.append(get_executing_context)
+    get = _context[0]
+    found = get() if get is not None else None
+    return (found.prompt_id, found.node_id) if found is not None else None
+
+
+def _full(enc: _Encoder, module, patcher) -> bool:
+    named, patched = _base_weights(module, patcher)
+    enc.dirty = False
+    enc.epoch = node_execution()
+    return enc.watch.full(named, patched, enc.embeddings)
+
+
+def register(module: torch.nn.Module, patcher) -> bool:
+    """A loader returned these weights: take them as the reference, in full where no reference exists
+    yet. True when they differ from an earlier reference (an edit)."""
+    if SETTINGS.get(SETTING) == "off":
+        return False
+    enc = _encoder(module)
+    with enc.lock:
+        if enc.watch.ready:  # fingerprinted in full already (a VAE as it was built): a cheap look suffices
+            named, patched = _base_weights(module, patcher)
+            if not enc.watch.quick(named, patched):
+                return False
+        return _full(enc, module, patcher)
+
+
+def reset(module: torch.nn.Module, patcher, started_ns: int | None = None) -> None:
+    """New weights were loaded into ``module`` (the caller started a new generation): forget the old
+    reference and fingerprint them in full as the new one."""
+    if SETTINGS.get(SETTING) == "off":
+        return
+    enc = _encoder(module)
+    with enc.lock:
+        enc.watch = WeightWatch()
+        enc.loaded_ns = started_ns
+        _full(enc, module, patcher)
+
+
+def check(module: torch.nn.Module, patcher, token_ids=()) -> bool:
+    """The check of one encode (see the module docstring); True when an edit is seen. ``token_ids``:
+    the token ids the encode looks up (their embedding rows are checked)."""
+    mode = SETTINGS.get(SETTING)
+    if mode == "off":
+        return False
+    enc = _encoder(module)
+    with enc.lock:
+        if not enc.watch.ready:  # first sight of an encoder no loader registered
+            _full(enc, module, patcher)
+            return False
+        if mode == "every_encode" or (enc.dirty and (enc.epoch is None or node_execution() != enc.epoch)):
+            return _full(enc, module, patcher)
+        named, patched = _base_weights(module, patcher)
+        if enc.watch.quick(named, patched, token_ids):
+            _full(enc, module, patcher)  # the edited weights are the new generation's reference
+            return True
+        return False
+
+
+def checks(module: torch.nn.Module) -> tuple[int, int]:
+    """(full, cheap) checks the module's weights have had since their last load (the bench and the
+    tests count them)."""
+    found = _encoders.get(module)
+    return (0, 0) if found is None else (found.watch.full_checks, found.watch.quick_checks)
+
+
+def _patches_moved(patcher, *args, **kwargs) -> None:
+    """A lifecycle listener (before ``load``, ``unpatch_model``, ``partially_unload``): when the
+    patcher has weight patches to apply or to remove, the encoder's next check is a full one. Only
+    records (it may run anywhere ComfyUI moves weights)."""
+    enc = _encoders.get(patcher.model)
+    if enc is not None and (getattr(patcher, "patches", None) or getattr(patcher, "backup", None)):
+        enc.dirty = True
+
+
+_EVENTS = ("load", "unpatch_model", "partially_unload")
+
+
+def install() -> None:
+    for event in _EVENTS:
+        lifecycle.add_listener(event, _patches_moved)
+
+
+def uninstall() -> None:
+    for event in _EVENTS:
+        lifecycle.remove_listener(event, _patches_moved)

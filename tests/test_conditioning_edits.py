@@ -1,0 +1,283 @@
+"""Conditioning cache: in-place weight edits are seen by events, never by reading every weight per
+encode (patches/encoder_weights.py, caching/weight_edits.py). One fingerprint for every device, an
+offload is never an edit, an edit between two node runs is seen, every_encode sees one inside a node,
+a Prompt Batch shares one full check, and the setting's three values."""
+
+import os
+import tempfile
+from importlib import import_module
+
+import pytest
+import rkharness
+import torch
+
+pytestmark = pytest.mark.conditioning
+
+
+def _files():
+    return import_module(rkharness.TINY.__name__ + ".conditioning")
+
+
+@pytest.fixture
+def cc():
+    """Global mode on, the default edit checks, an empty cache; put back after."""
+    mod = rkharness.pack("caching.conditioning")
+    settings = rkharness.pack("caching.settings").SETTINGS
+    saved = {k: settings.get(k) for k in ("conditioning.enabled", "conditioning.check_weight_edits")}
+    settings.update({"conditioning.enabled": True, "conditioning.check_weight_edits": "events"})
+    mod.CACHE.clear()
+    mod.CACHE.reset_counts()
+    yield mod
+    settings.update(saved)
+    mod.CACHE.clear()
+
+
+@pytest.fixture
+def we():
+    return rkharness.pack("caching.weight_edits")
+
+
+def checks(clip):
+    return rkharness.pack("patches.encoder_weights").checks(clip.cond_stage_model)
+
+
+def uncached(fn, *args):
+    settings = rkharness.pack("caching.settings").SETTINGS
+    before = settings.get("conditioning.enabled")
+    settings.set("conditioning.enabled", False)
+    try:
+        return fn(*args)
+    finally:
+        settings.set("conditioning.enabled", before)
+
+
+def file_clip(seed=0):
+    """A tiny CLIP loaded from its own new file (registered with the pack as a loader would)."""
+    folder = tempfile.mkdtemp(prefix="rk_edits_")
+    return _files().load_tiny_clip_file(_files().write_tiny_clip_file(folder, seed))
+
+
+# ---- the fingerprint ----------------------------------------------------------------------------
+
+def test_one_fingerprint_sees_every_one_element_edit_and_moves_are_not_edits(we):
+    """Every dtype's one-element edit changes its tensor's fingerprint and no other; a swap of two
+    values is an edit; equal bytes give equal values however they are laid out; the rows' shares of an
+    embedding table add up to the table's fingerprint (one function, the same on every device: the
+    gpu test compares it on CUDA)."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(1200, 1200, generator=gen), torch.randn(16, generator=gen).half(),
+               torch.randint(0, 255, (7,), generator=gen, dtype=torch.uint8), torch.randn(33, generator=gen).double(),
+               torch.randn(600, 600, generator=gen)]
+    before = we.fingerprints(weights)
+    assert before == we.fingerprints([w.clone() for w in weights]) and len(set(before)) == len(weights)
+    assert we.fingerprint(weights[0]) == we.fingerprint(weights[0].t().contiguous().t().contiguous())
+    for i, w in enumerate(weights):
+        for pos in (0, w.numel() // 2, -1):
+            edited = [v.clone() for v in weights]
+            flat = edited[i].view(-1)
+            flat[pos] = flat[pos] + 1
+            after = we.fingerprints(edited)
+            assert after[i] != before[i] and [a for j, a in enumerate(after) if j != i] == [b for j, b in enumerate(before) if j != i]
+    swapped = weights[0].clone().view(-1)
+    swapped[[0, 1]] = swapped[[1, 0]]
+    assert we.fingerprint(swapped) != before[0]
+    table = torch.randn(3000, 768, generator=gen).half()
+    assert int(we._row_shares(table, 384).sum()) & we.MASK == we.fingerprint(table)
+
+
+def test_the_cheap_check_sees_small_tensors_samples_and_the_rows_a_prompt_reads(we):
+    gen = torch.Generator().manual_seed(1)
+    named = {"emb": torch.randn(5000, 64, generator=gen), "norm": torch.randn(64, generator=gen),
+             "mlp": torch.randn(512, 256, generator=gen)}
+    watch = we.WeightWatch()
+    assert not watch.full(named, embeddings=frozenset({"emb"}))
+    ids = [0, 17, 4999]
+    assert not watch.quick(named, token_ids=ids)
+    moved = {k: v.clone() for k, v in named.items()}  # new storage, same bytes: what a device move makes
+    assert not watch.quick(moved, token_ids=ids)
+    for name, at in (("emb", (17, 3)), ("norm", (5,)), ("mlp", None)):
+        edited = {k: v.clone() for k, v in named.items()}
+        if at is None:
+            edited[name].mul_(1.001)
+        else:
+            edited[name][at] += 1
+        assert watch.quick(edited, token_ids=ids), name
+    row = {k: v.clone() for k, v in named.items()}
+    row["emb"][1234, 0] += 1
+    assert not watch.quick(row, token_ids=ids) and watch.quick(row, token_ids=[1234])  # only rows that are read
+    assert watch.quick({**named, "extra": torch.zeros(3)}) and watch.quick({"emb": named["emb"]})
+    assert watch.quick({**named, "norm": named["norm"].double()})
+    assert watch.full(row, embeddings=frozenset({"emb"})) and not watch.quick(row, token_ids=[1234])
+
+
+# ---- events --------------------------------------------------------------------------------------
+
+def test_hits_take_no_full_fingerprint_and_an_offload_cycle_still_hits(cc):
+    """A hit takes only the cheap check. ComfyUI unloading the encoder and the weights landing in new
+    storage (what a move to the CPU and back makes) is not an edit: the next encode hits, bit-exact,
+    and the encoder keeps its shared identity."""
+    import comfy.model_management
+
+    clip = file_clip(0)
+    tokens = clip.tokenize("an offloaded prompt")
+    first = clip.encode_from_tokens(tokens, return_pooled=True)
+    full = checks(clip)[0]
+    for _ in range(5):
+        assert all(torch.equal(a, b) for a, b in zip(clip.encode_from_tokens(tokens, return_pooled=True), first))
+    assert checks(clip)[0] == full and cc.CACHE.count("hits.text") == 5
+    for _ in range(3):
+        comfy.model_management.unload_all_models()
+        with torch.inference_mode():
+            clip.cond_stage_model._apply(lambda t: t.clone())
+        again = clip.encode_from_tokens(tokens, return_pooled=True)
+        assert all(torch.equal(a, b) for a, b in zip(again, first))
+    assert cc.CACHE.count("hits.text") == 8 and cc.CACHE.count("encodes") == 1
+    key = rkharness.pack("patches.conditioning").text_key(clip, tokens, True, False)
+    assert rkharness.pack("patches.conditioning").shared_key(key, clip.cond_stage_model, clip.patcher) is not None
+
+
+def test_weight_patches_applied_and_removed_take_one_full_check_and_still_hit(cc):
+    """A CLIP LoRA: ComfyUI applies the patches when it loads the encoder and removes them when it
+    unloads it; each time the next encode fingerprints in full (an event), finds the base weights
+    unchanged, and hits."""
+    import comfy.model_management
+    import comfy.sd
+    import comfy.utils
+
+    base = file_clip(0)
+    lora = comfy.utils.load_torch_file(os.path.join(_files().lora_dir(), _files().write_lora("edits.safetensors", flux=False)))
+    _, clip = comfy.sd.load_lora_for_models(None, base, lora, 0.0, 1.0)
+    tokens = clip.tokenize("a patched prompt")
+    first = clip.encode_from_tokens(tokens)
+    assert torch.equal(first, uncached(clip.encode_from_tokens, tokens))
+    for _ in range(2):
+        full = checks(clip)[0]
+        comfy.model_management.unload_all_models()
+        assert torch.equal(clip.encode_from_tokens(tokens), first)
+        assert checks(clip)[0] <= full + 1
+    assert cc.CACHE.count("encodes") == 1
+
+
+@pytest.mark.parametrize("what", ["dense", "embedding_row", "small"])
+def test_an_in_place_edit_between_two_node_runs_is_seen_under_events(cc, what, tmp_path):
+    """Through the real executor: encode, a node edits the CLIP's weights in place, encode again: the
+    second encode is the edited weights' own, never the stored one."""
+    from safetensors.torch import load_file
+
+    path = _files().write_tiny_clip_file(str(tmp_path), 0)
+    text = "a yellow star"
+    prompt = {"1": {"class_type": "RKTestFileCLIP", "inputs": {"path": path}},
+              "2": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 0], "text": text}},
+              "3": {"class_type": "RKTestSaveConditioning", "inputs": {"conditioning": ["2", 0], "path": str(tmp_path / "a.st")}},
+              "4": {"class_type": "RKTestEditEncoder", "inputs": {"clip": ["1", 0], "what": what, "text": text,
+                                                                  "after": ["2", 0]}},
+              "5": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["4", 0], "text": text}},
+              "6": {"class_type": "RKTestSaveConditioning", "inputs": {"conditioning": ["5", 0], "path": str(tmp_path / "b.st")}}}
+    rkharness.Executor().run(prompt)
+    a, b = load_file(str(tmp_path / "a.st")), load_file(str(tmp_path / "b.st"))
+    fresh = _files().load_tiny_clip_file(path)
+    _files().edit_weights(fresh, what, text)
+    expected = uncached(fresh.encode_from_tokens, fresh.tokenize(text), True)
+    assert not torch.equal(a["cond"], b["cond"])
+    assert torch.equal(b["cond"], expected[0]) and torch.equal(b["pooled"], expected[1])
+    assert cc.CACHE.count("hits.text") == 0
+
+
+def test_every_encode_sees_an_edit_inside_one_node(cc):
+    """A node that encodes, edits one value of a large weight away from the sampled positions, and
+    encodes again: under every_encode the second encode is the edited weights' own."""
+    settings = rkharness.pack("caching.settings").SETTINGS
+    settings.set("conditioning.check_weight_edits", "every_encode")
+    text = "a green tree"
+    ex = rkharness.Executor()
+    ex.run({"1": {"class_type": "RKTestSizedCLIP", "inputs": {"seed": 0, "name": "every_encode"}},
+            "2": {"class_type": "RKTestEncodeEditEncode", "inputs": {"clip": ["1", 0], "text": text, "what": "sparse"}},
+            "3": {"class_type": "ReuseKitCacheStats", "inputs": {"after": ["2", 1]}}})
+    (before,), (after,) = ex.output("2")
+    fresh = _files().clip_l_sized(0, _files().CLIP_MID)
+    _files().edit_weights(fresh, "sparse", text)
+    expected = uncached(fresh.encode_from_tokens, fresh.tokenize(text))
+    assert not torch.equal(before[0][0], after[0][0]) and torch.equal(after[0][0], expected)
+    assert cc.CACHE.count("hits.text") == 0
+
+
+@pytest.mark.parametrize("mode,fulls", [("events", 1), ("every_encode", 16)])
+def test_a_prompt_batch_of_16_takes_one_full_fingerprint_per_encoder(cc, mode, fulls):
+    """A LoRA'd encoder ComfyUI unloaded (its patches removed: an event), then a Prompt Batch of 16
+    prompts in one node run: under events one full fingerprint covers the batch; every_encode takes 16."""
+    import comfy.model_management
+    import comfy.sd
+    import comfy.utils
+
+    rkharness.pack("caching.settings").SETTINGS.set("conditioning.check_weight_edits", mode)
+    base = file_clip(1)
+    lora = comfy.utils.load_torch_file(os.path.join(_files().lora_dir(), _files().write_lora("batch.safetensors", flux=False)))
+    _, clip = comfy.sd.load_lora_for_models(None, base, lora, 0.0, 1.0)
+    clip.encode_from_tokens(clip.tokenize("warm up"))
+    comfy.model_management.unload_all_models()
+    name = f"rk_batch_{mode}"
+    _files()._FILE_CLIPS[name] = clip
+    prompts = "\n".join(f"prompt number {i}" for i in range(16))
+    full = checks(clip)[0]
+    rkharness.Executor().run({
+        "1": {"class_type": "RKTestFileCLIP", "inputs": {"path": name}},
+        "2": {"class_type": "ReuseKitPromptBatch", "inputs": {"prompts": prompts, "negative": ""}},
+        "3": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 0], "text": ["2", 0]}},
+        "4": {"class_type": "ReuseKitCacheStats", "inputs": {"after": ["3", 0]}}})
+    assert checks(clip)[0] - full == fulls
+
+
+# ---- the setting ---------------------------------------------------------------------------------
+
+def test_off_checks_nothing_and_leaves_the_shared_tiers_and_switching_empties_the_cache(cc):
+    settings = rkharness.pack("caching.settings").SETTINGS
+    pc = rkharness.pack("patches.conditioning")
+    clip = file_clip(2)
+    tokens = clip.tokenize("a switched setting")
+    clip.encode_from_tokens(tokens)
+    assert len(cc.CACHE) == 1
+    settings.set("conditioning.check_weight_edits", "off")
+    assert len(cc.CACHE) == 0
+    before = checks(clip)
+    clip.encode_from_tokens(tokens)
+    clip.encode_from_tokens(tokens)
+    assert checks(clip) == before and cc.CACHE.count("hits.text") == 1
+    key = pc.text_key(clip, tokens, False, False)
+    assert pc.shared_key(key, clip.cond_stage_model, clip.patcher) is None
+    settings.set("conditioning.check_weight_edits", "events")
+    assert len(cc.CACHE) == 0 and pc.shared_key(pc.text_key(clip, tokens, False, False), clip.cond_stage_model,
+                                                 clip.patcher) is not None
+
+
+def test_the_setting_takes_its_older_true_false_form_and_names_itself_on_a_bad_value(cc, caplog):
+    settings = rkharness.pack("caching.settings").SETTINGS
+    with caplog.at_level("INFO", logger="reusekit"):
+        assert settings.set("conditioning.check_weight_edits", False) == "off"
+        assert settings.set("conditioning.check_weight_edits", True) == "events"
+    assert "older form" in caplog.text
+    with pytest.raises(ValueError, match="conditioning.check_weight_edits.*events, every_encode, off"):
+        settings.set("conditioning.check_weight_edits", "sometimes")
+
+
+def test_module_settings_are_memoised_but_never_stale(cc):
+    """The module-settings part of the key is read once, then reused until a plain attribute set, an
+    in-place change of a settings container or an object patch changes it: each is a miss whose
+    output equals an uncached encode."""
+    clip = rkharness.TINY.tiny_clip(0)
+    tokens = clip.tokenize("a memo")
+    plain = clip.encode_from_tokens(tokens)
+    inner = clip.cond_stage_model.clip_l
+    inner.special_tokens["pad"] = int(str(inner.special_tokens["pad"]))  # same value, new object: still a hit
+    assert torch.equal(clip.encode_from_tokens(tokens), plain) and cc.CACHE.count("hits.text") == 1
+    saved = inner.special_tokens["pad"]
+    try:
+        inner.special_tokens["pad"] = 0  # an in-place edit of a settings dict
+        out = clip.encode_from_tokens(tokens)
+        assert torch.equal(out, uncached(clip.encode_from_tokens, tokens)) and cc.CACHE.count("hits.text") == 1
+    finally:
+        inner.special_tokens["pad"] = saved
+    patched = clip.clone()
+    patched.patcher.add_object_patch("clip_l.layer_norm_hidden_state", not inner.layer_norm_hidden_state)
+    out = patched.encode_from_tokens(tokens)
+    assert torch.equal(out, uncached(patched.encode_from_tokens, tokens)) and cc.CACHE.count("hits.text") == 1
+    assert torch.equal(clip.encode_from_tokens(tokens), plain) and cc.CACHE.count("hits.text") == 2
