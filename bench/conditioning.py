@@ -1,7 +1,11 @@
-"""Conditioning cache benchmark: hit vs miss per kind, then five workflow scenarios through the
-real executor in each ComfyUI cache mode, with and without ReuseKit, counting encoder forwards;
-then the shared tiers: a disk-tier and a Redis hit (an entry another process wrote) against an
-encode, and two ComfyUI server processes sharing them (Redis rows need Debian's redis-server).
+"""Conditioning cache benchmark: hit vs miss per kind under each value of
+``conditioning.check_weight_edits`` (a CLIP-L-size and a 4x larger text encoder, a Flux-size VAE, a
+tiny CLIP vision; weights as ComfyUI's loaders leave them: inference tensors), hits after ComfyUI
+unloads and reloads an encoder, full fingerprints in a Prompt Batch of 16; then five workflow
+scenarios through the real executor in each ComfyUI cache mode, with and without ReuseKit, counting
+encoder forwards, and their wall time on a CLIP-L-size encoder; then the shared tiers: a whole
+disk-tier and Redis hit (an entry another process wrote) against an encode, and two ComfyUI server
+processes sharing them (Redis rows need Debian's redis-server).
 
     .venv/bin/python bench/conditioning.py [--quick]
 
@@ -124,52 +128,140 @@ def _median_time(fn, repeat):
     return statistics.median(times)
 
 
+MODES_OF_CHECKS = ("events", "every_encode", "off")  # conditioning.check_weight_edits
+BIG_CLIP = {"hidden_size": 1536, "intermediate_size": 6144, "num_attention_heads": 24,
+            "num_hidden_layers": 12, "projection_dim": 768}  # CLIP-L's depth at twice its width: 4x its weights
+TEXT = "a photograph of an astronaut riding a (horse:1.2) on the moon, detailed"
+
+
+def _weights(module) -> tuple[int, int]:
+    """(tensors, bytes) of a module's weights."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return len(tensors), sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _inference(module) -> bool:
+    return all(t.is_inference() for t in module.parameters())
+
+
 def kind_table(rkharness, quick: bool):
+    """Hit against miss per kind under each value of ``conditioning.check_weight_edits``, with weights
+    as ComfyUI's loaders leave them (inference tensors, built and loaded under inference mode)."""
     import torch
 
-    import nodes
-
     tiny = rkharness.TINY
+    files = __import__(f"{tiny.__name__}.conditioning", fromlist=["clip_l_sized"])
     cache = rkharness.pack("caching.conditioning").CACHE
     settings = rkharness.pack("caching.settings").SETTINGS
     settings.set("conditioning.enabled", True)
     repeat = 3 if quick else 7
     rows = []
 
-    clip = nodes.NODE_CLASS_MAPPINGS["RKTestSharedTinyCheckpoint"]().load("flux", 0, "clip_l")[1]  # reused below
-    tokens = clip.tokenize("a photograph of an astronaut riding a (horse:1.2) on the moon, detailed")
-    text_miss = lambda: (cache.clear(), clip.encode_from_tokens(tokens, return_pooled=True))  # noqa: E731
-    text_hit = lambda: clip.encode_from_tokens(tokens, return_pooled=True)  # noqa: E731
-    rows.append(("text (CLIP-L size, 77 tokens)", text_miss, text_hit))
+    clip = files.clip_l_sized(0)
+    big = files.clip_l_sized(1, BIG_CLIP)
+    for name, encoder in (("text (CLIP-L size, 77 tokens)", clip), ("text (4x CLIP-L weights)", big)):
+        tokens = encoder.tokenize(TEXT)
+        rows.append((name, encoder.cond_stage_model,
+                     lambda e=encoder, t=tokens: (cache.clear(), e.encode_from_tokens(t, return_pooled=True)),
+                     lambda e=encoder, t=tokens: e.encode_from_tokens(t, return_pooled=True)))
 
-    vae = tiny.tiny_vae(0)
-    size = 128 if quick else 256
+    size = 256 if quick else 512
+    vae = tiny.tiny_vae(0, ch=128, ch_mult=(1, 2, 4, 4), num_res_blocks=2)
     image = torch.rand(1, size, size, 3, generator=torch.Generator().manual_seed(0))
-    vae_miss = lambda: (cache.clear(), vae.encode(image))  # noqa: E731
-    vae_hit = lambda: vae.encode(image)  # noqa: E731
-    rows.append((f"VAE encode ({size}x{size})", vae_miss, vae_hit))
+    rows.append((f"VAE encode (Flux-size VAE, {size}x{size})", vae.first_stage_model,
+                 lambda: (cache.clear(), vae.encode(image)), lambda: vae.encode(image)))
 
     vision = tiny.tiny_clip_vision(0)
-    vision_miss = lambda: (cache.clear(), vision.encode_image(image))  # noqa: E731
-    vision_hit = lambda: vision.encode_image(image)  # noqa: E731
-    rows.append(("CLIP vision (tiny ViT)", vision_miss, vision_hit))
+    small = image[:, :224, :224]
+    rows.append(("CLIP vision (tiny ViT)", vision.model,
+                 lambda: (cache.clear(), vision.encode_image(small)), lambda: vision.encode_image(small)))
 
     results = {}
-    print(f"{'kind':34} {'miss ms':>10} {'hit ms':>10} {'hit/miss':>10}   (weight edit checks off: hit ms, hit/miss)")
-    for name, miss, hit in rows:
-        miss()  # warm up
-        t_miss = _median_time(miss, repeat)
-        miss()
-        t_hit = _median_time(hit, repeat * 5)
-        settings.set("conditioning.check_weight_edits", False)  # empties the cache
-        miss()
-        t_unchecked = _median_time(hit, repeat * 5)
-        settings.set("conditioning.check_weight_edits", True)
-        results[name] = (t_hit / t_miss, t_unchecked / t_miss)
-        print(f"{name:34} {t_miss * 1e3:10.2f} {t_hit * 1e3:10.3f} {t_hit / t_miss:10.4f}"
-              f"   {t_unchecked * 1e3:10.3f} {t_unchecked / t_miss:10.4f}")
-    cache.clear()
+    print(f"{'kind':38} {'tensors':>7} {'MiB':>7} {'inference':>9} {'miss ms':>9}"
+          + "".join(f" {m + ' hit ms':>18} {'/miss':>7}" for m in MODES_OF_CHECKS))
+    try:
+        for name, module, miss, hit in rows:
+            miss()  # warm up
+            t_miss = _median_time(miss, repeat)
+            line = (f"{name:38} {_weights(module)[0]:7d} {_weights(module)[1] / 2**20:7.0f} "
+                    f"{str(_inference(module)):>9} {t_miss * 1e3:9.1f}")
+            for mode in MODES_OF_CHECKS:
+                settings.set("conditioning.check_weight_edits", mode)  # empties the cache
+                miss()
+                t_hit = _median_time(hit, repeat * 5)
+                results[(name, mode)] = (t_hit, t_hit / t_miss)
+                line += f" {t_hit * 1e3:18.3f} {t_hit / t_miss:7.4f}"
+            print(line)
+    finally:
+        settings.set("conditioning.check_weight_edits", "events")
+        cache.clear()
     return results
+
+
+def offload_table(rkharness, quick: bool) -> tuple[int, int]:
+    """A CLIP-L-size encoder ComfyUI unloads and loads back through its ModelPatcher between prompts:
+    hits over repeats. On a machine without a GPU the encoder's load and offload devices are both the
+    CPU, so the weights are also copied to new storage each time (what a move to another device and
+    back makes: new addresses, the same bytes)."""
+    import comfy.model_management
+    import torch
+
+    files = __import__(f"{rkharness.TINY.__name__}.conditioning", fromlist=["clip_l_sized"])
+    cache = rkharness.pack("caching.conditioning").CACHE
+    clip = files.clip_l_sized(2)
+    tokens = clip.tokenize(TEXT)
+    first = clip.encode_from_tokens(tokens, return_pooled=True)
+    repeats, hits = (2 if quick else 4), 0
+    for _ in range(repeats):
+        comfy.model_management.unload_all_models()
+        if clip.patcher.load_device == clip.patcher.offload_device:
+            with torch.inference_mode():
+                clip.cond_stage_model._apply(lambda t: t.clone())
+        comfy.model_management.load_models_gpu([clip.patcher])
+        before = cache.count("hits.text")
+        again = clip.encode_from_tokens(tokens, return_pooled=True)
+        hits += cache.count("hits.text") - before
+        assert all(torch.equal(a, b) for a, b in zip(again, first, strict=True)), "an offload changed an encode"
+    print(f"\n== offload: {hits}/{repeats} encodes after ComfyUI unloaded and reloaded the encoder were hits ==")
+    cache.clear()
+    return hits, repeats
+
+
+def batch_table(rkharness) -> dict[str, int]:
+    """A LoRA'd CLIP-L-size encoder that ComfyUI unloaded (its patches removed: an event), then a
+    ReuseKit Prompt Batch of 16 prompts through the real executor: full fingerprints per setting."""
+    import comfy.model_management
+    import comfy.sd
+    import comfy.utils
+
+    files = __import__(f"{rkharness.TINY.__name__}.conditioning", fromlist=["clip_l_sized"])
+    weights = rkharness.pack("patches.encoder_weights")
+    settings = rkharness.pack("caching.settings").SETTINGS
+    lora = comfy.utils.load_torch_file(os.path.join(files.lora_dir(), files.write_lora(
+        "rk_bench_batch.safetensors", seed=5, width=768, flux=False)))
+    prompts = "\n".join(f"a photograph of object number {i}, detailed" for i in range(16))
+    out = {}
+    try:
+        for mode in ("events", "every_encode"):
+            settings.set("conditioning.check_weight_edits", mode)
+            _, clip = comfy.sd.load_lora_for_models(None, files.clip_l_sized(3), lora, 0.0, 1.0)
+            clip.encode_from_tokens(clip.tokenize("warm up"))
+            comfy.model_management.unload_all_models()
+            name = f"rk_bench_batch_{mode}"
+            files._FILE_CLIPS[name] = clip
+            before = weights.checks(clip.cond_stage_model)[0]
+            rkharness.Executor().run({
+                "1": {"class_type": "RKTestFileCLIP", "inputs": {"path": name}},
+                "2": {"class_type": "ReuseKitPromptBatch", "inputs": {"prompts": prompts, "negative": ""}},
+                "3": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 0], "text": ["2", 0]}},
+                "4": {"class_type": "ReuseKitCacheStats", "inputs": {"after": ["3", 0]}}})
+            out[mode] = weights.checks(clip.cond_stage_model)[0] - before
+            del files._FILE_CLIPS[name]
+    finally:
+        settings.set("conditioning.check_weight_edits", "events")
+    print(f"\n== a Prompt Batch of 16 prompts after an unload of a LoRA'd encoder: full fingerprints "
+          f"events {out['events']}, every_encode {out['every_encode']} ==")
+    return out
 
 
 def sampler_side_table(rkharness):
@@ -231,13 +323,15 @@ def redis_server(rkharness):
 
 def _use_tiers(settings, folder, url):
     settings.update({"conditioning.disk.enabled": folder is not None, "conditioning.disk.folder": str(folder or ""),
-                     "conditioning.redis.enabled": url is not None, "conditioning.redis.url": url or ""})
+                     "conditioning.redis.enabled": url is not None, "conditioning.redis.url": url or ""},
+                    trusted=True)
 
 
 def shared_table(rkharness, quick: bool, url):
-    """A shared-tier hit (LRU emptied first, so the entry comes from the tier) against an encode of a
-    CLIP-L-sized encoder loaded from a file; and the tiers' own read + verify + copy of a CLIP-L-size
-    (1x77x768) and a T5-size (1x512x4096) output."""
+    """A whole shared-tier hit (the LRU emptied first, so the entry comes from the tier; the default
+    setting) against an encode of a CLIP-L-sized encoder loaded from a file by ComfyUI's CLIPLoader
+    path; and the tiers' own read + verify + copy of a CLIP-L-size (1x77x768) and a T5-size
+    (1x512x4096) output."""
     import comfy.sd
     import torch
     from safetensors.torch import save_file
@@ -257,7 +351,7 @@ def shared_table(rkharness, quick: bool, url):
         del model
         clip = comfy.sd.load_clip([path], model_options={"dtype": torch.float32})
         tiers.TIERS.hashes.wait(300)
-        tokens = clip.tokenize("a photograph of an astronaut riding a (horse:1.2) on the moon, detailed")
+        tokens = clip.tokenize(TEXT)
         settings.set("conditioning.enabled", True)
 
         def miss():
@@ -269,7 +363,7 @@ def shared_table(rkharness, quick: bool, url):
         t_miss = _median_time(miss, repeat)
         print(f"\n== shared tiers: an entry another process wrote vs an encode (CLIP-L-size miss {t_miss * 1e3:.1f} ms) ==")
         print(f"{'tier':8} {'output':22} {'tier read+verify+copy ms':>25} {'/ CLIP-L miss':>14} "
-              f"{'end-to-end hit ms':>18} {'/ miss':>8}   (weight edit checks off: ms, / miss)")
+              f"{'whole hit ms':>13} {'/ miss':>8}")
         ratios = {}
         t5 = ("L", [("T", torch.randn(1, 512, 4096), torch.device("cpu"))])
         cl = ("L", [("T", torch.randn(1, 77, 768), torch.device("cpu"))])
@@ -292,18 +386,14 @@ def shared_table(rkharness, quick: bool, url):
             t_hit = _median_time(hit, repeat * 3)
             assert tiers.TIERS.stats[tier].counter("hits") > hits_before, f"no {tier} hits"
             ratios[tier] = t_hit / t_miss
-            settings.set("conditioning.check_weight_edits", False)
-            t_unchecked = _median_time(hit, repeat * 3)
-            settings.set("conditioning.check_weight_edits", True)
             for label, stored in (("CLIP-L (1x77x768)", cl), ("T5 (1x512x4096)", t5)):
                 key = tiers.SharedKey(("bench", tier, label))
                 tiers.TIERS.put(key, stored, 1.0, {})
                 if tiers.TIERS.redis is not None:
                     tiers.TIERS.redis.flush()
                 t_tier = _median_time(lambda key=key: thaw(tiers.TIERS.get(key, {})[0]), repeat * 3)
-                e2e = (f"{t_hit * 1e3:18.2f} {t_hit / t_miss:8.4f}   {t_unchecked * 1e3:10.2f} {t_unchecked / t_miss:8.4f}"
-                       if label.startswith("CLIP") else "")
-                print(f"{tier:8} {label:22} {t_tier * 1e3:25.2f} {t_tier / t_miss:14.4f} {e2e}")
+                whole = f"{t_hit * 1e3:13.2f} {t_hit / t_miss:8.4f}" if label.startswith("CLIP") else ""
+                print(f"{tier:8} {label:22} {t_tier * 1e3:25.2f} {t_tier / t_miss:14.4f} {whole}")
         return ratios
     finally:
         _use_tiers(settings, None, None)
@@ -357,8 +447,10 @@ def main() -> None:
 
     loras = __import__(f"{rkharness.TINY.__name__}.conditioning", fromlist=["write_lora"])
     with torch.inference_mode():
-        print("== hit vs miss, per kind (median of repeats) ==")
+        print("== hit vs miss, per kind and check_weight_edits (median of repeats) ==")
         ratios = kind_table(rkharness, quick)
+        offload = offload_table(rkharness, quick)
+        batch = batch_table(rkharness)
         sampler_side_table(rkharness)
 
         lora_name = loras.write_lora("rk_bench_tiny.safetensors", seed=3, width=32)
@@ -401,11 +493,19 @@ def main() -> None:
 
     n = len(table) * len(MODES)
     speedup = wall[False] / wall[True]
-    text_ratio, text_unchecked = next(v for k, v in ratios.items() if k.startswith("text"))
-    vae_ratio, vae_unchecked = next(v for k, v in ratios.items() if k.startswith("VAE"))
-    print(f"RESULT text_hit_over_miss={text_ratio:.4f} vae_hit_over_miss={vae_ratio:.4f} "
+
+    def ratio(prefix, mode="events"):
+        return next(v[1] for (k, m), v in ratios.items() if k.startswith(prefix) and m == mode)
+
+    small_hit = next(v[0] for (k, m), v in ratios.items() if k.startswith("text (CLIP-L") and m == "events")
+    big_hit = next(v[0] for (k, m), v in ratios.items() if k.startswith("text (4x") and m == "events")
+    print(f"RESULT text_hit_over_miss={ratio('text (CLIP-L'):.4f} vae_hit_over_miss={ratio('VAE'):.4f} "
           f"workload_speedup={speedup:.2f} scenarios_at_ideal={at_ideal}/{n} "
-          f"unchecked_text_hit_over_miss={text_unchecked:.4f} unchecked_vae_hit_over_miss={vae_unchecked:.4f} "
+          f"big_hit_over_small_hit={big_hit / small_hit:.2f} offload_hits={offload[0]}/{offload[1]} "
+          f"fingerprints_per_batch={batch['events']} "
+          f"every_encode_text_hit_over_miss={ratio('text (CLIP-L', 'every_encode'):.4f} "
+          f"unchecked_text_hit_over_miss={ratio('text (CLIP-L', 'off'):.4f} "
+          f"unchecked_vae_hit_over_miss={ratio('VAE', 'off'):.4f} "
           f"disk_hit_over_miss={shared['disk']:.4f} redis_hit_over_miss={shared['redis']:.4f} "
           f"second_worker_encodes={max(workers.values())}")
 

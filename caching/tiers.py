@@ -8,15 +8,25 @@ Pure logic (torch, safetensors and the standard library; the ``redis`` client on
   text as JSON in the header, a BLAKE2b checksum over all of it and, with a secret, an HMAC-SHA256 of
   that checksum. A read checks the format, the signature, the key (whole, field by field as text) and
   the checksum before anything is used: a torn, corrupted, foreign or unsigned entry is a counted miss.
+- Devices in a stored value are named by kind and model (``cuda[<name>]``), as in the key, and read back
+  as this process's device of that kind and model.
 - The disk tier writes atomically (a temporary file, then ``os.replace``), bounds its bytes and evicts
-  the least recently used files (a hit touches the file's mtime).
-- The Redis tier has short socket timeouts and a circuit breaker (after a failure the tier is skipped
-  for a while, one log line, an error counted); writes go through a background queue.
+  the least recently used files (a hit touches the file's mtime). It opens an entry without following
+  links and without blocking, and reads only a regular file under the entry size cap. Its files end
+  in ``.rkcond``, so a folder under ComfyUI's ``models/`` never shows them in a model list.
+- The Redis tier has short socket timeouts, a total deadline per read (a server sending a byte at a
+  time cannot hold an encode), reads at most the entry size cap, and a circuit breaker (after a
+  failure the tier is skipped for a while, one log line, an error counted); writes go through a
+  background queue.
+- Where the tiers are (the disk folder, the Redis URL) is set from the environment only: a client of
+  ComfyUI's API can switch a tier on or off, never point it elsewhere.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import errno
 import hashlib
 import hmac
 import json
@@ -24,6 +34,7 @@ import logging
 import os
 import queue
 import re
+import stat
 import struct
 import threading
 import time
@@ -40,8 +51,9 @@ from .stats import REGISTRY
 
 log = logging.getLogger("reusekit")
 
-FORMAT = "reusekit-conditioning-1"
+FORMAT = "reusekit-conditioning-2"  # 2: devices in stored values by kind and model
 MIB = 1 << 20
+MAX_ENTRY_BYTES = 256 * MIB  # an entry larger than this is neither written nor read
 
 
 class Rejected(Exception):
@@ -53,20 +65,49 @@ class Rejected(Exception):
 
 
 class SharedKey:
-    """A key for the shared tiers: ``text`` (exact, compared whole) and ``name`` (its 256-bit digest)."""
+    """A key for the shared tiers: ``text`` (exact, compared whole) and ``name`` (its 256-bit digest);
+    ``local``: this process's devices by portable name, where a stored value's tensors go."""
 
-    __slots__ = ("text", "name")
+    __slots__ = ("text", "name", "local")
 
-    def __init__(self, tree: Any):
+    def __init__(self, tree: Any, local: dict[str, torch.device] | None = None):
         self.text = repr(tree)
         self.name = hashlib.blake2b(self.text.encode(), digest_size=32).hexdigest()
+        self.local = local
+
+
+# ---- devices by kind and model -----------------------------------------------------------------
+
+_INDEXED = re.compile(r"^(cuda|xpu|mps|npu|mlu|hpu|xla|privateuseone|mtia):(\d+)$")
+_portable_names: dict[str, str] = {}
+
+
+def portable_device(name: str) -> str:
+    """``cuda:1`` as ``cuda[<device name>]``: the same kind of device in another process names alike.
+    Names without an index (``cpu``, ``cuda``) stay as they are."""
+    found = _portable_names.get(name)
+    if found is None:
+        match = _INDEXED.match(name)
+        if match is None:
+            return name
+        kind = match.group(1)
+        found = kind
+        if kind == "cuda" and torch.cuda.is_available():
+            found = f"cuda[{torch.cuda.get_device_name(torch.device(name))}]"
+        _portable_names[name] = found
+    return found
+
+
+def is_indexed_device(name: str) -> bool:
+    return _INDEXED.match(name) is not None
 
 
 # ---- file hashes: weights by content ----------------------------------------------------------
 
 class FileHashes:
-    """BLAKE2b-256 of whole files, remembered by real path, size and mtime. Files up to
-    ``inline_bytes`` are hashed at once; larger ones on a background thread (``get`` is None meanwhile)."""
+    """BLAKE2b-256 of whole files, remembered by their :meth:`stamp` (real path, size, mtime, inode and
+    ctime: a file replaced or rewritten has another). Files up to ``inline_bytes`` are hashed at once;
+    larger ones on a background thread (``get`` is None meanwhile)."""
 
     def __init__(self, inline_bytes: int = 16 * MIB):
         self.inline_bytes = inline_bytes
@@ -77,16 +118,18 @@ class FileHashes:
         self._thread: threading.Thread | None = None
 
     @staticmethod
-    def _stamp(path: str) -> tuple | None:
+    def stamp(path: str) -> tuple | None:
+        """(real path, size, mtime_ns, inode, ctime_ns) of a file, or None when it cannot be read."""
         try:
-            st = os.stat(path)
+            real = os.path.realpath(path)
+            st = os.stat(real)
         except OSError:
             return None
-        return (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+        return (real, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
 
     def get(self, path: str) -> str | None:
         """The file's digest if known (or small enough to hash now); else None and hashing is queued."""
-        stamp = self._stamp(path)
+        stamp = self.stamp(path)
         if stamp is None:
             return None
         with self._lock:
@@ -133,7 +176,7 @@ class FileHashes:
                     h.update(view[:n])
         except OSError:
             return None
-        if self._stamp(stamp[0]) != stamp:  # changed while we read it: not remembered
+        if self.stamp(stamp[0]) != stamp:  # changed while we read it: not remembered
             return None
         digest = h.hexdigest()
         with self._lock:
@@ -159,7 +202,7 @@ def _plain(v: Any) -> list:
     if isinstance(v, torch.dtype):
         return ["dtype", str(v).removeprefix("torch.")]
     if isinstance(v, torch.device):
-        return ["device", str(v)]
+        return ["device", portable_device(str(v))]
     if isinstance(v, torch.Size):
         return ["size", list(v)]
     raise TypeError(f"cannot share a {type(v).__name__}")
@@ -191,14 +234,27 @@ def _unplain(p: list) -> Any:
     raise Rejected("malformed", f"value tag {tag!r}")
 
 
-def _device(name: str) -> torch.device:
-    """A device of this process; an entry made for one it lacks cannot be used here."""
-    device = torch.device(name)
-    if device.type != "cpu":
-        try:
-            torch.empty(0, device=device)
-        except (RuntimeError, AssertionError) as exc:
-            raise Rejected("device", str(exc)) from None
+def _device(name: str, local: dict[str, torch.device] | None = None) -> torch.device:
+    """This process's device for a stored one: ``cpu``, or a device of the same kind and model named
+    in ``local`` (the devices of the encode asking). An entry made for one it lacks cannot be used."""
+    if not isinstance(name, str):
+        raise Rejected("malformed", f"device {name!r}")
+    if local and name in local:
+        return local[name]
+    if name == "cpu":
+        return torch.device("cpu")
+    if "[" in name:
+        raise Rejected("device", f"no {name} here")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        raise Rejected("malformed", f"device {name!r}: {exc}") from None
+    if device.index is not None:  # indexed names are never written: another process's numbering
+        raise Rejected("malformed", f"device {name!r}")
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as exc:
+        raise Rejected("device", str(exc)) from None
     return device
 
 
@@ -206,7 +262,7 @@ def _to_json(stored: Any, tensors: list, names: dict[type, str]) -> Any:
     tag = stored[0]
     if tag == "T":
         tensors.append(stored[1])
-        return {"T": len(tensors) - 1, "on": str(stored[2])}
+        return {"T": len(tensors) - 1, "on": portable_device(str(stored[2]))}
     if tag == "V":
         return {"V": _plain(stored[1])}
     if tag in ("L", "U"):
@@ -216,26 +272,31 @@ def _to_json(stored: Any, tensors: list, names: dict[type, str]) -> Any:
     return {"C": names[stored[1]], "attrs": [[k, _to_json(x, tensors, names)] for k, x in stored[2]]}
 
 
-def _from_json(node: Any, tensors: dict[str, torch.Tensor], classes: dict[str, type]) -> Any:
+def _from_json(node: Any, tensors: dict[str, torch.Tensor], classes: dict[str, type],
+               local: dict[str, torch.device] | None = None) -> Any:
     if not isinstance(node, dict):
         raise Rejected("malformed", "value node")
+
+    def go(x):
+        return _from_json(x, tensors, classes, local)
+
     if "T" in node:
         t = tensors.get(f"t{int(node['T'])}")
         if t is None:
             raise Rejected("malformed", "missing tensor")
-        return ("T", t, _device(node["on"]))
+        return ("T", t, _device(node["on"], local))
     if "V" in node:
         return ("V", _unplain(node["V"]))
     if "L" in node:
-        return ("L", [_from_json(x, tensors, classes) for x in node["L"]])
+        return ("L", [go(x) for x in node["L"]])
     if "U" in node:
-        return ("U", tuple(_from_json(x, tensors, classes) for x in node["U"]))
+        return ("U", tuple(go(x) for x in node["U"]))
     if "D" in node:
-        return ("D", [(_unplain(k), _from_json(x, tensors, classes)) for k, x in node["D"]])
+        return ("D", [(_unplain(k), go(x)) for k, x in node["D"]])
     cls = classes.get(node.get("C"))
     if cls is None:
         raise Rejected("malformed", f"container {node.get('C')!r}")
-    return ("C", cls, [(str(k), _from_json(x, tensors, classes)) for k, x in node["attrs"]])
+    return ("C", cls, [(str(k), go(x)) for k, x in node["attrs"]])
 
 
 def _checksum(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> bytes:
@@ -278,8 +339,10 @@ def _header(data: bytes) -> dict[str, str]:
     return meta
 
 
-def unpack(data: bytes, key: SharedKey, secret: bytes | None, classes: dict[str, type]) -> tuple[Any, float]:
-    """The frozen value and compute seconds of an entry, after every check; Rejected otherwise."""
+def unpack(data: bytes, key: SharedKey, secret: bytes | None, classes: dict[str, type],
+           local: dict[str, torch.device] | None = None) -> tuple[Any, float]:
+    """The frozen value and compute seconds of an entry, after every check; Rejected otherwise.
+    ``local``: this process's devices by portable name (:func:`portable_device`), for stored tensors."""
     meta = _header(data)
     if meta.get("format") != FORMAT:
         raise Rejected("corrupt", f"format {meta.get('format')!r}")
@@ -297,29 +360,33 @@ def unpack(data: bytes, key: SharedKey, secret: bytes | None, classes: dict[str,
     if secret and not hmac.compare_digest(hmac.new(secret, check, hashlib.sha256).hexdigest(), str(meta["hmac"])):
         raise Rejected("unsigned", "wrong signature")
     try:
-        stored = _from_json(json.loads(meta["value"]), tensors, classes)
+        stored = _from_json(json.loads(meta["value"]), tensors, classes, local)
         seconds = float.fromhex(meta["seconds"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise Rejected("malformed", str(exc)) from None
+    except Rejected:
+        raise
+    except Exception as exc:  # anything else a stored value can hold is malformed: counted, never raised
+        raise Rejected("malformed", f"{type(exc).__name__}: {exc}") from None
     return stored, seconds
 
 
 # ---- the disk tier -----------------------------------------------------------------------------
 
 _HEX2 = re.compile(r"^[0-9a-f]{2}$")
-_ENTRY = re.compile(r"^(\.)?([0-9a-f]{64})\.safetensors(\.\d+\.[0-9a-f]{8}\.tmp)?$")  # an entry, or its temporary file
+# an entry, or its temporary file (``.safetensors``: entries of ReuseKit 0.1, counted and evicted, never read)
+_ENTRY = re.compile(r"^(\.)?([0-9a-f]{64})\.(?:rkcond|safetensors)(\.\d+\.[0-9a-f]{8}\.tmp)?$")
 
 
 class DiskTier:
     """Entries as files ``<folder>/<2 hex>/<name>.safetensors``; bytes bounded, least recently used out."""
 
-    SUFFIX = ".safetensors"
+    SUFFIX = ".rkcond"  # not a model extension: ComfyUI never lists these files
     RESCAN_S = 30.0  # other processes' writes are seen by a rescan at least this often
     STALE_TMP_S = 3600.0  # a temporary file this old belongs to no live write
 
     def __init__(self, folder: str | os.PathLike, budget_bytes: int):
         self.folder = Path(folder)
         self.budget_bytes = int(budget_bytes)
+        self.max_bytes = MAX_ENTRY_BYTES
         self._lock = threading.Lock()
         self._usage: tuple[int, int] | None = None  # (entries, bytes) at the last scan, plus our writes since
         self._scanned = 0.0
@@ -328,11 +395,32 @@ class DiskTier:
         return self.folder / name[:2] / f"{name}{self.SUFFIX}"
 
     def read(self, name: str) -> bytes | None:
+        """The entry's bytes, None when there is none. The file is opened without following a link
+        and without blocking (a FIFO), and read only when it is a regular file under the size cap
+        (Rejected otherwise)."""
         path = self.path(name)
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
         try:
-            data = path.read_bytes()
+            fd = os.open(path, flags)
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a link where an entry should be
+                raise Rejected("not_a_file", f"{path} is a link") from None
+            raise
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise Rejected("not_a_file", f"{path} is not a regular file")
+            if st.st_size > self.max_bytes:
+                raise Rejected("oversize", f"{st.st_size} bytes")
+            buf = bytearray(st.st_size + 1)
+            view, n = memoryview(buf), 0
+            while n < len(buf) and (got := f.readinto(view[n:])):
+                n += got
+        if n > st.st_size:
+            raise Rejected("corrupt", "grew while read")
+        data = bytes(view[:n])
         try:
             os.utime(path)  # least recently used: a hit is a use
         except OSError:
@@ -423,9 +511,11 @@ class Unavailable(Exception):
 
 
 class RedisTier:
-    """Entries as Redis values with a TTL. Reads are synchronous with short timeouts; writes go through
-    a bounded background queue (a full queue drops the write). A failure opens the breaker: the tier
-    is skipped for ``cooldown_s`` seconds, with one log line."""
+    """Entries as Redis values with a TTL. A read waits at most ``4 * timeout_s`` in all (it runs on a
+    reader thread; past the deadline its connection is closed under it) and fetches at most
+    ``max_bytes`` + 1 bytes (``GETRANGE``: a larger value is rejected unread). Writes go
+    through a bounded background queue (a full queue drops the write). A failure opens the breaker:
+    the tier is skipped for ``cooldown_s`` seconds, with one log line."""
 
     PREFIX = "reusekit:cond:1:"
 
@@ -436,6 +526,8 @@ class RedisTier:
         self.url = url
         self.ttl_s = int(ttl_s)
         self.cooldown_s = cooldown_s
+        self.deadline_s = 4 * timeout_s
+        self.max_bytes = MAX_ENTRY_BYTES
         self._redis = redis
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                             retry_on_timeout=False)
@@ -446,6 +538,7 @@ class RedisTier:
         self._closed = False
         self._thread = threading.Thread(target=self._work, name="reusekit-redis-writer", daemon=True)
         self._thread.start()
+        self._readers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="reusekit-redis-reader")
 
     def _fail(self, exc: Exception) -> None:
         first = time.monotonic() >= self._down_until
@@ -460,12 +553,26 @@ class RedisTier:
             raise Unavailable("breaker open")
         try:
             return fn(*args, **kwargs)
-        except (self._redis.RedisError, OSError) as exc:
+        except Exception as exc:  # the client's errors and a server answering nonsense alike
             self._fail(exc)
             raise Unavailable(str(exc)) from None
 
     def read(self, name: str) -> bytes | None:
-        return self._call(self._client.get, self.PREFIX + name)
+        if time.monotonic() < self._down_until:
+            raise Unavailable("breaker open")
+        cap = self.max_bytes
+        pending = self._readers.submit(self._call, self._client.getrange, self.PREFIX + name, 0, cap)
+        try:
+            data = pending.result(timeout=self.deadline_s)
+        except concurrent.futures.TimeoutError:
+            self._client.connection_pool.disconnect()  # the read in flight fails and frees its thread
+            self._fail(TimeoutError(f"a read took over {self.deadline_s:.2f} s"))
+            raise Unavailable("read deadline") from None
+        if not data:
+            return None  # no such key (GETRANGE answers an empty string)
+        if len(data) > cap:
+            raise Rejected("oversize", f"over {cap} bytes")
+        return data
 
     def write(self, name: str, data: bytes) -> bool:
         """Queue a write; False when it was dropped (queue full or breaker open)."""
@@ -497,6 +604,7 @@ class RedisTier:
     def close(self) -> None:
         """Stop taking writes; the writer thread ends after the write in hand (the rest are dropped)."""
         self._closed = True
+        self._readers.shutdown(wait=False)
         with contextlib.suppress(queue.Full):
             self._queue.put_nowait((None, None))
 
@@ -596,24 +704,22 @@ class SharedTiers:
     def _tiers(self):
         return [(n, t) for n, t in (("disk", self.disk), ("redis", self.redis)) if t is not None]
 
-    def get(self, key: SharedKey, classes: dict[str, type]) -> tuple[Any, float] | None:
+    def get(self, key: SharedKey, classes: dict[str, type],
+            local: dict[str, torch.device] | None = None) -> tuple[Any, float] | None:
         """The frozen value and compute seconds from the first tier that has a valid entry; a hit
-        in Redis is promoted to the disk tier. Every miss, error and rejection is counted."""
+        in Redis is promoted to the disk tier. Every miss, error and rejection is counted.
+        ``local``: the devices of the encode asking, by portable name (stored tensors go there)."""
         for name, tier in self._tiers():
             stats = self.stats[name]
             try:
                 data = tier.read(key.name)
+                stored, seconds = (None, 0.0) if data is None else unpack(data, key, self.secret, classes, local)
             except Unavailable:
                 data = None
             except OSError as exc:
                 stats.incr("errors")
                 log.debug("ReuseKit: %s tier read failed: %s", name, exc)
                 data = None
-            if data is None:
-                stats.incr("misses")
-                continue
-            try:
-                stored, seconds = unpack(data, key, self.secret, classes)
             except Rejected as exc:
                 stats.incr("rejected")
                 stats.incr(f"rejected.{exc.reason}")
@@ -621,6 +727,9 @@ class SharedTiers:
                 log.debug("ReuseKit: %s tier entry %s rejected (%s)", name, key.name, exc)
                 if name == "disk" and exc.reason == "corrupt":
                     tier.remove(key.name)
+                continue
+            if data is None:
+                stats.incr("misses")
                 continue
             stats.incr("hits")
             stats.add_time_saved(seconds)
@@ -639,9 +748,9 @@ class SharedTiers:
             log.debug("ReuseKit: entry not shared: %s", exc)
             return
         disk, redis = self.disk, self.redis  # the settings may rebuild the tiers meanwhile
-        if disk is not None:
+        if disk is not None and len(data) <= disk.max_bytes:
             self._write_disk(disk, key.name, data)
-        if redis is not None and not redis.write(key.name, data):
+        if redis is not None and len(data) <= redis.max_bytes and not redis.write(key.name, data):
             self.stats["redis"].incr("dropped")
         self.publish(redis=False)
 
@@ -694,7 +803,7 @@ SETTINGS.define("conditioning.disk.enabled", bool, bool(os.environ.get(ENV_DISK)
                 on_change=_reconfigure)
 SETTINGS.define("conditioning.disk.folder", str, os.environ.get(ENV_DISK, ""),
                 "The disk tier's folder; empty: reusekit/conditioning under ComfyUI's user directory.",
-                on_change=_reconfigure)
+                on_change=_reconfigure, env_only=ENV_DISK)
 SETTINGS.define("conditioning.disk.budget_mib", int, 4096,
                 "MiB the disk tier may hold; the least recently used files go first.",
                 minimum=1, maximum=1 << 24, on_change=_reconfigure)
@@ -702,10 +811,12 @@ SETTINGS.define("conditioning.redis.enabled", bool, bool(os.environ.get(ENV_REDI
                 f"The conditioning cache's Redis tier, shared across hosts. Environment: {ENV_REDIS}=redis://... "
                 "turns it on with that server.", on_change=_reconfigure)
 SETTINGS.define("conditioning.redis.url", str, os.environ.get(ENV_REDIS, ""),
-                "The Redis server of the Redis tier (redis://host:port/db).", on_change=_reconfigure)
+                "The Redis server of the Redis tier (redis://host:port/db).", on_change=_reconfigure,
+                env_only=ENV_REDIS, shown=_redacted)
 SETTINGS.define("conditioning.redis.ttl_hours", int, 168,
                 "Hours a Redis entry lives (Redis's own maxmemory policy evicts before that).",
                 minimum=1, maximum=1 << 20, on_change=_reconfigure)
 SETTINGS.define("conditioning.redis.timeout_ms", int, 250,
-                "Socket timeout of a Redis call; a failure skips the tier for a while.",
+                "Socket timeout of a Redis call (a whole read gets four times this); a failure skips the tier "
+                "for a while.",
                 minimum=10, maximum=60_000, on_change=_reconfigure)

@@ -40,7 +40,8 @@ def shared(tmp_path, monkeypatch):
     saved = {k: settings.get(k) for k in keys}
     monkeypatch.delenv("REUSEKIT_CACHE_SECRET", raising=False)
     settings.update({"conditioning.enabled": True, "conditioning.disk.enabled": True,
-                     "conditioning.disk.folder": str(tmp_path / "disk"), "conditioning.redis.enabled": False})
+                     "conditioning.disk.folder": str(tmp_path / "disk"), "conditioning.redis.enabled": False},
+                    trusted=True)
     cc.CACHE.clear()
     cc.CACHE.reset_counts()
     for stats in tiers.TIERS.stats.values():
@@ -48,7 +49,7 @@ def shared(tmp_path, monkeypatch):
     yield type("Shared", (), {"cc": cc, "tiers": tiers, "settings": settings, "folder": tmp_path / "disk",
                               "files": tmp_path})
     monkeypatch.delenv("REUSEKIT_CACHE_SECRET", raising=False)
-    settings.update(saved)
+    settings.update(saved, trusted=True)
     tiers.TIERS.configure(settings)
     cc.CACHE.clear()
 
@@ -77,7 +78,7 @@ def equal(a, b):
 
 
 def entry_files(folder: Path):
-    return sorted(folder.rglob("*.safetensors"))
+    return sorted(folder.rglob("*.rkcond"))
 
 
 # ---- disk tier, in process --------------------------------------------------------------------
@@ -151,7 +152,8 @@ def test_shared_keys_name_devices_by_kind_and_model_not_index_and_leave_text_alo
     """Workers on different GPUs of one model share entries; a string that looks like a device stays."""
     pc = rkharness.pack("patches.conditioning")
     keys = rkharness.pack("caching.keys")
-    pc._device_names.update({"cuda:0": "cuda[Same GPU]", "cuda:1": "cuda[Same GPU]", "cuda:2": "cuda[Other GPU]"})
+    names = rkharness.pack("caching.tiers")._portable_names
+    names.update({"cuda:0": "cuda[Same GPU]", "cuda:1": "cuda[Same GPU]", "cuda:2": "cuda[Other GPU]"})
     try:
         def tree(index):
             return pc._portable(keys.encode((torch.device(f"cuda:{index}"), "cuda:1")))
@@ -161,7 +163,7 @@ def test_shared_keys_name_devices_by_kind_and_model_not_index_and_leave_text_alo
         assert pc._portable(("T", "torch.float32", (2,), "cuda:0")) == ("T", "torch.float32", (2,), "cuda[Same GPU]")
     finally:
         for name in ("cuda:0", "cuda:1", "cuda:2"):
-            pc._device_names.pop(name, None)
+            names.pop(name, None)
 
 
 def test_comfyuis_vae_loader_reaches_the_disk_tier_through_its_reload_factory(shared):
@@ -457,7 +459,7 @@ def redis_server():
 
 def _use_redis(shared, url, disk=False):
     shared.settings.update({"conditioning.disk.enabled": disk, "conditioning.redis.enabled": True,
-                            "conditioning.redis.url": url})
+                            "conditioning.redis.url": url}, trusted=True)
 
 
 def test_redis_tier_hit_equals_encoding_and_promotes_to_the_disk_tier(shared):
@@ -618,3 +620,255 @@ def test_a_second_server_hits_through_redis_and_survives_redis_being_killed(tmp_
             assert stats["conditioning_redis"]["counters"].get("errors", 0) >= 1
             assert stats["conditioning"]["counters"].get("encodes") == 2
     assert equal(_saved(tmp_path / "a.safetensors"), reference(0))
+
+
+# ---- what never reaches a shared tier ----------------------------------------------------------
+
+def test_with_edit_checks_off_the_shared_tiers_neither_read_nor_write(shared):
+    """A worker with ``conditioning.check_weight_edits`` off cannot vouch that its weights are the
+    file's: its encodes of edited weights are never written under the file's key, nor read."""
+    files = _tiny_files()
+    path = files.write_tiny_clip_file(str(shared.files), 0)
+    encode(files.load_tiny_clip_file(path))  # the file's true entry
+    read = counter(shared.tiers, "disk", "misses")
+    shared.settings.set("conditioning.check_weight_edits", "off")
+    try:
+        clip = files.load_tiny_clip_file(path)
+        files.edit_weights(clip, "small")
+        out = encode(clip)
+        assert not equal(out, reference(0)) and len(entry_files(shared.folder)) == 1
+        assert counter(shared.tiers, "disk", "hits") == 0 and counter(shared.tiers, "disk", "misses") == read
+    finally:
+        shared.settings.set("conditioning.check_weight_edits", "events")
+    assert equal(encode(files.load_tiny_clip_file(path)), reference(0)) and counter(shared.tiers, "disk", "hits") == 1
+
+
+def test_a_file_replaced_while_its_old_weights_stay_loaded_never_files_them_under_the_new_content(shared):
+    """A re-download or a trainer saving each epoch to one name: the weights loaded before keep their
+    in-process entries, but never reach the shared tiers under the new file's content."""
+    files = _tiny_files()
+    path = files.write_tiny_clip_file(str(shared.files), 0)
+    old = files.load_tiny_clip_file(path)
+    (shared.files / "next").mkdir()
+    os.replace(files.write_tiny_clip_file(str(shared.files / "next"), 1), path)  # the same name now holds seed 1's weights
+    out = encode(old)
+    assert equal(out, reference(0)) and entry_files(shared.folder) == []
+    assert equal(encode(old), out) and shared.cc.CACHE.count("hits") == 1  # still an in-process hit
+    fresh = files.load_tiny_clip_file(path)
+    assert equal(encode(fresh), reference(1)) and counter(shared.tiers, "disk", "hits") == 0
+    assert len(entry_files(shared.folder)) == 1
+
+
+def test_a_vae_edited_between_its_loader_and_its_first_encode_never_reaches_the_shared_tiers(shared):
+    """VAELoader (found through ComfyUI's reload factory): the weights were fingerprinted as the loader
+    built them, so an edit before the first encode is seen and the edited encodes stay in-process."""
+    import folder_paths
+    from safetensors.torch import save_file
+
+    import nodes
+
+    folder = shared.files / "vae"
+    folder.mkdir()
+    state = _tiny_files().tiny_wan_vae(0).first_stage_model.state_dict()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "rk_edit_wan.safetensors"))
+    folder_paths.add_model_folder_path("vae", str(folder))
+    edited = nodes.VAELoader().load_vae("rk_edit_wan.safetensors")[0]
+    if getattr(edited.patcher, "cached_patcher_init", None) is None:
+        pytest.skip("this ComfyUI's VAELoader records no file (no ModelPatcher.cached_patcher_init)")
+    with torch.inference_mode():
+        next(edited.first_stage_model.parameters()).mul_(1.5)
+    image = torch.rand(1, 32, 32, 3, generator=torch.Generator().manual_seed(1))
+    out = edited.encode(image)
+    assert entry_files(shared.folder) == []
+    clean = nodes.VAELoader().load_vae("rk_edit_wan.safetensors")[0]
+    expected = clean.encode(image)
+    assert not torch.equal(out, expected) and len(entry_files(shared.folder)) == 1
+    shared.cc.CACHE.clear()
+    again = nodes.VAELoader().load_vae("rk_edit_wan.safetensors")[0]
+    assert torch.equal(again.encode(image), expected) and counter(shared.tiers, "disk", "hits") == 1
+
+
+def test_weights_edited_before_the_tiers_are_switched_on_never_reach_them(shared):
+    files = _tiny_files()
+    path = files.write_tiny_clip_file(str(shared.files), 0)
+    shared.settings.set("conditioning.disk.enabled", False)
+    clip = files.load_tiny_clip_file(path)  # the reference is taken at load, tiers on or off
+    files.edit_weights(clip, "embedding_row", TEXT)
+    shared.settings.set("conditioning.disk.enabled", True)
+    out = encode(clip)
+    assert not equal(out, reference(0)) and entry_files(shared.folder) == []
+    assert equal(encode(files.load_tiny_clip_file(path)), reference(0)) and len(entry_files(shared.folder)) == 1
+
+
+def test_disk_tier_files_never_show_in_comfyuis_model_lists(shared):
+    """A disk-tier folder under a models folder: its entries are not model files to ComfyUI."""
+    import folder_paths
+
+    models = shared.files / "checkpoints"
+    models.mkdir()
+    folder_paths.add_model_folder_path("checkpoints", str(models))
+    shared.settings.set("conditioning.disk.folder", str(models / "reusekit"), trusted=True)
+    files = _tiny_files()
+    encode(files.load_tiny_clip_file(files.write_tiny_clip_file(str(shared.files), 0)))
+    assert len(entry_files(models / "reusekit")) == 1
+    assert not [f for f in folder_paths.get_filename_list("checkpoints") if f.startswith("reusekit")]
+
+
+def _encode_into(done: list, clip) -> None:
+    """An encode on a worker thread (as ComfyUI's executor runs it: under inference mode)."""
+    with torch.inference_mode():
+        done.append(encode(clip))
+
+
+@pytest.mark.hardening
+@pytest.mark.parametrize("what", ["fifo", "link to /dev/zero", "link to a valid entry", "oversized"])
+def test_a_fifo_a_link_or_an_oversized_file_where_an_entry_should_be_is_a_counted_rejection(shared, what):
+    """The disk tier opens entries without following links and without blocking, and reads only a
+    regular file under its size cap: a FIFO (which hung an encode) or /dev/zero never holds one up."""
+    clip, path = _stored_entry(shared)
+    if what == "oversized":
+        shared.tiers.TIERS.disk.max_bytes = path.stat().st_size - 1
+    else:
+        valid = path.with_name("valid")
+        os.replace(path, valid)
+        if what == "fifo":
+            os.mkfifo(path)
+        else:
+            path.symlink_to("/dev/zero" if what == "link to /dev/zero" else valid)
+    done = []
+    worker = threading.Thread(target=_encode_into, args=(done, clip), daemon=True)
+    worker.start()
+    worker.join(60)
+    assert done, "the encode hung on the disk tier"
+    assert equal(done[0], reference(0)) and counter(shared.tiers, "disk", "hits") == 0
+    reason = "oversize" if what == "oversized" else "not_a_file"
+    assert counter(shared.tiers, "disk", f"rejected.{reason}") == 1
+
+
+@pytest.mark.hardening
+def test_a_malformed_unsigned_entry_is_a_counted_rejection(shared):
+    """An entry whose checksum is right but whose value names a device that is no device: rejected
+    and counted as malformed, never an exception out of the tier and never a hit."""
+    import json
+
+    from safetensors.torch import save
+
+    clip, path = _stored_entry(shared)
+    tiers = shared.tiers
+    data = path.read_bytes()
+    meta = tiers._header(data)
+    tensors = load_file(str(path))
+    value = json.loads(meta["value"])
+    first_tensor = value
+    while "T" not in first_tensor:
+        first_tensor = next(iter(first_tensor.values()))[0]
+    first_tensor["on"] = "not a device at all"
+    meta["value"] = json.dumps(value)
+    meta.pop("checksum")
+    meta["checksum"] = tiers._checksum(meta, tensors).hex()
+    path.write_bytes(save(tensors, metadata=meta))
+    assert equal(encode(clip), reference(0))
+    assert counter(shared.tiers, "disk", "rejected.malformed") == 1 and counter(shared.tiers, "disk", "hits") == 0
+
+
+@pytest.mark.hardening
+def test_a_redis_server_that_drips_one_byte_at_a_time_cannot_hold_an_encode(shared):
+    """A server that answers every read with a large value a byte at a time: the read gives up at its
+    total deadline (four socket timeouts), the tier's breaker opens, and the encode completes."""
+    pytest.importorskip("redis", reason="the redis client is not installed (pip install redis)")
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    stop = threading.Event()
+
+    def serve(conn):
+        with conn:
+            conn.settimeout(0.2)
+            while not stop.is_set():
+                try:
+                    got = conn.recv(65536)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return
+                if not got:
+                    return
+                if b"HELLO" in got.upper():  # the client's handshake (RESP3): a map holding the protocol
+                    conn.sendall(b"%1\r\n+proto\r\n:3\r\n")
+                    continue
+                if b"GETRANGE" not in got.upper():
+                    conn.sendall(b"+OK\r\n")
+                    continue
+                try:
+                    conn.sendall(b"$250000\r\n")
+                    while not stop.is_set():
+                        conn.sendall(b"x")
+                        time.sleep(0.05)
+                except OSError:
+                    return
+
+    def accept():
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    try:
+        _use_redis(shared, f"redis://127.0.0.1:{listener.getsockname()[1]}/0")
+        files = _tiny_files()
+        clip = files.load_tiny_clip_file(files.write_tiny_clip_file(str(shared.files), 0))
+        done = []
+        start = time.monotonic()
+        worker = threading.Thread(target=_encode_into, args=(done, clip), daemon=True)
+        worker.start()
+        worker.join(30)
+        assert done, "the encode hung on a dripping Redis server"
+        assert time.monotonic() - start < 25  # the drip alone would take over 3 hours
+        assert equal(done[0], reference(0)) and counter(shared.tiers, "redis", "errors") >= 1
+        assert counter(shared.tiers, "redis", "hits") == 0
+    finally:
+        stop.set()
+        acceptor.join(5)
+        listener.close()
+
+
+@pytest.mark.hardening
+def test_a_redis_value_over_the_size_cap_is_rejected_unread(shared):
+    with redis_server() as server:
+        _use_redis(shared, server.url)
+        files = _tiny_files()
+        clip = files.load_tiny_clip_file(files.write_tiny_clip_file(str(shared.files), 0))
+        encode(clip)
+        shared.tiers.TIERS.redis.flush()
+        (stored,) = server.client.keys("reusekit:cond:*")
+        size = server.client.strlen(stored)
+        shared.tiers.TIERS.redis.max_bytes = size // 2
+        shared.cc.CACHE.clear()
+        assert equal(encode(clip), reference(0))
+        assert counter(shared.tiers, "redis", "rejected.oversize") == 1 and counter(shared.tiers, "redis", "hits") == 0
+
+
+def test_the_tier_locations_are_set_from_the_environment_only_and_the_url_is_shown_redacted(tmp_path):
+    """Through a real server: GET /reusekit/settings shows the Redis URL without its password, and no
+    client of ComfyUI's API can point the disk or Redis tier elsewhere (a 400 naming the variable)."""
+    import urllib.error
+
+    env = {"REUSEKIT_REDIS_URL": "redis://:s3cret-pass@127.0.0.1:9/0", "REUSEKIT_DISK_CACHE": str(tmp_path / "d")}
+    with rkharness.running_server(env=env) as server:
+        settings = server.get("/reusekit/settings")["settings"]
+        url = settings["conditioning.redis.url"]
+        assert "s3cret" not in repr(settings) and url["value"] == "redis://***@127.0.0.1:9/0" and url["readonly"]
+        assert "s3cret" not in repr(server.get("/reusekit/stats"))
+        for key, value, variable in (("conditioning.redis.url", "redis://127.0.0.1:6379/0", "REUSEKIT_REDIS_URL"),
+                                     ("conditioning.disk.folder", "/tmp/elsewhere", "REUSEKIT_DISK_CACHE")):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                server.post("/reusekit/settings", {key: value})
+            assert err.value.code == 400 and variable in err.value.read().decode()
+        assert server.get("/reusekit/settings")["settings"]["conditioning.disk.folder"]["value"] == str(tmp_path / "d")
