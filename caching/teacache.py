@@ -15,8 +15,13 @@ A skip stays while the rule's distance is under ``threshold``; a computed call r
 skip adds (``residual_mode``): the stored residual (``reuse``), or it continued in sigma to first
 (``extrapolate``) or second (``taylor2``) order from the last computed residuals.
 
+A fourth rule, ``schedule``, decides nothing during the run: it follows a plan made at the run's start
+from a table of the model's residuals (:mod:`.step_schedule`), which may also compute the cond branch
+alone and rebuild the uncond one from the last measured cond-minus-uncond difference.
+
 This module holds the per-cond state (:class:`CondState`), the joint skip decision for one model
-call (:meth:`RunState.decide`), the per-run report, the published tables and the calibration fits.
+call (:meth:`RunState.decide`, :meth:`RunState.decide_scheduled`), the per-run report, the published
+tables and the calibration fits.
 The ComfyUI side (patches/teacache.py) only finds the rule's inputs and the block stack's ends.
 """
 
@@ -35,6 +40,8 @@ from typing import Any
 
 import torch
 
+from . import step_schedule
+from .step_schedule import ResidualTable
 from .weights_identity import WeightsIdentity
 
 # Published rescale polynomials (highest power first), from ali-vilab/TeaCache via the ComfyUI
@@ -131,11 +138,11 @@ RULE_THRESHOLDS: dict[str, dict[str, float]] = {"flux": _FLUX_THRESHOLDS, "wan":
                                                 "wan22": _WAN_THRESHOLDS}
 FALLBACK_THRESHOLDS: dict[str, float] = _FLUX_THRESHOLDS
 
-RULES = ("teacache", "magcache", "first_block")
+RULES = ("teacache", "magcache", "first_block", "schedule")
 RESIDUAL_MODES = ("reuse", "extrapolate", "taylor2")
 MIN_CALIBRATION_POINTS = 4  # a calibration run with fewer fitted points is discarded
 
-EXTRAPOLATE_SPAN = 1.0  # how far (in units of the measured sigma gap) a residual is extrapolated
+EXTRAPOLATE_SPAN = step_schedule.EXTRAPOLATE_SPAN
 
 
 def rel_l1(cur: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
@@ -153,7 +160,7 @@ def rescale(coefficients: tuple[float, ...] | list[float], x: torch.Tensor) -> t
     return out.abs()
 
 
-def fit_polynomial(xs: list[float], ys: list[float], degree: int = 2) -> tuple[float, ...]:
+def fit_polynomial(xs: list[float], ys: list[float], degree: int = 4) -> tuple[float, ...]:
     """Least-squares fit ``y = poly(x)``, returned as 5 coefficients, highest power first (leading
     zeros pad lower degrees, so calibrated and published polynomials share one format)."""
     if len(xs) != len(ys):
@@ -267,16 +274,21 @@ class CondState:
     trace: list = field(default_factory=list)  # the rule's accumulated distance per call (tensors until the end)
     pattern: list = field(default_factory=list)  # "C" computed / "S" skipped, per call
     meta: tuple | None = None  # (shape, dtype, device) of the rule's input
+    residual_step: int | None = None  # schedule: the planned step whose call stored ``residual``
+    estimated: bool = False  # schedule: ``residual`` was rebuilt from the cond's (an H step), not computed
     # calibration
     calib_x: list = field(default_factory=list)
     calib_y: list = field(default_factory=list)
     calib_sigma: list = field(default_factory=list)
     calib_ratio: list = field(default_factory=list)
+    calib_samples: list = field(default_factory=list)  # schedule: sampled residuals (step_schedule.sample)
+    calib_gain: list = field(default_factory=list)  # schedule: (output error / residual error, output norm) or None
 
     def clear(self) -> None:
         self.prev_signal = self.residual = self.slope = self.sigma = None
         self.residual_sigma = self.slope_span = self.gap = self.curvature = None
         self.accumulated, self.ratio, self.consecutive, self.meta = 0.0, 1.0, 0, None
+        self.residual_step, self.estimated = None, False
 
 
 class RunState:
@@ -300,6 +312,13 @@ class RunState:
         self.resets = 0
         self.disabled_reason: str | None = None  # why every step of this run is computed, if one is
         self.started = time.perf_counter()
+        # schedule: the plan (made at the run's start), its steps' sigmas (CPU), and the cond-minus-uncond
+        # residual difference of the last step that computed both, with that step
+        self.plan: step_schedule.Plan | None = None
+        self.plan_sigmas: torch.Tensor | None = None
+        self.delta: torch.Tensor | None = None
+        self.delta_step: int | None = None
+        self._scheduled_step: int | None = None  # the planned step of the call being made
 
     def in_window(self, sigma: torch.Tensor) -> torch.Tensor:
         """Whether skipping is allowed at ``sigma``, as a tensor on its device (no host sync)."""
@@ -384,14 +403,92 @@ class RunState:
             state.pattern.append("S" if skip else "C")
         return skip
 
-    def store_residual(self, key: Any, residual: torch.Tensor, sigma: torch.Tensor | float | None = None) -> None:
+    def set_plan(self, plan: step_schedule.Plan, sigmas: list[float]) -> None:
+        """The schedule rule's plan for steps starting at ``sigmas``."""
+        self.plan = plan
+        self.plan_sigmas = torch.tensor([float(s) for s in sigmas[:len(plan.actions)]], dtype=torch.float32)
+
+    def _step(self, sigma) -> int | None:
+        """The planned step a call at ``sigma`` belongs to (the nearest step sigma; one host sync)."""
+        if self.plan is None or sigma is None or not len(self.plan.actions):
+            return None
+        return int(torch.argmin((self.plan_sigmas - torch.as_tensor(sigma).float().cpu()).abs()))
+
+    def decide_scheduled(self, keys: list[Any], labels: list[str], signals: list[torch.Tensor],
+                         residual_shape: tuple | None, sigma: torch.Tensor | float | None,
+                         half: bool = True) -> list[str]:
+        """The schedule rule's decision for one model call, per cond: "C" computed, "S" its forecast
+        added, "E" rebuilt from the cond's residual at this step (:meth:`estimate`). The plan's S skips
+        every cond, H (``half``) computes the cond branch and rebuilds the uncond one, C computes all; a
+        step computes whatever the plan's action cannot serve (no residual of this shape yet, no
+        difference measured, conds that are not one cond and one uncond)."""
+        states = [self.cond(k, lab) for k, lab in zip(keys, labels, strict=True)]
+        for state, sig in zip(states, signals, strict=True):
+            meta = (tuple(sig.shape), sig.dtype, sig.device)
+            if state.meta is not None and state.meta != meta:  # shape/dtype/device change: start clean
+                state.clear()
+                self.resets += 1
+                self.delta = self.delta_step = None
+            state.meta = meta
+        step = self._step(sigma)
+        action = "C" if step is None or self.config.calibrate else self.plan.actions[step]
+
+        def fits(t):
+            return t is not None and (residual_shape is None or tuple(t.shape) == tuple(residual_shape))
+
+        out = ["C"] * len(keys)
+        if action == "S" and all(fits(state.residual) for state in states):
+            out = ["S"] * len(keys)
+        elif action == "H" and half and fits(self.delta) and self.pair() is not None:
+            cond_key = self.pair()[0]
+            cond = self.conds[cond_key]
+            for i, state in enumerate(states):
+                # beside its cond in this call, or after the cond's own call at this step
+                if state.label == "uncond" and (cond_key in keys or (cond.residual_step == step
+                                                                     and not cond.estimated)):
+                    out[i] = "E"
+        for state, got in zip(states, out, strict=True):
+            if got == "C":
+                state.consecutive = 0
+                state.computed += 1
+            else:
+                state.consecutive += 1
+                state.skipped += 1
+            state.trace.append(0.0 if step is None else self.plan.errors[step])
+            state.pattern.append("C" if got == "C" else "S")
+        self._scheduled_step = step
+        return out
+
+    def pair(self) -> tuple[Any, Any] | None:
+        """(cond key, uncond key) where the run has exactly one of each, else None (no H step)."""
+        by_label: dict[str, list] = {}
+        for key, state in self.conds.items():
+            by_label.setdefault(state.label, []).append(key)
+        if len(by_label.get("cond", ())) != 1 or len(by_label.get("uncond", ())) != 1 or len(by_label) != 2:
+            return None
+        return by_label["cond"][0], by_label["uncond"][0]
+
+    def estimate(self, cond_residual: torch.Tensor) -> torch.Tensor:
+        """An H step's uncond residual: the cond's residual at this step minus the difference measured at
+        the last step that computed both (on the cond residual's device, no host sync)."""
+        return cond_residual - self.delta.to(cond_residual.device, cond_residual.dtype, non_blocking=True)
+
+    def cond_residual(self, key: Any) -> torch.Tensor:
+        """The residual the cond paired with ``key`` stored at this step (an uncond call after its cond's)."""
+        return self.conds[self.pair()[0]].residual
+
+    def store_residual(self, key: Any, residual: torch.Tensor, sigma: torch.Tensor | float | None = None,
+                       estimated: bool = False, gain: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Keep a computed call's residual (and, to forecast, its divided differences in sigma). No
-        host sync.
+        host sync. ``estimated``: an H step's uncond residual, rebuilt rather than computed (schedule);
+        ``gain``: a calibration call's output error over residual error and its output's norm.
 
         Every computation runs on the residual's device; with ``cache_device`` "cpu" the results are
         then copied to the CPU without waiting, so a CPU-held tensor is never read on the CPU: it only
         goes back to the device by a copy queued on the same stream (:meth:`residual`, the slope here)."""
         state = self.conds[key]
+        state.residual_step = self._scheduled_step
+        state.estimated = estimated
         mode = self.config.residual_mode
         forecast = mode in ("extrapolate", "taylor2")
         dev = residual.device
@@ -408,6 +505,8 @@ class RunState:
                 ratio = (residual.float().norm(dim=-1) / prev.float().norm(dim=-1).clamp_min(1e-12)).mean()
             state.calib_sigma.append(sigma)
             state.calib_ratio.append(ratio)
+            state.calib_samples.append(step_schedule.sample(residual))
+            state.calib_gain.append(gain)
         slope = span = gap = curvature = None
         if forecast and sigma is not None and prev is not None and state.residual_sigma is not None:
             gap = (sigma - state.residual_sigma).to(dev)
@@ -426,6 +525,19 @@ class RunState:
             curvature = None if curvature is None else curvature.to("cpu", non_blocking=True)
         state.residual, state.residual_sigma, state.slope, state.slope_span = residual, sigma, slope, span
         state.gap, state.curvature = gap, curvature
+        self._measure_delta(key)
+
+    def _measure_delta(self, key: Any) -> None:
+        """After both of a cond/uncond pair stored computed residuals at the same step: their difference."""
+        pair = self.pair() if self.config.rule == "schedule" else None
+        if pair is None or key not in pair:
+            return
+        cond, uncond = (self.conds[k] for k in pair)
+        if (cond.residual_step is not None and cond.residual_step == uncond.residual_step
+                and not (cond.estimated or uncond.estimated)
+                and cond.residual is not None and uncond.residual is not None
+                and cond.residual.shape == uncond.residual.shape):
+            self.delta, self.delta_step = cond.residual - uncond.residual, cond.residual_step
 
     def residual(self, key: Any, like: torch.Tensor, sigma: torch.Tensor | float | None = None) -> torch.Tensor:
         """The residual to add on a skipped call: the stored one, or (``extrapolate``/``taylor2``)
@@ -448,13 +560,17 @@ class RunState:
         """Drop every tensor kept between calls (the counts and traces stay for the report)."""
         for state in self.conds.values():
             state.clear()
+            state.calib_samples.clear()
+            state.calib_gain.clear()
+        self.delta = None
 
     def residual_bytes(self) -> dict[str, int]:
         out = {"cpu": 0, "device": 0}
-        for state in self.conds.values():
-            for t in (state.residual, state.slope, state.curvature, state.prev_signal):
-                if t is not None:
-                    out["cpu" if t.device.type == "cpu" else "device"] += t.numel() * t.element_size()
+        held = [t for state in self.conds.values()
+                for t in (state.residual, state.slope, state.curvature, state.prev_signal)] + [self.delta]
+        for t in held:
+            if t is not None:
+                out["cpu" if t.device.type == "cpu" else "device"] += t.numel() * t.element_size()
         return out
 
     def calibration_points(self) -> tuple[list[float], list[float]]:
@@ -477,9 +593,40 @@ class RunState:
                 out[state.label] = magnitude_curve(sigmas, ratios)
         return out
 
+    def residual_table(self) -> ResidualTable | None:
+        """The schedule rule's table from this (calibration) run: the cond's and, where the run had one,
+        the uncond's sampled residuals at the same sigmas, with the gains measured at each step; None
+        where they do not line up."""
+        by_label = {}
+        for state in self.conds.values():
+            if state.label in ("cond", "uncond") and state.calib_samples and state.label not in by_label:
+                by_label[state.label] = state
+        cond, uncond = by_label.get("cond"), by_label.get("uncond")
+        if cond is None or len({tuple(t.shape) for t in cond.calib_samples}) != 1:
+            return None
+        sigmas = [float(s) for s in cond.calib_sigma]
+        if len(sigmas) < 2 or any(a <= b for a, b in zip(sigmas, sigmas[1:], strict=False)):
+            return None
+        used = [cond]
+        if uncond is not None and [float(s) for s in uncond.calib_sigma] == sigmas and \
+                {tuple(t.shape) for t in uncond.calib_samples} == {tuple(cond.calib_samples[0].shape)}:
+            used.append(uncond)
+        measured = [[(float(g[0]), float(g[1])) for g in (s.calib_gain[i] for s in used) if g is not None]
+                    for i in range(len(sigmas))]
+        gains = [sum(g for g, _ in m) / len(m) if m else None for m in measured]
+        norms = [n for m in measured for _, n in m]
+        if not norms:
+            return None
+        known = [i for i, g in enumerate(gains) if g is not None]
+        gains = [g if g is not None else gains[min(known, key=lambda j: abs(j - i))] for i, g in enumerate(gains)]
+        return ResidualTable.from_samples([(sigmas, {s.label: s.calib_samples for s in used}, gains,
+                                            sum(norms) / len(norms))])
+
     def summary(self, total_steps: int | None = None) -> dict[str, Any]:
         """The run's report, JSON-ready (converts the traces: one sync, at the end of the run)."""
         calls = self.calls_computed + self.calls_skipped
+        branches = sum(s.computed + s.skipped for s in self.conds.values())
+        branches_computed = sum(s.computed for s in self.conds.values())
         per_call = self.time_computed / self.calls_computed if self.calls_computed else 0.0
         per_skip = self.time_skipped / self.calls_skipped if self.calls_skipped else 0.0
         saved = max(0.0, per_call - per_skip) * self.calls_skipped
@@ -501,7 +648,9 @@ class RunState:
             "steps": total_steps,
             "calls_computed": self.calls_computed,
             "calls_skipped": self.calls_skipped,
-            "speedup_calls": calls / self.calls_computed if self.calls_computed else 1.0,
+            # per branch: an H step of the schedule rule computes the cond of a cond/uncond pair only
+            "speedup_calls": branches / branches_computed if branches_computed else (
+                calls / self.calls_computed if self.calls_computed else 1.0),
             "time_saved_s": round(saved, 4),
             "resets": self.resets,
             "unhooked_calls": self.unhooked,
@@ -512,20 +661,23 @@ class RunState:
 
 @dataclass(frozen=True)
 class Calibration:
-    """What one calibration run measured for a model: the teacache polynomial and the magcache
-    curves per cond label (either may be missing)."""
+    """What one calibration run measured for a model: the teacache polynomial, the magcache curves per
+    cond label and the schedule rule's residual table (any may be missing)."""
 
     coefficients: tuple[float, ...] | None = None
     magnitudes: dict[str, list[tuple[float, float]]] | None = None
+    table: ResidualTable | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"coefficients": None if self.coefficients is None else list(self.coefficients),
                 "magnitudes": None if self.magnitudes is None else {k: [list(p) for p in v]
-                                                                    for k, v in self.magnitudes.items()}}
+                                                                    for k, v in self.magnitudes.items()},
+                "table": None if self.table is None else self.table.to_json()}
 
     @classmethod
     def from_json(cls, entry: Any) -> Calibration | None:
-        """The calibration in a stored entry; None for anything malformed (a miss, never an error)."""
+        """The calibration in a stored entry; None for anything malformed (a miss, never an error). A
+        malformed or missing residual table alone leaves the rest (entries from before the schedule rule)."""
         if not isinstance(entry, dict):
             return None
         coeffs, mags = entry.get("coefficients"), entry.get("magnitudes")
@@ -539,16 +691,19 @@ class Calibration:
                 isinstance(v, list) and v and all(isinstance(p, list) and len(p) == 2 and all(map(number, p))
                                                   for p in v) for v in mags.values())):
             return None
-        if coeffs is None and not mags:
+        table = ResidualTable.from_json(entry.get("table"))
+        if coeffs is None and not mags and table is None:
             return None
         return cls(None if coeffs is None else tuple(float(c) for c in coeffs),
-                   None if not mags else {str(k): [(float(a), float(b)) for a, b in v] for k, v in mags.items()})
+                   None if not mags else {str(k): [(float(a), float(b)) for a, b in v] for k, v in mags.items()},
+                   table)
 
 
 class CalibrationStore:
     """Calibrations per weight structure, each beside the identity of the weights it was made on, in
     memory and in a JSON file (when given a path). A lookup returns the calibration whose identity
-    matches (:meth:`WeightsIdentity.matches`: precision copies do, fine-tunes do not)."""
+    matches (:meth:`WeightsIdentity.matches`: precision copies do, fine-tunes do not), one made in the
+    same dtypes first; each dtype keeps its own entry."""
 
     def __init__(self, path: Path | None = None):
         self.path = path
@@ -565,15 +720,19 @@ class CalibrationStore:
         return data if isinstance(data, dict) else {}
 
     @staticmethod
-    def _find(entries: Any, ident: WeightsIdentity) -> int | None:
-        """Index of the entry made on weights matching ``ident``."""
+    def _find(entries: Any, ident: WeightsIdentity, same_dtypes: bool = False) -> int | None:
+        """Index of the entry made on weights matching ``ident``: one made in the same dtypes first, then
+        (unless ``same_dtypes``) one made on a copy in other dtypes."""
+        found = []
         for i, entry in enumerate(entries if isinstance(entries, list) else ()):
             other = WeightsIdentity.from_json(entry.get("identity")) if isinstance(entry, dict) else None
             if other is not None and other.matches(ident):
-                return i
-        return None
+                found.append((other.dtypes != ident.dtypes, i))
+        found = [f for f in found if not (same_dtypes and f[0])]
+        return min(found)[1] if found else None
 
     def get(self, key: str, ident: WeightsIdentity) -> Calibration | None:
+        """The calibration made on these weights, else on a copy of them in other dtypes."""
         with self._lock:
             for entries in (self._memory.get(key), self._read().get(key)):
                 i = self._find(entries, ident)
@@ -582,14 +741,15 @@ class CalibrationStore:
         return None
 
     def put(self, key: str, ident: WeightsIdentity, calibration: Calibration, **info: Any) -> None:
-        """Keep a calibration in memory, then in the file (replacing one made on matching weights);
-        OSError when the file cannot be written (the calibration stays in memory for this process,
-        the file is left as it was)."""
+        """Keep a calibration in memory, then in the file, replacing only one made on matching weights in
+        the same dtypes (a copy in other dtypes may read another's calibration, never overwrite it: an fp8
+        copy of a light fine-tune can match its bf16 base); OSError when the file cannot be written (the
+        calibration stays in memory for this process, the file is left as it was)."""
         entry = {**calibration.to_json(), "identity": ident.to_json(), "time": time.time(), **info}
 
         def add(entries: Any) -> list:
             entries = list(entries) if isinstance(entries, list) else []
-            i = self._find(entries, ident)
+            i = self._find(entries, ident, same_dtypes=True)
             if i is None:
                 entries.append(entry)
             else:

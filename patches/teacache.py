@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from pathlib import Path
 
 import torch
 
+from ..caching import step_schedule, weights_identity
 from ..caching import teacache as tc
-from ..caching import weights_identity
 from ..caching.protocol import GRAPH_SAFE, STEP_HOOK, transformer_options
 from ..caching.stats import REGISTRY
 from ..caching.weights_identity import WeightsIdentity
@@ -173,6 +174,26 @@ def _passthrough(args) -> dict:
     return {k: args[k] for k in ("img", "txt") if k in args}
 
 
+def _rows(value, rows: torch.Tensor, batch: int):
+    """``value`` (a block's inputs) with every tensor of ``batch`` rows cut to ``rows`` (of twice that, the
+    batch and its timestep-zero copy stacked, as Qwen-Image-Edit-2511 does, to those rows of each half),
+    through dicts, tuples, lists and dataclasses (Flux.2's modulation); the transformer options stay."""
+    if isinstance(value, torch.Tensor):
+        if value.ndim and value.shape[0] == batch:
+            return value[rows]
+        if value.ndim and value.shape[0] == 2 * batch:
+            return value[torch.cat([rows, rows + batch])]
+        return value
+    if isinstance(value, dict):
+        return {k: v if k == "transformer_options" else _rows(v, rows, batch) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rows(v, rows, batch) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: _rows(getattr(value, f.name), rows, batch)
+                                             for f in dataclasses.fields(value) if f.init})
+    return value
+
+
 class _Computed(Exception):
     """Ends a probe at the decision: this call is computed (graph capture replays it)."""
 
@@ -192,6 +213,9 @@ class _Call:
         self.keys, self.labels, self.may_skip = keys, labels, may_skip
         self.after_first = run.config.rule == "first_block"  # decides on the first block's output
         self.skip: bool | None = None
+        self.roles: list[str] | None = None  # schedule: per cond "C" computed, "S" forecast, "E" rebuilt
+        self.half = False  # schedule: some conds computed, the others rebuilt from them (an H step)
+        self.rebuilt: list = []  # schedule: (key, residual) rebuilt on a skipped call, stored after it
         self.undecided = False  # the decision could not run: computed, and no residual is kept
         self.probing = False
         self.stack_in: torch.Tensor | None = None
@@ -221,7 +245,7 @@ class _Call:
         try:
             if rule == "first_block":
                 signal = self.first
-            elif rule == "magcache":  # decides from sigma; the stack input only tells a shape change
+            elif rule in ("magcache", "schedule"):  # decide from sigma; the stack input only tells a shape change
                 signal = img
             else:
                 signal = self.family.modulated(self.dm, args)
@@ -234,6 +258,13 @@ class _Call:
             self.skip, self.undecided = False, True
             return
         chunk = (img.shape[0] // len(self.keys), *img.shape[1:])
+        if rule == "schedule":
+            # under graph capture (a probe) a call is whole: the graph replays every row
+            self.roles = self.run.decide_scheduled(self.keys, self.labels, list(signals), chunk, self.sigma,
+                                                   half=not self.probing)
+            self.skip = "C" not in self.roles
+            self.half = not self.skip and "E" in self.roles
+            return
         self.skip = self.run.decide(self.keys, self.labels, list(signals), self.may_skip, chunk, self.sigma)
 
     def block(self, args: dict, run_block, first: bool, last: bool) -> dict:
@@ -248,7 +279,7 @@ class _Call:
             # which already holds what ControlNet added inside the stack at the last computed step
             self.stack_in = args["img"].clone()
             if self.after_first or not self.skip:
-                return self._first_block(args, run_block, last)
+                return self._first_block(args, self._runner(run_block), last)
         elif self.skip is None:  # our first-block patch was replaced later: stay out
             return run_block(args)
         if self.skip:
@@ -257,11 +288,11 @@ class _Call:
                 img = out["img"]
                 start, end = self._image_tokens(args, img.shape[1])
                 base = self.stack_in + self.first if self.after_first else self.stack_in
-                res = torch.cat([self.run.residual(k, img, self.sigma) for k in self.keys])
+                res = torch.cat([self._skipped_residual(i, k, img) for i, k in enumerate(self.keys)])
                 out["img"] = torch.cat([img[:, :start], base + res, img[:, end:]], 1)
                 self.stack_in = None
             return out
-        out = run_block(args)
+        out = self._runner(run_block)(args)
         if last:
             self._stack_residual(args, out)
         return out
@@ -287,7 +318,45 @@ class _Call:
         if self.stack_in is not None:
             start, end = self._image_tokens(args, out["img"].shape[1])
             self.residual = out["img"][:, start:end] - self.stack_in
+            if self.half:  # the uncond rows never ran: their residual is rebuilt from the cond's made now
+                parts = list(self.residual.chunk(len(self.keys)))
+                cond = parts[self.keys.index(self.run.pair()[0])]
+                parts = [self.run.estimate(cond) if role == "E" else part for part, role in zip(parts, self.roles,
+                                                                                               strict=True)]
+                self.residual = torch.cat(parts)
+                img = out["img"]
+                out["img"] = torch.cat([img[:, :start], self.stack_in + self.residual, img[:, end:]], 1)
             self.stack_in = None
+
+    def _runner(self, run_block):
+        """``run_block``, or on an H step of the schedule rule, it run on the computed conds' rows only
+        (every batched input sliced), the other rows passed through unchanged."""
+        if not self.half:
+            return run_block
+        batch = self.stack_in.shape[0]
+        n = batch // len(self.keys)
+        rows = torch.cat([torch.arange(i * n, (i + 1) * n) for i, role in enumerate(self.roles) if role == "C"])
+
+        def on_rows(args):
+            out = run_block(_rows(args, rows.to(args["img"].device), batch))
+            merged = dict(out)
+            for name in ("img", "txt"):
+                if name in out and name in args:
+                    full = args[name].clone()
+                    full[rows.to(full.device)] = out[name]
+                    merged[name] = full
+            return merged
+
+        return on_rows
+
+    def _skipped_residual(self, i: int, key, like: torch.Tensor) -> torch.Tensor:
+        """What a skipped cond adds: its forecast, or (schedule, an uncond after its cond's call at this
+        step) the cond's residual made now minus the measured difference, kept to be stored."""
+        if self.roles is not None and self.roles[i] == "E":
+            rebuilt = self.run.estimate(self.run.cond_residual(key).to(like.device, like.dtype, non_blocking=True))
+            self.rebuilt.append((key, rebuilt))
+            return rebuilt
+        return self.run.residual(key, like, self.sigma)
 
     def _image_tokens(self, args: dict, total: int) -> tuple[int, int]:
         """Where the image tokens are in the last block's stream: the single stream's ``img_slice``
@@ -302,13 +371,27 @@ class _Call:
             return 0, n
         return total - n, total
 
-    def store_residual(self) -> None:
-        """After a computed forward: keep its residual per cond (first_block: the residual of the
-        blocks after the first, which a skip adds to the first block's new output)."""
+    def store_residual(self, probe: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """After a forward: keep its residual per cond (first_block: the residual of the blocks after the
+        first, which a skip adds to the first block's new output; schedule: a rebuilt uncond's as
+        rebuilt). ``probe``: (the skipped output, the computed one) of a calibration call, whose gain
+        (output error over residual error, and the output's norm) goes with each residual."""
+        for key, r in self.rebuilt:
+            self.run.store_residual(key, r, self.sigma, estimated=True)
+        self.rebuilt = []
         if self.residual is not None:
             residual = self.residual - self.first if self.after_first and self.first is not None else self.residual
-            for key, r in zip(self.keys, residual.chunk(len(self.keys)), strict=True):
-                self.run.store_residual(key, r, self.sigma)
+            roles = self.roles or ["C"] * len(self.keys)
+            n = len(self.keys)
+            outs = [None] * n if probe is None or probe[0].shape != probe[1].shape else list(
+                zip(probe[0].chunk(n), probe[1].chunk(n), strict=True))
+            for key, r, role, pair in zip(self.keys, residual.chunk(n), roles, outs, strict=True):
+                gain = None
+                if pair is not None and self.run.conds[key].residual is not None:
+                    before = self.run.conds[key].residual.to(r.device, non_blocking=True)
+                    gain = ((pair[0] - pair[1]).float().norm() / (before - r).float().norm().clamp_min(1e-12),
+                            pair[1].float().norm())
+                self.run.store_residual(key, r, self.sigma, estimated=role == "E", gain=gain)
             self.residual = self.first = None
 
 
@@ -340,6 +423,24 @@ def replaced_reason(to: dict, settings: Settings) -> str | None:
     return reason
 
 
+def _gain_probe(run: tc.RunState, settings: Settings, dm, keys: list, labels: list[str], sigma, executor, args,
+                kwargs, to: dict):
+    """Calibration only: the output this call would give skipped (the last computed residuals added, the
+    blocks passed through: little work), so the table learns how much a residual's error moves the
+    output at this step; None before every cond holds a residual, or where the skip cannot run."""
+    if not all(key in run.conds and run.conds[key].residual is not None for key in keys):
+        return None
+    probe = _Call(run, settings.family, dm, keys, labels, False, sigma)
+    probe.skip = True
+    to[CALL_KEY] = probe
+    try:
+        return executor(*args, **kwargs)
+    except (RuntimeError, ValueError, IndexError):  # residuals of another layout: no gain at this step
+        return None
+    finally:
+        to.pop(CALL_KEY, None)
+
+
 def _diffusion_model(executor, *args, **kwargs):
     to = transformer_options(args, kwargs) or {}
     run: tc.RunState | None = to.get(RUN_KEY)
@@ -359,7 +460,10 @@ def _diffusion_model(executor, *args, **kwargs):
         return out
     dm = executor.class_obj
     dm = dm.diffusion_model if settings.family.call_wrapper == "APPLY_MODEL" else dm  # a BaseModel there
-    call = _Call(run, settings.family, dm, keys, _labels(to, len(keys)), may_skip, sigma)
+    labels = _labels(to, len(keys))
+    probe = _gain_probe(run, settings, dm, keys, labels, sigma, executor, args, kwargs, to) \
+        if run.config.calibrate else None
+    call = _Call(run, settings.family, dm, keys, labels, may_skip, sigma)
     to[CALL_KEY] = call
     t0 = time.perf_counter()
     try:
@@ -377,8 +481,9 @@ def _diffusion_model(executor, *args, **kwargs):
     if call.skip:
         run.calls_skipped += 1
         run.time_skipped += dt
+        call.store_residual()  # schedule: an uncond rebuilt from its cond's call at this step
     elif call.skip is not None:
-        call.store_residual()
+        call.store_residual(None if probe is None else (probe, out))
         run.calls_computed += 1
         run.time_computed += dt
         mem = run.residual_bytes()
@@ -409,10 +514,13 @@ class Plan:
     "calibrated", a published variant, "none", "calibrating"), the model's variant and identity."""
 
     def __init__(self, config: tc.StepCacheConfig, used_type: str, variant: str, key: str, ident: WeightsIdentity,
-                 coefficients: tuple[float, ...] | None = None, magnitudes: dict | None = None):
+                 table=None):
         self.config, self.used_type, self.variant = config, used_type, variant
         self.key, self.ident, self.fp = key, ident, tc.identity_digest(ident)
-        self.coefficients, self.magnitudes = coefficients, magnitudes
+        rule = config.rule
+        self.coefficients = table if rule == "teacache" else None
+        self.magnitudes = table if rule == "magcache" else None
+        self.table = table if rule == "schedule" else None  # a ResidualTable
 
 
 def resolve(settings: Settings, model_patcher, conds: dict | None = None) -> Plan:
@@ -425,8 +533,7 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None) -> Pla
     variant = step_families.model_variant(family, model_patcher, conds or {})
 
     def plan(used_type, table=None):
-        teacache = cfg.rule == "teacache"
-        return Plan(cfg, used_type, variant, key, ident, table if teacache else None, None if teacache else table)
+        return Plan(cfg, used_type, variant, key, ident, table)
 
     if cfg.calibrate:
         return plan("calibrating", tc.COEFFICIENTS.get(family.default_type, (0, 0, 0, 1.0, 0)))
@@ -434,12 +541,15 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None) -> Pla
         return plan("none")
 
     def published(name):
+        if cfg.rule == "schedule":  # measured on the benchmark's stand-in of the family, not per variant
+            return step_schedule.shipped_table(family.name)
         return tc.COEFFICIENTS.get(name) if cfg.rule == "teacache" else tc.published_magnitudes(name)
 
     if cfg.model_type not in ("auto", "calibrated"):
         return plan(cfg.model_type, published(cfg.model_type))
     stored = STORE.get(key, ident)
-    table = None if stored is None else (stored.coefficients if cfg.rule == "teacache" else stored.magnitudes)
+    table = None if stored is None else {"teacache": stored.coefficients, "magcache": stored.magnitudes,
+                                         "schedule": stored.table}[cfg.rule]
     if table is not None:
         return plan("calibrated", table)
     table = None if cfg.model_type == "calibrated" else published(variant)
@@ -477,6 +587,8 @@ def _outer_sample(executor, *args, **kwargs):
     guider.model_options["transformer_options"][RUN_KEY] = run
     sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
     steps = len(sigmas) - 1 if sigmas is not None else None
+    if plan.table is not None and sigmas is not None:
+        _plan_schedule(run, plan.table, guider, [float(s) for s in sigmas])
     outcome = "failed"
     try:
         out = executor(*args, **kwargs)
@@ -489,6 +601,19 @@ def _outer_sample(executor, *args, **kwargs):
         guider.model_options = orig
         _report(run, settings, plan, steps, outcome)
         run.release()  # the residuals go now, even while a failure's traceback keeps this frame
+
+
+def _plan_schedule(run: tc.RunState, table: step_schedule.ResidualTable, guider, sigmas: list[float]) -> None:
+    """The schedule rule's plan for this run: its sigmas, window and skip limit, and the guider's CFG scale
+    and branches (ComfyUI computes no uncond at CFG 1 unless a node asked it to)."""
+    cfg = run.config
+    scale = float(getattr(guider, "cfg", 1.0))
+    negative = bool((getattr(guider, "conds", None) or {}).get("negative"))
+    two = negative and not (math.isclose(scale, 1.0) and not guider.model_options.get("disable_cfg1_optimization"))
+    allowed = [run.start_sigma >= s > run.end_sigma for s in sigmas[:-1]]
+    made = step_schedule.plan(table, sigmas, cfg.threshold, scale, two, "reuse" if cfg.residual_mode == "reuse"
+                              else "extrapolate", cfg.max_consecutive_skips, allowed)
+    run.set_plan(made, sigmas)
 
 
 def _report(*args) -> None:
@@ -566,7 +691,7 @@ def _save_calibration(run: tc.RunState, settings: Settings, plan: Plan, summary:
     except ValueError as exc:
         log.warning("ReuseKit TeaCache Calibrate: no polynomial fitted (%s); nothing is saved", exc)
         return
-    calibration = tc.Calibration(coeffs, run.calibration_magnitudes() or None)
+    calibration = tc.Calibration(coeffs, run.calibration_magnitudes() or None, run.residual_table())
     try:
         STORE.put(plan.key, plan.ident, calibration, family=settings.family.name, points=len(xs))
     except OSError as exc:  # never lose the run for the file: it is kept in memory

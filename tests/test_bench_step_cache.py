@@ -1,8 +1,11 @@
-"""The step cache benchmark's quality metric and summary helpers (bench/step_cache.py)."""
+"""The step cache benchmark's arithmetic (bench/step_cache.py, bench/step_cache_curves.py): the quality
+metric, the Pareto curve and the speedup read off it by interpolation, the tuning pick, the methods it
+ranks and the RESULT it prints."""
 
 import importlib
 import importlib.util
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,14 +14,21 @@ import torch
 
 pytestmark = pytest.mark.step_cache
 
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
 
 @pytest.fixture(scope="module")
 def bench():
-    path = Path(__file__).resolve().parents[1] / "bench" / "step_cache.py"
-    spec = importlib.util.spec_from_file_location("reusekit_bench_step_cache", path)
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("reusekit_bench_step_cache", BENCH / "step_cache.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def curves(bench):
+    return bench.curves
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +41,15 @@ def latent_of(pic):
     return shapes.picture_to_latent(pic)
 
 
-def test_an_equal_picture_scores_the_cap_and_full_ssim(bench, to_picture):
+def pt(x, psnr, worst=None, **kw):
+    return {"x": x, "psnr": psnr, "worst": psnr if worst is None else worst, **kw}
+
+
+# ---- the metric --------------------------------------------------------------------------------------
+
+def test_an_equal_picture_scores_the_cap_and_full_ssim(bench, curves, to_picture):
     ref = latent_of(torch.rand(1, 4, 64, 64, generator=torch.Generator().manual_seed(0)))
-    assert bench.picture_metrics(ref.clone(), ref, to_picture) == (bench.PSNR_CAP, pytest.approx(1.0), 0.0)
+    assert bench.picture_metrics(ref.clone(), ref, to_picture) == (curves.PSNR_CAP, pytest.approx(1.0), 0.0)
 
 
 def test_psnr_is_that_of_the_decoded_rgb_and_the_error_that_of_the_latent(bench, to_picture):
@@ -59,52 +75,90 @@ def test_a_video_latent_scores_like_its_frames_side_by_side(bench, to_picture):
     flat = bench.picture_metrics(out, ref, to_picture)
     video = bench.picture_metrics(out.unsqueeze(2), ref.unsqueeze(2), to_picture)
     assert video == pytest.approx(flat)
-    from skimage.metrics import structural_similarity
-
-    a = to_picture(out)[0, :3].permute(1, 2, 0).numpy()
-    b = to_picture(ref)[0, :3].permute(1, 2, 0).numpy()
-    assert flat[1] == pytest.approx(structural_similarity(b, a, data_range=1.0, channel_axis=2))
 
 
-def test_the_pareto_front_keeps_only_rows_no_other_beats(bench):
-    rows = [{"calls": 40, "psnr": 100.0}, {"calls": 20, "psnr": 35.0}, {"calls": 20, "psnr": 30.0},
-            {"calls": 10, "psnr": 20.0}, {"calls": 25, "psnr": 33.0}]
-    assert bench.pareto(rows) == {0, 1, 3}
+# ---- curves ------------------------------------------------------------------------------------------
+
+def test_the_front_keeps_only_points_no_other_beats_on_speed_mean_and_worst(curves):
+    a, b, c, d = pt(2.0, 40.0, 35.0), pt(2.0, 38.0, 30.0), pt(3.0, 31.0, 20.0), pt(3.0, 30.0, 26.0)
+    assert curves.front([a, b, c, d, pt(0.9, 60.0)]) == [curves.UNCACHED, a, c, d]  # b beaten by a; x < 1 dropped
 
 
-def test_result_takes_the_worst_model_and_zeroes_a_default_under_the_floor(bench):
-    def table(default_x, default_psnr, ours, base):
-        return [{"method": "none", "setting": "uncached", "kind": "none", "call_x": 1.0, "psnr": 100.0},
-                {"method": bench.DEFAULT[0], "setting": bench.DEFAULT[1], "kind": "reusekit", "call_x": default_x,
-                 "psnr": default_psnr},
-                {"method": "teacache extrapolate", "setting": "a", "kind": "reusekit", "call_x": ours, "psnr": 31.0},
-                {"method": "teacache reuse", "setting": "b", "kind": "baseline", "call_x": base, "psnr": 31.0},
-                {"method": "core lazycache", "setting": "c", "kind": "baseline", "call_x": 9.0, "psnr": 20.0}]
-
-    x, y = bench.result({"flux": table(3.0, 36.0, 4.0, 2.0), "wan": table(2.6, 31.0, 3.0, 2.5)}, 30.0)
-    assert (x, y) == (pytest.approx(2.6), pytest.approx(1.2))
-    x, y = bench.result({"flux": table(3.0, 36.0, 4.0, 2.0), "wan": table(2.6, 31.0, 3.0, 2.5)}, 35.0)
-    assert (x, y) == (0.0, pytest.approx(1.0))  # wan's default is under 35 dB; no row but the default reaches it
+def test_the_speedup_is_read_off_the_curve_by_interpolation_at_both_floors(curves):
+    points = [pt(2.0, 40.0, 35.0), pt(4.0, 20.0, 15.0)]
+    # mean falls 10 dB per 1x: 30 dB at 3.0x; worst falls 10 dB per 1x: 25 dB at 3.0x as well
+    assert curves.speedup_at(points, 30.0, 25.0) == pytest.approx(3.0)
+    assert curves.speedup_at(points, 30.0, 30.0) == pytest.approx(2.5)  # the worst run binds first
+    assert curves.speedup_at(points, 35.0, 0.0) == pytest.approx(2.5)
+    assert curves.speedup_at([pt(2.0, 40.0)], 30.0, 25.0) == 2.0  # never beyond the fastest measured point
+    assert curves.speedup_at([pt(2.0, 20.0)], 30.0, 25.0) == pytest.approx(1.0 + 70 / 80)  # from the uncached run
+    assert curves.speedup_at([], 30.0, 25.0) == 1.0
 
 
-def test_baselines_are_the_published_rules_with_their_reuse_and_the_core_nodes(bench):
-    rows = bench.configs("flux", quick=False)
-    assert rows[0]["kind"] == "none" and rows[1]["spec"] == ("default",)
-    for r in rows[2:]:
-        spec = r["spec"]
-        published_rule = spec[0] == "rk" and spec[4] == "reuse"
-        assert (r["kind"] == "baseline") == (published_rule or spec[0] == "core"), r
-    rules = {r["spec"][1] for r in rows if r["spec"][0] == "rk" and r["kind"] == "baseline"}
-    assert rules == {"teacache", "magcache", "first_block"}
+def test_a_point_whose_worst_run_misses_the_floor_does_not_lift_the_speedup(curves):
+    points = [pt(2.0, 40.0, 35.0), pt(3.0, 36.0, 20.0), pt(3.5, 31.0, 26.0)]
+    x = curves.speedup_at(points, 30.0, 25.0)
+    assert x == pytest.approx(3.5)  # 3.0 is beaten by nothing but fails; 3.5 keeps both floors
+    assert curves.speedup_at(points[:2], 30.0, 25.0) == pytest.approx(2.0 + (35 - 25) / 15)
 
 
-def test_the_default_is_picked_on_tuning_prompts_among_settings_that_need_no_calibration(bench):
-    def row(model_type, tune_x, tune_psnr, limit=0, start=0.0):
-        return {"spec": ("rk", "teacache", model_type, 0.4, "reuse", limit, start), "tune_x": tune_x,
-                "tune_psnr": tune_psnr, "call_x": 0.0, "psnr": 0.0}
+def test_the_tuning_pick_is_the_fastest_setting_keeping_both_floors(curves):
+    points = [pt(2.0, 40.0, 35.0, threshold=0.1), pt(3.0, 33.0, 24.0, threshold=0.2),
+              pt(2.5, 31.0, 26.0, threshold=0.3), pt(4.0, 20.0, threshold=0.4)]
+    assert curves.pick(points, 30.0, 25.0)["threshold"] == 0.3
+    assert curves.pick(points[3:], 30.0, 25.0) is None
 
-    table = [{"spec": ("none",), "tune_x": 1.0, "tune_psnr": 100.0}, row("calibrated", 9.0, 50.0),
-             row("flux", 5.0, 32.0), row("flux", 3.0, 34.0), row("flux", 4.0, 40.0, limit=2),
-             row("flux", 4.0, 40.0, start=0.2), row("flux", 2.0, 60.0)]
-    assert bench.pick_default(table) is table[3]
-    assert bench.pick_default(table[:3]) is None
+
+def test_refinement_halves_the_gap_at_the_crossing_in_log(curves):
+    points = [pt(2.0, 40.0, threshold=0.1), pt(3.0, 35.0, threshold=0.2), pt(5.0, 20.0, threshold=0.4)]
+    assert curves.refine(points, 30.0, 25.0, {0.1, 0.2, 0.4}) == pytest.approx(0.283)
+    assert curves.refine(points, 30.0, 25.0, {0.1, 0.2, 0.4, 0.283}) is None
+    assert curves.log_grid(0.01, 1.0, 3) == [0.01, 0.1, 1.0]
+
+
+# ---- methods and the result -----------------------------------------------------------------------
+
+def test_baselines_are_the_published_rules_with_their_reuse_and_both_sides_get_the_same_limits(bench):
+    rows = bench.methods("flux")
+    for r in rows:
+        if r.get("core"):
+            assert r["kind"] == "baseline"
+        elif not r.get("defaults"):
+            assert (r["kind"] == "baseline") == (r["mode"] == "reuse" and r["rule"] != "schedule"), r
+    rules = [r for r in rows if r.get("rule")]
+    assert {r["rule"] for r in rules if r["kind"] == "baseline"} == {"teacache", "magcache", "first_block"}
+    assert all(r["combos"] == list(bench.combos("flux")) for r in rules)  # the same K and windows everywhere
+    published = bench.published_rows("flux")
+    assert [(p["threshold"], p["combo"]["K"], p["combo"]["start"]) for p in published][0] == (0.24, 5, 0.1)
+    assert published[1]["combo"] == {"K": 3, "start": 0.0, "last": True}
+
+
+def row(name, kind, points):
+    return {"name": name, "kind": kind, "eval": points, "tune": [], "picked": None}
+
+
+def results(flux_default, wan_default, ours, base):
+    """Two models at 28 and 50 steps (and 20, not counted): defaults, one ReuseKit row, one baseline."""
+    def steps(d, o, b):
+        return {"rows": [row("node defaults", "reusekit", [pt(*d, picked=True)]), row("schedule x", "reusekit", [pt(*o)]),
+                         row("teacache published reuse", "baseline", [pt(*b)])]}
+
+    return {"flux": {"curve_match": 0.02, "seconds": 1.0,
+                     "steps": {"20": steps((1.5, 35.0), (9.0, 35.0), (1.5, 31.0)),
+                               "28": steps(flux_default, ours, base), "50": steps(flux_default, ours, base)}},
+            "wan": {"curve_match": 0.05, "seconds": 1.0,
+                    "steps": {"28": steps(wan_default, ours, base), "50": steps(wan_default, (3.0, 31.0), base)}}}
+
+
+def test_the_result_is_the_minimum_over_both_models_at_28_and_50_steps(bench):
+    class Args:
+        quick = False
+
+    text = bench.report(results((3.0, 40.0, 38.0), (2.6, 36.0, 26.0), (4.0, 35.0), (2.5, 31.0)), Args())
+    last = text.splitlines()[-1]
+    assert last.startswith("RESULT ")
+    got = dict(kv.split("=") for kv in last.split()[1:])
+    assert float(got["default_speedup_min"]) == pytest.approx(2.6)  # wan's defaults, on their own point
+    assert float(got["vs_best_baseline_min"]) == pytest.approx(3.0 / 2.5, abs=0.01)  # wan at 50 steps
+    assert float(got["default_worst_psnr_min"]) == pytest.approx(26.0)
+    assert float(got["curve_match"]) == pytest.approx(0.05)  # the farther stand-in

@@ -81,11 +81,18 @@ def last_run():
 FLAT = {"cond": [(1.0, 0.0), (0.0, 0.0)]}  # a magcache curve whose ratio is always 1
 
 
-def call_state(to):
+def call_state(to, action="S"):
     """A run state for calling the model directly: the node's config resolved, unit teacache
-    polynomial, flat magcache curve, skipping allowed at every sigma."""
+    polynomial, flat magcache curve, skipping allowed at every sigma; the schedule rule's plan: one step
+    that every call falls in, planned ``action``."""
     settings = to[P().KEY]
-    return tc().RunState(P().resolved_config(settings.config, settings.family), (0, 0, 0, 1.0, 0), 1.0, 0.0, FLAT)
+    run = tc().RunState(P().resolved_config(settings.config, settings.family), (0, 0, 0, 1.0, 0), 1.0, 0.0, FLAT)
+    plan_every_call(run, action)
+    return run
+
+
+def plan_every_call(run, action):
+    run.set_plan(rkharness.pack("caching.step_schedule").Plan((action,), (0.0,)), [0.5, 0.0])
 
 
 def rel_err(a, b):
@@ -329,6 +336,7 @@ def test_calibration_store_round_trips_through_its_file(tmp_path):
 # ---- on the trained Flux through the real KSampler ------------------------------------------
 
 RULES = ("teacache", "magcache", "first_block")
+SAME_INPUT_RULES = (*RULES, "schedule")  # the schedule rule needs a table to plan with; these calls give it a plan
 MODES = ("reuse", "extrapolate", "taylor2")
 
 
@@ -518,7 +526,7 @@ def test_other_block_patches_are_chained_and_a_later_one_on_the_first_block_disa
     assert last_run()["calls_skipped"] == 0
 
 
-@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("rule", SAME_INPUT_RULES)
 def test_a_skipped_call_adds_controlnet_once_not_again_on_top_of_the_residual(flux, conds, rule):
     """ControlNet adds into the image stream between blocks; the stored residual already holds what it
     added at the last computed call, so a skip must not add this call's control on top of it. Two calls
@@ -644,23 +652,55 @@ def test_a_block_only_fine_tune_gets_no_calibration_of_its_base(flux, conds, _is
     assert plan_of(tuned, model_type="auto").used_type == "flux"  # auto: the published polynomial instead
 
 
-def test_fp8_and_bf16_copies_of_one_model_find_each_others_calibration(flux, _isolated_calibrations):
-    def cast(dtype):
-        def change(dm):
-            for p in dm.parameters():
-                p.data = p.data.to(dtype)
-        return weights_copy(change)
+def cast(dtype, change=None):
+    def changed(dm):
+        if change is not None:
+            change(dm)
+        for p in dm.parameters():
+            p.data = p.data.to(dtype)
+    return weights_copy(changed)
 
+
+def test_fp8_and_bf16_copies_of_one_model_read_each_others_calibration(flux, _isolated_calibrations):
+    """A copy in another dtype reads the calibration made on the other, until it has its own."""
     bf16, fp8 = cast(torch.bfloat16), cast(torch.float8_e4m3fn)
     family = SF().detect_family(flux)
-    for i, (maker, finder) in enumerate(((bf16, fp8), (fp8, bf16))):
-        cal = tc().Calibration((0, 0, 0, 2.0 + i, 0), {"cond": [(1.0, 0.0), (0.5, float(i))]})
-        _isolated_calibrations.put(*P().model_identity(maker, family), cal)
-        plan = plan_of(finder)
-        assert plan.used_type == "calibrated" and plan.coefficients == cal.coefficients
-        assert plan_of(finder, "magcache").magnitudes == cal.magnitudes
+    cal = tc().Calibration((0, 0, 0, 2.0, 0), {"cond": [(1.0, 0.0), (0.5, 1.0)]})
+    _isolated_calibrations.put(*P().model_identity(bf16, family), cal)
+    for rule, field in (("teacache", "coefficients"), ("magcache", "magnitudes")):
+        assert getattr(plan_of(fp8, rule), field) == getattr(cal, field)
+        assert plan_of(fp8, rule).used_type == "calibrated"
+
+
+def test_a_calibration_made_in_one_dtype_is_read_but_never_replaced_by_a_copy_in_another(
+        flux, _isolated_calibrations):
+    """Issue 20: an fp8 copy of a 1% fine-tune matches its bf16 base (fp8 rounds by more than the tune
+    moved): it may read the base's calibration, and its own calibration is kept beside it, never over it;
+    each then reads its own, also from the file in a new process."""
+    def tune(dm):
+        for p in dm.single_blocks[0].parameters():
+            p.mul_(1.01)
+
+    base, tuned_fp8 = cast(torch.bfloat16), cast(torch.float8_e4m3fn, tune)
+    family = SF().detect_family(flux)
+    base_key, base_ident = P().model_identity(base, family)
+    fp8_key, fp8_ident = P().model_identity(tuned_fp8, family)
+    assert base_key == fp8_key and fp8_ident.matches(base_ident)  # the situation of the issue
+    made_on_base = tc().Calibration((0, 0, 0, 2.0, 0))
+    _isolated_calibrations.put(base_key, base_ident, made_on_base)
+    assert plan_of(tuned_fp8).coefficients == made_on_base.coefficients  # read across dtypes
+    made_on_fp8 = tc().Calibration((0, 0, 0, 3.0, 0))
+    _isolated_calibrations.put(fp8_key, fp8_ident, made_on_fp8)
+    for store in (_isolated_calibrations, tc().CalibrationStore(_isolated_calibrations.path)):  # memory, file
+        P().STORE = store
+        assert plan_of(base).coefficients == made_on_base.coefficients
+        assert plan_of(tuned_fp8).coefficients == made_on_fp8.coefficients
     stored = json.loads(_isolated_calibrations.path.read_text())
-    assert [len(entries) for entries in stored.values()] == [1]  # one model: one entry, replaced
+    assert [[e["identity"]["dtypes"][0] for e in entries] for entries in stored.values()] == [
+        ["bfloat16", "float8_e4m3fn"]]
+    again = tc().Calibration((0, 0, 0, 4.0, 0))  # the same dtype replaces its own entry
+    _isolated_calibrations.put(base_key, base_ident, again)
+    assert [len(entries) for entries in json.loads(_isolated_calibrations.path.read_text()).values()] == [2]
 
 
 def test_auto_takes_the_published_table_of_the_models_variant(flux, conds, monkeypatch):
@@ -919,18 +959,20 @@ def flux_options(model):
     return to
 
 
-@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("rule", SAME_INPUT_RULES)
 @pytest.mark.parametrize("mode", MODES)
 def test_on_the_same_input_every_rule_and_mode_returns_the_computed_output(flux, conds, rule, mode):
     """After three computed calls (so extrapolate and taylor2 hold their differences), a skip at the
     last computed call's sigma, on its input, gives its output."""
     m = teacache(flux, 0.0, rule=rule, mode=mode)
     to = flux_options(m)
+    plan_every_call(to[P().RUN_KEY], "C")
     x = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))
     for s in (0.9, 0.7):
         flux_call(m, x * s, to, conds, s)
     computed = flux_call(m, x, to, conds, 0.5)
     to[P().RUN_KEY].config = dataclasses.replace(to[P().RUN_KEY].config, threshold=1.0)
+    plan_every_call(to[P().RUN_KEY], "S")
     skipped = flux_call(m, x, to, conds, 0.5)
     assert to[P().RUN_KEY].conds[("c", 0)].pattern == ["C", "C", "C", "S"]
     assert torch.allclose(skipped, computed, atol=1e-5), rel_err(skipped, computed)
@@ -993,13 +1035,15 @@ RESULT_FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("rule,second", [(r, "S") for r in SAME_INPUT_RULES] + [("schedule", "H")])
 @pytest.mark.parametrize("name", list(RESULT_FAMILIES))
-def test_a_skipped_step_on_the_same_input_returns_the_computed_output(name, rule):
+def test_a_skipped_step_on_the_same_input_returns_the_computed_output(name, rule, second):
     """Per family, cond and uncond batched: the second call on the same input skips and must give the
     first one's output, so the residual is taken from and added to the image tokens, wherever the
     host puts them (HunyuanVideo's single stream is text first from ComfyUI 0.14) and however the
-    block is modulated (the doubled timestep-zero modulation of Flux.2 / Qwen-Image-Edit-2511)."""
+    block is modulated (the doubled timestep-zero modulation of Flux.2 / Qwen-Image-Edit-2511). The
+    schedule rule's cond-only step (H) too: the cond's rows run alone, the uncond's are rebuilt from
+    them and the difference measured at the first call."""
     spec_name = "flux2_klein" if name == "flux2_index_timestep_zero" else name  # the host doubles no guidance
     family, extra = RESULT_FAMILIES[name]
     spec = H().family_spec(spec_name)
@@ -1013,10 +1057,11 @@ def test_a_skipped_step_on_the_same_input_returns_the_computed_output(name, rule
     cached = teacache(model, 1.0, model_type="auto", mode="reuse", rule=rule)
     settings = cached.model_options["transformer_options"][P().KEY]
     assert settings.family.name == family
-    first, second, run = H().two_calls(cached, x, sigma, kwargs)
+    first, again, run = H().two_calls(cached, x, sigma, kwargs, second=second)
     one_block = rule == "first_block" and len(settings.blocks) == 1  # the first block is the whole stack
-    assert [s.pattern for s in run.conds.values()] == [["C", "C" if one_block else "S"]] * 2
-    assert torch.allclose(second, first, atol=1e-5, rtol=1e-5), rel_err(second, first)
+    want = [["C", "C"], ["C", "S"]] if second == "H" else [["C", "C" if one_block else "S"]] * 2
+    assert [s.pattern for s in run.conds.values()] == want
+    assert torch.allclose(again, first, atol=1e-5, rtol=1e-5), rel_err(again, first)
 
 
 # family (families.py), the step cache's name, latent shape, extra cond values, latent fill

@@ -75,12 +75,14 @@ HOOKED = {
 }
 
 
-@pytest.mark.parametrize("rule", ("teacache", "magcache", "first_block"))
+@pytest.mark.parametrize("rule,second", [(r, "S") for r in ("teacache", "magcache", "first_block", "schedule")]
+                         + [("schedule", "H")])
 @pytest.mark.parametrize("name", list(HOOKED))
-def test_a_skipped_step_on_the_same_input_returns_the_computed_output(name, rule):
+def test_a_skipped_step_on_the_same_input_returns_the_computed_output(name, rule, second):
     """Cond and uncond batched, each skip rule: the second call on the same input skips and gives the
     first one's output, so the residual is taken from and added to the image tokens (Chroma's single
-    stream is text first; LTXV's blocks add into their input in place)."""
+    stream is text first; LTXV's blocks add into their input in place); the schedule rule's cond-only
+    step (H) too, its uncond rebuilt from the cond's residual."""
     h = helpers()
     spec = h.family_spec(name)
     model = spec.build(0)
@@ -88,10 +90,11 @@ def test_a_skipped_step_on_the_same_input_returns_the_computed_output(name, rule
     cached = step_cache(model, rule=rule)
     settings = cached.model_options["transformer_options"][P().KEY]
     assert settings.family.name == HOOKED[name][0]
-    first, second, run = h.two_calls(cached, x, sigma, kwargs)
+    first, again, run = h.two_calls(cached, x, sigma, kwargs, second=second)
     one_block = rule == "first_block" and len(settings.blocks) == 1  # the first block is the whole stack
-    assert [s.pattern for s in run.conds.values()] == [["C", "C" if one_block else "S"]] * 2
-    assert torch.allclose(second, first, atol=1e-5, rtol=1e-5), rel_err(second, first)
+    want = [["C", "C"], ["C", "S"]] if second == "H" else [["C", "C" if one_block else "S"]] * 2
+    assert [s.pattern for s in run.conds.values()] == want
+    assert torch.allclose(again, first, atol=1e-5, rtol=1e-5), rel_err(again, first)
 
 
 @pytest.mark.parametrize("name", list(HOOKED))

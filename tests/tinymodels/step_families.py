@@ -105,20 +105,24 @@ def batched(x, sigma, kwargs):
 FLAT = {"cond": [(1.0, 0.0), (0.0, 0.0)]}  # a magcache curve whose ratio is always 1
 
 
-def two_calls(model, x, sigma, kwargs, keys=("c", "u")):
+def two_calls(model, x, sigma, kwargs, keys=("c", "u"), second="S"):
     """The same input twice through a step-cached model, as one sampling run's calls (the node's config
-    resolved, unit teacache polynomial, flat magcache curve: an unchanged input skips):
+    resolved, unit teacache polynomial, flat magcache curve: an unchanged input skips; the schedule rule
+    plans C, then ``second``: S skips, H computes the cond and rebuilds the uncond):
     (first output, second output, the run's state)."""
     import rkharness
 
     patch, math = rkharness.pack("patches.teacache"), rkharness.pack("caching.teacache")
+    schedule = rkharness.pack("caching.step_schedule")
     to = model.model_options["transformer_options"].copy()
     settings = to[patch.KEY]
     config = patch.resolved_config(settings.config, settings.family)
+    run = math.RunState(config, (0, 0, 0, 1.0, 0), 1.0, 0.0, FLAT)
+    run.set_plan(schedule.Plan(("C",), (0.0,)), [float(sigma.flatten()[0]), 0.0])
     to.update({"wrappers": model.wrappers, "sigmas": sigma, "uuids": list(keys),
-               "cond_or_uncond": [0, 1][:len(keys)],
-               patch.RUN_KEY: math.RunState(config, (0, 0, 0, 1.0, 0), 1.0, 0.0, FLAT)})
+               "cond_or_uncond": [0, 1][:len(keys)], patch.RUN_KEY: run})
     with torch.inference_mode():
         first = model.model.apply_model(x, sigma, transformer_options=to, **kwargs)
+        run.plan = schedule.Plan((second,), (0.0,))
         second = model.model.apply_model(x, sigma, transformer_options=to, **kwargs)
-    return first, second, to[patch.RUN_KEY]
+    return first, second, run
