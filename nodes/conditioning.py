@@ -11,9 +11,11 @@ from ..caching.conditioning import CACHE
 from ..caching.settings import SETTINGS
 from ..caching.stats import REGISTRY, format_snapshot
 from ..patches.conditioning import cached_copy, install, mark
-from . import CATEGORY
+from . import CATEGORY, compat
 
 AREA = f"{CATEGORY}/conditioning"
+# Inputs removed on 2026-11-30 (d91176a): the cache holds CPU copies returned on the encoder's device
+DEVICE_HOT = "entries are CPU copies, returned on the encoder's device"
 
 
 def _require(node: str, name: str, value, *attrs: str):
@@ -36,10 +38,12 @@ class CachedCLIP(io.ComfyNode):
                 io.Clip.Input("clip", tooltip="The text encoder to cache; it is cloned, never changed."),
             ],
             outputs=[io.Clip.Output(display_name="CLIP", tooltip="A clone routed through the cache.")],
+            hidden=compat.HIDDEN,
         )
 
     @classmethod
-    def execute(cls, clip) -> io.NodeOutput:
+    def execute(cls, clip, **linked_old) -> io.NodeOutput:
+        compat.say_removed(cls, "ReuseKit Cached CLIP", {"device_hot": DEVICE_HOT}, linked_old)
         _require("ReuseKit Cached CLIP", "clip", clip, "patcher", "clone")
         install()
         out = clip.clone()
@@ -112,6 +116,7 @@ class ConditioningCacheSettings(io.ComfyNode):
             ],
             outputs=[io.String.Output(display_name="text", tooltip="The cache's stats after the change.")],
             is_output_node=True,
+            hidden=compat.HIDDEN,
         )
 
     @classmethod
@@ -119,7 +124,9 @@ class ConditioningCacheSettings(io.ComfyNode):
         return time.time()  # reports each run; the settings apply only when the inputs change
 
     @classmethod
-    def execute(cls, global_mode=True, budget_mib=512, max_entries=128, clear=False) -> io.NodeOutput:
+    def execute(cls, global_mode=True, budget_mib=512, max_entries=128, clear=False, **linked_old) -> io.NodeOutput:
+        compat.say_removed(cls, "ReuseKit Conditioning Cache Settings", {"device_hot_negatives": DEVICE_HOT},
+                           linked_old)
         inputs = (global_mode, budget_mib, max_entries, clear)
         with _applied_lock:
             if _applied.get("inputs") != inputs:  # the panel's later changes survive re-queues

@@ -180,4 +180,22 @@ class PromptBatch(io.ComfyNode):
         return io.NodeOutput(lines, [negative] * len(lines))
 
 
-NODES = [DemoFlux, DemoWan, DemoDecode, PromptBatch]
+class OldPromptBatch(io.ComfyNode):
+    """ReuseKit Prompt Batch under the id the first demo saved it with (ReuseKitDemoPromptBatch, renamed on
+    2026-11-30 in d3ec191), so a workflow saved then still loads and runs; deprecated: the page leaves it out
+    of the node search. Its own class: ComfyUI caches a schema's fields on the class, a subclass would inherit
+    them."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        schema = PromptBatch.define_schema()
+        schema.node_id, schema.is_deprecated = "ReuseKitDemoPromptBatch", True
+        schema.display_name = "ReuseKit Demo Prompt Batch (old name of ReuseKit Prompt Batch)"
+        return schema
+
+    @classmethod
+    def execute(cls, prompts, negative="") -> io.NodeOutput:
+        return PromptBatch.execute(prompts, negative)
+
+
+NODES = [DemoFlux, DemoWan, DemoDecode, PromptBatch, OldPromptBatch]

@@ -2,46 +2,60 @@
 
 from __future__ import annotations
 
+import math
+
 from comfy_api.latest import io
 
 from ..caching.teacache import StepCacheConfig
+from ..patches import host
 from ..patches import teacache as patch
-from . import CATEGORY, SamplerInputs, ksampler_inputs
+from . import CATEGORY, SamplerInputs, compat, ksampler_inputs
 
 AREA = f"{CATEGORY}/step cache"
 
+# Saved prompts keep working (nodes/compat.py). Until 2026-12-01 (a7ea1af) the threshold was called
+# rel_l1_thresh and there was no rule input: the rule was TeaCache's. Until 2026-11-29 (95a72a3) there
+# was no residual_mode either: a skipped step reused the residual. A prompt that names rel_l1_thresh
+# was written for those inputs, and what it leaves out keeps the meaning it had then.
+OLD_THRESHOLD = "rel_l1_thresh"
+OLD_MEANING = {"rule": "teacache", "residual_mode": "reuse"}
+DEFAULTS = {"threshold": -1.0, "rule": "auto", "residual_mode": "auto"}
+"""What an absent input means in a prompt written for today's inputs (the widgets' defaults)."""
+
 
 def _cache_inputs() -> list:
+    """The step cache's inputs, all optional (a prompt may leave any out; see DEFAULTS and OLD_MEANING),
+    in the order of the page's widgets (web/compat.js maps workflows saved with the old order)."""
     return [
-        io.Combo.Input("rule", options=list(patch.RULES), default="auto",
+        io.Combo.Input("rule", options=list(patch.RULES), default="auto", optional=True,
                        tooltip="How a step is judged skippable. teacache: the change of the first block's "
                                "modulated input, rescaled by a per-model polynomial. magcache: the calibrated "
                                "ratio of consecutive residual magnitudes. first_block: the first block always "
                                "runs and the rest is skipped while its residual barely changes (no calibration). "
                                "auto: the family's benchmarked rule (first_block while that rule has no published or "
                                "calibrated table for this model)."),
-        io.Float.Input("threshold", default=-1.0, min=-1.0, max=10.0, step=0.01,
+        io.Float.Input("threshold", default=-1.0, min=-1.0, max=10.0, step=0.01, optional=True,
                        tooltip="Skip while the rule's accumulated distance stays under this (teacache: rescaled "
                                "relative L1 of the modulated input; magcache: accumulated |1 - magnitude ratio|; "
                                "first_block: relative L1 change of the first block's residual). 0 computes every "
                                "step (exact); higher skips more. -1 takes the family's benchmarked default for "
                                "the rule."),
-        io.Combo.Input("model_type", options=list(patch.MODEL_TYPES), default="auto",
+        io.Combo.Input("model_type", options=list(patch.MODEL_TYPES), default="auto", optional=True,
                        tooltip="Which table the rule uses (teacache: rescale polynomial; magcache: magnitude "
                                "ratios; first_block needs none). auto: this model's calibration if one was made, "
                                "else the published one for its variant (Flux.1, Kontext, HunyuanVideo, Wan 2.1; "
                                "other families need a calibration). calibrated: only a calibration (see ReuseKit "
                                "TeaCache Calibrate)."),
-        io.Float.Input("start_percent", default=0.0, min=0.0, max=1.0, step=0.01,
+        io.Float.Input("start_percent", default=0.0, min=0.0, max=1.0, step=0.01, optional=True,
                        tooltip="Never skip before this fraction of the schedule."),
-        io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.01,
+        io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.01, optional=True,
                        tooltip="Never skip after this fraction of the schedule."),
-        io.Int.Input("max_consecutive_skips", default=0, min=0, max=1000,
+        io.Int.Input("max_consecutive_skips", default=0, min=0, max=1000, optional=True,
                      tooltip="At most this many skipped steps in a row (0: no limit; MagCache's K)."),
-        io.Combo.Input("cache_device", options=["device", "cpu"], default="device",
+        io.Combo.Input("cache_device", options=["device", "cpu"], default="device", optional=True,
                        tooltip="Where stored residuals live: the model's device (fastest) or the CPU "
                                "(saves VRAM, costs a copy per skipped step)."),
-        io.Combo.Input("residual_mode", options=list(patch.RESIDUAL_MODES), default="auto",
+        io.Combo.Input("residual_mode", options=list(patch.RESIDUAL_MODES), default="auto", optional=True,
                        tooltip="What a skipped step adds. reuse: the last residual (classic). extrapolate: the "
                                "last residual continued in sigma along its change between the last two computed "
                                "steps. taylor2: a second-order forecast in sigma from the last three. auto: the "
@@ -77,6 +91,28 @@ def make_config(node: str, model_type: str, threshold: float, start_percent: flo
                            int(max_consecutive_skips), cache_device, calibrate, residual_mode, rule)
 
 
+def given_inputs(cls, node: str, threshold, rule, residual_mode, passed: dict) -> tuple[float, str, str]:
+    """(threshold, rule, residual_mode) as the node runs them: an absent one (None) takes its default,
+    or in a prompt written for the old inputs (rel_l1_thresh) the meaning it had then, said once."""
+    old = compat.old_inputs(cls, (OLD_THRESHOLD,), passed)
+    values = {"threshold": threshold, "rule": rule, "residual_mode": residual_mode}
+    if OLD_THRESHOLD in old:
+        rel = old[OLD_THRESHOLD]
+        if isinstance(rel, bool) or not isinstance(rel, (int, float)) or not (0.0 <= rel < math.inf):
+            raise ValueError(f"{node}: {OLD_THRESHOLD} (now threshold) must be a finite number >= 0, got {rel!r}")
+        if threshold is not None and threshold != rel:
+            raise ValueError(f"{node}: threshold ({threshold!r}) and its old name {OLD_THRESHOLD} ({rel!r}) "
+                             "disagree; give threshold only")
+        values["threshold"] = float(rel)
+        values.update((k, v) for k, v in OLD_MEANING.items() if values[k] is None)
+        host.say_once(f"compat:{node}:{sorted(values.items())}", "%s: a prompt saved with %s (renamed threshold): "
+                      "read as threshold=%s, rule=%s, residual_mode=%s, as it meant then; save the workflow again to "
+                      "store the new inputs", node, OLD_THRESHOLD, values["threshold"], values["rule"],
+                      values["residual_mode"])
+    values.update((k, v) for k, v in DEFAULTS.items() if values[k] is None)
+    return values["threshold"], values["rule"], values["residual_mode"]
+
+
 def attach(node: str, model, config: StepCacheConfig):
     try:
         return patch.apply(model, config)
@@ -101,12 +137,15 @@ class TeaCacheNode(io.ComfyNode):
                                                     "Mochi).")]
             + _cache_inputs(),
             outputs=[io.Model.Output(tooltip="A copy of the model with the step cache attached.")],
+            hidden=compat.HIDDEN,
         )
 
     @classmethod
-    def execute(cls, model, model_type="auto", threshold=-1.0, start_percent=0.0, end_percent=1.0,
-                max_consecutive_skips=0, cache_device="device", residual_mode="auto", rule="auto") -> io.NodeOutput:
+    def execute(cls, model, model_type="auto", threshold=None, start_percent=0.0, end_percent=1.0,
+                max_consecutive_skips=0, cache_device="device", residual_mode=None, rule=None,
+                **linked_old) -> io.NodeOutput:
         node = "ReuseKit TeaCache"
+        threshold, rule, residual_mode = given_inputs(cls, node, threshold, rule, residual_mode, linked_old)
         config = make_config(node, model_type, threshold, start_percent, end_percent,
                              max_consecutive_skips, cache_device, residual_mode, rule=rule)
         return io.NodeOutput(attach(node, model, config))
@@ -151,16 +190,18 @@ class CachedKSamplerNode(SamplerInputs, io.ComfyNode):
                 *ksampler_inputs(cfg=3.5, sampler="euler", scheduler="simple"),
             ] + _cache_inputs(),
             outputs=[io.Latent.Output(tooltip="The denoised latent.")],
+            hidden=compat.HIDDEN,
         )
 
     @classmethod
     def execute(cls, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise,
-                model_type="auto", threshold=-1.0, start_percent=0.0, end_percent=1.0, max_consecutive_skips=0,
-                cache_device="device", residual_mode="auto", rule="auto") -> io.NodeOutput:
+                model_type="auto", threshold=None, start_percent=0.0, end_percent=1.0, max_consecutive_skips=0,
+                cache_device="device", residual_mode=None, rule=None, **linked_old) -> io.NodeOutput:
         import nodes
 
         node = cls.NODE
         cls.check_sampler(sampler_name, scheduler)
+        threshold, rule, residual_mode = given_inputs(cls, node, threshold, rule, residual_mode, linked_old)
         config = make_config(node, model_type, threshold, start_percent, end_percent,
                              max_consecutive_skips, cache_device, residual_mode, rule=rule)
         cached = attach(node, model, config)

@@ -1,0 +1,61 @@
+"""Inputs a node had before: saved prompts keep working (README "Compatibility").
+
+A node's inputs are a public API: a renamed input stays accepted under its old name and the node
+maps it to the new one, and a removed one whose value no longer matters is accepted and ignored,
+either with one log line. ComfyUI hands ``execute`` only the inputs the schema
+declares, plus every linked one (``validate_prompt`` and the executor never refuse an input they
+do not know, on 0.3.75 as on 0.33 and 0.38), so an old input written as a value is read here from
+the prompt itself: the node declares the hidden PROMPT input (:data:`HIDDEN`; it leaves ComfyUI's
+cache keys as they are, unlike UNIQUE_ID) and :func:`old_inputs` finds the executing node's entry.
+
+UI workflows keep widget values by position, not by name: web/compat.js maps the old layouts when
+the page loads a workflow.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from comfy_api.latest import io
+
+from ..patches import host
+
+HIDDEN = [io.Hidden.prompt]
+"""The hidden inputs of a node with old inputs to read."""
+
+
+def _executing_node() -> str | None:
+    """The id of the node whose ``execute`` runs now (ComfyUI's executing context), if any."""
+    try:
+        from comfy_execution.utils import get_executing_context
+    except ImportError:  # a host without the executing context: only linked old inputs are seen
+        return None
+    context = get_executing_context()
+    return None if context is None else context.node_id
+
+
+def _is_link(value: Any) -> bool:
+    return isinstance(value, list) and len(value) == 2 and isinstance(value[1], int)
+
+
+def old_inputs(cls, names: tuple[str, ...], passed: dict[str, Any]) -> dict[str, Any]:
+    """The inputs among ``names`` (old names) that this node's prompt entry gives: linked ones from
+    ``passed`` (the keyword arguments ComfyUI passed beyond the schema's), values from the prompt."""
+    found = {name: passed[name] for name in names if name in passed}
+    prompt = getattr(getattr(cls, "hidden", None), "prompt", None)
+    node_id = _executing_node()
+    entry = prompt.get(node_id) if isinstance(prompt, dict) and node_id is not None else None
+    given = entry.get("inputs") if isinstance(entry, dict) else None
+    if isinstance(given, dict):
+        for name in names:
+            if name not in found and name in given and not _is_link(given[name]):
+                found[name] = given[name]
+    return found
+
+
+def say_removed(cls, node: str, removed: dict[str, str], passed: dict[str, Any]) -> None:
+    """One log line when this node's prompt gives an input that was removed (``removed``: its name ->
+    why its value no longer matters); the node runs as it would without it."""
+    for name, value in old_inputs(cls, tuple(removed), passed).items():
+        host.say_once(f"compat:{node}:{name}", "%s: %s=%r is ignored: the input was removed (%s)", node, name,
+                      value, removed[name])
