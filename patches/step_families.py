@@ -66,6 +66,15 @@ def _ltxv_modulated(dm, args):
     return torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=1e-6) * (1 + scale) + shift
 
 
+def _ltx2_modulated(dm, args):
+    """LTX-2: the first block's RMS-normed video tokens, scaled and shifted by its self-attention
+    modulation (the video stream decides for both streams: one decision per call)."""
+    block = dm.transformer_blocks[0]
+    vx = args["img"][0]
+    shift, scale = block.get_ada_values(block.scale_shift_table, vx.shape[0], args["v_timestep"], slice(0, 2))
+    return torch.nn.functional.rms_norm(vx, (vx.shape[-1],), eps=1e-6) * (1 + scale) + shift
+
+
 def _mochi_modulated(dm, args):
     """Mochi: the first block's RMS-normed image tokens scaled by its self-attention modulation (what
     TeaCache4Mochi reads from norm1)."""
@@ -88,6 +97,7 @@ class Family:
     variant: Callable[[Any, dict], str] | None = None  # (model_patcher, the run's conds) -> published variant
     call_wrapper: str = "DIFFUSION_MODEL"  # the WrappersMP kind around one model call (APPLY_MODEL: Mochi's
     # forward runs no DIFFUSION_MODEL wrapper)
+    half: bool = True  # its blocks' inputs can be cut to some rows (the schedule rule's cond-only steps)
 
 
 def _cond_values(conds: dict, key: str) -> list:
@@ -143,6 +153,7 @@ FLUX, HUNYUAN, WAN = ("comfy.ldm.flux.model:Flux",), ("comfy.ldm.hunyuan_video.m
     ("comfy.ldm.wan.model:WanModel",)
 CHROMA, CHROMA_RADIANCE = ("comfy.ldm.chroma.model:Chroma",), ("comfy.ldm.chroma_radiance.model:ChromaRadiance",)
 LTXV = ("comfy.ldm.lightricks.model:LTXVModel",)
+LTX2 = ("comfy.ldm.lightricks.av_model:LTXAVModel",)
 QWEN = ("comfy.ldm.qwen_image.model:QwenImageTransformer2DModel",)
 APPLY_MOD = (("comfy.ldm.flux.layers:apply_mod", ("tensor", "m_mult", "m_add", "modulation_dims")),)
 QWEN_MODULATE = (("comfy.ldm.qwen_image.model:QwenImageTransformerBlock._modulate", ("x", "mod_params")),)
@@ -161,6 +172,11 @@ FAMILIES = (
     Family("wan22", "calibrated", WAN, _wan_modulated, _wan_blocks, bases=("comfy.model_base:WAN22",)),
     Family("wan", "wan2.1_t2v_1.3B_ret_mode", WAN, _wan_modulated, _wan_blocks, variant=_wan_variant),
     Family("qwen_image", "calibrated", QWEN, _qwen_modulated, _transformer_blocks, seams=QWEN_MODULATE),
+    # LTX-2's blocks carry (video, audio): the cache keeps both residuals and decides once; its timestep
+    # embeddings are packed objects the cache does not cut by rows, so no cond-only steps
+    Family("ltx2", "calibrated", LTX2, _ltx2_modulated, _transformer_blocks, half=False,
+           seams=(("comfy.ldm.lightricks.av_model:BasicAVTransformerBlock.get_ada_values",
+                   ("scale_shift_table", "batch_size", "timestep", "indices")),)),
     Family("ltxv", "ltxv", LTXV, _ltxv_modulated, _transformer_blocks),
     Family("mochi", "mochi", ("comfy.ldm.genmo.joint_model.asymm_models_joint:AsymmDiTJoint",), _mochi_modulated,
            _wan_blocks, call_wrapper="APPLY_MODEL"),
@@ -182,8 +198,6 @@ NO_BLOCK_SEAM = "its forward offers no block-replace seam (patches_replace \"dit
 REFUSED = (
     ("comfy.ldm.wan.model:WanModel_S2V", "this ComfyUI hands its block patches no transformer_options, so the "
      "cache never sees a call (newer ones do)", _no_block_options),
-    ("comfy.ldm.lightricks.av_model:LTXAVModel", "its blocks carry a (video, audio) pair of streams, and the "
-     "cache's block patches store and add the residual of one image stream", None),
     *((spec, NO_BLOCK_SEAM, None) for spec in ("comfy.ldm.lumina.model:NextDiT", "comfy.ldm.cosmos.model:GeneralDIT",
                                                "comfy.ldm.cosmos.predict2:MiniTrainDIT",
                                                "comfy.ldm.hidream.model:HiDreamImageTransformer2DModel",

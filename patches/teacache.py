@@ -174,6 +174,23 @@ def _passthrough(args) -> dict:
     return {k: args[k] for k in ("img", "txt") if k in args}
 
 
+def _pack(stream) -> torch.Tensor:
+    """A block's image stream as one (batch, ...) tensor: a tensor as it is; a tuple of streams (LTX-2's
+    video and audio) each flattened per row and joined, so both residuals are kept, forecast and added
+    as one."""
+    if isinstance(stream, torch.Tensor):
+        return stream
+    return torch.cat([s.reshape(s.shape[0], -1) for s in stream], dim=1)
+
+
+def _unpack(packed: torch.Tensor, like):
+    """``packed`` (from :func:`_pack`) back in the layout of ``like``."""
+    if isinstance(like, torch.Tensor):
+        return packed
+    parts = packed.split([s[0].numel() for s in like], dim=1)
+    return type(like)(p.reshape(s.shape) for p, s in zip(parts, like, strict=True))
+
+
 def _rows(value, rows: torch.Tensor, batch: int):
     """``value`` (a block's inputs) with every tensor of ``batch`` rows cut to ``rows`` (of twice that, the
     batch and its timestep-zero copy stacked, as Qwen-Image-Edit-2511 does, to those rows of each half),
@@ -238,7 +255,7 @@ class _Call:
         self.residual, self.first = tensors
 
     def _decide(self, args: dict) -> None:
-        img = args["img"]
+        img = _pack(args["img"])
         if img.shape[0] % len(self.keys):  # a batch we cannot split per cond: treat as one
             self.keys, self.labels = [tuple(self.keys)], ["batch"]
         rule = self.run.config.rule
@@ -261,7 +278,7 @@ class _Call:
         if rule == "schedule":
             # under graph capture (a probe) a call is whole: the graph replays every row
             self.roles = self.run.decide_scheduled(self.keys, self.labels, list(signals), chunk, self.sigma,
-                                                   half=not self.probing)
+                                                   half=not self.probing and self.family.half)
             self.skip = "C" not in self.roles
             self.half = not self.skip and "E" in self.roles
             return
@@ -277,7 +294,7 @@ class _Call:
                 raise _Computed
             # blocks (and ControlNet between them) add in place; a skip adds the residual to this copy,
             # which already holds what ControlNet added inside the stack at the last computed step
-            self.stack_in = args["img"].clone()
+            self.stack_in = _pack(args["img"]).clone()
             if self.after_first or not self.skip:
                 return self._first_block(args, self._runner(run_block), last)
         elif self.skip is None:  # our first-block patch was replaced later: stay out
@@ -285,11 +302,11 @@ class _Call:
         if self.skip:
             out = _passthrough(args)
             if last:
-                img = out["img"]
+                img = _pack(out["img"])
                 start, end = self._image_tokens(args, img.shape[1])
                 base = self.stack_in + self.first if self.after_first else self.stack_in
                 res = torch.cat([self._skipped_residual(i, k, img) for i, k in enumerate(self.keys)])
-                out["img"] = torch.cat([img[:, :start], base + res, img[:, end:]], 1)
+                out["img"] = _unpack(torch.cat([img[:, :start], base + res, img[:, end:]], 1), out["img"])
                 self.stack_in = None
             return out
         out = self._runner(run_block)(args)
@@ -300,8 +317,9 @@ class _Call:
     def _first_block(self, args: dict, run_block, last: bool) -> dict:
         """Runs the first block and keeps its residual; first_block decides on it here."""
         out = run_block(args)
-        start, end = self._image_tokens(args, out["img"].shape[1])
-        self.first = out["img"][:, start:end] - self.stack_in
+        img = _pack(out["img"])
+        start, end = self._image_tokens(args, img.shape[1])
+        self.first = img[:, start:end] - self.stack_in
         if self.skip is None:
             if last:  # a stack of one block leaves nothing to skip
                 self.may_skip = False
@@ -316,16 +334,17 @@ class _Call:
 
     def _stack_residual(self, args: dict, out: dict) -> None:
         if self.stack_in is not None:
-            start, end = self._image_tokens(args, out["img"].shape[1])
-            self.residual = out["img"][:, start:end] - self.stack_in
+            img = _pack(out["img"])
+            start, end = self._image_tokens(args, img.shape[1])
+            self.residual = img[:, start:end] - self.stack_in
             if self.half:  # the uncond rows never ran: their residual is rebuilt from the cond's made now
                 parts = list(self.residual.chunk(len(self.keys)))
                 cond = parts[self.keys.index(self.run.pair()[0])]
                 parts = [self.run.estimate(cond) if role == "E" else part for part, role in zip(parts, self.roles,
                                                                                                strict=True)]
                 self.residual = torch.cat(parts)
-                img = out["img"]
-                out["img"] = torch.cat([img[:, :start], self.stack_in + self.residual, img[:, end:]], 1)
+                out["img"] = _unpack(torch.cat([img[:, :start], self.stack_in + self.residual, img[:, end:]], 1),
+                                     out["img"])
             self.stack_in = None
 
     def _runner(self, run_block):
@@ -338,7 +357,7 @@ class _Call:
         rows = torch.cat([torch.arange(i * n, (i + 1) * n) for i, role in enumerate(self.roles) if role == "C"])
 
         def on_rows(args):
-            out = run_block(_rows(args, rows.to(args["img"].device), batch))
+            out = run_block(_rows(args, rows.to(self.stack_in.device), batch))
             merged = dict(out)
             for name in ("img", "txt"):
                 if name in out and name in args:

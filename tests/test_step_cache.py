@@ -1132,10 +1132,10 @@ def test_the_two_wan22_experts_keep_separate_state_and_calibrations(conds):
     assert P().STORE.get(*P().model_identity(high, wan)) != P().STORE.get(*P().model_identity(low, wan))
 
 
-@pytest.mark.parametrize("name,cls", [("ltx2", "LTXAVModel"), ("z_image", "NextDiT")])
+@pytest.mark.parametrize("name,cls", [("cosmos", "MiniTrainDIT"), ("z_image", "NextDiT")])
 def test_a_family_without_block_seams_is_a_clear_error_at_the_node(name, cls):
-    """LTX-2 (a joint audio/video stream) and Z-Image (no block-replace seam) cannot be hooked
-    without copying a core forward: the node says so, naming itself and the input."""
+    """Cosmos and Z-Image (no block-replace seam) cannot be hooked without copying a core forward: the
+    node says so, naming itself and the input."""
     model = H().family_spec(name).build(0)
     for node in (N().TeaCacheNode, ):
         with pytest.raises(ValueError, match=f"ReuseKit TeaCache: model: .*does not support {cls}"):
