@@ -46,6 +46,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from .file_hashes import FileHashes
 from .settings import SETTINGS
 from .stats import REGISTRY
 
@@ -100,88 +101,6 @@ def portable_device(name: str) -> str:
 
 def is_indexed_device(name: str) -> bool:
     return _INDEXED.match(name) is not None
-
-
-# ---- file hashes: weights by content ----------------------------------------------------------
-
-class FileHashes:
-    """BLAKE2b-256 of whole files, remembered by their :meth:`stamp` (real path, size, mtime, inode and
-    ctime: a file replaced or rewritten has another). Files up to ``inline_bytes`` are hashed at once;
-    larger ones on a background thread (``get`` is None meanwhile)."""
-
-    def __init__(self, inline_bytes: int = 16 * MIB):
-        self.inline_bytes = inline_bytes
-        self._known: dict[tuple, str] = {}
-        self._pending: set[tuple] = set()
-        self._lock = threading.Lock()
-        self._queue: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
-
-    @staticmethod
-    def stamp(path: str) -> tuple | None:
-        """(real path, size, mtime_ns, inode, ctime_ns) of a file, or None when it cannot be read."""
-        try:
-            real = os.path.realpath(path)
-            st = os.stat(real)
-        except OSError:
-            return None
-        return (real, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
-
-    def get(self, path: str) -> str | None:
-        """The file's digest if known (or small enough to hash now); else None and hashing is queued."""
-        stamp = self.stamp(path)
-        if stamp is None:
-            return None
-        with self._lock:
-            found = self._known.get(stamp)
-            if found is not None or stamp in self._pending:
-                return found
-            if stamp[1] > self.inline_bytes:
-                self._pending.add(stamp)
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._work, name="reusekit-file-hash", daemon=True)
-                    self._thread.start()
-                self._queue.put(stamp)
-                return None
-        return self._hash(stamp)
-
-    def wait(self, timeout: float = 60.0) -> bool:
-        """Wait until no file is waiting to be hashed (tests, the bench); False on timeout."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._lock:
-                if not self._pending:
-                    return True
-            time.sleep(0.01)
-        return False
-
-    def _work(self) -> None:
-        while True:
-            stamp = self._queue.get()
-            try:
-                self._hash(stamp)
-            except Exception as exc:  # an unreadable file: never known, the shared tiers stay off for it
-                log.debug("ReuseKit: hashing %s failed: %s", stamp[0], exc)
-            finally:
-                with self._lock:
-                    self._pending.discard(stamp)
-
-    def _hash(self, stamp: tuple) -> str | None:
-        h = hashlib.blake2b(digest_size=32)
-        buf = bytearray(8 * MIB)
-        view = memoryview(buf)
-        try:
-            with open(stamp[0], "rb") as f:
-                while n := f.readinto(buf):
-                    h.update(view[:n])
-        except OSError:
-            return None
-        if self.stamp(stamp[0]) != stamp:  # changed while we read it: not remembered
-            return None
-        digest = h.hexdigest()
-        with self._lock:
-            self._known[stamp] = digest
-        return digest
 
 
 # ---- entries: stored values as safetensors -----------------------------------------------------
@@ -672,6 +591,7 @@ class SharedTiers:
         """(Re)build the tiers from the settings and the secret from the environment."""
         secret = os.environ.get(ENV_SECRET, "")
         self.secret = secret.encode() if secret else None
+        self.hashes.secret = self.secret  # the file-hash memo is signed with it too
         folder = settings.get("conditioning.disk.folder") or self.default_folder
         disk = None
         if settings.get("conditioning.disk.enabled") and folder:

@@ -1,0 +1,237 @@
+"""Weight files by content: BLAKE2b-256 digests of whole files, remembered by the file's stamp, in this
+process and (with a memo file) across restarts.
+
+Pure standard library. The conditioning cache's shared tiers name an encoder by the content of the files
+it was loaded from (``caching/tiers.py``); a lazily loaded text encoder (``patches/lazy_clip.py``) needs
+that content's digest without reading the file, hence the memo.
+
+- A file's stamp is (real path, size, mtime_ns, inode, ctime_ns): a file rewritten, replaced or renamed
+  over has another (the kernel sets the ctime on every change, and no call can set it back). A digest is
+  used only for the very stamp it was made for.
+- Files up to ``inline_bytes`` are hashed at once, larger ones on a background thread (``get`` is None
+  meanwhile). A file that changed while it was read is not remembered.
+- The memo (``memo``: a JSON file, ComfyUI's user directory + ``reusekit/file_hashes.json``) holds stamp
+  -> digest, written to a temporary file and renamed into place (a reader never sees half of it), at
+  most ``MEMO_ENTRIES`` entries, the newest stamp per path. With ``secret`` set (``REUSEKIT_CACHE_SECRET``)
+  it is signed (HMAC-SHA256); an unsigned, wrongly signed, malformed or oversized memo is ignored.
+- A timestamp has a granularity (a few ms on Linux, 2 s on FAT): a file changed twice within one tick,
+  keeping its size, keeps its stamp. So a digest goes into the memo only when the file's mtime and
+  ctime were at least ``SETTLE_NS`` older than the start of its reading; a file hashed sooner (just
+  written or downloaded) is hashed again once that window has passed, and the memo takes it then, if
+  both reads agree (else the stamp is not trusted at all).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+
+log = logging.getLogger("reusekit")
+
+MIB = 1 << 20
+FORMAT = "reusekit-file-hashes-1"
+
+
+class FileHashes:
+    """BLAKE2b-256 of whole files by :meth:`stamp`; see the module docstring."""
+
+    SETTLE_NS = 2_000_000_000
+    MEMO_ENTRIES = 4096
+    MEMO_MAX_BYTES = 8 * MIB
+
+    def __init__(self, inline_bytes: int = 16 * MIB):
+        self.inline_bytes = inline_bytes
+        self.memo: str | None = None  # the memo file (patches/conditioning.py sets it); None: this process only
+        self.secret: bytes | None = None
+        self._known: dict[tuple, str] = {}
+        self._unsettled: set[tuple] = set()  # known, hashed too soon after a change for the memo
+        self._pending: set[tuple] = set()
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._memo_lock = threading.Lock()
+        self._memo_entries: dict[tuple, str] = {}
+        self._memo_seen: tuple | None = None  # (memo path, secret, the memo file's stamp) last read
+
+    @staticmethod
+    def stamp(path: str) -> tuple | None:
+        """(real path, size, mtime_ns, inode, ctime_ns) of a file, or None when it cannot be read."""
+        try:
+            real = os.path.realpath(path)
+            st = os.stat(real)
+        except OSError:
+            return None
+        return (real, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+
+    def get(self, path: str) -> str | None:
+        """The file's digest if known (in this process or the memo, or small enough to hash now); else
+        None and hashing is queued."""
+        stamp = self.stamp(path)
+        if stamp is None:
+            return None
+        with self._lock:
+            found = self._known.get(stamp)
+            if found is not None and stamp in self._unsettled and self._settled(stamp, time.time_ns()):
+                self._unsettled.discard(stamp)
+                self._queue_hash(stamp)  # once more for the memo, now that a change would show
+            if found is not None or stamp in self._pending:
+                return found
+        found = self._remembered(stamp)
+        if found is not None:
+            with self._lock:
+                self._known.setdefault(stamp, found)
+            return found
+        with self._lock:
+            if stamp in self._pending:
+                return None
+            if stamp[1] > self.inline_bytes:
+                self._queue_hash(stamp)
+                return None
+        return self._hash(stamp)
+
+    def wait(self, timeout: float = 60.0) -> bool:
+        """Wait until no file is waiting to be hashed (tests, the bench); False on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._pending:
+                    return True
+            time.sleep(0.01)
+        return False
+
+    def _queue_hash(self, stamp: tuple) -> None:
+        """Hash ``stamp``'s file on the background thread (under ``_lock``)."""
+        self._pending.add(stamp)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="reusekit-file-hash", daemon=True)
+            self._thread.start()
+        self._queue.put(stamp)
+
+    def _work(self) -> None:
+        while True:
+            stamp = self._queue.get()
+            try:
+                self._hash(stamp)
+            except Exception as exc:  # an unreadable file: never known, the shared tiers stay off for it
+                log.debug("ReuseKit: hashing %s failed: %s", stamp[0], exc)
+            finally:
+                with self._lock:
+                    self._pending.discard(stamp)
+
+    def _settled(self, stamp: tuple, started_ns: int) -> bool:
+        """Whether the file's last change (mtime, ctime) is old enough that any later one shows in its stamp."""
+        return max(stamp[2], stamp[4]) <= started_ns - self.SETTLE_NS
+
+    def _hash(self, stamp: tuple) -> str | None:
+        started = time.time_ns()
+        h = hashlib.blake2b(digest_size=32)
+        buf = bytearray(8 * MIB)
+        view = memoryview(buf)
+        try:
+            with open(stamp[0], "rb") as f:
+                while n := f.readinto(buf):
+                    h.update(view[:n])
+        except OSError:
+            return None
+        if self.stamp(stamp[0]) != stamp:  # changed while we read it: not remembered
+            return None
+        digest = h.hexdigest()
+        settled = self._settled(stamp, started)
+        with self._lock:
+            before = self._known.get(stamp)
+            if before is not None and before != digest:  # two contents under one stamp: trust neither
+                del self._known[stamp]
+                self._unsettled.discard(stamp)
+                log.warning("ReuseKit: %s changed without changing its size or times; it stays out of the "
+                            "shared tiers until it changes again", stamp[0])
+                return None
+            self._known[stamp] = digest
+            if not settled:
+                self._unsettled.add(stamp)
+        if settled:
+            self._remember(stamp, digest)
+        return digest
+
+    # ---- the memo file -------------------------------------------------------------------------
+
+    def _signature(self, entries: list) -> str | None:
+        if not self.secret:
+            return None
+        text = json.dumps(entries, separators=(",", ":")).encode()
+        return hmac.new(self.secret, text, hashlib.sha256).hexdigest()
+
+    def _read_memo(self) -> dict[tuple, str]:
+        """The memo's entries (under ``_memo_lock``), read again only when the file changed."""
+        path = self.memo
+        if not path:
+            return {}
+        seen = (path, self.secret, self.stamp(path))
+        if seen == self._memo_seen:
+            return self._memo_entries
+        entries: dict[tuple, str] = {}
+        try:
+            with open(path, "rb") as f:
+                data = f.read(self.MEMO_MAX_BYTES + 1)
+            if len(data) > self.MEMO_MAX_BYTES:
+                raise ValueError("oversized")
+            memo = json.loads(data)
+            rows = memo["entries"]
+            if memo.get("format") != FORMAT or not isinstance(rows, list):
+                raise ValueError(f"format {memo.get('format')!r}")
+            signature = self._signature(rows)
+            if signature is not None and not hmac.compare_digest(signature, str(memo.get("hmac"))):
+                raise ValueError("unsigned or wrongly signed")
+            for row in rows:
+                real, size, mtime, inode, ctime, digest = row
+                if not (isinstance(real, str) and isinstance(digest, str) and len(digest) == 64
+                        and all(type(v) is int for v in (size, mtime, inode, ctime))):
+                    raise ValueError(f"entry {row!r}")
+                entries[(real, size, mtime, inode, ctime)] = digest
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # a memo that cannot be trusted: none
+            log.debug("ReuseKit: file-hash memo %s ignored (%s)", path, exc)
+            entries = {}
+        self._memo_entries, self._memo_seen = entries, seen
+        return entries
+
+    def _remembered(self, stamp: tuple) -> str | None:
+        with self._memo_lock:
+            return self._read_memo().get(stamp)
+
+    def _remember(self, stamp: tuple, digest: str) -> None:
+        """Add an entry to the memo: read it again (other processes write it too), merge, keep the newest
+        stamp per path and at most ``MEMO_ENTRIES``, write a temporary file and rename it into place."""
+        path = self.memo
+        if not path:
+            return
+        with self._memo_lock:
+            entries = {k: v for k, v in self._read_memo().items() if k[0] != stamp[0]}
+            entries[stamp] = digest
+            rows = [[*k, v] for k, v in list(entries.items())[-self.MEMO_ENTRIES:]]
+            memo = {"format": FORMAT, "entries": rows}
+            signature = self._signature(rows)
+            if signature is not None:
+                memo["hmac"] = signature
+            folder = os.path.dirname(path) or "."
+            tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+            try:
+                os.makedirs(folder, exist_ok=True)
+                with open(tmp, "w", encoding="utf-8") as f:
+                    json.dump(memo, f, separators=(",", ":"))
+                os.replace(tmp, path)
+            except OSError as exc:  # a read-only user directory: the memo stays as it was
+                log.debug("ReuseKit: file-hash memo %s not written (%s)", path, exc)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                return
+            self._memo_entries = {tuple(r[:5]): r[5] for r in rows}
+            self._memo_seen = (path, self.secret, self.stamp(path))
