@@ -112,8 +112,9 @@ fi
 # 5. test tools, only for the test path
 if [ "$test_tools" = 1 ]; then
   stamp=$VENV/.reusekit-test-tools
-  # scikit-image: the step cache bench's PSNR/SSIM; redis: the conditioning cache's Redis tier (optional for users)
-  tools="pytest playwright websocket-client ruff scikit-image redis"
+  # scikit-image: the step cache bench's PSNR/SSIM; redis: the conditioning cache's Redis tier (optional for users);
+  # pytest-timeout: a hung test fails with every thread's stack instead of hanging the run (pyproject.toml)
+  tools="pytest pytest-timeout playwright websocket-client ruff scikit-image redis"
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$tools" ]; then
     say "installing test tools"
     "${PIP[@]}" $tools
