@@ -66,7 +66,7 @@ from ..caching.keys import Uncacheable, digest, encode
 from ..caching.settings import SETTINGS
 from ..caching.tiers import FORMAT, TIERS, FileHashes, SharedKey, is_indexed_device, portable_device
 from ..caching.weight_edits import SETTING as CHECK_SETTING
-from . import encoder_weights, host
+from . import encoder_weights, host, lazy_clip
 
 log = logging.getLogger("reusekit")
 
@@ -340,8 +340,8 @@ def _module_state(model: torch.nn.Module, patcher) -> tuple:
 def _weights_loaded(module, patcher, started_ns: int | None = None) -> None:
     """Weights just loaded into ``module`` (a VAE built, ``load_sd``): fingerprinted now, before any
     other node can touch them, as the reference of its edit checks (and of its shared identity)."""
-    if not _active or not isinstance(module, torch.nn.Module) or patcher is None:
-        return
+    if not _active or not isinstance(module, torch.nn.Module) or patcher is None or lazy_clip.quiet():
+        return  # a lazy encoder's weights are fingerprinted once, when they are read (patches/lazy_clip.py)
     try:
         encoder_weights.reset(module, patcher, started_ns)
     except Exception as exc:  # never break a load: the first encode takes the reference instead
@@ -358,8 +358,11 @@ def _new_generation(module) -> None:
 
 def _owner(module, patcher, token_ids=()) -> tuple[int, int]:
     """The encoder's serial and weight generation, after checking its weights for in-place edits
-    (patches/encoder_weights.py: an edit starts a new generation)."""
-    if encoder_weights.check(module, patcher, token_ids):
+    (patches/encoder_weights.py: an edit starts a new generation). A lazy encoder whose weights were not
+    read yet has none to check: its tensors must still be the ones it was built with."""
+    if lazy_clip.pending(module):
+        lazy_clip.check_intact(module)
+    elif encoder_weights.check(module, patcher, token_ids):
         _new_generation(module)
     return identity(module), getattr(module, _GENERATION, 0)
 
@@ -462,7 +465,7 @@ def register_source(encoder, paths, loader: str, options=None, *, stamps=None, p
     if stamps is None or len(stamps) != len(files):
         return False
     patcher = patcher if patcher is not None else getattr(encoder, "patcher", None)
-    if patcher is not None and encoder_weights.register(module, patcher):
+    if patcher is not None and not lazy_clip.pending(module) and encoder_weights.register(module, patcher):
         _new_generation(module)  # edited since an earlier reference: not what the files hold
     with _sources_lock:
         _sources[module] = (getattr(module, _GENERATION, 0), str(loader), files, keyed, stamps)
@@ -622,9 +625,12 @@ def _make_methods():
 
     def encode_from_tokens(self, tokens, return_pooled=False, return_dict=False, **extra):
         orig = _orig(CLIP, "encode_from_tokens")
-        return _route("text", self.patcher, self.cond_stage_model,
-                      lambda: text_key(self, tokens, return_pooled, return_dict, extra),
-                      lambda: orig(self, tokens, return_pooled=return_pooled, return_dict=return_dict, **extra))
+        compute, admit = lazy_clip.on_demand(  # a lazy encoder reads its weights on a miss
+            self, lambda: orig(self, tokens, return_pooled=return_pooled, return_dict=return_dict, **extra))
+        out = _route("text", self.patcher, self.cond_stage_model,
+                     lambda: text_key(self, tokens, return_pooled, return_dict, extra), compute, admit=admit)
+        lazy_clip.answered(self.cond_stage_model)
+        return out
 
     def encode_from_tokens_scheduled(self, tokens, *args, **kwargs):
         if self.patcher.forced_hooks is not None and self.use_clip_schedule and _active and _routed(self.patcher):
@@ -661,6 +667,7 @@ def _make_methods():
                       lambda: orig(self, image, crop=crop, **extra))
 
     def clip_load_sd(self, sd, full_model=False):
+        lazy_clip.materialise(self.cond_stage_model, self.patcher)
         _new_generation(self.cond_stage_model)
         try:
             return _orig(CLIP, "load_sd")(self, sd, full_model)
@@ -707,11 +714,12 @@ def _enums_by_name(value):
     return value
 
 
-def _loader(owner, name: str, parts, paths):
+def _loader(owner, name: str, parts, paths, lazy=False):
     """A wrapper of one of ComfyUI's loader functions that records where each encoder it returns came
     from (:func:`register_source`). ``parts(arguments, result)`` lists (encoder, files, role);
     ``paths(arguments)`` the files it reads, stamped before the load and again after it (a file that
-    changed meanwhile is not recorded)."""
+    changed meanwhile is not recorded). ``lazy``: the text encoder it returns may be built from the
+    files' headers (patches/lazy_clip.py), recorded the same way."""
     def load(*args, **kwargs):
         orig = _orig(owner, name)
         try:
@@ -721,7 +729,8 @@ def _loader(owner, name: str, parts, paths):
         except Exception as exc:  # never break a load: the encoder only misses the shared tiers
             log.debug("ReuseKit: no source recorded for %s: %s", name, exc)
             return orig(*args, **kwargs)
-        result = orig(*args, **kwargs)
+        result = (lazy_clip.build(orig, bound.arguments) if lazy else None) or orig(*args, **kwargs)
+        recorded = False
         try:
             options = {k: _enums_by_name(v) for k, v in bound.arguments.items() if k not in _NOT_OPTIONS}
             if any(FileHashes.stamp(f) != st for f, st in before.items()):
@@ -729,10 +738,12 @@ def _loader(owner, name: str, parts, paths):
                 return result
             for encoder, files, role in parts(bound.arguments, result):
                 if encoder is not None:
-                    register_source(encoder, files, f"{owner.__name__}.{name}:{role}", options,
-                                    stamps=[before[f] for f in files])
+                    recorded = register_source(encoder, files, f"{owner.__name__}.{name}:{role}", options,
+                                               stamps=[before[f] for f in files])
         except Exception as exc:  # never break a load: the encoder only misses the shared tiers
             log.debug("ReuseKit: no source recorded for %s: %s", name, exc)
+        if lazy:
+            lazy_clip.settle(result, recorded)
         return result
     return load
 
@@ -752,7 +763,7 @@ def _loader_methods():
 
     return [
         (comfy.sd, "load_clip", _loader(comfy.sd, "load_clip", lambda a, out: [(out, list(a["ckpt_paths"]), "clip")],
-                                        lambda a: list(a["ckpt_paths"])), ("ckpt_paths",)),
+                                        lambda a: list(a["ckpt_paths"]), lazy=True), ("ckpt_paths",)),
         (comfy.sd, "load_checkpoint_guess_config",
          _loader(comfy.sd, "load_checkpoint_guess_config", checkpoint_parts, one), ("ckpt_path",)),
         (comfy.clip_vision, "load",
@@ -800,6 +811,8 @@ def install() -> bool:
             _replacements[(owner, name)] = fn
         _active = True
     encoder_weights.install()
+    if lazy_clip.install():
+        lazy_clip.when_changed(_new_generation)
     _configure_tiers()
     return True
 
@@ -809,6 +822,7 @@ def _configure_tiers() -> None:
     import folder_paths
 
     TIERS.default_folder = os.path.join(folder_paths.get_user_directory(), "reusekit", "conditioning")
+    TIERS.hashes.memo = os.path.join(folder_paths.get_user_directory(), "reusekit", "file_hashes.json")
     try:
         TIERS.configure(SETTINGS)
     except ValueError as exc:  # a bad REUSEKIT_REDIS_URL: the pack still loads, the Redis tier stays off
@@ -831,6 +845,7 @@ def uninstall() -> None:
                               _where(owner, name), level=logging.WARNING)
         _active = False
     encoder_weights.uninstall()
+    lazy_clip.uninstall()
 
 
 def installed() -> bool:

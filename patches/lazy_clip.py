@@ -1,0 +1,459 @@
+"""Lazy text encoders: a CLIP built from its files' headers, whose weights are read only when an encode
+misses every tier of the conditioning cache (ReuseKit Lazy CLIP Loader, and ComfyUI's own CLIP loaders
+with the setting ``conditioning.lazy_text_encoders``).
+
+Building: ComfyUI's own ``comfy.sd.load_clip`` runs (its detection, conversions, tokenizer, CLIP and
+ModelPatcher), with two of its calls answered differently while it does: ``comfy.utils.load_torch_file``
+returns, for the files being built, a state dict read from the safetensors header (every tensor on the
+``meta`` device with its name, shape and dtype, but for the small non-weight tensors a loader reads for
+its own sake: tokenizer models, quantisation metadata, scalars, which are read for real), and
+``model_management.text_encoder_initial_device`` says ``meta``, so the model is built without storage.
+Only the header and those small tensors are read. The encoder is built this way only when it can use a
+shared tier: a disk or Redis tier is on, the files' content hashes are known without reading them (the
+file-hash memo, ``caching/file_hashes.py``), the loader's options can be keyed, and the files did not
+change meanwhile; else ComfyUI loads it as usual (counted in ``eager_loads``).
+
+Keys: the conditioning cache keys a lazy encoder exactly as the same encoder loaded by ComfyUI (its
+files by content, the loader and its options, the weights' names, dtypes and shapes, its module
+settings, the LoRA patches by content, versions), so a lazy encoder reads what an eager one wrote and
+the other way round. A LoRA on a lazy CLIP is keyed by its patches' content and strength like any
+other: the output is a function of the base file's content and the patches, both in the key; the
+weights are needed only to compute it (on a miss, ComfyUI applies the patches at load as usual).
+
+Loading (materialising), on the first encode that misses every tier or anything else that needs the
+weights (ComfyUI's patcher loading the model, ``CLIP.load_sd``, ``get_sd``, ``get_key_patches``,
+``state_dict_for_saving``): ComfyUI's ``load_clip`` runs again with the same arguments, for real (its
+model built on the offload device, as ComfyUI does when VRAM is short), its patcher is detached (what
+ComfyUI does to unload it), and the lazy encoder's module takes the loaded module's state in place:
+every attribute (children, weights, settings) but the few its own patchers keep on it. Clones made
+before (a LoraLoader's) share the module, so they see it. From then on it is an ordinary loaded encoder
+(its weights fingerprinted as the reference of the edit checks). A file that changed since the build
+is loaded as it is now; the encode that asked is then neither stored nor shared, and the encoder
+leaves the shared tiers (a new weight generation), as a loaded encoder does when its file changes.
+
+Stats (``conditioning_lazy``): lazy encoders built, loads avoided (built and never loaded), weights
+loaded, encodes answered without weights, eager loads (and why), bytes not read, header bytes read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import struct
+import threading
+import types
+import warnings
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from ..caching.conditioning import CACHE
+from ..caching.keys import Uncacheable
+from ..caching.settings import SETTINGS
+from ..caching.stats import REGISTRY
+from ..caching.tiers import TIERS, FileHashes
+from ..caching.weight_edits import SETTING as CHECK_SETTING
+from . import encoder_weights, host, lifecycle
+
+log = logging.getLogger("reusekit")
+
+SETTING = "conditioning.lazy_text_encoders"
+FEATURE = "lazy text encoders"
+HEADER_MAX = 100 << 20  # a safetensors header larger than this is not read
+SMALL_NUMEL = 64  # tensors up to this many elements are read for real (scales, scalars)
+BLOB_BYTES = 16 << 20  # 1-D byte tensors (tokenizer models, quantisation metadata) up to this size too
+# attributes ComfyUI's patchers keep on the module they patch (its loading state, dynamic VRAM's pins and
+# patcher set): the lazy encoder keeps its own when it takes a loaded module's state
+PATCHER_STATE = frozenset({
+    "device", "model_loaded_weight_memory", "current_weight_patches_uuid", "model_lowvram", "lowvram_patch_counter",
+    "model_offload_buffer_memory", "dynamic_vbars", "dynamic_pins", "dynamic_patchers"})
+
+_DTYPES = {name: getattr(torch, attr) for name, attr in (
+    ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"), ("I64", "int64"),
+    ("I32", "int32"), ("I16", "int16"), ("I8", "int8"), ("U8", "uint8"), ("U16", "uint16"), ("U32", "uint32"),
+    ("U64", "uint64"), ("BOOL", "bool"), ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"))
+    if isinstance(getattr(torch, attr, None), torch.dtype)}
+
+STATS = REGISTRY.register(
+    "conditioning_lazy", "conditioning",
+    "Text encoders built from their files' headers: the weights are read only when an encode misses every "
+    "tier (ReuseKit Lazy CLIP Loader).")
+COUNTERS = ("lazy_encoders", "loads_avoided", "weights_loaded", "encodes_without_weights", "eager_loads",
+            "not_read_bytes", "header_read_bytes")
+
+_local = threading.local()  # requested (depth), building ({path: (state dict, metadata)}), materialising
+
+
+class _Pending:
+    """A lazy encoder's record: how to load it, what it was built from, what it must still be."""
+
+    __slots__ = ("load", "arguments", "paths", "stamps", "layout", "tensors", "nbytes", "header_bytes", "counted",
+                 "lock", "refused")
+
+    def __init__(self, load, arguments, paths, stamps, tensors, header_bytes):
+        self.load, self.arguments, self.paths, self.stamps = load, arguments, paths, stamps
+        self.tensors, self.header_bytes = tensors, header_bytes
+        self.layout = _layout(tensors)
+        self.nbytes = sum(st[1] for st in stamps)
+        self.counted = False  # in the stats as a lazy encoder (its files recorded for the shared tiers)
+        self.lock = threading.Lock()
+        self.refused: str | None = None  # why an encode that began before the load must not be stored
+
+
+_pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> _Pending, until loaded
+_pending_lock = threading.Lock()
+_changed: list[Callable] = []  # called with a module whose loaded weights are not what it was keyed as
+
+
+def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]
+
+
+def _layout(tensors) -> list[tuple]:
+    return [(str(t.dtype), tuple(t.shape)) for t in tensors]
+
+
+def when_changed(fn: Callable) -> None:
+    """Call ``fn(module)`` when a lazy encoder's load finds its files or layout changed since it was built
+    (patches/conditioning.py starts a new weight generation: its keys change, it leaves the shared tiers)."""
+    if fn not in _changed:
+        _changed.append(fn)
+
+
+# ---- what the rest of the pack asks ----------------------------------------------------------------
+
+@contextlib.contextmanager
+def lazily():
+    """Inside: ``comfy.sd.load_clip`` builds lazy encoders where it can (the Lazy CLIP Loader nodes)."""
+    _local.requested = getattr(_local, "requested", 0) + 1
+    try:
+        yield
+    finally:
+        _local.requested -= 1
+
+
+def wanted() -> bool:
+    return getattr(_local, "requested", 0) > 0 or bool(SETTINGS.get(SETTING))
+
+
+def quiet() -> bool:
+    """Whether weights loading now are a lazy build's (meta) or a lazy encoder's load: not fingerprinted
+    by the loader hooks (the encoder is fingerprinted once, after it took the loaded state)."""
+    return getattr(_local, "building", None) is not None or getattr(_local, "materialising", False)
+
+
+def pending(module) -> bool:
+    """Whether ``module`` is a lazy encoder whose weights were not read yet."""
+    return module in _pending
+
+
+def check_intact(module) -> None:
+    """Uncacheable when a lazy encoder's tensors are no longer the ones it was built with (something
+    replaced them before the weights were read: the key, made for the files, would not describe it)."""
+    found = _pending.get(module)
+    if found is None:
+        return
+    now = _tensors(module)
+    if len(now) != len(found.tensors) or any(a is not b for a, b in zip(now, found.tensors, strict=True)):
+        raise Uncacheable("a lazy encoder's weights were replaced before they were read")
+
+
+def on_demand(clip, compute):
+    """(compute, admit) for an encode of a lazy encoder: compute loads the weights first; admit refuses
+    to store the result when the load found the files changed since the encoder was built."""
+    found = _pending.get(clip.cond_stage_model)
+    if found is None:
+        return compute, None
+
+    def run():
+        materialise(clip.cond_stage_model, clip.patcher)
+        return compute()
+
+    return run, lambda: found.refused
+
+
+def answered(module) -> None:
+    """An encode returned: counted when it needed no weights."""
+    if module in _pending:
+        STATS.incr("encodes_without_weights")
+
+
+# ---- building from the header ----------------------------------------------------------------------
+
+def read_header(path: str) -> tuple[dict, dict | None, int]:
+    """(state dict of meta tensors and small real ones, metadata, bytes read) of a safetensors file."""
+    sd: dict[str, torch.Tensor] = {}
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > HEADER_MAX:
+            raise ValueError(f"a {n}-byte header")
+        head = json.loads(f.read(n))
+        read, base = 8 + n, 8 + n
+        metadata = head.pop("__metadata__", None)
+        for name, info in head.items():
+            dtype = _DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise ValueError(f"{name}: dtype {info['dtype']}")
+            shape = [int(d) for d in info["shape"]]
+            start, end = (int(x) for x in info["data_offsets"])
+            numel = 1
+            for d in shape:
+                numel *= d
+            blob = dtype in (torch.uint8, torch.int8, torch.bool) and len(shape) <= 1 and end - start <= BLOB_BYTES
+            if numel <= SMALL_NUMEL or blob:
+                f.seek(base + start)
+                data = f.read(end - start)
+                read += len(data)
+                if len(data) != end - start:
+                    raise ValueError(f"{name}: truncated")
+                sd[name] = (torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)).reshape(shape)
+            else:
+                sd[name] = torch.empty(shape, dtype=dtype, device="meta")
+    return sd, metadata, read
+
+
+def _ineligible(arguments: dict, paths: list[str]) -> str | None:
+    """Why this load cannot be lazy (None: it can)."""
+    if not TIERS.active:
+        return "no_shared_tier"
+    if not CACHE.enabled or SETTINGS.get(CHECK_SETTING) == "off":
+        return "cache_off"
+    if "initial_device" in (arguments.get("model_options") or {}):
+        return "options"
+    if not paths or not all(p.lower().endswith((".safetensors", ".sft")) for p in paths):
+        return "format"
+    if any(TIERS.hashes.get(p) is None for p in paths):  # queued: the next start knows it
+        return "hash_unknown"
+    return None
+
+
+def _eager(reason: str) -> None:
+    STATS.incr("eager_loads")
+    STATS.incr(f"eager.{reason}")
+    host.say_once(f"lazy-eager:{reason}", "ReuseKit: a text encoder loads its weights now (%s)", reason.replace("_", " "))
+
+
+def build(load, arguments: dict):
+    """A lazy encoder from ``load`` (ComfyUI's ``comfy.sd.load_clip``) called with ``arguments``, or None
+    when it cannot be lazy (the caller loads it as usual). Called by the loader wrapper of
+    patches/conditioning.py, which then records the encoder's files like any other load."""
+    if not wanted():
+        return None
+    try:
+        paths = [os.path.realpath(os.fspath(p)) for p in arguments["ckpt_paths"]]
+    except (KeyError, TypeError):
+        return None
+    reason = _ineligible(arguments, paths)
+    if reason is not None:
+        _eager(reason)
+        return None
+    stamps = tuple(FileHashes.stamp(p) for p in paths)
+    try:
+        headers, read = {}, 0
+        for p in paths:
+            sd, metadata, n = read_header(p)
+            headers[p] = (sd, metadata)
+            read += n
+        _local.building = headers
+        try:
+            with warnings.catch_warnings():  # torch's note that copying into a meta tensor does nothing
+                warnings.filterwarnings("ignore", message=".*to a meta parameter in the current model")
+                clip = load(**arguments)
+        finally:
+            _local.building = None
+    except Exception as exc:  # a file or model this path cannot build from its header: loaded as usual
+        log.debug("ReuseKit: no lazy encoder for %s: %s", paths, exc, exc_info=True)
+        _eager("error")
+        return None
+    module = getattr(clip, "cond_stage_model", None)
+    tensors = _tensors(module) if isinstance(module, torch.nn.Module) else []
+    if tuple(FileHashes.stamp(p) for p in paths) != stamps or None in stamps:
+        _eager("changed")
+        return None
+    if not any(t.is_meta for t in tensors):
+        _eager("error")
+        return None
+    with _pending_lock:
+        _pending[module] = _Pending(load, dict(arguments), paths, stamps, tensors, read)
+    return clip
+
+
+def settle(clip, recorded: bool) -> None:
+    """After the loader wrapper recorded (or could not record) a lazy encoder's files: counted as lazy;
+    or, without a shared identity (options a key cannot hold...) it could never answer without its
+    weights: loaded now."""
+    module = getattr(clip, "cond_stage_model", None)
+    found = _pending.get(module) if module is not None else None
+    if found is None:
+        return
+    if not recorded:
+        materialise(module, clip.patcher)
+        _eager("options")
+        return
+    found.counted = True
+    STATS.incr("lazy_encoders")
+    STATS.incr("loads_avoided")
+    STATS.incr("not_read_bytes", found.nbytes)
+    STATS.incr("header_read_bytes", found.header_bytes)
+
+
+# ---- loading the weights ----------------------------------------------------------------------------
+
+def _adopt(module: torch.nn.Module, loaded: torch.nn.Module) -> None:
+    """``module`` takes ``loaded``'s state in place (children, weights, settings), keeping what its own
+    patchers and ReuseKit keep on it; ``loaded`` is left empty (its patcher, when it goes, touches nothing)."""
+    own = {k: v for k, v in vars(module).items() if k in PATCHER_STATE or k.startswith("_reusekit")}
+    state = dict(vars(loaded))
+    for name, value in state.items():  # a method of the loaded module kept as an attribute: now ours
+        if isinstance(value, types.MethodType) and value.__self__ is loaded:
+            state[name] = types.MethodType(value.__func__, module)
+    d = vars(module)
+    d.clear()
+    d.update(state)
+    d.update(own)
+    vars(loaded).update(_parameters={}, _buffers={}, _modules={})
+
+
+def materialise(module, patcher) -> None:
+    """Read a lazy encoder's weights (see the module docstring); nothing for any other module."""
+    found = _pending.get(module)
+    if found is None:
+        return
+    with found.lock:
+        if module not in _pending:
+            return
+        _require_intact(module)
+        before = tuple(FileHashes.stamp(p) for p in found.paths)
+        _local.materialising = True
+        try:
+            loaded = found.load(**found.arguments)
+        finally:
+            _local.materialising = False
+        after = tuple(FileHashes.stamp(p) for p in found.paths)
+        fresh = loaded.cond_stage_model
+        if type(fresh) is not type(module):
+            raise RuntimeError(f"ReuseKit Lazy CLIP Loader: {found.paths} now hold a {type(fresh).__name__}, "
+                               f"not the {type(module).__name__} built from their header")
+        loaded.patcher.detach()  # undo whatever ComfyUI's load did with its own patcher
+        _adopt(module, fresh)
+        problems = []
+        if before != found.stamps or after != before:
+            problems.append("its files changed since it was built")
+        if _layout(_tensors(module)) != found.layout:
+            problems.append("its weights' dtypes or shapes differ from the header's")
+        with _pending_lock:
+            _pending.pop(module, None)
+        if found.counted:
+            STATS.incr("weights_loaded")
+            STATS.incr("loads_avoided", -1)
+            STATS.incr("not_read_bytes", -found.nbytes)
+        if problems:
+            found.refused = "; ".join(problems)
+            log.warning("ReuseKit: a lazy text encoder loaded %s, but %s: it stays out of the shared tiers",
+                        found.paths, found.refused)
+            for fn in list(_changed):
+                fn(module)
+        encoder_weights.register(module, patcher)  # the reference of its edit checks, as loaded
+
+
+def _require_intact(module) -> None:
+    try:
+        check_intact(module)
+    except Uncacheable:
+        raise RuntimeError("ReuseKit Lazy CLIP Loader: something replaced the weights of a lazily loaded text "
+                           "encoder before they were read; load it with CLIPLoader to edit its weights") from None
+
+
+# ---- the seams ---------------------------------------------------------------------------------------
+
+_originals: dict[tuple[object, str], object] = {}
+_install_lock = threading.Lock()
+
+
+def _methods():
+    import comfy.model_management
+    import comfy.sd
+    import comfy.utils
+
+    def load_torch_file(ckpt, *args, **kwargs):
+        building = getattr(_local, "building", None)
+        if building is not None:
+            found = building.get(os.path.realpath(os.fspath(ckpt)))
+            if found is not None:
+                sd, metadata = found
+                return_metadata = kwargs.get("return_metadata", args[2] if len(args) > 2 else False)
+                return (dict(sd), metadata) if return_metadata else dict(sd)
+        return _originals[(comfy.utils, "load_torch_file")](ckpt, *args, **kwargs)
+
+    def text_encoder_initial_device(load_device, offload_device, *args, **kwargs):
+        if getattr(_local, "building", None) is not None:
+            return torch.device("meta")
+        if getattr(_local, "materialising", False):
+            return offload_device
+        return _originals[(comfy.model_management, "text_encoder_initial_device")](
+            load_device, offload_device, *args, **kwargs)
+
+    def needs_weights(name):
+        def method(self, *args, **kwargs):
+            materialise(self.cond_stage_model, self.patcher)
+            return _originals[(comfy.sd.CLIP, name)](self, *args, **kwargs)
+        return method
+
+    # (owner, name, replacement, parameters it relies on, whether the host must have it)
+    return [
+        (comfy.utils, "load_torch_file", load_torch_file, ("ckpt", "safe_load", "device", "return_metadata"), True),
+        (comfy.model_management, "text_encoder_initial_device", text_encoder_initial_device,
+         ("load_device", "offload_device"), True),
+        *[(comfy.sd.CLIP, name, needs_weights(name), ("self",), name != "state_dict_for_saving")
+          for name in ("get_sd", "get_key_patches", "state_dict_for_saving")],
+    ]
+
+
+def _before_load(patcher, *args, **kwargs) -> None:
+    """A lifecycle listener: ComfyUI is about to load a patcher's weights; a lazy encoder reads them first."""
+    if patcher.model in _pending and hasattr(patcher, "patches"):
+        materialise(patcher.model, patcher)
+
+
+def install() -> bool:
+    """Put the seams in place (idempotent); False when the host's differ (no lazy encoder is then built)."""
+    with _install_lock:
+        if _originals:
+            return True
+        methods = [m for m in _methods() if m[4] or hasattr(m[0], m[1])]
+        if not all(host.check(FEATURE, f"{getattr(o, '__name__', o)}.{n}", getattr(o, n, None), p)
+                   for o, n, _, p, _ in methods):
+            return False
+        for owner, name, fn, *_ in methods:
+            _originals[(owner, name)] = getattr(owner, name)
+            fn.__reusekit__ = True
+            setattr(owner, name, fn)
+    lifecycle.add_listener("load", _before_load)
+    for name in COUNTERS:  # shown from the start, zero or not
+        STATS.incr(name, 0)
+    return True
+
+
+def installed() -> bool:
+    return bool(_originals)
+
+
+def uninstall() -> None:
+    """Put ComfyUI's functions back where ours are still in place (idempotent). Lazy encoders built
+    before cannot load their weights afterwards."""
+    lifecycle.remove_listener("load", _before_load)
+    with _install_lock:
+        for (owner, name), original in list(_originals.items()):
+            if getattr(getattr(owner, name, None), "__reusekit__", False):
+                setattr(owner, name, original)
+        _originals.clear()
+
+
+SETTINGS.define(SETTING, bool, os.environ.get("REUSEKIT_LAZY_TEXT_ENCODERS", "").strip().lower() in ("1", "true", "on", "yes"),
+                "ComfyUI's own CLIP loaders (CLIPLoader, DualCLIPLoader, TripleCLIPLoader: every comfy.sd.load_clip) "
+                "build text encoders lazily, as ReuseKit Lazy CLIP Loader does: the weights are read only when an "
+                "encode misses every tier. Off by default: a custom node that reads an encoder's weights without "
+                "ComfyUI's CLIP and ModelPatcher methods would find none. Environment: REUSEKIT_LAZY_TEXT_ENCODERS=1.")
