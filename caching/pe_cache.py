@@ -30,6 +30,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -282,14 +283,26 @@ class PECache:
 _CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _CACHES_LOCK = threading.Lock()
 _serial = 0
+_orphaned: deque[PECache] = deque()  # caches whose owner died (appended by the owner's finalizer)
+
+
+def _settle() -> None:
+    """Close the caches whose owner died (at the next cache_for and before every stats snapshot)."""
+    while _orphaned:
+        try:
+            cache = _orphaned.popleft()
+        except IndexError:
+            break
+        cache.close()
 
 
 def cache_for(owner: Any, label: str | None = None, create: bool = True) -> PECache | None:
     """The PE cache owned by ``owner`` (a model object), created on first use when ``create``.
 
-    It is registered in the stats registry as ``pe:<label>#<n>`` and closed (entries dropped,
-    stats unregistered) when the owner is garbage-collected."""
+    It is registered in the stats registry as ``pe:<label>#<n>`` and closed (entries dropped, stats
+    unregistered) after the owner is garbage-collected, at the next call or stats snapshot."""
     global _serial
+    _settle()
     with _CACHES_LOCK:
         cache = _CACHES.get(owner)
         if cache is not None or not create:
@@ -299,5 +312,10 @@ def cache_for(owner: Any, label: str | None = None, create: bool = True) -> PECa
         cache = PECache(f"pe:{label}#{_serial}",
                         f"rotary position embeddings of a {label} model, one entry per PE input")
         _CACHES[owner] = cache
-        weakref.finalize(owner, cache.close)
+        # The finalizer may run inside the garbage collector, on any thread, with any lock held (this
+        # cache's, the stats'): it only records (README "Rules for contributors").
+        weakref.finalize(owner, _orphaned.append, cache)
         return cache
+
+
+REGISTRY.add_settler(_settle)

@@ -9,10 +9,17 @@ optional budget, adds time saved, and publishes small JSON-ready facts (the last
 
 Listeners (the web panel's push) are told after each change; they must be cheap and must not
 call back into the handle that notified them.
+
+Code run by the garbage collector (a weakref callback, ``weakref.finalize``, ``__del__``, a GC callback)
+never calls into the stats: the collector may run it on any thread while one of these locks is held,
+by that very thread (README "Rules for contributors"). It records what happened (a deque append) and
+the cache does the work at its next call; :meth:`StatsRegistry.add_settler` also runs that work before
+every snapshot, outside every lock, so no snapshot shows what a dead model held.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +27,8 @@ from typing import Any
 
 SCHEMA_VERSION = 1
 STORAGE_TIERS = frozenset({"disk", "redis"})  # bytes held outside this process: never in the memory total
+
+log = logging.getLogger("reusekit")
 
 
 class CacheStats:
@@ -112,6 +121,7 @@ class StatsRegistry:
         self._lock = threading.Lock()
         self._caches: dict[str, CacheStats] = {}
         self._listeners: list[Callable[[], None]] = []
+        self._settlers: list[Callable[[], None]] = []
         self._version = 0
 
     def register(self, name: str, kind: str, description: str = "",
@@ -171,6 +181,13 @@ class StatsRegistry:
             if fn in self._listeners:
                 self._listeners.remove(fn)
 
+    def add_settler(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` at the start of every :meth:`snapshot`, outside every lock: a cache's work
+        recorded inside the garbage collector (an owner died) is done there at the latest."""
+        with self._lock:
+            if fn not in self._settlers:
+                self._settlers.append(fn)
+
     def _changed(self) -> None:
         with self._lock:
             self._version += 1
@@ -180,6 +197,13 @@ class StatsRegistry:
 
     def snapshot(self) -> dict[str, Any]:
         """Every cache's state, plus totals per tier and kind; JSON-ready."""
+        with self._lock:
+            settlers = list(self._settlers)
+        for fn in settlers:
+            try:
+                fn()
+            except Exception:  # a cache's late work never breaks the picture of the others
+                log.exception("ReuseKit stats: settling %r failed (ignored)", fn)
         with self._lock:
             caches = list(self._caches.values())
             version = self._version

@@ -17,16 +17,19 @@ import logging
 import sys
 import threading
 import weakref
+from collections import deque
 
 import torch
 
 from ..caching import graph_reuse as gr
+from ..caching.stats import REGISTRY
 from . import host, lifecycle, memory
 
 STATS = gr.GraphStats()
 MEMORY_RELEASER = "graph capture"
 _SETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # BaseModel -> {max_graphs: GraphSet}
-_SETS_LOCK = threading.RLock()  # re-entered when a model is collected while it is held
+_SETS_LOCK = threading.Lock()
+_died: deque = deque()  # one item per model whose graph sets went with it (its finalizer only appends)
 
 
 def _dynamic_vram_default() -> bool:
@@ -55,17 +58,34 @@ def report_layer(followed: bool = True) -> None:
 def graph_set(base_model, max_graphs: int) -> gr.GraphSet:
     """The graphs of ``base_model`` kept under ``max_graphs``: one set per setting, so two Graph
     nodes with different limits on one model never evict each other's graphs."""
+    settle()
     with _SETS_LOCK:
         sets = _SETS.get(base_model)
         if sets is None:
-            # its graphs go with the model: say so (registered first, so it runs after the
-            # dictionary has dropped the entry)
-            weakref.finalize(base_model, publish_memory)
+            # Its graphs go with the model; the stats say so at the next settle(). The finalizer may
+            # run inside the garbage collector, on any thread, with any lock held (this module's,
+            # the stats'): it only records (README "Rules for contributors").
+            weakref.finalize(base_model, _died.append, True)
             sets = _SETS[base_model] = {}
         gs = sets.get(max_graphs)
         if gs is None:
             gs = sets[max_graphs] = gr.GraphSet(max_graphs=max_graphs)
         return gs
+
+
+def settle() -> None:
+    """The work recorded inside the garbage collector: lifecycle events of finalized patchers (a
+    release before the next replay), and the memory of models that died, published. At every graph
+    call and before every stats snapshot."""
+    lifecycle.settle()
+    if not _died:
+        return
+    while _died:
+        try:
+            _died.popleft()
+        except IndexError:
+            break
+    publish_memory()
 
 
 def sets_of(base_model) -> list[gr.GraphSet]:
@@ -145,6 +165,7 @@ def free_for_memory(device: str, need_bytes: int) -> int:
 
 
 STATS.set_clear(release_all)
+REGISTRY.add_settler(settle)
 STATS.info("backend", "cuda (graphs captured and replayed)" if torch.cuda.is_available()
            else "eager: decisions only (no CUDA)")  # the panel lists the cache from the start
 

@@ -14,6 +14,12 @@ each method once and calls the listeners registered for it, before the host meth
 ``fn(patcher, *args, **kwargs)``. A listener's exception is logged and never breaks ComfyUI's
 memory management.
 
+A call made while a patcher is being finalized (ComfyUI's ``ModelPatcher.__del__`` detaches it, and the
+garbage collector may run that on any thread while any lock is held) only records the event: its
+listeners run at the next safe point (:func:`settle`: the next lifecycle call, the next graph call, the
+next stats snapshot) with a stand-in patcher that has the model (``.model``) only. Listeners must not
+need more than that from such a call.
+
 Events (the ModelPatcher methods): ``load``, ``unpatch_model``, ``partially_unload``, ``detach``.
 Subclasses that override one (ComfyUI 0.16+'s ``ModelPatcherDynamic``, a custom node's patcher)
 are wrapped too, also those defined later; a call fires its listeners once, with the outermost
@@ -24,9 +30,13 @@ from what the listeners expect stays unwrapped, with one warning (patches/host.p
 from __future__ import annotations
 
 import logging
+import sys
 import threading
+import weakref
+from collections import deque
 from collections.abc import Callable
 
+from ..caching.stats import REGISTRY
 from . import host
 
 log = logging.getLogger("reusekit")
@@ -42,6 +52,48 @@ _listeners: dict[str, list[Callable]] = {e: [] for e in EVENTS}
 _originals: dict[tuple[type, str], Callable] = {}  # (class, event) -> the class's own method
 _base: list[type] = []  # the ModelPatcher class, while installed
 _active = threading.local()  # (event, id(patcher)) calls in progress on this thread
+_deferred: deque = deque()  # (event, weakref to the model, args, kwargs) recorded inside finalizers
+_FINALIZE_CALL = weakref.finalize.__call__.__code__
+
+
+def _in_finalizer() -> bool:
+    """True when a finalizer is on this thread's stack (``__del__``, ``weakref.finalize``): the
+    garbage collector may have started it anywhere, with any lock held."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "__del__" or frame.f_code is _FINALIZE_CALL:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _Finalized:
+    """The stand-in a deferred call's listeners get: the finalized patcher's model only."""
+
+    __slots__ = ("model",)
+
+    def __init__(self, model):
+        self.model = model
+
+
+def _notify(event: str, patcher, args: tuple, kwargs: dict) -> None:
+    for fn in list(_listeners[event]):
+        try:
+            fn(patcher, *args, **kwargs)
+        except Exception:
+            log.exception("ReuseKit: a %s listener failed (ignored)", event)
+
+
+def settle() -> None:
+    """Run the listeners of the calls recorded inside finalizers (never from one)."""
+    while _deferred:
+        try:
+            event, model_ref, args, kwargs = _deferred.popleft()
+        except IndexError:
+            break
+        model = model_ref()
+        if model is not None:  # a model that died took what the listeners would release with it
+            _notify(event, _Finalized(model), args, kwargs)
 
 
 def _wrap(event: str, original: Callable) -> Callable:
@@ -50,11 +102,17 @@ def _wrap(event: str, original: Callable) -> Callable:
         key = (event, id(self))
         if key in running:  # an override's super() call: its listeners already ran
             return original(self, *args, **kwargs)
-        for fn in list(_listeners[event]):
-            try:
-                fn(self, *args, **kwargs)
-            except Exception:
-                log.exception("ReuseKit: a %s listener failed (ignored)", event)
+        if _in_finalizer():  # record only (README "Rules for contributors"); settle() notifies
+            model = getattr(self, "model", None)
+            if model is not None and _listeners[event]:
+                try:
+                    model_ref = weakref.ref(model)
+                except TypeError:  # not weakly referable: held until settle()
+                    model_ref = (lambda m: lambda: m)(model)
+                _deferred.append((event, model_ref, args, kwargs))
+        else:
+            settle()
+            _notify(event, self, args, kwargs)
         running.add(key)
         try:
             return original(self, *args, **kwargs)
@@ -122,6 +180,7 @@ def install() -> bool:
         _base.append(cls)
         for c in (cls, *_subclasses(cls)):
             _wrap_class(c)
+        REGISTRY.add_settler(settle)
         return any((cls, e) in _originals for e in EVENTS)
 
 
