@@ -51,6 +51,7 @@ class FileHashes:
         self.inline_bytes = inline_bytes
         self.memo: str | None = None  # the memo file (patches/conditioning.py sets it); None: this process only
         self.secret: bytes | None = None
+        self.hashed_bytes = 0  # bytes read to hash files, in all (the tests and the bench read it)
         self._known: dict[tuple, str] = {}
         self._unsettled: set[tuple] = set()  # known, hashed too soon after a change for the memo
         self._pending: set[tuple] = set()
@@ -139,6 +140,7 @@ class FileHashes:
             with open(stamp[0], "rb") as f:
                 while n := f.readinto(buf):
                     h.update(view[:n])
+                    self.hashed_bytes += n
         except OSError:
             return None
         if self.stamp(stamp[0]) != stamp:  # changed while we read it: not remembered

@@ -1,0 +1,485 @@
+"""Lazy text encoders (patches/lazy_clip.py, ReuseKit Lazy CLIP Loader): built from the file's header by
+ComfyUI's own load_clip, keyed as an eager load, the weights read only on an encode that misses every tier;
+the file-hash memo that lets a restarted process know a file's content without reading it."""
+
+import json
+import os
+import threading
+import time
+from importlib import import_module
+from pathlib import Path
+
+import pytest
+import rkharness
+import torch
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.conditioning
+
+TEXT = "a red circle on a blue square"
+
+
+def files():
+    return import_module(rkharness.TINY.__name__ + ".lazy_clip")
+
+
+def loras():
+    return import_module(rkharness.TINY.__name__ + ".conditioning")
+
+
+@pytest.fixture
+def lazy(tmp_path, monkeypatch):
+    """Global mode on, an empty LRU, the disk tier on in a fresh folder, the file-hash memo in a fresh
+    user directory, zeroed lazy-encoder counters; everything put back after."""
+    cc = rkharness.pack("caching.conditioning")
+    tiers = rkharness.pack("caching.tiers")
+    lc = rkharness.pack("patches.lazy_clip")
+    settings = rkharness.pack("caching.settings").SETTINGS
+    rkharness.pack("patches.conditioning").install()
+    keys = ("conditioning.enabled", "conditioning.disk.enabled", "conditioning.disk.folder",
+            "conditioning.redis.enabled", "conditioning.redis.url", lc.SETTING)
+    saved = {k: settings.get(k) for k in keys}
+    monkeypatch.setattr(tiers.TIERS.hashes, "memo", str(tmp_path / "user" / "reusekit" / "file_hashes.json"))
+    settings.update({"conditioning.enabled": True, "conditioning.disk.enabled": True,
+                     "conditioning.disk.folder": str(tmp_path / "disk"), "conditioning.redis.enabled": False,
+                     lc.SETTING: False}, trusted=True)
+    cc.CACHE.clear()
+    cc.CACHE.reset_counts()
+    lc.STATS.reset_counters()
+    for stats in tiers.TIERS.stats.values():
+        stats.reset_counters()
+    yield type("Lazy", (), {"cc": cc, "tiers": tiers, "lc": lc, "settings": settings, "folder": tmp_path / "disk",
+                            "files": tmp_path})
+    settings.update(saved, trusted=True)
+    tiers.TIERS.configure(settings)
+    cc.CACHE.clear()
+
+
+def encode(clip, text=TEXT):
+    return clip.encode_from_tokens(clip.tokenize(text), return_pooled=True)
+
+
+def equal(a, b):
+    return all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def count(lazy, name):
+    return lazy.lc.STATS.counter(name)
+
+
+def entries(folder: Path):
+    return sorted(folder.rglob("*.rkcond"))
+
+
+# ---- the file-hash memo ----------------------------------------------------------------------------
+
+def _hashes(tmp_path, **kw):
+    made = rkharness.pack("caching.file_hashes").FileHashes(**kw)
+    made.memo = str(tmp_path / "memo" / "file_hashes.json")
+    return made
+
+
+def _settled_file(tmp_path, name="w.bin", data=None) -> str:
+    path = tmp_path / name
+    path.write_bytes(os.urandom(4096) if data is None else data)
+    return str(path)
+
+
+def test_the_memo_gives_a_restarted_process_the_digest_without_reading_the_file(tmp_path, monkeypatch):
+    fh = rkharness.pack("caching.file_hashes")
+    monkeypatch.setattr(fh.FileHashes, "SETTLE_NS", 0)
+    path = _settled_file(tmp_path)
+    first = _hashes(tmp_path)
+    digest = first.get(path)
+    assert digest is not None and first.hashed_bytes == 4096
+    again = _hashes(tmp_path, inline_bytes=0)  # another process: every file would go to the background thread
+    assert again.get(path) == digest and again.hashed_bytes == 0
+    memo = json.loads(Path(first.memo).read_text())
+    assert memo["format"] == fh.FORMAT and [row[0] for row in memo["entries"]] == [os.path.realpath(path)]
+    assert not [p for p in Path(first.memo).parent.iterdir() if p.name.endswith(".tmp")]  # renamed into place
+
+
+def test_a_changed_file_is_never_taken_for_the_old_one(tmp_path, monkeypatch):
+    """The same size and even the same mtime (set back): the ctime and inode differ, so the memo's entry
+    does not apply; the file is hashed again."""
+    fh = rkharness.pack("caching.file_hashes")
+    monkeypatch.setattr(fh.FileHashes, "SETTLE_NS", 0)
+    path = _settled_file(tmp_path)
+    old = _hashes(tmp_path).get(path)
+    st = os.stat(path)
+    time.sleep(0.01)
+    with open(path, "r+b") as f:
+        f.write(b"\x00" * 16)  # in place: same inode and size
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    replaced = tmp_path / "new.bin"
+    replaced.write_bytes(os.urandom(4096))
+    fresh = _hashes(tmp_path, inline_bytes=0)
+    assert fresh.get(path) is None and fresh.wait(10)  # not in the memo: hashed in the background
+    assert fresh.get(path) not in (None, old)
+    os.replace(replaced, path)  # replaced by another file: another inode
+    later = _hashes(tmp_path, inline_bytes=0)
+    assert later.get(path) is None
+
+
+def test_a_file_hashed_right_after_a_change_enters_the_memo_only_after_a_second_read(tmp_path, monkeypatch):
+    fh = rkharness.pack("caching.file_hashes")
+    path = _settled_file(tmp_path)
+    first = _hashes(tmp_path)
+    digest = first.get(path)  # written just now: the stamp may not show a change within its tick yet
+    assert digest is not None and not Path(first.memo).exists()
+    monkeypatch.setattr(fh.FileHashes, "SETTLE_NS", 0)  # as if the window had passed
+    assert first.get(path) == digest and first.wait(10)
+    assert first.hashed_bytes == 2 * 4096 and Path(first.memo).exists()
+    assert _hashes(tmp_path, inline_bytes=0).get(path) == digest
+
+
+def test_a_memo_that_cannot_be_trusted_is_ignored(tmp_path, monkeypatch):
+    fh = rkharness.pack("caching.file_hashes")
+    monkeypatch.setattr(fh.FileHashes, "SETTLE_NS", 0)
+    path = _settled_file(tmp_path)
+    signed = _hashes(tmp_path)
+    signed.secret = b"k1"
+    digest = signed.get(path)
+    memo = Path(signed.memo)
+    good = memo.read_text()
+
+    def read(text, secret):
+        """What a fresh process with ``secret`` knows of the file from the memo ``text`` (a miss queues
+        the file's hash, which writes the memo again: waited for, then the next case writes its own)."""
+        memo.write_text(text)
+        reader = _hashes(tmp_path, inline_bytes=0)
+        reader.secret = secret
+        found = reader.get(path)
+        assert reader.wait(10)
+        return found
+
+    assert read(good, b"k1") == digest
+    assert read(good, None) == digest  # a signed memo read without the secret is just a memo
+    assert read(good, b"k2") is None  # the wrong key
+    planted = json.loads(good)
+    planted["entries"][0][5] = "0" * 64
+    assert read(json.dumps(planted), b"k1") is None
+    unsigned = json.loads(good)
+    del unsigned["hmac"]
+    assert read(json.dumps(unsigned), b"k1") is None
+    for junk in ("{", json.dumps({"format": "other", "entries": []}), json.dumps({"format": fh.FORMAT, "entries": [[1]]}),
+                 json.dumps({"format": fh.FORMAT, "entries": [[path, 1, 2, 3, 4, "x" * 64], "tail"]})):
+        assert read(junk, None) is None
+
+
+# ---- building from the header ------------------------------------------------------------------------
+
+def test_the_header_state_dict_holds_no_weights(tmp_path):
+    lc = rkharness.pack("patches.lazy_clip")
+    path = files().write_tiny_clip_l(str(tmp_path), 0)
+    full = load_file(path)
+    sd, metadata, read = lc.read_header(path)
+    assert sorted(sd) == sorted(full)
+    assert all(sd[k].shape == full[k].shape and sd[k].dtype == full[k].dtype for k in full)
+    small = {k for k, t in full.items() if t.numel() <= lc.SMALL_NUMEL}
+    assert all(sd[k].is_meta for k in full if k not in small)
+    assert all(torch.equal(sd[k], full[k]) for k in small)  # scalars and tiny vectors are read for real
+    size = os.path.getsize(path)
+    assert read < size / 50, (read, size)
+
+
+def test_a_lazy_clip_answers_a_prompt_seen_before_without_its_weights(lazy):
+    """An eager load wrote the entry; a lazy CLIP of the same file (a restarted process: the LRU is
+    empty) answers from the disk tier, bit-identical, and holds no weights afterwards."""
+    path = files().write_tiny_clip_l(str(lazy.files), 0)
+    ref = files().reference(path, TEXT)
+    assert equal(encode(files().load(path, lazy=False)), ref)
+    assert lazy.cc.CACHE.count("encodes") == 1 and len(entries(lazy.folder)) == 1
+    lazy.cc.CACHE.clear()
+    clip = files().load(path)
+    before = files().probe(clip, path)
+    assert before["pending"] and before["stored_bytes"] <= 64 and before["stored"] <= 2, before  # logit_scale
+    out = encode(clip)
+    after = files().probe(clip, path)
+    assert equal(out, ref) and after == before and not after["mapped"]
+    assert lazy.cc.CACHE.count("encodes") == 1 and lazy.tiers.TIERS.stats["disk"].counter("hits") == 1
+    size = os.path.getsize(path)
+    assert count(lazy, "lazy_encoders") == 1 and count(lazy, "weights_loaded") == 0
+    assert count(lazy, "encodes_without_weights") == 1 and count(lazy, "loads_avoided") == 1
+    assert count(lazy, "not_read_bytes") == size and 0 < count(lazy, "header_read_bytes") < size / 50
+
+
+def test_a_new_prompt_loads_the_weights_once_in_place_and_clones_see_them(lazy):
+    path = files().write_tiny_clip_l(str(lazy.files), 0)
+    clip = files().load(path)
+    clone = clip.clone()  # made before the load, as a LoraLoader's is
+    out = encode(clip, "a new prompt")
+    assert not lazy.lc.pending(clip.cond_stage_model) and count(lazy, "weights_loaded") == 1
+    assert clone.cond_stage_model is clip.cond_stage_model
+    assert equal(out, files().reference(path, "a new prompt"))
+    out2 = encode(clone, "another new prompt")
+    assert count(lazy, "weights_loaded") == 1 and lazy.cc.CACHE.count("encodes") == 2
+    assert equal(out2, files().reference(path, "another new prompt"))
+    eager = files().load(path, lazy=False).cond_stage_model.state_dict()
+    mine = clip.cond_stage_model.state_dict()
+    assert sorted(mine) == sorted(eager) and all(torch.equal(mine[k], eager[k]) for k in eager)
+    assert not any(t.is_meta for t in mine.values())
+    assert count(lazy, "loads_avoided") == 0 and count(lazy, "not_read_bytes") == 0
+
+
+def test_a_lora_on_a_lazy_clip_is_keyed_by_its_content(lazy):
+    """The LoRA's tensors are not the CLIP's weights: the key holds them by content and strength, so a
+    LoRA'd prompt seen before needs no weights either; another strength loads them, and ComfyUI applies
+    the patches at load as usual."""
+    import comfy.sd
+    import comfy.utils
+
+    path = files().write_tiny_clip_l(str(lazy.files), 0)
+    name = loras().write_lora("rk_lazy_lora.safetensors", seed=4, width=rkharness.TINY.TEXT_DIM, flux=False)
+    lora = comfy.utils.load_torch_file(os.path.join(loras().lora_dir(), name))
+
+    def with_lora(clip, strength):
+        return comfy.sd.load_lora_for_models(None, clip, lora, 0.0, strength)[1]
+
+    ref = files().reference(path, TEXT, lora, 1.0)
+    assert not equal(ref, files().reference(path, TEXT))
+    assert equal(encode(with_lora(files().load(path, lazy=False), 1.0)), ref)
+    lazy.cc.CACHE.clear()
+    base = files().load(path)
+    assert equal(encode(with_lora(base, 1.0)), ref)
+    assert lazy.lc.pending(base.cond_stage_model) and count(lazy, "encodes_without_weights") == 1
+    half = encode(with_lora(base, 0.5))
+    assert not lazy.lc.pending(base.cond_stage_model) and count(lazy, "weights_loaded") == 1
+    assert equal(half, files().reference(path, TEXT, lora, 0.5))
+    assert equal(encode(base, "plain"), files().reference(path, "plain"))  # the patches stay on the clone
+
+
+def test_a_changed_file_loads_and_encodes_as_today(lazy):
+    """The file is replaced (same name, new weights) after the lazy CLIP was built: its encode of a prompt
+    the old file answered is the new file's, nothing of it is stored or shared, and the encoder leaves
+    the shared tiers; a CLIP built from the new file keys it by its new content."""
+    folder = str(lazy.files)
+    path = files().write_tiny_clip_l(folder, 0, name="te.safetensors")
+    old = encode(files().load(path, lazy=False))
+    lazy.cc.CACHE.clear()
+    clip = files().load(path)
+    time.sleep(0.01)
+    files().write_tiny_clip_l(folder, 1, name="te.safetensors", overwrite=True)
+    ref = files().reference(path, TEXT)
+    written = len(entries(lazy.folder))
+    out = encode(clip)
+    assert equal(out, ref) and not equal(out, old)
+    assert lazy.tiers.TIERS.stats["disk"].counter("hits") == 0 and len(entries(lazy.folder)) == written
+    assert len(lazy.cc.CACHE) == 0 and count(lazy, "weights_loaded") == 1
+    assert equal(encode(clip), ref)  # in this process only, from now on
+    assert len(entries(lazy.folder)) == written
+    lazy.cc.CACHE.clear()
+    fresh = files().load(path)
+    assert equal(encode(fresh), ref) and len(entries(lazy.folder)) == written + 1
+    lazy.cc.CACHE.clear()
+    again = files().load(path)
+    assert equal(encode(again), ref) and lazy.lc.pending(again.cond_stage_model)
+
+
+def test_a_file_whose_hash_is_not_known_yet_loads_as_today(lazy):
+    hashes = lazy.tiers.TIERS.hashes
+    path = files().write_tiny_clip_l(str(lazy.files), 0)
+    saved = hashes.inline_bytes
+    hashes.inline_bytes = 0  # a large file: hashed on the background thread
+    gate = threading.Event()
+    real = hashes._hash
+    hashes._hash = lambda stamp: gate.wait(30) and real(stamp)
+    try:
+        clip = files().load(path)
+        assert not lazy.lc.pending(clip.cond_stage_model)
+        assert count(lazy, "eager_loads") == 1 and count(lazy, "eager.hash_unknown") == 1
+        assert equal(encode(clip), files().reference(path, TEXT))
+        gate.set()
+        assert hashes.wait(30)
+        assert lazy.lc.pending(files().load(path).cond_stage_model)
+    finally:
+        gate.set()
+        del hashes._hash
+        hashes.inline_bytes = saved
+
+
+def test_without_a_shared_tier_it_loads_as_today(lazy):
+    lazy.settings.set("conditioning.disk.enabled", False)
+    path = files().write_tiny_clip_l(str(lazy.files), 0)
+    clip = files().load(path)
+    assert not lazy.lc.pending(clip.cond_stage_model) and count(lazy, "eager.no_shared_tier") == 1
+    assert equal(encode(clip), files().reference(path, TEXT))
+
+
+def test_whatever_else_needs_the_weights_reads_them_first(lazy):
+    """ComfyUI's CLIP methods that read weights (get_sd, get_key_patches) and its model manager loading
+    the patcher (a hook-scheduled encode, a custom node's load_models_gpu) find them loaded."""
+    import comfy.model_management
+
+    path = files().write_tiny_clip_l(str(lazy.files), 0)
+    eager = files().load(path, lazy=False).get_sd()
+    for use in (lambda c: c.get_sd(), lambda c: c.get_key_patches(),
+                lambda c: comfy.model_management.load_models_gpu([c.patcher])):
+        clip = files().load(path)
+        use(clip)
+        assert not lazy.lc.pending(clip.cond_stage_model)
+        sd = clip.get_sd()
+        assert all(torch.equal(sd[k], eager[k]) for k in eager)
+    assert count(lazy, "weights_loaded") == 3
+
+
+def test_weights_replaced_before_they_were_read_are_refused_with_a_clear_error(lazy):
+    path = files().write_tiny_clip_l(str(lazy.files), 0)
+    clip = files().load(path)
+    layer = clip.cond_stage_model.clip_l.transformer.text_model.final_layer_norm
+    layer.weight = torch.nn.Parameter(torch.ones_like(layer.weight, device="cpu"))
+    with pytest.raises(RuntimeError, match="ReuseKit Lazy CLIP Loader"):
+        encode(clip)
+    assert lazy.cc.CACHE.count("bypasses") >= 1
+
+
+def test_the_stock_loaders_are_lazy_only_when_asked(lazy):
+    import comfy.sd
+
+    path = files().write_tiny_clip_l(str(lazy.files), 0)
+    opts = files().tiny_options
+    assert not lazy.lc.pending(comfy.sd.load_clip([path], model_options=opts()).cond_stage_model)
+    lazy.settings.set(lazy.lc.SETTING, True)
+    clip = comfy.sd.load_clip([path], model_options=opts())
+    assert lazy.lc.pending(clip.cond_stage_model)
+    assert equal(encode(clip), files().reference(path, TEXT))
+
+
+def test_the_lazy_clip_loader_node_on_a_clip_l_file(lazy, tmp_path):
+    """The node runs ComfyUI's CLIPLoader: a CLIP-L-size fp16 file is hashed in the background at the
+    first load (which loads as usual), then a new load is lazy: a prompt seen before is a disk hit without
+    weights, a new one loads them, both bit-identical to CLIPLoader's."""
+    import folder_paths
+    from safetensors.torch import save_file
+
+    import nodes
+
+    folder = tmp_path / "text_encoders"
+    folder.mkdir()
+    model = loras().clip_l_sized(0).cond_stage_model.clip_l.transformer
+    save_file({k: v.to(torch.float16).contiguous() for k, v in model.state_dict().items()},
+              str(folder / "rk_clip_l.safetensors"))
+    del model
+    folder_paths.add_model_folder_path("text_encoders", str(folder))
+    node = rkharness.pack("nodes.lazy_clip").LazyCLIPLoader
+    assert "ReuseKit Lazy CLIP Loader: clip_name" in node.validate_inputs(clip_name="nope.safetensors")
+    with pytest.raises(ValueError, match="ReuseKit Lazy CLIP Loader: type"):
+        node.execute(clip_name="rk_clip_l.safetensors", type="no_such_type")
+    first = node.execute(clip_name="rk_clip_l.safetensors", type="stable_diffusion").args[0]
+    assert not lazy.lc.pending(first.cond_stage_model) and count(lazy, "eager.hash_unknown") == 1
+    assert lazy.tiers.TIERS.hashes.wait(120)  # hashed in the background; then its encodes are shared
+    seen = encode(first)
+    assert len(entries(lazy.folder)) == 1
+    del first
+    lazy.cc.CACHE.clear()
+    clip = node.execute(clip_name="rk_clip_l.safetensors", type="stable_diffusion").args[0]
+    assert lazy.lc.pending(clip.cond_stage_model)
+    assert equal(encode(clip), seen) and lazy.lc.pending(clip.cond_stage_model)
+    new = encode(clip, "a prompt never seen")
+    assert not lazy.lc.pending(clip.cond_stage_model)
+    lazy.settings.set("conditioning.enabled", False)
+    (stock,) = nodes.CLIPLoader().load_clip("rk_clip_l.safetensors", "stable_diffusion")
+    assert equal(encode(stock, "a prompt never seen"), new) and equal(encode(stock), seen)
+
+
+# ---- across restarts: real servers ---------------------------------------------------------------
+
+def _run(server, prompt) -> None:
+    history = server.wait_for_prompt(server.queue(prompt))
+    assert history["status"]["status_str"] == "success", (history["status"], server.log_text()[-3000:])
+
+
+def _stats(server) -> dict:
+    return {c["name"]: c for c in server.get("/reusekit/stats")["caches"]}
+
+
+def _saved(path) -> tuple:
+    data = load_file(path)
+    return data["cond"], data["pooled"]
+
+
+def _encode_prompt(clip_path: str, text: str, out: str, probe: str | None = None) -> dict:
+    prompt = {
+        "1": {"class_type": "RKTestLazyCLIPFile", "inputs": {"path": clip_path, "lazy": True}},
+        "2": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 0], "text": text}},
+        "3": {"class_type": "RKTestSaveConditioning", "inputs": {"conditioning": ["2", 0], "path": out}},
+    }
+    if probe:
+        prompt["4"] = {"class_type": "RKTestLazyProbe",
+                       "inputs": {"clip": ["1", 0], "after": ["2", 0], "path": clip_path, "out": probe}}
+    return prompt
+
+
+def test_a_restarted_server_answers_a_prompt_seen_before_without_reading_the_encoder(tmp_path):
+    """Server A encodes four prompts through the disk tier (the last two's entries are then removed); a
+    restarted server B answers the first from the disk tier without reading the file (neither its weights
+    nor, thanks to the memo, to hash it), then loads the weights once for the third and not again for the
+    fourth, all bit-identical to A's and to an eager encode; server C, after the file was replaced under
+    the same name, encodes the new file's weights."""
+    clip_path = files().write_tiny_clip_l(str(tmp_path), 0, name="te.safetensors")
+    user = tmp_path / "user"
+    user.mkdir()
+    env = {"REUSEKIT_DISK_CACHE": str(tmp_path / "disk")}
+    texts = ["a red fox", "a blue fox", "a green fox", "a white fox"]
+    with rkharness.running_server("--user-directory", str(user), env=env) as a:
+        for i, text in enumerate(texts):
+            kept = set(entries(tmp_path / "disk"))
+            _run(a, _encode_prompt(clip_path, text, str(tmp_path / f"a{i}.st")))
+            if i >= 2:  # prompts B has not seen
+                for made in set(entries(tmp_path / "disk")) - kept:
+                    made.unlink()
+    assert (user / "reusekit" / "file_hashes.json").is_file()
+    with rkharness.running_server("--user-directory", str(user), env=env) as b:
+        _run(b, _encode_prompt(clip_path, texts[0], str(tmp_path / "b0.st"), probe=str(tmp_path / "p0.json")))
+        probe = json.loads((tmp_path / "p0.json").read_text())
+        stats = _stats(b)
+        assert probe["pending"] and probe["stored_bytes"] <= 64 and not probe["mapped"], probe
+        assert probe["hashed_bytes"] == 0, probe  # the memo: not even read to hash it
+        assert stats["conditioning"]["counters"].get("encodes", 0) == 0
+        assert stats["conditioning_lazy"]["counters"]["weights_loaded"] == 0
+        assert stats["conditioning_lazy"]["counters"]["encodes_without_weights"] == 1
+        assert stats["conditioning_lazy"]["counters"]["not_read_bytes"] == os.path.getsize(clip_path)
+        for i in (2, 3):
+            _run(b, _encode_prompt(clip_path, texts[i], str(tmp_path / f"b{i}.st")))
+            assert _stats(b)["conditioning_lazy"]["counters"]["weights_loaded"] == 1
+        assert _stats(b)["conditioning"]["counters"].get("encodes") == 2
+    for i in (0, 2, 3):
+        assert equal(_saved(tmp_path / f"b{i}.st"), _saved(tmp_path / f"a{i}.st"))
+        assert equal(_saved(tmp_path / f"b{i}.st"), files().reference(clip_path, texts[i]))
+    time.sleep(0.01)
+    files().write_tiny_clip_l(str(tmp_path), 1, name="te.safetensors", overwrite=True)
+    with rkharness.running_server("--user-directory", str(user), env=env) as c:
+        _run(c, _encode_prompt(clip_path, texts[0], str(tmp_path / "c0.st")))
+        assert _stats(c)["conditioning"]["counters"].get("encodes") == 1
+    assert equal(_saved(tmp_path / "c0.st"), files().reference(clip_path, texts[0]))
+    assert not equal(_saved(tmp_path / "c0.st"), _saved(tmp_path / "a0.st"))
+
+
+WORKFLOW = "Lazy text encoder - prompts seen before never load it.json"
+
+
+def test_the_lazy_workflow_runs_twice_and_the_restart_never_loads_the_encoder(tmp_path):
+    """The example workflow on the tiny models (the Lazy CLIP Loader stands in with the tiny CLIP-L file),
+    with the disk tier: the first server encodes; a restarted one answers every prompt without the
+    encoder's weights."""
+    prompt = rkharness.workflow_to_prompt(rkharness.load_workflow(WORKFLOW), family="flux_trained")
+    for node in prompt.values():
+        if node["class_type"] in ("EmptySD3LatentImage", "EmptyLatentImage"):
+            node["inputs"].update(width=64, height=64)
+        if "steps" in node["inputs"]:
+            node["inputs"]["steps"] = 4
+    assert any(n["class_type"] == "RKTestLazyTinyCLIP" for n in prompt.values())
+    files().write_tiny_clip_l(str(tmp_path), 0)
+    env = {"REUSEKIT_DISK_CACHE": str(tmp_path / "disk"), files().ENV_DIR: str(tmp_path)}
+    user = tmp_path / "user"
+    user.mkdir()
+    counts = []
+    for _ in range(2):
+        with rkharness.running_server("--user-directory", str(user), env=env) as server:
+            _run(server, prompt)
+            stats = _stats(server)
+            counts.append((stats["conditioning"]["counters"].get("encodes", 0),
+                           stats["conditioning_lazy"]["counters"]))
+    assert counts[0][0] == 2  # the positive and the negative, once each
+    assert counts[1][0] == 0 and counts[1][1]["weights_loaded"] == 0 and counts[1][1]["lazy_encoders"] == 1
+    assert counts[1][1]["encodes_without_weights"] == 2
