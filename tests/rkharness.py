@@ -163,6 +163,9 @@ TINY_LOADERS = {
     "TripleCLIPLoader": ("RKTestTinyCheckpoint", [1]),
     "VAELoader": ("RKTestTinyCheckpoint", [2]),
     "CLIPVisionLoader": ("RKTestTinyCLIPVision", [0]),
+    "ReuseKitLazyCLIPLoader": ("RKTestLazyTinyCLIP", [0]),  # the tiny CLIP as a CLIP-L file, loaded lazily
+    "ReuseKitLazyDualCLIPLoader": ("RKTestLazyTinyCLIP", [0]),
+    "ReuseKitLazyTripleCLIPLoader": ("RKTestLazyTinyCLIP", [0]),
 }
 _SKIPPED_TYPES = {"Note", "MarkdownNote", "PrimitiveNode"}
 _SEED_CONTROLS = {"fixed", "increment", "decrement", "randomize"}

@@ -177,7 +177,9 @@ def test_the_demo_without_reusekit_computes_everything_and_the_exact_layers_matc
 WORKFLOWS = sorted(p.name for p in (rkharness.ROOT / "workflows").glob("*.json"))
 FRONTEND_ONLY = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
 LOADERS = {"UNETLoader": (1, "diffusion_models"), "DualCLIPLoader": (2, "text_encoders"),
-           "CLIPLoader": (1, "text_encoders"), "VAELoader": (1, "vae"), "CheckpointLoaderSimple": (1, "checkpoints")}
+           "CLIPLoader": (1, "text_encoders"), "VAELoader": (1, "vae"), "CheckpointLoaderSimple": (1, "checkpoints"),
+           "ReuseKitLazyCLIPLoader": (1, "text_encoders"), "ReuseKitLazyDualCLIPLoader": (2, "text_encoders"),
+           "ReuseKitLazyTripleCLIPLoader": (3, "text_encoders")}
 
 
 def test_there_are_the_demo_and_at_least_six_real_model_workflows():
@@ -273,6 +275,7 @@ I2I = "SD1.5 image to image - VAE-encode cache.json"
 KONTEXT = "Flux Kontext edit - reference encode and PE cache.json"
 WAN = "Wan 2.1 text to video - PE cache, TeaCache.json"
 BEFORE_AFTER = "Before and after - Flux with and without ReuseKit.json"
+LAZY = "Lazy text encoder - prompts seen before never load it.json"
 # workflow -> (tiny family, the prompts to queue in order (from the converted workflow), what the note promises)
 RUNS = {
     FLUX: ("flux_trained", lambda p: [p], lambda c: c["conditioning.hits"] >= 3 and c["pe.hits"] > 0
@@ -286,6 +289,9 @@ RUNS = {
               lambda c: c["conditioning.hits"] >= 1 and c["pe.hits"] > 0),
     WAN: ("wan_trained", lambda p: [p], lambda c: c["pe.hits"] > 0 and c["step.runs"] >= 1),
     BEFORE_AFTER: ("flux_trained", lambda p: [p], lambda c: c["step.calls_skipped"] > 0 and c["pe.hits"] > 0),
+    # no shared tier on this server: the lazy loader loads as usual (tests/test_lazy_clip.py runs it with one)
+    LAZY: ("flux_trained", lambda p: [_text(json.loads(json.dumps(p)), t) for t in ("a cat", "a dog", "a cat")],
+           lambda c: c["conditioning.hits"] >= 1),
     "conditioning_prompt_variations.json": ("flux", lambda p: [_text(json.loads(json.dumps(p)), t) for t in
                                                                ("a red fox", "a blue fox", "a red fox")],
                                             lambda c: c["conditioning.hits"] >= 1),

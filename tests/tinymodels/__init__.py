@@ -176,3 +176,4 @@ class RKTestTinyCLIPVision:
 NODE_CLASS_MAPPINGS = {"RKTestTinyCheckpoint": RKTestTinyCheckpoint, "RKTestTinyCLIPVision": RKTestTinyCLIPVision}
 NODE_CLASS_MAPPINGS.update(__import__(f"{__name__}.panelprobe", fromlist=["x"]).NODE_CLASS_MAPPINGS)  # panel tests
 NODE_CLASS_MAPPINGS.update(__import__(f"{__name__}.conditioning", fromlist=["x"]).NODE_CLASS_MAPPINGS)  # conditioning
+NODE_CLASS_MAPPINGS.update(__import__(f"{__name__}.lazy_clip", fromlist=["x"]).NODE_CLASS_MAPPINGS)  # lazy encoders
