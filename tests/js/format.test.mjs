@@ -8,6 +8,7 @@ import {
   counterRows,
   formatBytes,
   formatCount,
+  formatCounter,
   formatPercent,
   formatSeconds,
   formatValue,
@@ -25,6 +26,13 @@ function cache(name, kind, extra = {}) {
   return { name, kind, description: "", clearable: true, entries: 0, counters: {}, hit_rate: null,
     bytes: {}, budgets: {}, time_saved_s: 0, info: {}, ...extra };
 }
+
+test("counters named ..._bytes show as bytes, the rest as counts", () => {
+  assert.equal(formatCounter("not_read_bytes", 3 * 2 ** 30), "3.0 GiB");
+  assert.equal(formatCounter("header_read_bytes", 5664), "5.5 KiB");
+  assert.equal(formatCounter("weights_loaded", 1234567), "1,234,567");
+  assert.equal(formatCounter("bytes", 2048), "2,048");  // not a ..._bytes counter
+});
 
 test("bytes use binary units like the Python side", () => {
   assert.equal(formatBytes(0), "0 B");

@@ -60,6 +60,11 @@ export function formatCount(n) {
   return sign + digits.replace(/\B(?=(\d{3})+(?!\d))/g, ",");
 }
 
+/** A counter's value as text: bytes for a counter named "..._bytes" (the lazy encoders' not_read_bytes), else a count. */
+export function formatCounter(name, value) {
+  return /_bytes$/.test(String(name)) ? formatBytes(value) : formatCount(value);
+}
+
 /** "steps_computed" -> "steps computed"; "rebuildReasons" -> "rebuild reasons". */
 export function humanize(key) {
   return String(key)

@@ -6,6 +6,7 @@ import {
   counterRows,
   formatBytes,
   formatCount,
+  formatCounter,
   formatPercent,
   formatSeconds,
   formatValue,
@@ -348,7 +349,7 @@ export function createPanel(root, { actions, history }) {
       card.append(bar(`${r.tier}`, r.bytes, r.budget, r.fraction, r.over, { "data-rk": "cache-bytes", "data-tier": r.tier }));
     }
     const grid = el("div", { class: "rk-grid" });
-    const cells = [["entries", formatCount(c.entries ?? 0)], ...counterRows(c).map(([k, v]) => [k, formatCount(v)]),
+    const cells = [["entries", formatCount(c.entries ?? 0)], ...counterRows(c).map(([k, v]) => [k, formatCounter(k, v)]),
       ["hit rate", formatPercent(c.hit_rate)], ["time saved", formatSeconds(c.time_saved_s ?? 0)]];
     for (const [k, v] of cells) {
       grid.append(el("div", { "data-rk-counter": k }, el("small", { text: k, title: k }), el("span", { text: v })));
