@@ -28,6 +28,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 SETTING = "conditioning.check_weight_edits"
@@ -38,6 +39,7 @@ SAMPLES = 32  # positions sampled from every larger tensor
 MASK = (1 << 64) - 1
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_INT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _mult_lock = threading.Lock()
 _mult: dict[torch.device, torch.Tensor] = {}
 
@@ -118,10 +120,12 @@ def _positions(numel: int) -> torch.Tensor:
     return torch.cat([torch.tensor([0, numel - 1]), idx]).sort().values
 
 
-def _elements(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's elements as integers of the same width (exact bytes, any dtype)."""
-    flat = t.detach().reshape(-1)
-    return flat.view(_INT[flat.element_size()])
+def _as_ints(t: torch.Tensor) -> tuple[torch.dtype, int]:
+    """The integer dtype a tensor's elements are read as (its element size; bytes for other sizes) and
+    how many of them it holds."""
+    size = t.element_size()
+    dtype = _INT.get(size, torch.uint8)
+    return dtype, t.numel() * (1 if dtype is not torch.uint8 or size == 1 else size)
 
 
 def _row_words(t: torch.Tensor) -> int | None:
@@ -132,10 +136,31 @@ def _row_words(t: torch.Tensor) -> int | None:
     return row_bytes // 4 if row_bytes % 4 == 0 and t.numel() * t.element_size() % 4 == 0 else None
 
 
-def _row_multipliers(rows: torch.Tensor, width: int, device: torch.device) -> torch.Tensor:
-    """Each word's multiplier for the given rows of a table ``width`` words wide: (rows, width) int64."""
-    pos = rows.to(device=device, dtype=torch.int64)[:, None] * width + torch.arange(width, device=device)
-    return multipliers(device)[pos % CHUNK] * (2 * torch.div(pos, CHUNK, rounding_mode="floor") + 1)
+def _shares_of_rows(t: torch.Tensor, rows: list[int], width: int) -> np.ndarray:
+    """The given rows' shares of a table's fingerprint (int64, NumPy): gathered where the table lives,
+    on the CPU through NumPy (wrapping integer arithmetic, as torch's)."""
+    index = np.asarray(rows, dtype=np.int64)
+    pos = index[:, None] * width + np.arange(width, dtype=np.int64)
+    mult = _multipliers_np()[pos % CHUNK] * (2 * (pos // CHUNK) + 1)
+    if t.is_cpu:
+        try:
+            flat = (t.detach() if t.requires_grad else t).numpy().reshape(-1).view(np.int32)
+        except TypeError:  # bfloat16, float8: through a torch view
+            flat = _words(t).numpy()
+        words = flat.reshape(-1, width)[index]
+    else:
+        picked = _words(t).view(-1, width).index_select(0, torch.from_numpy(index).to(t.device))
+        words = picked.cpu().numpy()
+    return (words.astype(np.int64) * mult).sum(axis=1)
+
+
+_mult_np: list[np.ndarray] = []
+
+
+def _multipliers_np() -> np.ndarray:
+    if not _mult_np:
+        _mult_np.append(multipliers(torch.device("cpu")).numpy())
+    return _mult_np[0]
 
 
 def _span_multipliers(start: int, stop: int, device: torch.device) -> torch.Tensor:
@@ -163,25 +188,47 @@ def _row_shares(t: torch.Tensor, width: int) -> torch.Tensor:
 
 
 class _Plan:
-    """What one weight was at the last full check and how an encode checks it."""
+    """What one weight was at the last full check and how an encode checks it: ``ref`` is the bytes the
+    check reads (the whole tensor when small, else the values at ``positions``)."""
 
-    __slots__ = ("dtype", "shape", "fp", "small", "positions", "samples", "width", "rows", "_on")
+    __slots__ = ("dtype", "shape", "fp", "small", "ints", "positions", "positions_np", "ref", "width", "rows", "_on")
 
     def __init__(self, t: torch.Tensor, fp: int, embedding: bool):
-        self.dtype, self.shape, self.fp = t.dtype, tuple(t.shape), fp
-        nbytes = t.numel() * t.element_size()
-        self.small = self.positions = self.samples = self.rows = None
-        self.width = None
+        self.dtype, self.shape, self.fp = t.dtype, t.shape, fp
+        self.small = t.numel() * t.element_size() <= SMALL
+        self.ints, count = _as_ints(t)
+        self.positions = self.positions_np = self.width = self.rows = None
         self._on: dict[torch.device, torch.Tensor] = {}
-        if nbytes <= SMALL:
-            self.small = t.detach().reshape(-1).contiguous().view(torch.uint8).to("cpu", copy=True)
-            return
-        self.positions = _positions(t.numel())
-        self.samples = _elements(t).index_select(0, self.positions.to(t.device)).view(torch.uint8).cpu()
-        if embedding:
-            self.width = _row_words(t)
-            if self.width is not None:
-                self.rows = _row_shares(t, self.width)
+        if not self.small:
+            self.positions = _positions(count)
+            self.positions_np = self.positions.numpy()
+            if embedding:
+                self.width = _row_words(t)
+                if self.width is not None:
+                    self.rows = _row_shares(t, self.width)
+        self.ref = self.read(t)
+
+    def read(self, t: torch.Tensor) -> bytes:
+        """The bytes this plan checks, read from ``t`` (on the CPU through NumPy: a view, no tensor op,
+        where NumPy has the dtype)."""
+        if not t.is_cpu:
+            return self.gather(t).cpu().numpy().tobytes()
+        if t.requires_grad:
+            t = t.detach()
+        try:
+            flat = t.numpy().reshape(-1).view(_NP_INT[t.element_size()])
+        except (TypeError, KeyError):  # bfloat16, float8, 16-byte elements: read through a torch view
+            flat = self._ints(t).numpy().reshape(-1)
+        return flat.tobytes() if self.small else flat[self.positions_np].tobytes()
+
+    def _ints(self, t: torch.Tensor) -> torch.Tensor:
+        return t.view(self.ints) if t.element_size() == self.ints.itemsize else t.reshape(-1).view(torch.uint8)
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """On a device: the checked elements as bytes, left there (the caller brings all over at once)."""
+        flat = self._ints(t.detach()).reshape(-1)
+        picked = flat if self.small else flat.index_select(0, self.positions_on(t.device))
+        return picked.view(torch.uint8)
 
     def positions_on(self, device: torch.device) -> torch.Tensor:
         found = self._on.get(device)
@@ -218,42 +265,54 @@ class WeightWatch:
         for name, fp in zip(names, values, strict=True):
             t = named[name]
             old = self._plans.get(name)
-            if old is not None and (old.fp != fp or old.dtype != t.dtype or old.shape != tuple(t.shape)):
+            if old is not None and (old.fp != fp or old.dtype != t.dtype or old.shape != t.shape):
                 edited = True
             self._plans[name] = _Plan(t, fp, name in embeddings)
         self._names = frozenset(names) | patched
         return edited
 
     def quick(self, named: Mapping[str, torch.Tensor], patched: frozenset[str] = frozenset(),
-              token_ids: Iterable[int] = ()) -> bool:
+              token_ids: Iterable[int] = (), rows_only: bool = False) -> bool:
         """The cheap check: True when the weights are seen to differ from the last full check (a
         weight added, removed or reshaped, a small tensor's bytes, a sampled value, or the row of a
-        token this encode reads)."""
+        token this encode reads; ``rows_only``: the rows alone). CPU weights are read through NumPy;
+        each device's are gathered there and brought over in one transfer."""
         self.quick_checks += 1
+        plans = self._plans
+        if rows_only:
+            return self._rows_differ([(t, plans[n]) for n, t in named.items()
+                                      if n in plans and plans[n].rows is not None], token_ids)
         if frozenset(named) | patched != self._names:
             return True
-        ids = None
-        per_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        now: list[bytes] = []
+        ref: list[bytes] = []
+        on_device: dict[torch.device, list[tuple[torch.Tensor, bytes]]] = {}
+        embeddings = []
         for name, t in named.items():
-            plan = self._plans.get(name)
-            if plan is None or plan.dtype != t.dtype or plan.shape != tuple(t.shape):
+            plan = plans.get(name)
+            if plan is None or t.dtype is not plan.dtype or t.shape != plan.shape:
                 return True
-            parts = per_device.setdefault(t.device, [])
-            if plan.small is not None:
-                parts.append((t.detach().reshape(-1).contiguous().view(torch.uint8), plan.small))
-                continue
-            parts.append((_elements(t).index_select(0, plan.positions_on(t.device)).view(torch.uint8), plan.samples))
+            if t.is_cpu:  # (``Parameter.device`` costs a dozen microseconds; ``is_cpu`` does not)
+                now.append(plan.read(t))
+                ref.append(plan.ref)
+            else:
+                on_device.setdefault(t.device, []).append((plan.gather(t), plan.ref))
             if plan.rows is not None:
-                if ids is None:
-                    ids = sorted({int(i) for i in token_ids})
-                rows = [i for i in ids if 0 <= i < plan.shape[0]]
-                if rows:
-                    index = torch.tensor(rows, dtype=torch.int64)
-                    words = _words(t).view(-1, plan.width).index_select(0, index.to(t.device)).to(torch.int64)
-                    shares = (words * _row_multipliers(index, plan.width, t.device)).sum(1)
-                    parts.append((shares.view(torch.uint8), plan.rows.index_select(0, index).view(torch.uint8)))
-        for parts in per_device.values():
-            now = torch.cat([p[0] for p in parts]).cpu()  # one small transfer per device
-            if not torch.equal(now, torch.cat([p[1] for p in parts])):
+                embeddings.append((t, plan))
+        for parts in on_device.values():
+            now.append(torch.cat([p[0] for p in parts]).cpu().numpy().tobytes())  # one small transfer per device
+            ref.append(b"".join(p[1] for p in parts))
+        return b"".join(now) != b"".join(ref) or self._rows_differ(embeddings, token_ids)
+
+    @staticmethod
+    def _rows_differ(embeddings: list, token_ids: Iterable[int]) -> bool:
+        if not embeddings:
+            return False
+        ids = sorted({int(i) for i in token_ids})
+        for t, plan in embeddings:
+            if t.dtype is not plan.dtype or t.shape != plan.shape:
+                return True
+            rows = [i for i in ids if 0 <= i < plan.shape[0]]
+            if rows and not np.array_equal(_shares_of_rows(t, rows, plan.width), plan.rows.numpy()[rows]):
                 return True
         return False

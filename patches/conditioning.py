@@ -66,7 +66,7 @@ from ..caching.keys import Uncacheable, digest, encode
 from ..caching.settings import SETTINGS
 from ..caching.tiers import FORMAT, TIERS, FileHashes, SharedKey, is_indexed_device, portable_device
 from ..caching.weight_edits import SETTING as CHECK_SETTING
-from . import encoder_weights, host, lazy_clip
+from . import encoder_weights, host, lazy_clip, module_tree
 
 log = logging.getLogger("reusekit")
 
@@ -227,114 +227,32 @@ def _setting(name: str, value, closures: bool = False):
         raise Uncacheable(f"encoder setting {name!r} holds a {type(value).__name__}") from None
 
 
-# What ComfyUI writes on an encoder's modules while it loads, casts and unloads weights (keyed through
-# the patcher and load device instead), and the options an encode resets first (SD1ClipModel's
-# reset_clip_options: their values at the call follow from options_default and the keyed layer_idx).
-_LOAD_STATE = frozenset({
-    "current_weight_patches_uuid", "model_loaded_weight_memory", "model_lowvram", "lowvram_patch_counter",
-    "model_offload_buffer_memory", "weight_function", "bias_function", "comfy_cast_weights",
-    "prev_comfy_cast_weights", "comfy_force_cast_weights", "comfy_patched_weights", "device", "execution_device"})
-_RESET_OPTIONS = frozenset({"layer", "layer_idx", "return_projected_pooled"})
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-
-
-_MISSING = object()
-
-
-class _StateMemo:
-    """A module-settings digest and what it was read from: every attribute of every module walked, by
-    identity (modules and bound methods by weak reference), each module's attribute count, its hook
-    tables (empty), the mutable settings by value and the patcher's object-patch backup. A plain
-    attribute set, a child module swapped, a hook added, a list edited in place or an object patch
-    applied or removed makes it stale; checking costs a pass over those references, no encoding."""
-
-    __slots__ = ("digest", "refs", "sizes", "hooks", "mutables", "backup")
-
-    def __init__(self) -> None:
-        self.refs: list[tuple[dict, str, object, bool]] = []  # (module dict, name, value or weakref, weak)
-        self.sizes: list[tuple[dict, int]] = []
-        self.hooks: list[dict] = []
-        self.mutables: list[tuple[str, object, object]] = []  # (path, value, its key field)
-        self.backup: list[tuple[str, object]] = []
-        self.digest = None
-
-    def remember(self, d: dict, name: str, value) -> None:
-        weak = isinstance(value, (torch.nn.Module, types.MethodType))
-        self.refs.append((d, name, weakref.ref(value) if weak else value, weak))
-
-    def fresh(self, backup: dict) -> bool:
-        if len(backup) != len(self.backup) or any(backup.get(k, _MISSING) is not v for k, v in self.backup):
-            return False
-        if any(len(d) != n for d, n in self.sizes) or any(self.hooks):
-            return False
-        for d, name, held, weak in self.refs:
-            if d.get(name, _MISSING) is not (held() if weak else held):
-                return False
-        return all(_setting(path, value) == field for path, value, field in self.mutables)
-
-
-_state_memos: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_state_lock = threading.Lock()
-
-
 def _module_state(model: torch.nn.Module, patcher) -> tuple:
     """Every plain-valued setting of the encoder's modules (``enable_attention_masks``,
     ``zero_out_masked``, special tokens, ``training``...) by module path and name, as they are without
-    ComfyUI's object patches (their originals in ``object_patches_backup``, where ComfyUI 0.33+ marks
-    an attribute the patch added as ``ATTR_UNSET``; a patcher's own object patches are keyed by
-    ``_patcher_fields``), as a digest. Instance-level methods (injections) are
-    left out. Uncacheable for module hooks and for settings a key cannot describe. Memoised per
-    module until anything it was read from changes (:class:`_StateMemo`)."""
+    ComfyUI's object patches (patches/module_tree.py; a patcher's own object patches are keyed by
+    ``_patcher_fields``), as a digest. Instance-level methods (injections) are left out. Uncacheable
+    for module hooks and for settings a key cannot describe. Kept with the module's tree while it is
+    unchanged, the settings held in containers compared by value."""
     import torch.nn.modules.module as torch_module
 
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         raise Uncacheable("global module hooks")
-    backup = getattr(patcher, "object_patches_backup", None) or {}
-    with _state_lock:
-        memo = _state_memos.get(model)
-    if memo is not None and memo.fresh(backup):
-        return memo.digest
-    memo = _StateMemo()
-    memo.backup = list(backup.items())
-    out, seen = [], set()
-    unset = getattr(sys.modules.get("comfy.utils"), "ATTR_UNSET", _MISSING)  # an object patch's "was absent"
-
-    def walk(module, path):
-        if id(module) in seen:
-            return
-        seen.add(id(module))
-        if any(getattr(module, h, None) for h in _HOOKS):
-            raise Uncacheable(f"hooks on encoder module {path or type(model).__name__!r}")
-        d = vars(module)
-        memo.sizes.append((d, len(d)))
-        memo.hooks.extend(h for h in (d.get(name) for name in _HOOKS) if isinstance(h, dict))
-        reset = _RESET_OPTIONS if hasattr(module, "reset_clip_options") else ()
-        for name, value in d.items():
-            if name in _LOAD_STATE or name in reset:
-                continue
-            memo.remember(d, name, value)
-            full = f"{path}.{name}" if path else name
-            value = backup.get(full, value)
-            if (name.startswith("_") or value is unset
-                    or isinstance(value, (torch.Tensor, torch.nn.Module, types.MethodType))):
-                continue
-            field = _setting(full, value)
-            if isinstance(value, (list, dict, set)):
-                memo.mutables.append((full, value, field))
-            out.append((path, name, field))
-        children = module._modules
-        for name, child in children.items():
-            memo.remember(children, name, child)
-            full = f"{path}.{name}" if path else name
-            child = backup.get(full, child)
-            if isinstance(child, torch.nn.Module):
-                walk(child, full)
-
-    walk(model, "")
-    memo.digest = digest(tuple(out))  # thousands of settings in a large VAE: a digest, not kept whole
-    with _state_lock:
-        _state_memos[model] = memo
-    return memo.digest
+    tree = module_tree.tree(model, patcher)
+    if tree.hooked is not None:
+        raise Uncacheable(f"hooks on encoder module {tree.hooked!r}")
+    found = tree.memo.get("settings")
+    if found is not None and all(_setting(path, value) == field for path, value, field in found[1]):
+        return found[0]
+    out, mutables = [], []
+    for path, name, value in tree.settings:
+        full = f"{path}.{name}" if path else name
+        field = _setting(full, value)
+        if isinstance(value, (list, dict, set)):  # may change in place: compared by value on every use
+            mutables.append((full, value, field))
+        out.append((path, name, field))
+    found = tree.memo["settings"] = (digest(tuple(out)), mutables)  # thousands of settings in a VAE: a digest
+    return found[0]
 
 
 def _weights_loaded(module, patcher, started_ns: int | None = None) -> None:

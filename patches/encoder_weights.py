@@ -13,6 +13,8 @@ kind of check runs, per encoder module:
   edit (the edited weights become the reference of the new generation);
 - on every other encode, the cheap check (:meth:`caching.weight_edits.WeightWatch.quick`): its cost
   follows the number of tensors, never their bytes, and a move between devices is never an edit.
+  Later encodes of the same node run check only the embedding rows their tokens read (nothing else
+  can have touched the weights since the first).
 
 The setting ``conditioning.check_weight_edits`` picks the policy: ``events`` (the default, above),
 ``every_encode`` (a full fingerprint on every encode, for nodes that edit a few values of a large
@@ -30,16 +32,18 @@ import torch
 from ..caching.settings import SETTINGS
 from ..caching.weight_edits import SETTING, WeightWatch
 from . import lifecycle
+from .module_tree import weights as _base_weights
 
 
 class _Encoder:
-    __slots__ = ("watch", "lock", "dirty", "epoch", "embeddings", "loaded_ns", "__weakref__")
+    __slots__ = ("watch", "lock", "dirty", "epoch", "checked", "embeddings", "loaded_ns", "__weakref__")
 
     def __init__(self, module: torch.nn.Module):
         self.watch = WeightWatch()
         self.lock = threading.Lock()
         self.dirty = False  # weight patches applied or removed since the last full check
         self.epoch = None  # the node execution of the last full check
+        self.checked = None  # the node execution whose weights were last checked in all (full or cheap)
         self.embeddings = frozenset(f"{name}.weight" if name else "weight" for name, m in module.named_modules()
                                     if isinstance(m, torch.nn.Embedding))
         self.loaded_ns: int | None = None  # when its weights began loading, where known
@@ -65,39 +69,6 @@ def loaded_ns(module: torch.nn.Module) -> int | None:
     return None if found is None else found.loaded_ns
 
 
-def _base_weights(module: torch.nn.Module, patcher) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
-    """The weights an encode reads as its base (by name), as they are without object patches (a
-    clone's patched-in module or tensor: the originals are in the backup clones share), and the names
-    the patcher has patched over right now (their base values are in its weight backup)."""
-    weights_backup = getattr(patcher, "backup", None) or {}
-    objects_backup = getattr(patcher, "object_patches_backup", None) or {}
-    named: dict[str, torch.Tensor] = {}
-    patched, seen, modules = set(), set(), set()
-
-    def walk(m: torch.nn.Module, prefix: str) -> None:
-        if id(m) in modules:
-            return
-        modules.add(id(m))
-        for table in (m._parameters, m._buffers):
-            for name, t in table.items():
-                full = prefix + name
-                t = objects_backup.get(full, t)
-                if not isinstance(t, torch.Tensor) or id(t) in seen:
-                    continue
-                seen.add(id(t))
-                if full in weights_backup:
-                    patched.add(full)
-                else:
-                    named[full] = t
-        for name, child in m._modules.items():
-            child = objects_backup.get(prefix + name, child)
-            if isinstance(child, torch.nn.Module):
-                walk(child, f"{prefix}{name}.")
-
-    walk(module, "")
-    return named, frozenset(patched)
-
-
 _context = []  # ComfyUI's get_executing_context, once found (empty: not looked up yet)
 
 
@@ -118,7 +89,7 @@ def node_execution():
 def _full(enc: _Encoder, module, patcher) -> bool:
     named, patched = _base_weights(module, patcher)
     enc.dirty = False
-    enc.epoch = node_execution()
+    enc.epoch = enc.checked = node_execution()
     return enc.watch.full(named, patched, enc.embeddings)
 
 
@@ -159,12 +130,16 @@ def check(module: torch.nn.Module, patcher, token_ids=()) -> bool:
         if not enc.watch.ready:  # first sight of an encoder no loader registered
             _full(enc, module, patcher)
             return False
-        if mode == "every_encode" or (enc.dirty and (enc.epoch is None or node_execution() != enc.epoch)):
+        execution = node_execution()
+        if mode == "every_encode" or (enc.dirty and (enc.epoch is None or execution != enc.epoch)):
             return _full(enc, module, patcher)
         named, patched = _base_weights(module, patcher)
-        if enc.watch.quick(named, patched, token_ids):
+        # later encodes of one node run (a Prompt Batch) check only the embedding rows they read
+        rows_only = execution is not None and execution == enc.checked and not enc.dirty
+        if enc.watch.quick(named, patched, token_ids, rows_only=rows_only):
             _full(enc, module, patcher)  # the edited weights are the new generation's reference
             return True
+        enc.checked = execution
         return False
 
 

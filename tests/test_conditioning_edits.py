@@ -281,3 +281,29 @@ def test_module_settings_are_memoised_but_never_stale(cc):
     out = patched.encode_from_tokens(tokens)
     assert torch.equal(out, uncached(patched.encode_from_tokens, tokens)) and cc.CACHE.count("hits.text") == 1
     assert torch.equal(clip.encode_from_tokens(tokens), plain) and cc.CACHE.count("hits.text") == 2
+
+
+def test_later_encodes_of_one_node_run_check_the_rows_they_read(cc, tmp_path):
+    """A Prompt Batch checks the weights once per node run, then only the embedding rows each prompt
+    reads: a row edited before the run that only the second prompt reads still makes it miss."""
+    path = _files().write_tiny_clip_file(str(tmp_path), 0)
+    prompt = {"1": {"class_type": "RKTestFileCLIP", "inputs": {"path": path}},
+              "2": {"class_type": "ReuseKitPromptBatch", "inputs": {"prompts": "a red square\na blue circle",
+                                                                    "negative": ""}},
+              "3": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 0], "text": ["2", 0]}},
+              "4": {"class_type": "ReuseKitCacheStats", "inputs": {"after": ["3", 0]}}}
+    ex = rkharness.Executor()
+    ex.run(prompt)
+    first = ex.output("3")[0]
+    prompt["2"]["inputs"]["negative"] = "unused"  # so that ComfyUI runs the encode node again
+    clip = _files()._FILE_CLIPS[path]
+    _files().edit_weights(clip, "embedding_row", "circle")  # between two node runs, as another node would
+    quick = checks(clip)[1]
+    ex.run(prompt)
+    second = ex.output("3")[0]
+    assert torch.equal(second[0][0][0], first[0][0][0]) and cc.CACHE.count("hits.text") == 1  # "a red square"
+    fresh = _files().load_tiny_clip_file(path)
+    _files().edit_weights(fresh, "embedding_row", "circle")
+    expected = uncached(fresh.encode_from_tokens, fresh.tokenize("a blue circle"))
+    assert not torch.equal(second[1][0][0], first[1][0][0]) and torch.equal(second[1][0][0], expected)
+    assert checks(clip)[1] - quick == 2  # one check of every weight, then the second prompt's rows

@@ -306,6 +306,11 @@ export function createPanel(root, { actions, history }) {
     }
     input.dataset.rkSetting = key;
     input.title = key;
+    if (s.readonly) {
+      // set from the environment only (a tier's location): shown, never sent
+      input.disabled = true;
+      input.title = `${key}: set by ${s.env} in the environment`;
+    }
     const apply = async () => {
       let value;
       if (s.type === "bool") value = input.checked;

@@ -1,0 +1,156 @@
+"""One walk of an encoder's module tree, reused until the tree changes.
+
+Two parts of an encode's key read an encoder's modules: its settings (every plain attribute of every
+module: patches/conditioning.py) and its weights (the edit checks: patches/encoder_weights.py). Both
+take them from a :class:`ModuleTree`, the tree as it is without ComfyUI's object patches (their
+originals are in the patcher's ``object_patches_backup``, which clones share; ComfyUI 0.33+ marks an
+attribute a patch added as ``comfy.utils.ATTR_UNSET``).
+
+A tree is walked once per module and reused while :meth:`ModuleTree.fresh` holds: the object-patch
+backup has the same entries, every module's attribute dict the same size, every plain attribute and
+child module the same object (modules and bound methods by weak reference), every parameter and
+buffer table the same size, and no hook table has an entry. A plain attribute set, a child swapped, a
+weight added or removed, a hook or an object patch makes it stale: the next call walks again. The
+check costs one pass over those references, nothing that grows with the weights' bytes. Attributes
+ComfyUI rewrites while it loads, casts and unloads weights (``LOAD_STATE``) are not settings and are
+not followed.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+import weakref
+
+import torch
+
+# What ComfyUI writes on an encoder's modules while it loads, casts and unloads weights (keyed through
+# the patcher and load device instead), and the options an encode resets first (SD1ClipModel's
+# reset_clip_options: their values at the call follow from options_default and the keyed layer_idx).
+LOAD_STATE = frozenset({
+    "current_weight_patches_uuid", "model_loaded_weight_memory", "model_lowvram", "lowvram_patch_counter",
+    "model_offload_buffer_memory", "weight_function", "bias_function", "comfy_cast_weights",
+    "prev_comfy_cast_weights", "comfy_force_cast_weights", "comfy_patched_weights", "device", "execution_device"})
+RESET_OPTIONS = frozenset({"layer", "layer_idx", "return_projected_pooled"})
+HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+_MISSING = object()
+
+
+def _held(value):
+    return weakref.ref(value) if isinstance(value, (torch.nn.Module, types.MethodType)) else value
+
+
+class ModuleTree:
+    """A module tree as walked: ``settings`` (module path, attribute name, value as without object
+    patches), ``slots`` (parameter or buffer table, key, full name) of the weights, ``hooked`` (the path
+    of a module with hooks, or None) and ``memo``, where readers keep what they derive from it."""
+
+    __slots__ = ("settings", "slots", "hooked", "memo", "_refs", "_sizes", "_hooks", "_backup")
+
+    def __init__(self) -> None:
+        self.settings: list[tuple[str, str, object]] = []
+        self.slots: list[tuple[dict, str, str]] = []
+        self.hooked: str | None = None
+        self.memo: dict = {}
+        self._refs: list[tuple[dict, str, object, bool]] = []
+        self._sizes: list[tuple[dict, int]] = []
+        self._hooks: list[dict] = []
+        self._backup: list[tuple[str, object]] = []
+
+    def fresh(self, backup: dict) -> bool:
+        if len(backup) != len(self._backup) or any(backup.get(k, _MISSING) is not v for k, v in self._backup):
+            return False
+        if any(len(d) != n for d, n in self._sizes) or any(self._hooks):
+            return False
+        for d, name, held, weak in self._refs:
+            if d.get(name, _MISSING) is not (held() if weak else held):
+                return False
+        return True
+
+    def _walk(self, module: torch.nn.Module, backup: dict) -> None:
+        unset = getattr(sys.modules.get("comfy.utils"), "ATTR_UNSET", _MISSING)  # an object patch's "was absent"
+        seen_modules, seen_weights = set(), set()
+
+        def remember(d, name, value):
+            self._refs.append((d, name, _held(value), isinstance(value, (torch.nn.Module, types.MethodType))))
+
+        def walk(m: torch.nn.Module, path: str) -> None:
+            if id(m) in seen_modules:
+                return
+            seen_modules.add(id(m))
+            prefix = f"{path}." if path else ""
+            d = vars(m)
+            self._sizes.append((d, len(d)))
+            for name in HOOKS:
+                table = d.get(name)
+                if isinstance(table, dict):
+                    self._hooks.append(table)
+                    if table and self.hooked is None:
+                        self.hooked = path or type(m).__name__
+            reset = RESET_OPTIONS if hasattr(m, "reset_clip_options") else ()
+            for name, value in d.items():
+                if name.startswith("_") or name in LOAD_STATE or name in reset:
+                    continue
+                remember(d, name, value)
+                value = backup.get(prefix + name, value)
+                if value is unset or isinstance(value, (torch.Tensor, torch.nn.Module, types.MethodType)):
+                    continue
+                self.settings.append((path, name, value))
+            for table_name in ("_parameters", "_buffers"):
+                table = d.get(table_name) or {}
+                self._sizes.append((table, len(table)))
+                for key, t in table.items():
+                    full = prefix + key
+                    t = backup.get(full, t)
+                    if isinstance(t, torch.Tensor) and id(t) not in seen_weights:  # a tied weight once
+                        seen_weights.add(id(t))
+                        self.slots.append((table, key, full))
+            children = d.get("_modules") or {}
+            self._sizes.append((children, len(children)))
+            for name, child in children.items():
+                remember(children, name, child)
+                child = backup.get(prefix + name, child)
+                if isinstance(child, torch.nn.Module):
+                    walk(child, prefix + name)
+
+        self._backup = list(backup.items())
+        walk(module, "")
+
+
+_trees: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def tree(module: torch.nn.Module, patcher) -> ModuleTree:
+    """The module's tree, walked again only when it changed (see the module docstring)."""
+    backup = getattr(patcher, "object_patches_backup", None) or {}
+    with _lock:
+        found = _trees.get(module)
+    if found is not None and found.fresh(backup):
+        return found
+    made = ModuleTree()
+    made._walk(module, backup)
+    with _lock:
+        _trees[module] = made
+    return made
+
+
+def weights(module: torch.nn.Module, patcher) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
+    """The weights an encode reads as its base (by full name), and the names the patcher has patched
+    over right now (their base values are in its weight backup)."""
+    found = tree(module, patcher)
+    weights_backup = getattr(patcher, "backup", None) or {}
+    objects_backup = getattr(patcher, "object_patches_backup", None) or {}
+    named: dict[str, torch.Tensor] = {}
+    patched = []
+    for table, key, full in found.slots:
+        if full in weights_backup:
+            patched.append(full)
+            continue
+        t = objects_backup.get(full, _MISSING) if objects_backup else _MISSING
+        t = table.get(key) if t is _MISSING else t
+        if isinstance(t, torch.Tensor):
+            named[full] = t
+    return named, frozenset(patched)
