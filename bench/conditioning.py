@@ -5,7 +5,8 @@ unloads and reloads an encoder, full fingerprints in a Prompt Batch of 16; then 
 scenarios through the real executor in each ComfyUI cache mode, with and without ReuseKit, counting
 encoder forwards, and their wall time on a CLIP-L-size encoder; then the shared tiers: a whole
 disk-tier and Redis hit (an entry another process wrote) against an encode, and two ComfyUI server
-processes sharing them (Redis rows need Debian's redis-server).
+processes sharing them (Redis rows need Debian's redis-server); then a lazy text encoder (a 1.39 GB
+CLIP-G file; --quick: a 246 MB CLIP-L) on a restarted server against ComfyUI's CLIPLoader.
 
     .venv/bin/python bench/conditioning.py [--quick]
 
@@ -16,6 +17,7 @@ The scenario definitions are also used by tests/test_conditioning_workflows.py.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -436,6 +438,109 @@ def two_workers(rkharness, url, quick: bool) -> dict[str, int]:
     return out
 
 
+def _random_encoder_file(path: Path, big: bool) -> int:
+    """A text-encoder file ComfyUI's CLIPLoader detects: CLIP-G (SDXL's, 694M parameters, fp16: 1.39 GB) or,
+    with ``big`` false, CLIP-L (123M, 246 MB); seeded random weights. Returns its size."""
+    import comfy.sd1_clip
+    import comfy.sdxl_clip
+    import torch
+    from safetensors.torch import save_file
+
+    make = comfy.sdxl_clip.SDXLClipG if big else comfy.sd1_clip.SDClipModel
+    shapes = {k: (tuple(v.shape), v.dtype) for k, v in make(device="meta", dtype=torch.float16).transformer.state_dict().items()}
+    gen = torch.Generator().manual_seed(7)
+    sd = {}
+    for name, (shape, dtype) in shapes.items():
+        if not dtype.is_floating_point:
+            sd[name] = torch.arange(shape[-1], dtype=dtype).expand(shape).contiguous()
+        elif len(shape) == 1 and "norm" in name and name.endswith("weight"):
+            sd[name] = torch.ones(shape, dtype=torch.float16)
+        else:
+            sd[name] = (torch.randn(shape, generator=gen) * 0.02).to(torch.float16)
+    save_file(sd, str(path))
+    return path.stat().st_size
+
+
+def _prompt_seconds(server, prompt) -> float:
+    """From the start of a prompt's execution to its end, by ComfyUI's own timestamps (ms)."""
+    history = server.wait_for_prompt(server.queue(prompt), timeout=1800)
+    assert history["status"]["status_str"] == "success", (history["status"], server.log_text()[-3000:])
+    stamps = {event: data["timestamp"] for event, data in history["status"]["messages"]}
+    return (stamps["execution_success"] - stamps["execution_start"]) / 1000
+
+
+def lazy_table(rkharness, quick: bool) -> dict:
+    """The time from prompt to conditioning on a restarted server for a text encoder of at least 1 GB
+    (CLIP-G fp16, 1.39 GB; --quick: CLIP-L, 246 MB), three real ComfyUI server processes sharing a disk
+    tier and a user directory: A loads it with ComfyUI's CLIPLoader and encodes (the entry is written);
+    B, restarted, runs ReuseKit Lazy CLIP Loader on the same prompt (a disk hit: the weights are never
+    read); C, restarted, loads with CLIPLoader again and hits the disk tier. The file's hash is in the
+    memo (an earlier run hashed it). The file was just written: the page cache is warm, so the eager
+    loads here are as fast as they get (a cold disk makes them slower). Bytes read from the file by B:
+    its header (the lazy encoders' header_read_bytes) and any hashing (none)."""
+    import torch
+    from safetensors.torch import load_file
+
+    hashes_mod = rkharness.pack("caching.file_hashes")
+    work = Path(tempfile.mkdtemp(prefix="rk_bench_lazy_"))
+    try:
+        (work / "user").mkdir()
+        clip_file = work / ("rk_clip_l_bench.safetensors" if quick else "rk_clip_g_bench.safetensors")
+        size = _random_encoder_file(clip_file, big=not quick)
+        time.sleep(2.1)  # settled: the memo takes it
+        memo = hashes_mod.FileHashes(inline_bytes=1 << 62)
+        memo.memo = str(work / "user" / "reusekit" / "file_hashes.json")
+        assert memo.get(str(clip_file)) is not None and Path(memo.memo).is_file()
+        env = {"REUSEKIT_DISK_CACHE": str(work / "disk")}
+        args = ("--user-directory", str(work / "user"))
+        text = "a lighthouse on a cliff at dusk, oil painting, warm light"
+
+        def prompt(loader, out, probe=None):
+            p = {"1": {"class_type": loader, "inputs": {"clip_name": clip_file.name, "type": "stable_diffusion"}},
+                 "2": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 0], "text": text}},
+                 "3": {"class_type": "RKTestSaveConditioning", "inputs": {"conditioning": ["2", 0], "path": str(out)}}}
+            if probe:  # queued after the timed prompt: ComfyUI's cache answers the loader and the encode
+                p["4"] = {"class_type": "RKTestLazyProbe", "inputs": {"clip": ["1", 0], "after": ["2", 0],
+                                                                       "path": str(clip_file), "out": str(probe)}}
+            return p
+
+        def on(server):
+            folder = server.base / "models" / "text_encoders"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / clip_file.name).symlink_to(clip_file)
+            return server
+
+        runs = {}
+        for name, loader in (("eager", "CLIPLoader"), ("lazy", "ReuseKitLazyCLIPLoader"), ("eager_hit", "CLIPLoader")):
+            with rkharness.running_server(*args, env=env) as server:
+                on(server)
+                probe = work / f"{name}.json" if name == "lazy" else None
+                seconds = _prompt_seconds(server, prompt(loader, work / f"{name}.st"))
+                stats = {c["name"]: c for c in server.get("/reusekit/stats")["caches"]}
+                if probe:
+                    _prompt_seconds(server, prompt(loader, work / f"{name}.st", probe))
+                runs[name] = (seconds, stats, json.loads(probe.read_text()) if probe else None)
+        lazy_stats, lazy_probe = runs["lazy"][1], runs["lazy"][2]
+        counters = lazy_stats["conditioning_lazy"]["counters"]
+        assert counters["weights_loaded"] == 0 and counters["encodes_without_weights"] == 1, counters
+        assert lazy_probe["pending"] and not lazy_probe["mapped"] and lazy_probe["hashed_bytes"] == 0, lazy_probe
+        same = [load_file(work / f"{n}.st") for n in ("eager", "lazy", "eager_hit")]
+        assert all(torch.equal(same[0][k], other[k]) for other in same[1:] for k in same[0]), "outputs differ"
+        read = counters["header_read_bytes"] + lazy_probe["hashed_bytes"]
+        label = "CLIP-G fp16" if not quick else "CLIP-L fp16 (--quick)"
+        print(f"\n== a restarted server, prompt to conditioning, {label}, {size / 2**30:.2f} GiB file ==")
+        print(f"{'run':44} {'seconds':>8}")
+        print(f"{'A  CLIPLoader: load + encode':44} {runs['eager'][0]:8.2f}")
+        print(f"{'B  Lazy CLIP Loader: disk hit, no weights':44} {runs['lazy'][0]:8.2f}")
+        print(f"{'C  CLIPLoader: load + disk hit':44} {runs['eager_hit'][0]:8.2f}")
+        print(f"B read {read} bytes of the file (its header), stored {lazy_probe['stored_bytes']} bytes of weights; "
+              f"outputs bit-identical")
+        return {"bytes_read": read, "lazy_s": runs["lazy"][0], "eager_s": runs["eager"][0],
+                "eager_hit_s": runs["eager_hit"][0], "file_gib": size / 2**30}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     quick = "--quick" in sys.argv
     root = Path(__file__).resolve().parents[1]
@@ -490,6 +595,7 @@ def main() -> None:
         with redis_server(rkharness) as url:
             shared = shared_table(rkharness, quick, url)
             workers = two_workers(rkharness, url, quick)
+        lazy = lazy_table(rkharness, quick)
 
     n = len(table) * len(MODES)
     speedup = wall[False] / wall[True]
@@ -507,7 +613,10 @@ def main() -> None:
           f"unchecked_text_hit_over_miss={ratio('text (CLIP-L', 'off'):.4f} "
           f"unchecked_vae_hit_over_miss={ratio('VAE', 'off'):.4f} "
           f"disk_hit_over_miss={shared['disk']:.4f} redis_hit_over_miss={shared['redis']:.4f} "
-          f"second_worker_encodes={max(workers.values())}")
+          f"second_worker_encodes={max(workers.values())} "
+          f"lazy_hit_bytes_read={lazy['bytes_read']} lazy_hit_s={lazy['lazy_s']:.2f} "
+          f"eager_load_encode_s={lazy['eager_s']:.2f} lazy_hit_over_eager={lazy['lazy_s'] / lazy['eager_s']:.4f} "
+          f"lazy_file_gib={lazy['file_gib']:.2f}")
 
 
 if __name__ == "__main__":

@@ -5,13 +5,16 @@ a reference with the cache off."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
 
 import torch
 
-from .conditioning import _pack_module
+from . import conditioning
+
+_pack_module = functools.cache(conditioning._pack_module)  # a walk of every loaded module: once per name
 
 ENV_DIR = "RK_LAZY_CLIP_DIR"  # where RKTestLazyTinyCLIP keeps its files (shared by the servers of a test)
 
