@@ -21,6 +21,7 @@ OLD_THRESHOLD = "rel_l1_thresh"
 OLD_MEANING = {"rule": "teacache", "residual_mode": "reuse"}
 DEFAULTS = {"threshold": -1.0, "rule": "auto", "residual_mode": "auto"}
 """What an absent input means in a prompt written for today's inputs (the widgets' defaults)."""
+LEFT_OUT = object()  # execute()'s default for those three: ComfyUI passes no argument for an absent input
 
 
 def _cache_inputs() -> list:
@@ -32,20 +33,25 @@ def _cache_inputs() -> list:
                                "modulated input, rescaled by a per-model polynomial. magcache: the calibrated "
                                "ratio of consecutive residual magnitudes. first_block: the first block always "
                                "runs and the rest is skipped while its residual barely changes (no calibration). "
-                               "auto: the family's benchmarked rule (first_block while that rule has no published or "
-                               "calibrated table for this model)."),
+                               "schedule: a plan made when sampling starts, from the model's residual table, that "
+                               "keeps every skipped stretch's error under the threshold; under CFG some steps "
+                               "compute the cond alone and rebuild the uncond from the last measured difference "
+                               "(half the work). auto: the family's benchmarked rule (first_block while that rule "
+                               "has no published or calibrated table for this model)."),
         io.Float.Input("threshold", default=-1.0, min=-1.0, max=10.0, step=0.01, optional=True,
                        tooltip="Skip while the rule's accumulated distance stays under this (teacache: rescaled "
                                "relative L1 of the modulated input; magcache: accumulated |1 - magnitude ratio|; "
-                               "first_block: relative L1 change of the first block's residual). 0 computes every "
+                               "first_block: relative L1 change of the first block's residual; schedule: each "
+                               "skipped stretch's estimated error in the result, relative). 0 computes every "
                                "step (exact); higher skips more. -1 takes the family's benchmarked default for "
                                "the rule."),
         io.Combo.Input("model_type", options=list(patch.MODEL_TYPES), default="auto", optional=True,
                        tooltip="Which table the rule uses (teacache: rescale polynomial; magcache: magnitude "
-                               "ratios; first_block needs none). auto: this model's calibration if one was made, "
-                               "else the published one for its variant (Flux.1, Kontext, HunyuanVideo, Wan 2.1; "
-                               "other families need a calibration). calibrated: only a calibration (see ReuseKit "
-                               "TeaCache Calibrate)."),
+                               "ratios; schedule: residual table; first_block needs none). auto: this model's "
+                               "calibration if one was made, else the published one for its variant (Flux.1, "
+                               "Kontext, HunyuanVideo, Wan 2.1; schedule: the one ReuseKit measured for the family's "
+                               "benchmark model, Flux and Wan; other families need a calibration). calibrated: "
+                               "only a calibration (see ReuseKit TeaCache Calibrate)."),
         io.Float.Input("start_percent", default=0.0, min=0.0, max=1.0, step=0.01, optional=True,
                        tooltip="Never skip before this fraction of the schedule."),
         io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.01, optional=True,
@@ -73,7 +79,8 @@ def make_config(node: str, model_type: str, threshold: float, start_percent: flo
         raise bad("rule", f"must be one of {', '.join(patch.RULES)}, got {rule!r}")
     if model_type not in patch.MODEL_TYPES:
         raise bad("model_type", f"must be one of {', '.join(patch.MODEL_TYPES)}, got {model_type!r}")
-    if not (threshold >= 0.0 or threshold == -1.0) or threshold == float("inf"):
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) \
+            or not (threshold >= 0.0 or threshold == -1.0) or threshold == float("inf"):
         raise bad("threshold", f"must be a finite number >= 0, or -1 for the family's default, got {threshold!r}")
     for name, v in (("start_percent", start_percent), ("end_percent", end_percent)):
         if not (0.0 <= v <= 1.0):
@@ -92,7 +99,7 @@ def make_config(node: str, model_type: str, threshold: float, start_percent: flo
 
 
 def given_inputs(cls, node: str, threshold, rule, residual_mode, passed: dict) -> tuple[float, str, str]:
-    """(threshold, rule, residual_mode) as the node runs them: an absent one (None) takes its default,
+    """(threshold, rule, residual_mode) as the node runs them: an absent one (LEFT_OUT) takes its default,
     or in a prompt written for the old inputs (rel_l1_thresh) the meaning it had then, said once."""
     old = compat.old_inputs(cls, (OLD_THRESHOLD,), passed)
     values = {"threshold": threshold, "rule": rule, "residual_mode": residual_mode}
@@ -100,16 +107,16 @@ def given_inputs(cls, node: str, threshold, rule, residual_mode, passed: dict) -
         rel = old[OLD_THRESHOLD]
         if isinstance(rel, bool) or not isinstance(rel, (int, float)) or not (0.0 <= rel < math.inf):
             raise ValueError(f"{node}: {OLD_THRESHOLD} (now threshold) must be a finite number >= 0, got {rel!r}")
-        if threshold is not None and threshold != rel:
+        if threshold is not LEFT_OUT and threshold != rel:
             raise ValueError(f"{node}: threshold ({threshold!r}) and its old name {OLD_THRESHOLD} ({rel!r}) "
                              "disagree; give threshold only")
         values["threshold"] = float(rel)
-        values.update((k, v) for k, v in OLD_MEANING.items() if values[k] is None)
+        values.update((k, v) for k, v in OLD_MEANING.items() if values[k] is LEFT_OUT)
         host.say_once(f"compat:{node}:{sorted(values.items())}", "%s: a prompt saved with %s (renamed threshold): "
                       "read as threshold=%s, rule=%s, residual_mode=%s, as it meant then; save the workflow again to "
                       "store the new inputs", node, OLD_THRESHOLD, values["threshold"], values["rule"],
                       values["residual_mode"])
-    values.update((k, v) for k, v in DEFAULTS.items() if values[k] is None)
+    values.update((k, v) for k, v in DEFAULTS.items() if values[k] is LEFT_OUT)
     return values["threshold"], values["rule"], values["residual_mode"]
 
 
@@ -128,21 +135,22 @@ class TeaCacheNode(io.ComfyNode):
             display_name="ReuseKit Step Cache (TeaCache, MagCache, First-Block)",
             category=AREA,
             description="Skips transformer steps whose output would barely change, adding the last residual "
-                        "instead (rules: TeaCache, MagCache, First-Block-Cache). Separate state per cond/uncond; "
-                        "starts clean on every run and on any shape change. Works with any sampler; reports "
-                        "computed and skipped steps in the log and the panel.",
+                        "instead (rules: TeaCache, MagCache, First-Block-Cache, and a schedule planned from the "
+                        "model's residuals with cond-only steps). Separate state per cond/uncond; starts clean on "
+                        "every run and on any shape change. Works with any sampler; reports computed and skipped "
+                        "steps in the log and the panel.",
             inputs=[io.Model.Input("model", tooltip="The diffusion model (Flux, Flux Kontext, Flux.2, Chroma, "
                                                     "Chroma Radiance, HunyuanVideo, HunyuanVideo 1.5, Wan 2.1/2.2 "
                                                     "(S2V on ComfyUI 0.33+), Qwen-Image incl. Edit, LTXV, "
-                                                    "Mochi).")]
+                                                    "LTX-2, Mochi).")]
             + _cache_inputs(),
             outputs=[io.Model.Output(tooltip="A copy of the model with the step cache attached.")],
             hidden=compat.HIDDEN,
         )
 
     @classmethod
-    def execute(cls, model, model_type="auto", threshold=None, start_percent=0.0, end_percent=1.0,
-                max_consecutive_skips=0, cache_device="device", residual_mode=None, rule=None,
+    def execute(cls, model, model_type="auto", threshold=LEFT_OUT, start_percent=0.0, end_percent=1.0,
+                max_consecutive_skips=0, cache_device="device", residual_mode=LEFT_OUT, rule=LEFT_OUT,
                 **linked_old) -> io.NodeOutput:
         node = "ReuseKit TeaCache"
         threshold, rule, residual_mode = given_inputs(cls, node, threshold, rule, residual_mode, linked_old)
@@ -159,8 +167,10 @@ class TeaCacheCalibrateNode(io.ComfyNode):
             display_name="ReuseKit TeaCache Calibrate",
             category=AREA,
             description="Run one full sampling with this model to measure what the calibrated rules need: the "
-                        "TeaCache polynomial (modulated-input change -> residual change) and the MagCache "
-                        "residual-magnitude ratios per cond against sigma. Nothing is skipped; only a complete "
+                        "TeaCache polynomial (modulated-input change -> residual change), the MagCache "
+                        "residual-magnitude ratios per cond against sigma and the schedule rule's residual table "
+                        "(with a cheap skipped pass per step: how much a residual's error moves the output). "
+                        "Nothing is skipped in the result; only a complete "
                         "run of 5+ steps is saved, per model (user/reusekit/teacache_calibration.json), and later "
                         "step-cache runs with model_type auto or calibrated use it.",
             inputs=[io.Model.Input("model", tooltip="The diffusion model to calibrate; sample with it once "
@@ -195,8 +205,8 @@ class CachedKSamplerNode(SamplerInputs, io.ComfyNode):
 
     @classmethod
     def execute(cls, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise,
-                model_type="auto", threshold=None, start_percent=0.0, end_percent=1.0, max_consecutive_skips=0,
-                cache_device="device", residual_mode=None, rule=None, **linked_old) -> io.NodeOutput:
+                model_type="auto", threshold=LEFT_OUT, start_percent=0.0, end_percent=1.0, max_consecutive_skips=0,
+                cache_device="device", residual_mode=LEFT_OUT, rule=LEFT_OUT, **linked_old) -> io.NodeOutput:
         import nodes
 
         node = cls.NODE
