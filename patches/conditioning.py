@@ -423,10 +423,13 @@ def _patch_digest(weights) -> str:
     return found
 
 
-def _weight_layout(module) -> tuple:
-    """Names, dtypes and shapes of the module's weights: the same file loaded in another precision differs."""
-    return digest(tuple((name, str(t.dtype), tuple(t.shape))
-                        for name, t in (*module.named_parameters(), *module.named_buffers())))
+def _weight_layout(module, patcher) -> tuple:
+    """Names, dtypes and shapes of the module's weights (as without weight patches: their originals
+    are in the patcher's backup): the same file loaded in another precision differs."""
+    named, patched = module_tree.weights(module, patcher)
+    backup = getattr(patcher, "backup", None) or {}
+    named.update({name: getattr(backup[name], "weight", backup[name]) for name in patched})
+    return digest(tuple((name, str(t.dtype), tuple(t.shape)) for name, t in sorted(named.items())))
 
 
 def _host_versions() -> tuple:
@@ -494,7 +497,7 @@ def shared_key(key: Key, module, patcher=None) -> SharedKey | None:
         return None
     at = _GENERATION_AT[key.kind]
     fields = key.fields[:at] + key.fields[at + 1:]
-    tree = (FORMAT, key.kind, _host_versions(), (source[1], hashes, source[3]), _weight_layout(module),
+    tree = (FORMAT, key.kind, _host_versions(), (source[1], hashes, source[3]), _weight_layout(module, patcher),
             tuple(_patch_digest(w) for w in key.weights), _portable(fields))
     return SharedKey(tree, _local_devices(patcher))
 
