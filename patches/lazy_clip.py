@@ -136,7 +136,7 @@ def lazily():
 
 
 def wanted() -> bool:
-    return getattr(_local, "requested", 0) > 0 or bool(SETTINGS.get(SETTING))
+    return _active and (getattr(_local, "requested", 0) > 0 or bool(SETTINGS.get(SETTING)))
 
 
 def quiet() -> bool:
@@ -334,7 +334,7 @@ def materialise(module, patcher) -> None:
             _local.materialising = False
         after = tuple(FileHashes.stamp(p) for p in found.paths)
         fresh = loaded.cond_stage_model
-        if type(fresh) is not type(module):
+        if _class_name(fresh) != _class_name(module):  # by name: some loaders make the class per call
             raise RuntimeError(f"ReuseKit Lazy CLIP Loader: {found.paths} now hold a {type(fresh).__name__}, "
                                f"not the {type(module).__name__} built from their header")
         loaded.patcher.detach()  # undo whatever ComfyUI's load did with its own patcher
@@ -359,6 +359,10 @@ def materialise(module, patcher) -> None:
         encoder_weights.register(module, patcher)  # the reference of its edit checks, as loaded
 
 
+def _class_name(obj) -> tuple[str, str]:
+    return type(obj).__module__, type(obj).__qualname__
+
+
 def _require_intact(module) -> None:
     try:
         check_intact(module)
@@ -369,7 +373,9 @@ def _require_intact(module) -> None:
 
 # ---- the seams ---------------------------------------------------------------------------------------
 
-_originals: dict[tuple[object, str], object] = {}
+_originals: dict[tuple[object, str], object] = {}  # (owner, name) -> ComfyUI's, while ours is in place
+_replacements: dict[tuple[object, str], object] = {}
+_active = False  # building lazily is on (our functions pass straight through when off)
 _install_lock = threading.Lock()
 
 
@@ -380,7 +386,7 @@ def _methods():
 
     def load_torch_file(ckpt, *args, **kwargs):
         building = getattr(_local, "building", None)
-        if building is not None:
+        if building is not None and _active:
             found = building.get(os.path.realpath(os.fspath(ckpt)))
             if found is not None:
                 sd, metadata = found
@@ -420,10 +426,12 @@ def _before_load(patcher, *args, **kwargs) -> None:
 
 def install() -> bool:
     """Put the seams in place (idempotent); False when the host's differ (no lazy encoder is then built)."""
+    global _active
     with _install_lock:
-        if _originals:
+        if _active:
             return True
-        methods = [m for m in _methods() if m[4] or hasattr(m[0], m[1])]
+        # a function another pack wrapped over ours at an uninstall is still ours inside: only the rest
+        methods = [m for m in _methods() if (m[0], m[1]) not in _originals and (m[4] or hasattr(m[0], m[1]))]
         if not all(host.check(FEATURE, f"{getattr(o, '__name__', o)}.{n}", getattr(o, n, None), p)
                    for o, n, _, p, _ in methods):
             return False
@@ -431,6 +439,8 @@ def install() -> bool:
             _originals[(owner, name)] = getattr(owner, name)
             fn.__reusekit__ = True
             setattr(owner, name, fn)
+            _replacements[(owner, name)] = fn
+        _active = True
     lifecycle.add_listener("load", _before_load)
     for name in COUNTERS:  # shown from the start, zero or not
         STATS.incr(name, 0)
@@ -438,18 +448,21 @@ def install() -> bool:
 
 
 def installed() -> bool:
-    return bool(_originals)
+    return _active
 
 
 def uninstall() -> None:
-    """Put ComfyUI's functions back where ours are still in place (idempotent). Lazy encoders built
-    before cannot load their weights afterwards."""
+    """Put ComfyUI's functions back where ours are still in place (idempotent); one another pack wrapped
+    later stays, ours inside it passing straight through. Lazy encoders built before cannot load their
+    weights afterwards."""
+    global _active
     lifecycle.remove_listener("load", _before_load)
     with _install_lock:
-        for (owner, name), original in list(_originals.items()):
-            if getattr(getattr(owner, name, None), "__reusekit__", False):
-                setattr(owner, name, original)
-        _originals.clear()
+        for (owner, name), fn in list(_replacements.items()):
+            if getattr(owner, name, None) is fn:
+                setattr(owner, name, _originals.pop((owner, name)))
+                del _replacements[(owner, name)]
+        _active = False
 
 
 SETTINGS.define(SETTING, bool, os.environ.get("REUSEKIT_LAZY_TEXT_ENCODERS", "").strip().lower() in ("1", "true", "on", "yes"),

@@ -196,12 +196,30 @@ def test_a_lazy_clip_answers_a_prompt_seen_before_without_its_weights(lazy):
     assert before["pending"] and before["stored_bytes"] <= 64 and before["stored"] <= 2, before  # logit_scale
     out = encode(clip)
     after = files().probe(clip, path)
+    before.pop("hashed_bytes"), after.pop("hashed_bytes")  # this process's, other tests' files included
     assert equal(out, ref) and after == before and not after["mapped"]
     assert lazy.cc.CACHE.count("encodes") == 1 and lazy.tiers.TIERS.stats["disk"].counter("hits") == 1
     size = os.path.getsize(path)
     assert count(lazy, "lazy_encoders") == 1 and count(lazy, "weights_loaded") == 0
     assert count(lazy, "encodes_without_weights") == 1 and count(lazy, "loads_avoided") == 1
     assert count(lazy, "not_read_bytes") == size and 0 < count(lazy, "header_read_bytes") < size / 50
+
+
+def test_a_fleet_worker_answers_from_the_redis_tier_without_its_weights(lazy):
+    """Redis only (another host's worker wrote the entry): a lazy CLIP answers without its weights."""
+    from test_conditioning_tiers import redis_server
+
+    path = files().write_tiny_clip_l(str(lazy.files), 0)
+    with redis_server() as server:
+        lazy.settings.update({"conditioning.disk.enabled": False, "conditioning.redis.enabled": True,
+                              "conditioning.redis.url": server.url}, trusted=True)
+        ref = files().reference(path, TEXT)
+        assert equal(encode(files().load(path, lazy=False)), ref)
+        assert lazy.tiers.TIERS.redis.flush(10) and server.client.keys("reusekit:cond:*")
+        lazy.cc.CACHE.clear()
+        clip = files().load(path)
+        assert equal(encode(clip), ref) and lazy.lc.pending(clip.cond_stage_model)
+        assert lazy.tiers.TIERS.stats["redis"].counter("hits") == 1 and count(lazy, "weights_loaded") == 0
 
 
 def test_a_new_prompt_loads_the_weights_once_in_place_and_clones_see_them(lazy):
@@ -220,6 +238,21 @@ def test_a_new_prompt_loads_the_weights_once_in_place_and_clones_see_them(lazy):
     assert sorted(mine) == sorted(eager) and all(torch.equal(mine[k], eager[k]) for k in eager)
     assert not any(t.is_meta for t in mine.values())
     assert count(lazy, "loads_avoided") == 0 and count(lazy, "not_read_bytes") == 0
+
+
+def test_a_dual_encoder_flux_clip_l_and_t5_is_lazy_too(lazy):
+    """DualCLIPLoader's path with ComfyUI's Flux CLIP-L + T5-XXL classes (tiny sizes): both files' headers
+    only; a prompt seen before is a hit without weights, a new one loads both, bit-identical."""
+    paths = [files().write_tiny_clip_l(str(lazy.files), 0), files().write_tiny_t5(str(lazy.files), 3)]
+    ref = files().reference(paths, TEXT, clip_type="flux")
+    assert equal(encode(files().load(paths, lazy=False, clip_type="flux")), ref)
+    lazy.cc.CACHE.clear()
+    clip = files().load(paths, clip_type="flux")
+    assert equal(encode(clip), ref) and lazy.lc.pending(clip.cond_stage_model)
+    assert count(lazy, "not_read_bytes") == sum(os.path.getsize(p) for p in paths)
+    new = encode(clip, "a new prompt")
+    assert not lazy.lc.pending(clip.cond_stage_model) and count(lazy, "weights_loaded") == 1
+    assert equal(new, files().reference(paths, "a new prompt", clip_type="flux"))
 
 
 def test_a_lora_on_a_lazy_clip_is_keyed_by_its_content(lazy):

@@ -19,11 +19,31 @@ _pack_module = functools.cache(conditioning._pack_module)  # a walk of every loa
 ENV_DIR = "RK_LAZY_CLIP_DIR"  # where RKTestLazyTinyCLIP keeps its files (shared by the servers of a test)
 
 
+T5_CONFIG = {"d_ff": 64, "d_kv": 16, "d_model": 32, "num_heads": 2, "num_layers": 2}  # a tiny T5-XXL
+
+
 def tiny_options() -> dict:
-    """``model_options`` that size ComfyUI's CLIP-L to the tiny CLIP (through its long-CLIP detection)."""
+    """``model_options`` that size ComfyUI's CLIP-L to the tiny CLIP (through its long-CLIP detection) and
+    its T5-XXL to :data:`T5_CONFIG`."""
     from . import _SHAPES
 
-    return {"model_config": dict(_SHAPES.CLIP_CONFIG)}
+    return {"model_config": dict(_SHAPES.CLIP_CONFIG), "t5xxl_model_config": dict(T5_CONFIG)}
+
+
+def write_tiny_t5(folder: str, seed: int = 0) -> str:
+    """A tiny T5-XXL (ComfyUI's own T5XXLModel at :data:`T5_CONFIG`, seeded weights) as a t5xxl-format file."""
+    import comfy.text_encoders.sd3_clip
+    from safetensors.torch import save_file
+
+    from . import fill_weights
+
+    path = os.path.join(folder, f"tiny_t5xxl_{seed}.safetensors")
+    if not os.path.exists(path):
+        model = comfy.text_encoders.sd3_clip.T5XXLModel(device="cpu", dtype=torch.float32,
+                                                        model_options={"t5xxl_model_config": dict(T5_CONFIG)})
+        fill_weights(model, seed)
+        save_file({k: v.detach().contiguous() for k, v in model.transformer.state_dict().items()}, path)
+    return path
 
 
 def write_tiny_clip_l(folder: str, seed: int = 0, name: str | None = None, overwrite: bool = False) -> str:
@@ -41,18 +61,20 @@ def write_tiny_clip_l(folder: str, seed: int = 0, name: str | None = None, overw
     return path
 
 
-def load(path: str, lazy: bool = True):
-    """The tiny CLIP-L file through ComfyUI's ``comfy.sd.load_clip``, lazily as the Lazy CLIP Loader
-    node does (and marked like its output), or as ComfyUI loads it."""
+def load(path, lazy: bool = True, clip_type: str = "stable_diffusion"):
+    """Tiny encoder files (a path, or a list: Dual / Triple) through ComfyUI's ``comfy.sd.load_clip``,
+    lazily as the Lazy CLIP Loader nodes do (and marked like their output), or as ComfyUI loads them."""
     import comfy.sd
 
     lazy_clip = _pack_module("patches.lazy_clip")
     conditioning = _pack_module("patches.conditioning")
+    paths = [path] if isinstance(path, str) else list(path)
+    kind = getattr(comfy.sd.CLIPType, clip_type.upper())
     if not lazy:
-        return comfy.sd.load_clip([path], model_options=tiny_options())
+        return comfy.sd.load_clip(paths, clip_type=kind, model_options=tiny_options())
     conditioning.install()
     with lazy_clip.lazily():
-        clip = comfy.sd.load_clip([path], model_options=tiny_options())
+        clip = comfy.sd.load_clip(paths, clip_type=kind, model_options=tiny_options())
     conditioning.mark(clip.patcher)
     return clip
 
@@ -129,12 +151,12 @@ class RKTestLazyProbe:
         return {}
 
 
-def reference(path: str, text: str, lora: dict | None = None, strength: float = 1.0):
-    """(cond, pooled) of ``text`` by the file loaded as ComfyUI loads it, encoded with the cache off."""
+def reference(path, text: str, lora: dict | None = None, strength: float = 1.0, clip_type: str = "stable_diffusion"):
+    """(cond, pooled) of ``text`` by the file(s) loaded as ComfyUI loads them, encoded with the cache off."""
     import comfy.sd
 
     settings = _pack_module("caching.settings").SETTINGS
-    clip = load(path, lazy=False)
+    clip = load(path, lazy=False, clip_type=clip_type)
     if lora is not None:
         _, clip = comfy.sd.load_lora_for_models(None, clip, lora, 0.0, strength)
     before = settings.get("conditioning.enabled")
