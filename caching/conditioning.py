@@ -587,6 +587,7 @@ CACHE.stats = REGISTRY.register(
     "Text-encoder, CLIP-vision and VAE-encode outputs keyed by what the encoder sees (exact).",
     clear=CACHE.clear)
 _death_listeners.append(CACHE.owner_died)
+REGISTRY.add_settler(CACHE.reap)  # a snapshot never shows a dead encoder's entries
 
 SETTINGS.define("conditioning.enabled", bool, _env_enabled(),
                 "Global mode: every text, CLIP-vision and VAE encode goes through the conditioning "
