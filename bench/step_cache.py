@@ -17,12 +17,13 @@ No prompt is in two of these sets, and none was drawn for training.
 Methods. Baselines are the published rules with their published residual reuse: TeaCache (published and
 calibrated polynomials), MagCache (published and calibrated ratios), First-Block-Cache, run by
 ReuseKit's node with ``residual_mode="reuse"``, and the host's EasyCache and LazyCache nodes.
-ReuseKit's own: the same rules with its forecasts (``extrapolate``), and the ``schedule`` rule (a plan
-made at the run's start from the model's residual table, with cond-only steps; calibrated, or with the
-table shipped for the family), and the node's defaults. Every rule offers both sides the same skip
-limits and windows, each picked on the tuning prompts: none (K 0, window 0-1), TeaCache's published
-(at most 3 skips in a row, the last step computed), MagCache's published (K and retention: Flux K5
-R0.1, Wan K4 R0.2); core's nodes their window 0-1 or their own 0.15-0.95. The published
+ReuseKit's own: the ``schedule`` rule (a plan made at the run's start from the model's residual table,
+with cond-only steps; calibrated, or with the table shipped for the family; reusing or extrapolating
+residuals), and the node's defaults. The baseline rules pick their skip limit and window on the tuning
+prompts from: none (K 0, window 0-1), TeaCache's published (at most 3 skips in a row, the last step
+computed), MagCache's published (K and retention: Flux K5 R0.1, Wan K4 R0.2); core's nodes their
+window 0-1 or their own 0.15-0.95. The schedule rule runs with none: it plans within any limits it is
+given, so they could only restrict its plan (the node's inputs take them alike). The published
 configurations are rows of their own: MagCache E0.24 K5 R0.1 (Flux) / E0.12 K4 R0.2 (Wan), and
 ComfyUI-TeaCache's recommended thresholds (Flux 0.4, Wan 1.3B 0.08) with max_skip 3 and the last step
 computed.
@@ -30,9 +31,10 @@ computed.
 Protocol per method and step count. Its thresholds (a log grid, refined where the tuning runs cross
 the floors) run on the tuning prompts; the fastest setting (skip limit, window, threshold) whose
 tuning mean PSNR is >= 30 dB and worst run >= 25 dB is picked, and then evaluated once, with the
-grid's thresholds on either side of it, on the evaluation prompts. Each method's speedup at equal
-quality is read off its evaluated Pareto curve (speedup against mean and worst PSNR, with the uncached
-run at 1x) by linear interpolation at 30 dB mean and 25 dB worst.
+tuned thresholds next to it until the floors are bracketed (the next one up where the pick keeps
+them, else down until one does), on the evaluation prompts. Each method's speedup at equal quality is
+read off its evaluated Pareto curve (speedup against mean and worst PSNR) by linear interpolation at
+30 dB mean and 25 dB worst between measured points (1x, uncached, where none keeps them).
 
 Quality of each run against the uncached run of the same prompt and seed: PSNR and SSIM of the picture
 (the stand-ins' latent is an exact picture code, no VAE) by scikit-image, and the final latent's
@@ -90,7 +92,7 @@ MAGCACHE_PUBLISHED = {"flux": (0.24, 5, 0.1), "wan": (0.12, 4, 0.2)}  # E, K, R
 TEACACHE_PUBLISHED = {"flux": 0.4, "wan": 0.08}  # ComfyUI-TeaCache's recommended rel_l1_thresh (max_skip 3)
 GRIDS = {"teacache": (0.05, 1.6), "magcache": (0.02, 1.0), "first_block": (0.02, 0.6), "schedule": (0.002, 0.3),
          "core": (0.02, 0.6)}
-COARSE, REFINE = 7, 3  # grid points, then refinements at the floors' crossing (quick: 5, 1)
+COARSE, REFINE = 7, 2  # grid points, then refinements at the floors' crossing (quick: 5, 1)
 TABLE_STEPS = 50  # the step count the shipped schedule tables are measured at (finest grid)
 SENSITIVITY_STEPS = 20  # ... and their sensitivity (coarsest: conservative near the end at finer counts)
 
@@ -109,20 +111,18 @@ def methods(family: str) -> list[dict]:
     pub = PUBLISHED[family]
     every = list(combos(family))
     out = []
-    for rule, source, kind, mode in (("teacache", pub, "baseline", "reuse"), ("teacache", "calibrated", "baseline", "reuse"),
-                                     ("magcache", pub, "baseline", "reuse"), ("magcache", "calibrated", "baseline", "reuse"),
-                                     ("first_block", "auto", "baseline", "reuse"),
-                                     ("teacache", "calibrated", "reusekit", "extrapolate"),
-                                     ("magcache", "calibrated", "reusekit", "extrapolate")):
+    for rule, source in (("teacache", pub), ("teacache", "calibrated"), ("magcache", pub), ("magcache", "calibrated"),
+                         ("first_block", "auto")):
         table = {"auto": "", "calibrated": " calibrated"}.get(source, " published")
-        out.append(dict(name=f"{rule}{table} {mode}", kind=kind, rule=rule, model_type=source, mode=mode,
+        out.append(dict(name=f"{rule}{table} reuse", kind="baseline", rule=rule, model_type=source, mode="reuse",
                         combos=every, grid=rule))
     for node in ("easycache", "lazycache"):
         out.append(dict(name=f"core {node}", kind="baseline", core=node, combos=["0-1", ".15-.95"], grid="core"))
+    # the schedule rule plans within whatever limits it is given (they can only restrict its plan): it runs free
     for source, label in (("calibrated", "calibrated"), ("auto", "shipped table")):
         for mode in ("reuse", "extrapolate"):
             out.append(dict(name=f"schedule {label} {mode}", kind="reusekit", rule="schedule", model_type=source,
-                            mode=mode, combos=every, grid="schedule"))
+                            mode=mode, combos=["free"], grid="schedule"))
     out.append(dict(name="node defaults", kind="reusekit", defaults=True, combos=["free"], grid=None))
     return out
 
@@ -324,19 +324,34 @@ def tune(bench: Bench, method: dict, steps: int, tuning: list, refs: dict) -> tu
 
 def evaluate(bench: Bench, method: dict, steps: int, picked: dict | None, tune_points: list, evals: list,
              refs: dict) -> list[dict]:
-    """The pick on the evaluation runs, with the tuned thresholds just below and above it (same combo):
-    the method's evaluated curve (the pick marked)."""
+    """The pick on the evaluation runs, then along its combo's tuned thresholds until the floors are
+    bracketed: the next one up where the pick keeps them, else down until one does (or none is left).
+    The method's evaluated curve (the pick marked)."""
     if method.get("defaults"):
         return [dict(measure(bench, dict(method, threshold=None), steps, evals, refs), combo="free", threshold=-1.0,
                      picked=True)]
     if picked is None:  # nothing kept the floors on tuning: its gentlest setting shows how far off it is
         picked = min(tune_points, key=lambda p: p["threshold"])
     same = sorted({p["threshold"] for p in tune_points if p["combo"] == picked["combo"]})
-    i = same.index(picked["threshold"])
-    chosen = [same[j] for j in (i - 1, i, i + 1) if 0 <= j < len(same)]
     combo = picked["combo"] if "core" in method else combos(bench.family)[picked["combo"]]
-    return [dict(measure(bench, dict(method, combo=combo, threshold=th), steps, evals, refs), combo=picked["combo"],
-                 picked=th == picked["threshold"]) for th in chosen]
+
+    def at(i):
+        return dict(measure(bench, dict(method, combo=combo, threshold=same[i]), steps, evals, refs),
+                    combo=picked["combo"], picked=same[i] == picked["threshold"])
+
+    def keeps(point):
+        return point["psnr"] >= MEAN_FLOOR and point["worst"] >= WORST_FLOOR
+
+    i = same.index(picked["threshold"])
+    out = [at(i)]
+    step = 1 if keeps(out[0]) else -1
+    j = i + step
+    while 0 <= j < len(same):
+        out.append(at(j))
+        if keeps(out[-1]) != keeps(out[0]) or step == 1:
+            break
+        j += step
+    return out
 
 
 def default_curve(bench: Bench, steps: int, evals: list, refs: dict, threshold: float) -> list[dict]:
@@ -471,7 +486,7 @@ def summarize(results: dict[str, dict]) -> dict:
                 x = curves.speedup_at(row["eval"], MEAN_FLOOR, WORST_FLOOR)
                 per[row["name"]] = x
                 kind = row["kind"]
-                if row["name"] != "node defaults" and x > best[kind][0]:
+                if x > best[kind][0]:
                     best[kind] = (x, row["name"])
             defaults = next(r for r in data["rows"] if r["name"] == "node defaults")
             own = next(p for p in defaults["eval"] if p.get("picked"))

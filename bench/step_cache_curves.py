@@ -3,8 +3,10 @@ read off it at a quality floor by interpolation, the setting picked on the tunin
 (pure Python + PIL; bench/step_cache.py runs the models).
 
 A point is a dict with ``x`` (speedup in calls per branch, uncached / cached), ``psnr`` (mean dB over the
-runs) and ``worst`` (the worst run's dB). A method's curve is its points plus the uncached run itself
-(``x`` 1, exact), thinned to its Pareto front.
+runs) and ``worst`` (the worst run's dB). A method's curve is its measured points thinned to their Pareto
+front; between two of them it is read linearly. The uncached run (1x, exact) is what a method falls back
+to where none of its points keeps the floors: never a point to interpolate from (PSNR is far from linear
+in speedup that close to exact).
 """
 
 from __future__ import annotations
@@ -13,12 +15,11 @@ import math
 from pathlib import Path
 
 PSNR_CAP = 100.0  # dB for a picture equal to the reference (PSNR is infinite there)
-UNCACHED = {"x": 1.0, "psnr": PSNR_CAP, "worst": PSNR_CAP}
 
 
 def front(points: list[dict]) -> list[dict]:
     """The points no other beats on speedup and on both mean and worst PSNR, by increasing speedup."""
-    pts = [p for p in points if p["x"] >= 1.0] + [UNCACHED]
+    pts = [p for p in points if p["x"] >= 1.0]
     keep = [p for p in pts if not any(
         o is not p and o["x"] >= p["x"] and o["psnr"] >= p["psnr"] and o["worst"] >= p["worst"]
         and (o["x"] > p["x"] or o["psnr"] > p["psnr"] or o["worst"] > p["worst"]) for o in pts)]
@@ -34,10 +35,13 @@ def front(points: list[dict]) -> list[dict]:
 def speedup_at(points: list[dict], mean_floor: float, worst_floor: float) -> float:
     """The highest speedup at which the method's curve keeps its mean PSNR >= ``mean_floor`` and its
     worst run >= ``worst_floor``: on the front, linear in speedup between neighbouring measured points
-    (both PSNRs interpolated), never beyond the fastest measured point. 1.0 (uncached) when no cached
-    point or stretch reaches the floors."""
+    (both PSNRs interpolated), never beyond the fastest measured point. 1.0 (uncached) when no measured
+    point reaches the floors."""
     curve = front(points)
-    best = 1.0
+    ok = [p["x"] for p in curve if p["psnr"] >= mean_floor and p["worst"] >= worst_floor]
+    if not ok:
+        return 1.0
+    best = max(ok)
     for a, b in zip(curve, curve[1:], strict=False):
         lo, hi = 0.0, 1.0  # the part of the segment a -> b that keeps both floors
         for key, floor in (("psnr", mean_floor), ("worst", worst_floor)):

@@ -39,6 +39,7 @@ TABLES = Path(__file__).with_name("schedule_tables.json")  # per family, measure
 SAMPLES = 16384  # values of each residual a calibration keeps (fixed positions): the inner products' estimate
 EXTRAPOLATE_SPAN = 1.0  # how far (in units of the measured sigma gap) a residual is extrapolated
 MAX_STRETCH = 16  # at most this many steps between two computed ones (bounds the planner's work)
+VERIFY_MARGIN = 1.5  # a stretch whose forecast erred this much more than the table said tightens the rest
 
 
 def sample(residual: torch.Tensor) -> torch.Tensor:
@@ -181,11 +182,13 @@ def _number(v) -> bool:
 
 @dataclass(frozen=True)
 class Plan:
-    """One run's schedule: an action per step, and per step the error of the stretch it ends (0 at a
-    computed step)."""
+    """One run's schedule: an action per step; per step the error its stretch has reached there (0 at a
+    computed step); and at each computed step that ends a stretch, the cond's forecast error the table
+    predicts there, relative to its residual (what the run verifies: :data:`VERIFY_MARGIN`)."""
 
     actions: tuple[str, ...]
     errors: tuple[float, ...]
+    checks: tuple[float, ...] = ()
 
 
 @dataclass
@@ -307,14 +310,18 @@ def _plan(table, sigmas, threshold, cfg, half, mode, max_consecutive, allowed) -
                 errors = errors + [norm(drift)]
                 if errors[-1] > threshold:
                     break
-    actions, errors = ["S"] * steps, [0.0] * steps
-    node = end
+    actions, errors, checks = ["S"] * steps, [0.0] * steps, [0.0] * steps
+    node, at = end, steps
     while node.back is not None:  # walk back: each node ends the stretch after its back step
         k, kind = node.back
         errors[k + 1:k + 1 + len(node.errors)] = node.errors
         actions[k] = kind
-        node = best[node.back]
-    return Plan(tuple(actions), tuple(errors))
+        before = best[node.back]
+        if at < steps and at - k > 1 and actions[at] == "C":  # a stretch of skips ends in a computed step
+            guess = forecast(before.history[0], sigmas[at], mode)
+            checks[at] = norm(guess - truth[at][0]) / max(norm(truth[at][0]), 1e-12)
+        node, at = before, k
+    return Plan(tuple(actions), tuple(errors), tuple(checks))
 
 
 @functools.lru_cache(maxsize=None)

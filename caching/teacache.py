@@ -132,8 +132,8 @@ _FLUX = ("teacache", 0.4, "extrapolate")
 _WAN = ("teacache", 0.3, "extrapolate")
 FAMILY_DEFAULTS: dict[str, tuple[str, float, str]] = {"flux": _FLUX, "wan": _WAN, "wan22": _WAN}
 FALLBACK_DEFAULTS: tuple[str, float, str] = _FLUX
-_FLUX_THRESHOLDS = {"teacache": 0.4, "magcache": 0.06, "first_block": 0.2}
-_WAN_THRESHOLDS = {"teacache": 0.3, "magcache": 0.06, "first_block": 0.2}
+_FLUX_THRESHOLDS = {"teacache": 0.4, "magcache": 0.06, "first_block": 0.2, "schedule": 0.02}
+_WAN_THRESHOLDS = {"teacache": 0.3, "magcache": 0.06, "first_block": 0.2, "schedule": 0.02}
 RULE_THRESHOLDS: dict[str, dict[str, float]] = {"flux": _FLUX_THRESHOLDS, "wan": _WAN_THRESHOLDS,
                                                 "wan22": _WAN_THRESHOLDS}
 FALLBACK_THRESHOLDS: dict[str, float] = _FLUX_THRESHOLDS
@@ -319,6 +319,9 @@ class RunState:
         self.delta: torch.Tensor | None = None
         self.delta_step: int | None = None
         self._scheduled_step: int | None = None  # the planned step of the call being made
+        self.replan: Any = None  # schedule: (from step, threshold) -> the plan of the rest of the run
+        self.plan_threshold = config.threshold
+        self.replans = 0
 
     def in_window(self, sigma: torch.Tensor) -> torch.Tensor:
         """Whether skipping is allowed at ``sigma``, as a tensor on its device (no host sync)."""
@@ -403,10 +406,31 @@ class RunState:
             state.pattern.append("S" if skip else "C")
         return skip
 
-    def set_plan(self, plan: step_schedule.Plan, sigmas: list[float]) -> None:
-        """The schedule rule's plan for steps starting at ``sigmas``."""
-        self.plan = plan
+    def set_plan(self, plan: step_schedule.Plan, sigmas: list[float], replan: Any = None) -> None:
+        """The schedule rule's plan for steps starting at ``sigmas``; ``replan(step, threshold)`` plans the
+        rest of the run from a computed step (the run's verification calls it)."""
+        self.plan, self.replan = plan, replan
         self.plan_sigmas = torch.tensor([float(s) for s in sigmas[:len(plan.actions)]], dtype=torch.float32)
+
+    def _verify(self, state: CondState, key: Any, residual: torch.Tensor, sigma) -> None:
+        """The schedule rule's check at a computed step that ends a stretch: the cond's forecast there (what
+        a skip would have added) against the residual it computed, over the table's prediction. Where it
+        erred more than VERIFY_MARGIN times that, this prompt strays from the table: the rest of the run
+        is planned again with the threshold divided by that ratio (one host sync per such step)."""
+        step = self._scheduled_step
+        checks = self.plan.checks if self.plan is not None else ()
+        if (self.replan is None or step is None or step >= len(checks) or checks[step] <= 0 or state.label != "cond"
+                or state.residual is None or tuple(state.residual.shape) != tuple(residual.shape)):
+            return
+        guess = self.residual(key, residual, sigma)
+        ratio = float((guess - residual).float().norm() / residual.float().norm().clamp_min(1e-12)) / checks[step]
+        if ratio > step_schedule.VERIFY_MARGIN:
+            self.plan_threshold /= ratio
+            rest = self.replan(step, self.plan_threshold)
+            p = self.plan
+            self.plan = step_schedule.Plan(p.actions[:step] + rest.actions, p.errors[:step] + rest.errors,
+                                           p.checks[:step] + rest.checks)
+            self.replans += 1
 
     def _step(self, sigma) -> int | None:
         """The planned step a call at ``sigma`` belongs to (the nearest step sigma; one host sync)."""
@@ -487,6 +511,8 @@ class RunState:
         then copied to the CPU without waiting, so a CPU-held tensor is never read on the CPU: it only
         goes back to the device by a copy queued on the same stream (:meth:`residual`, the slope here)."""
         state = self.conds[key]
+        if self.config.rule == "schedule" and not estimated:
+            self._verify(state, key, residual, sigma)
         state.residual_step = self._scheduled_step
         state.estimated = estimated
         mode = self.config.residual_mode
@@ -653,6 +679,7 @@ class RunState:
                 calls / self.calls_computed if self.calls_computed else 1.0),
             "time_saved_s": round(saved, 4),
             "resets": self.resets,
+            "replans": self.replans,
             "unhooked_calls": self.unhooked,
             "disabled_reason": self.disabled_reason,
             "conds": conds,

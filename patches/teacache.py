@@ -630,9 +630,14 @@ def _plan_schedule(run: tc.RunState, table: step_schedule.ResidualTable, guider,
     negative = bool((getattr(guider, "conds", None) or {}).get("negative"))
     two = negative and not (math.isclose(scale, 1.0) and not guider.model_options.get("disable_cfg1_optimization"))
     allowed = [run.start_sigma >= s > run.end_sigma for s in sigmas[:-1]]
-    made = step_schedule.plan(table, sigmas, cfg.threshold, scale, two, "reuse" if cfg.residual_mode == "reuse"
-                              else "extrapolate", cfg.max_consecutive_skips, allowed)
-    run.set_plan(made, sigmas)
+    mode = "reuse" if cfg.residual_mode == "reuse" else "extrapolate"
+
+    def replan(step: int, threshold: float) -> step_schedule.Plan:
+        return step_schedule.plan(table, sigmas[step:], threshold, scale, two, mode, cfg.max_consecutive_skips,
+                                  allowed[step:])
+
+    run.set_plan(step_schedule.plan(table, sigmas, cfg.threshold, scale, two, mode, cfg.max_consecutive_skips,
+                                    allowed), sigmas, replan)
 
 
 def _report(*args) -> None:

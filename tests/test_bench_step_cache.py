@@ -81,7 +81,7 @@ def test_a_video_latent_scores_like_its_frames_side_by_side(bench, to_picture):
 
 def test_the_front_keeps_only_points_no_other_beats_on_speed_mean_and_worst(curves):
     a, b, c, d = pt(2.0, 40.0, 35.0), pt(2.0, 38.0, 30.0), pt(3.0, 31.0, 20.0), pt(3.0, 30.0, 26.0)
-    assert curves.front([a, b, c, d, pt(0.9, 60.0)]) == [curves.UNCACHED, a, c, d]  # b beaten by a; x < 1 dropped
+    assert curves.front([a, b, c, d, pt(0.9, 60.0)]) == [a, c, d]  # b beaten by a; x < 1 dropped
 
 
 def test_the_speedup_is_read_off_the_curve_by_interpolation_at_both_floors(curves):
@@ -91,7 +91,7 @@ def test_the_speedup_is_read_off_the_curve_by_interpolation_at_both_floors(curve
     assert curves.speedup_at(points, 30.0, 30.0) == pytest.approx(2.5)  # the worst run binds first
     assert curves.speedup_at(points, 35.0, 0.0) == pytest.approx(2.5)
     assert curves.speedup_at([pt(2.0, 40.0)], 30.0, 25.0) == 2.0  # never beyond the fastest measured point
-    assert curves.speedup_at([pt(2.0, 20.0)], 30.0, 25.0) == pytest.approx(1.0 + 70 / 80)  # from the uncached run
+    assert curves.speedup_at([pt(2.0, 20.0)], 30.0, 25.0) == 1.0  # never read between the uncached run and a point
     assert curves.speedup_at([], 30.0, 25.0) == 1.0
 
 
@@ -118,16 +118,16 @@ def test_refinement_halves_the_gap_at_the_crossing_in_log(curves):
 
 # ---- methods and the result -----------------------------------------------------------------------
 
-def test_baselines_are_the_published_rules_with_their_reuse_and_both_sides_get_the_same_limits(bench):
+def test_baselines_are_the_published_rules_with_their_reuse_and_pick_among_the_published_limits(bench):
     rows = bench.methods("flux")
     for r in rows:
-        if r.get("core"):
-            assert r["kind"] == "baseline"
-        elif not r.get("defaults"):
-            assert (r["kind"] == "baseline") == (r["mode"] == "reuse" and r["rule"] != "schedule"), r
-    rules = [r for r in rows if r.get("rule")]
-    assert {r["rule"] for r in rules if r["kind"] == "baseline"} == {"teacache", "magcache", "first_block"}
-    assert all(r["combos"] == list(bench.combos("flux")) for r in rules)  # the same K and windows everywhere
+        assert (r["kind"] == "baseline") == (r.get("core") is not None or r.get("rule") in (
+            "teacache", "magcache", "first_block")), r
+    rules = [r for r in rows if r.get("rule") and r["kind"] == "baseline"]
+    assert {r["rule"] for r in rules} == {"teacache", "magcache", "first_block"} and {r["mode"] for r in rules} == {
+        "reuse"}
+    assert all(r["combos"] == list(bench.combos("flux")) for r in rules)  # none, TeaCache's and MagCache's limits
+    assert [r["combos"] for r in rows if r["kind"] == "reusekit"] == [["free"]] * 5
     published = bench.published_rows("flux")
     assert [(p["threshold"], p["combo"]["K"], p["combo"]["start"]) for p in published][0] == (0.24, 5, 0.1)
     assert published[1]["combo"] == {"K": 3, "start": 0.0, "last": True}

@@ -319,3 +319,43 @@ def test_an_uncond_called_apart_from_its_cond_is_rebuilt_from_the_conds_call_at_
 def test_the_rule_without_a_calibration_is_a_clear_error(flux, conds):
     with pytest.raises(ValueError, match="no calibration"):
         sample(scheduled(flux, 0.05), conds)
+
+
+@pytest.mark.parametrize("moved,replanned", [(0.5, True), (0.05, False)])
+def test_a_stretch_whose_forecast_erred_more_than_the_table_said_replans_the_rest_tighter(moved, replanned):
+    """The verify step: at a computed step that ends a stretch, the cond's forecast there against what it
+    computed, where the table predicted a relative error of 0.1: erring almost 4 times more, the rest of
+    the run is planned again with the threshold divided by that ratio, and followed; erring half of it,
+    the plan stays."""
+    run = tc().RunState(tc().StepCacheConfig(None, "auto", 0.1, rule="schedule", residual_mode="reuse"), None, 1.0,
+                        0.0)
+    asked = []
+
+    def replan(step, threshold):
+        asked.append((step, threshold))
+        return S().Plan(("C", "C", "C"), (0.0,) * 3, (0.0,) * 3)
+
+    sigmas = [1.0, 0.8, 0.6, 0.4, 0.2, 0.0]
+    run.set_plan(S().Plan(tuple("CSCSC"), (0.0,) * 5, (0.0, 0.0, 0.1, 0.0, 0.1)), sigmas, replan)
+    r0 = torch.ones(4)
+    r2 = r0 + torch.tensor([2 * moved, 0.0, 0.0, 0.0])
+    decided = []
+    for k, sigma in enumerate(sigmas[:-1]):
+        roles = run.decide_scheduled(["c"], ["cond"], [torch.zeros(1, 4)], (4,), sigma)
+        decided.append(roles[0])
+        if roles[0] == "C":
+            run.store_residual("c", {0: r0, 2: r2}.get(k, r2), torch.tensor(sigma))
+    err = float((r2 - r0).norm() / r2.norm())
+    assert (err / 0.1 > S().VERIFY_MARGIN) == replanned
+    if replanned:
+        assert asked == [(2, pytest.approx(0.1 / (err / 0.1)))] and run.replans == 1
+        assert "".join(decided) == "CSCCC"
+    else:
+        assert asked == [] and run.replans == 0 and "".join(decided) == "CSCSC"
+
+
+def test_threshold_minus_one_takes_the_familys_schedule_threshold(flux):
+    family = P().detect_family(flux)
+    config = tc().StepCacheConfig(None, "auto", -1.0, rule="schedule", residual_mode="auto")
+    resolved = P().resolved_config(config, family)
+    assert resolved.rule == "schedule" and resolved.threshold == tc().RULE_THRESHOLDS["flux"]["schedule"] > 0
