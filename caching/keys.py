@@ -18,6 +18,10 @@ Two trees are equal only when the values are, by these rules:
   compares megabytes. Bitwise: ``-0.0`` and ``0.0`` elements differ, NaNs match by their bits.
   Sparse, quantized, meta tensors and tensor subclasses cannot be keyed.
 - Anything else raises :class:`Uncacheable`: the caller misses (computes) instead of guessing.
+
+:func:`encode_geometry` is the same encoding with every tensor keyed by its type, dtype, shape and
+device only: it never reads a tensor, so on a GPU it neither copies nor waits. It is for keys whose
+tensors' values follow from the rest of the key (a model's position ids made from a latent's shape).
 """
 
 from __future__ import annotations
@@ -102,6 +106,36 @@ def encode(value: Any) -> Any:
 def _numpy_scalar(value: Any) -> bool:
     numpy = sys.modules.get("numpy")
     return numpy is not None and isinstance(value, numpy.generic)
+
+
+def tensor_meta(t: torch.Tensor) -> tuple:
+    """A tensor by its class, dtype, shape and device (kept as those objects: they compare by value and
+    hold no tensor): host values only, no read of its data."""
+    return ("TM", type(t), t.dtype, t.shape, t.device)
+
+
+def tensors_in(value: Any):
+    """The tensors inside ``value`` (tuples, lists and dict values, at any depth)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from tensors_in(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from tensors_in(v)
+
+
+def encode_geometry(value: Any) -> Any:
+    """``value`` as :func:`encode` does, but tensors (at any depth) by :func:`tensor_meta` only."""
+    if isinstance(value, torch.Tensor):
+        return tensor_meta(value)
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return ("U" if kind is tuple else "L", tuple(encode_geometry(v) for v in value))
+    if kind is dict:
+        return ("D", _sorted((encode(k), encode_geometry(v)) for k, v in value.items()))
+    return encode(value)
 
 
 def digest(tree: Any) -> tuple:

@@ -6,9 +6,11 @@ so a captured graph sees stable inputs); another key replaces that name's entry;
 independent. There is no LRU and no budget: one entry per name, released with the cache.
 
 :class:`PECacheKey` lists, in order, every field that decides the embedding: geometry, text
-length, theta and axes, reference offsets, rope options, dtype, device, and explicit position
-tensors, encoded by the shared key rules (``caching/keys.py``: tensors by metadata and their
-bytes, large ones by a digest). Keys compare their complete encoded fields, never a hash alone.
+length, theta and axes, reference offsets, rope options, dtype, device, encoded by the shared key
+rules (``caching/keys.py``). Keys compare their complete encoded fields, never a hash alone. The
+builders' keys (``patches/rope.py``) hold host values only (shapes, integers, options, dtype and
+device): deciding a hit never reads a device tensor, so a hit neither copies to the host nor waits
+for the GPU. Only tensors on the host may be keyed by their values (bytes, or a digest of them).
 
 Safety:
 
@@ -72,6 +74,12 @@ class PECacheKey:
         self.fields.append(encode(value))
         return self
 
+    def add_encoded(self, tree: Any) -> PECacheKey:
+        """One field already encoded by the key rules (e.g. :func:`~.keys.encode_geometry`), shared
+        by several keys without encoding it again."""
+        self.fields.append(tree)
+        return self
+
     def add_shape(self, shape) -> PECacheKey:
         """Every dimension, trailing ones included."""
         return self.add(torch.Size(int(d) for d in shape))
@@ -108,8 +116,15 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+_SCALARS = (type(None), bool, int, float, str)
+
+
 def _storable(value: Any) -> Any:
-    """The value with every inference tensor replaced by a normal (version-counted) copy."""
+    """The value with every inference tensor replaced by a normal (version-counted) copy. Python
+    scalars (immutable) are stored as they are, so a builder's host-side results (a flag, lengths)
+    need no tensor a caller would read back."""
+    if isinstance(value, _SCALARS):
+        return value
     if isinstance(value, torch.Tensor):
         if value.is_inference():
             with torch.inference_mode(False), torch.no_grad():
@@ -119,7 +134,7 @@ def _storable(value: Any) -> Any:
         return tuple(_storable(v) for v in value)
     if isinstance(value, list):
         return [_storable(v) for v in value]
-    raise TypeError(f"the PE cache stores tensors and tuples of tensors, not {type(value).__name__}")
+    raise TypeError(f"the PE cache stores tensors, Python scalars and tuples of them, not {type(value).__name__}")
 
 
 def _storage_bytes(tensors) -> dict[str, int]:
@@ -164,6 +179,7 @@ class PECache:
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._per_name: dict[str, dict[str, int]] = {}
+        self._reasons: dict[str, int] = {}  # why calls ran uncached
         self.stats = (REGISTRY.register(stats_name, "pe", description, clear=self.clear)
                       if stats_name else None)
 
@@ -197,7 +213,7 @@ class PECache:
             self._count(key.name, "misses")
         if replaced:
             self._count(key.name, "replacements")
-        self._publish_memory()
+        self.publish()
         return new.value
 
     def _find_equal(self, key: PECacheKey) -> _Entry | None:
@@ -210,9 +226,19 @@ class PECache:
                 return e
         return None
 
-    def bypass(self, name: str) -> None:
-        """Count a call that could not use the cache (the builder ran unchanged)."""
+    def bypass(self, name: str, reason: str = "unspecified") -> None:
+        """Count a call that could not use the cache (the builder ran unchanged) and why; the
+        reasons are in the stats' ``bypass_reasons`` info."""
+        with self._lock:
+            self._reasons[reason] = self._reasons.get(reason, 0) + 1
+            reasons = dict(self._reasons)
+        if self.stats is not None:
+            self.stats.set_info("bypass_reasons", reasons)
         self._count(name, "bypasses")
+
+    def bypass_reasons(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._reasons)
 
     # -- state --
 
@@ -246,7 +272,7 @@ class PECache:
         """Drop every entry (tensors still referenced by a running step stay valid)."""
         with self._lock:
             self._entries.clear()
-        self._publish_memory()
+        self.publish()
 
     def close(self) -> None:
         self.clear()
@@ -265,9 +291,11 @@ class PECache:
             stats.incr(counter)
             if saved:
                 stats.add_time_saved(saved)
-            stats.set_info("names", self.name_stats())
+            if counter != "hits":  # a hit changes no entry: its per-name count goes out with the next
+                stats.set_info("names", self.name_stats())  # change and at the end of each run (publish)
 
-    def _publish_memory(self) -> None:
+    def publish(self) -> None:
+        """Put the memory held, the entries and the per-name counters into the stats."""
         stats = self.stats
         if stats is None:
             return

@@ -11,8 +11,20 @@ Names: each builder call inside one ``apply_model`` call gets ``<builder>[<n>]|<
 image, cond and uncond run separately, Wan's reference frames) have independent entries; when two
 names of one builder hold an equal key they share one table (see ``caching/pe_cache.py``).
 
-The builder runs unchanged (counted as a bypass) when its inputs require grad, and while a CUDA
-graph is being warmed up or captured (no host sync, no tensor from the graph's pool kept).
+Keys hold host values only, so deciding a hit never reads a device tensor (no copy to the host,
+no wait for the GPU). Builders whose arguments are geometry (Wan's ``rope_encode``, OmniGen2's
+position embedder, Mochi's position matrix, Cosmos, HunyuanDiT) key those arguments. The
+``EmbedND`` families get their ids as a tensor, so each family's forward that makes the ids is a
+*geometry seam* (:class:`ForwardSeam`): it keys its own arguments by value and its tensors by
+shape, dtype and device, and a call of the model's own embedder inside it keys that geometry, the
+call's order in the forward and the ids' shape, never the ids' values. Inputs that make ids from
+tensor values or from code the key cannot see (a ``post_input`` patch, a replaced ids builder)
+leave that forward without a geometry. A builder keyed by tensor values runs through the cache only
+for tensors on :data:`VALUE_KEYS_ON` devices (the CPU); on a GPU it computes, and the cache counts
+why (stats info ``bypass_reasons``).
+
+The builder runs unchanged (counted as a bypass, with its reason) when its inputs require grad, and
+while a CUDA graph is being warmed up or captured (no host sync, no tensor from the graph's pool kept).
 
 A listener on ``ModelPatcher.detach`` (patches/lifecycle.py) drops a model's device-held tables
 when ComfyUI unloads it from its device.
@@ -35,14 +47,21 @@ from typing import Any
 
 import torch
 
-from ..caching.keys import Uncacheable
+from ..caching.keys import Uncacheable, tensor_meta, tensors_in
 from ..caching.pe_cache import PECacheKey, cache_for, default_enabled
 from ..caching.protocol import capturing, transformer_options
-from . import host, lifecycle
+from . import host, lifecycle, rope_seams
 
 log = logging.getLogger("reusekit")
 
 MARK = "__reusekit_pe__"
+
+# devices whose tensors a key may read by value: reading a CPU tensor is no transfer and no wait
+VALUE_KEYS_ON = frozenset({"cpu"})
+
+
+class Uncached(Exception):
+    """This call runs uncached; the message is the reason counted."""
 
 
 # ---- the scope -----------------------------------------------------------------------------
@@ -73,6 +92,10 @@ def scope(cache, transformer_options: dict | None = None):
         yield
     finally:
         _SCOPE.reset(token)
+
+
+def _scope_open() -> bool:
+    return _SCOPE.get() is not None
 
 
 def model_cache(base_model, create: bool = True):
@@ -110,12 +133,13 @@ class RunSummary:
         try:
             return executor(*args, **kwargs)
         finally:
+            cache.publish()  # the per-name counts of the run's hits
             run = {c: stats.counter(c) - before[c] for c in self.COUNTERS}
             run["time_saved_s"] = round(stats.snapshot()["time_saved_s"] - saved_before, 6)
             stats.set_info("last_run", run)
-            log.info("ReuseKit PE cache (%s): %d hits, %d misses, %d replacements, %d shared, %.1f ms saved",
-                     stats.name, run["hits"], run["misses"], run["replacements"], run["shared"],
-                     run["time_saved_s"] * 1e3)
+            log.info("ReuseKit PE cache (%s): %d hits, %d misses, %d replacements, %d shared, %d uncached, "
+                     "%.1f ms saved", stats.name, run["hits"], run["misses"], run["replacements"], run["shared"],
+                     run["bypasses"], run["time_saved_s"] * 1e3)
 
 
 def _requires_grad(args, kwargs) -> bool:
@@ -128,7 +152,8 @@ def cached(builder: str, make_key: Callable[[PECacheKey], Any], compute: Callabl
            args: tuple = (), kwargs: dict | None = None):
     """Run ``compute`` through the current scope's cache under the next name for ``builder``.
 
-    ``make_key`` fills the key (return ``False``, or a value it cannot key, bypasses). While ``compute``
+    ``make_key`` fills the key (return ``False``, or raise :class:`Uncached` with a reason, or meet a
+    value the key rules cannot describe: the call runs uncached, its reason counted). While ``compute``
     runs on a miss the scope is closed, so nested builders do not store a second copy."""
     sc = _SCOPE.get()
     if sc is None:
@@ -136,16 +161,19 @@ def cached(builder: str, make_key: Callable[[PECacheKey], Any], compute: Callabl
     name = sc.name(builder)
     # under capture: no host sync (key compares), no storing tensors from the warm-up stream or the
     # graph's private pool; the builder then runs inside the graph unchanged
-    if _requires_grad(args, kwargs or {}) or capturing():
-        sc.cache.bypass(name)
-        return compute()
+    why = ("inputs require grad" if _requires_grad(args, kwargs or {})
+           else "CUDA graph capture" if capturing() else None)
     key = PECacheKey(name, group=builder)  # one builder's names may share equal tables
-    try:
-        keyed = make_key(key) is not False
-    except Uncacheable:  # a value the key rules cannot describe (caching/keys.py): run uncached
-        keyed = False
-    if not keyed:
-        sc.cache.bypass(name)
+    if why is None:
+        try:
+            if make_key(key) is False:
+                why = f"{builder}: a module the key cannot describe"
+        except Uncached as e:
+            why = str(e)
+        except Uncacheable as e:  # a value the key rules cannot describe (caching/keys.py)
+            why = f"{builder}: {e}"
+    if why is not None:
+        sc.cache.bypass(name, why)
         return compute()
 
     def build():
@@ -158,14 +186,25 @@ def cached(builder: str, make_key: Callable[[PECacheKey], Any], compute: Callabl
     return sc.cache.get_or_create(key, build)
 
 
-def _add_bound(key: PECacheKey, sig: inspect.Signature, args, kwargs, skip: tuple = ()) -> PECacheKey:
-    """Every argument of a call, by parameter name and in order, defaults applied."""
+def _add_value(key: PECacheKey, value, what: str) -> PECacheKey:
+    """``value`` keyed by its values: tensors only where reading them is no transfer
+    (:data:`VALUE_KEYS_ON`); a device tensor makes the call run uncached instead."""
+    for t in tensors_in(value):
+        if t.device.type not in VALUE_KEYS_ON:
+            raise Uncached(f"{what} on the {t.device.type} device, keyed by value: not read, computed")
+    return key.add(value)
+
+
+def _add_bound(key: PECacheKey, sig: inspect.Signature, args, kwargs, skip: tuple = (),
+               builder: str = "") -> PECacheKey:
+    """Every argument of a call, by parameter name and in order, defaults applied (tensors by value:
+    host tensors only, see :func:`_add_value`)."""
     bound = sig.bind(*args, **kwargs)
     bound.apply_defaults()
     for pname, value in bound.arguments.items():
         if pname in skip:
             continue
-        key.add(pname).add(value)
+        _add_value(key.add(pname), value, f"{builder} {pname}".strip())
     return key
 
 
@@ -176,12 +215,13 @@ class Patch:
 
     ``params``: the builder's parameter names, in order, that the replacement relies on (``exact``:
     all of them, for a replacement with a fixed signature); a host builder without them is left
-    unpatched (:attr:`off` says why)."""
+    unpatched (:attr:`off` says why), and so is one another pack replaced before this one installs
+    (``host_only``: its key would describe ComfyUI's builder, not theirs)."""
 
     def __init__(self, family: str, module: str, attr: str, make: Callable[[Callable], Callable],
-                 params: tuple[str, ...] = (), exact: bool = False):
+                 params: tuple[str, ...] = (), exact: bool = False, host_only: bool = True):
         self.family, self.module, self.attr, self.make, self.params = family, module, attr, make, params
-        self.exact = exact
+        self.exact, self.host_only = exact, host_only
         self._original = None
         self._replacement = None
         self.off: str | None = None  # why the host's builder stays uncached (its shape differs)
@@ -228,6 +268,12 @@ class Patch:
         if not host.check(f"PE cache for {self.family}", where, original, self.params, exact=self.exact):
             self.off = host.differs(original, self.params, exact=self.exact)
             return False
+        source = getattr(original, "__module__", None) or ""
+        if self.host_only and not source.startswith("comfy."):
+            self.off = f"is {source or 'something'}'s, not ComfyUI's"
+            host.say_once(f"pe-replaced-{where}", "ReuseKit PE cache: %s %s; that builder stays uncached",
+                          where, self.off, level=logging.WARNING)
+            return False
         self.off = None
         replacement = functools.wraps(original)(self.make(original))
         setattr(replacement, MARK, True)
@@ -251,12 +297,22 @@ class Patch:
 # ---- the builders --------------------------------------------------------------------------
 
 def _embednd(builder: str):
-    """flux.layers.EmbedND / hidream.EmbedND ``forward(self, ids)``: keyed by the ids' shape and
-    values, theta and axes (dtype and device come with the ids)."""
+    """flux.layers.EmbedND / hidream.EmbedND ``forward(self, ids)``: keyed by theta and axes and,
+    when the model's own embedder is called inside its family forward (``rope_seams``), by that
+    forward's geometry, the call's order in it and the ids' shape, dtype and device (host values
+    only). Anywhere else the ids are keyed by value, on the CPU only (:func:`_add_value`)."""
     def make(original):
         def forward(self, ids):
             def key(k):
-                k.add(type(self).__qualname__).add(self.theta).add(list(self.axes_dim)).add(ids)
+                k.add(type(self).__qualname__).add(self.theta).add(list(self.axes_dim))
+                geometry = rope_seams.current()
+                if geometry is not None and geometry.owns(self):
+                    if geometry.fields is not None:
+                        k.add_encoded(geometry.fields).add(geometry.next_call()).add_encoded(tensor_meta(ids))
+                        return
+                    if ids.device.type not in VALUE_KEYS_ON:
+                        raise Uncached(geometry.why)
+                _add_value(k, ids, f"{builder} ids")
             return cached(builder, key, lambda: original(self, ids), (ids,))
         return forward
     return make
@@ -285,78 +341,103 @@ def _wan_rope_encode(original):
             a.pop("self")
             to = a.pop("transformer_options", None)
             for pname, value in a.items():
-                k.add(pname).add(value)
+                _add_value(k.add(pname), value, f"wan.rope_encode {pname}")
             emb = self.rope_embedder
-            k.add(tuple(self.patch_size)).add(_rope_options(to))
+            _add_value(k.add(tuple(self.patch_size)), _rope_options(to), "wan.rope_encode rope_options")
             k.add(type(emb).__qualname__).add(getattr(emb, "theta", None)).add(list(getattr(emb, "axes_dim", ())))
         return cached("wan.rope_encode", key, lambda: original(self, *args, **kwargs))
     return rope_encode
 
 
-def _function(builder: str, skip: tuple = ()):
-    """A module-level builder whose every argument decides the result (tensors by value)."""
+def _function(builder: str):
+    """A module-level builder whose every argument decides the result (tensors by value: cached on
+    the CPU only, see :func:`_add_value`)."""
     def make(original):
         sig = inspect.signature(original)
 
         def fn(*args, **kwargs):
-            return cached(builder, lambda k: _add_bound(k, sig, args, kwargs, skip),
+            return cached(builder, lambda k: _add_bound(k, sig, args, kwargs, builder=builder),
                           lambda: original(*args, **kwargs), args, kwargs)
         return fn
     return make
 
 
 def _ltx_precompute_freqs_cis(original):
-    """LTXBaseModel._precompute_freqs_cis (ComfyUI >= 0.8): every argument (positions by value) and
-    the model's rope type and frequency-grid generator, which decide the (matrix, split_mode). The
-    cache holds the matrix and split_mode as a CPU bool tensor (it stores tensors only)."""
+    """LTXBaseModel._precompute_freqs_cis (ComfyUI >= 0.8): every argument (positions by value: its
+    grid is made from keyframe and mask values, so on a GPU it computes) and the model's rope type and
+    frequency-grid generator, which decide the (matrix, split_mode)."""
     sig = inspect.signature(original)
 
     def _precompute_freqs_cis(self, *args, **kwargs):
         def key(k):
-            _add_bound(k, sig, (self, *args), kwargs, skip=("self",))
+            _add_bound(k, sig, (self, *args), kwargs, skip=("self",), builder="ltxv.freqs_cis")
             gen = self.freq_grid_generator
             k.add(str(getattr(self.split_positional_embedding, "value", self.split_positional_embedding)))
             k.add(f"{getattr(gen, '__module__', '')}.{getattr(gen, '__qualname__', type(gen).__qualname__)}")
 
         def build():
             matrix, split_mode = original(self, *args, **kwargs)
-            return matrix, torch.tensor(bool(split_mode))
+            return matrix, bool(split_mode)
 
-        sc = _SCOPE.get()
-        if sc is None:
-            return original(self, *args, **kwargs)
-        matrix, split_mode = cached("ltxv.freqs_cis", key, build, args, kwargs)
-        return matrix, bool(split_mode)
+        return cached("ltxv.freqs_cis", key, build, args, kwargs)
     return _precompute_freqs_cis
 
 
 def _cosmos_generate(original):
     """VideoRopePosition3DEmb.generate_embeddings: keyed by the full B,T,H,W,C size, fps, the ntk
-    factors, dtype, device and the module's frequency ranges and fps settings."""
+    factors, dtype, device and the module's frequency ranges (by shape) and fps settings."""
     sig = inspect.signature(original)
 
     def generate_embeddings(self, *args, **kwargs):
         def key(k):
-            _add_bound(k, sig, (self, *args), kwargs, skip=("self",))
+            _add_bound(k, sig, (self, *args), kwargs, skip=("self",), builder="cosmos.rope3d")
             k.add(self.base_fps).add(self.enable_fps_modulation)
             k.add(self.h_ntk_factor).add(self.w_ntk_factor).add(self.t_ntk_factor)
-            k.add(self.dim_spatial_range).add(self.dim_temporal_range)
+            # buffers made at init from the head dim (arange / dim): their shape, dtype and device decide
+            # them, and reading their values would be a device read on every hit
+            k.add_encoded(tensor_meta(self.dim_spatial_range)).add_encoded(tensor_meta(self.dim_temporal_range))
         return cached("cosmos.rope3d", key, lambda: original(self, *args, **kwargs), args, kwargs)
     return generate_embeddings
+
+
+def _omnigen2_rope(original):
+    """OmniGen2RotaryPosEmbed.forward(batch_size, encoder_seq_len, lengths, sizes..., device): every
+    argument is a host value (integers, lists of sizes, the device), so a hit skips the ids, the
+    table and its split; also keyed by the module's theta, axes, lengths, patch size and embedder."""
+    sig = inspect.signature(original)
+    host_embednd = importlib.import_module("comfy.ldm.flux.layers").EmbedND
+
+    def forward(self, *args, **kwargs):
+        def key(k):
+            emb = self.rope_embedder
+            if type(emb) is not host_embednd:
+                return False
+            _add_bound(k, sig, (self, *args), kwargs, skip=("self",), builder="omnigen2.rope")
+            k.add(self.theta).add(list(self.axes_dim)).add(list(self.axes_lens)).add(self.patch_size)
+            k.add(emb.theta).add(list(emb.axes_dim))
+
+        def build():  # the lengths are lists: stored as tuples, a fresh list on every return
+            *tables, cap_lengths, seq_lengths = original(self, *args, **kwargs)
+            return (*tables, tuple(cap_lengths), tuple(seq_lengths))
+
+        *tables, cap_lengths, seq_lengths = cached("omnigen2.rope", key, build, args, kwargs)
+        return (*tables, list(cap_lengths), list(seq_lengths))
+    return forward
 
 
 def _hydit_calc_rope(original):
     """hydit calc_rope(x, patch_size, head_size): only x's height, width, dtype and device count."""
     def calc_rope(x, patch_size, head_size):
         def key(k):
-            k.add_shape(x.shape[2:4]).add(x.dtype).add(x.device).add(patch_size).add(head_size)
+            k.add_encoded((x.shape[2:4], x.dtype, x.device)).add(patch_size).add(head_size)
         return cached("hydit.rope", key, lambda: original(x, patch_size, head_size))
     return calc_rope
 
 
 # Families whose builder moved between ComfyUI versions have one patch per place; a host has one.
+# The geometry seams (patches/rope_seams.py) give the EmbedND families their host-value keys.
 PATCHES: tuple[Patch, ...] = (
-    Patch("flux, chroma, chroma radiance, hunyuan video, qwen-image, lumina2/z-image, omnigen2, wan",
+    Patch("flux, chroma, chroma radiance, hunyuan video, qwen-image, lumina2/z-image, wan",
           "comfy.ldm.flux.layers", "EmbedND.forward", _embednd("EmbedND"), ("self", "ids"), exact=True),
     Patch("hidream", "comfy.ldm.hidream.model", "EmbedND.forward", _embednd("hidream.EmbedND"), ("self", "ids"),
           exact=True),
@@ -373,6 +454,11 @@ PATCHES: tuple[Patch, ...] = (
           _function("mochi.positions"), ("T", "pH", "pW", "device", "dtype")),
     Patch("mochi", "comfy.ldm.genmo.joint_model.asymm_models_joint", "compute_mixed_rotation",
           _function("mochi.rotation"), ("freqs", "pos")),
+    Patch("omnigen2", "comfy.ldm.omnigen.omnigen2", "OmniGen2RotaryPosEmbed.forward", _omnigen2_rope,
+          ("self", "batch_size", "encoder_seq_len", "l_effective_cap_len", "l_effective_ref_img_len",
+           "l_effective_img_len", "ref_img_sizes", "img_sizes", "device"), exact=True),
+    *(Patch(f"{seam.family} (geometry)", seam.module, seam.attr, functools.partial(seam.make, active=_scope_open),
+            seam.params) for seam in rope_seams.SEAMS),
     Patch("hunyuan dit", "comfy.ldm.hydit.models", "calc_rope", _hydit_calc_rope, ("x", "patch_size", "head_size"),
           exact=True),
     Patch("hunyuan dit controlnet", "comfy.ldm.hydit.controlnet", "calc_rope", _hydit_calc_rope,
@@ -391,7 +477,8 @@ def _apply_model(original):
 
 
 SCOPE_PATCH = Patch("every model (scope)", "comfy.model_base", "BaseModel.apply_model", _apply_model,
-                    ("self", "x", "t", "c_concat", "c_crossattn", "control", "transformer_options"))
+                    ("self", "x", "t", "c_concat", "c_crossattn", "control", "transformer_options"),
+                    host_only=False)  # it only opens a scope around whatever apply_model is
 
 
 def release_device_tables(patcher, unpatch_all=True, *args, **kwargs) -> None:
@@ -417,6 +504,11 @@ def install() -> list[str]:
     lifecycle.add_listener("detach", release_device_tables)
     covered = [p.family for p in PATCHES if p.install()]
     off = [f"{p.family} off: {p.module}.{p.attr} {p.off}" for p in (*GLOBAL_PATCHES, *PATCHES) if p.off]
+    for seam in rope_seams.SEAMS:  # installed, but its embedder keeps the value rules (no hit on a GPU)
+        if seam.off:
+            host.say_once(f"pe-geometry-{seam.family}", "ReuseKit PE cache: %s geometry off (%s); on a GPU its "
+                          "embedder computes every call", seam.family, seam.off, level=logging.WARNING)
+            off.append(f"{seam.family} geometry off: {seam.off}")
     if not all(p.installed for p in GLOBAL_PATCHES):
         host.set_layer("PE cache", "off", "; ".join(off) or "BaseModel.apply_model is patched by another copy")
     else:

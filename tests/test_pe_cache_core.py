@@ -145,13 +145,16 @@ def test_a_name_whose_key_another_name_holds_shares_its_tensors_instead_of_build
     assert stats["pe|1"]["shared"] == 1 and stats["pe|1"]["misses"] == 1 and stats["pe|0"]["hits"] == 1
 
 
-def test_values_may_be_tuples_and_bytes_are_counted_per_tier(pc):
+def test_values_may_be_tuples_with_python_scalars_and_bytes_are_counted_per_tier(pc):
     cache = pc.PECache()
-    cos, sin = cache.get_or_create(pc.PECacheKey("cs").add(1), lambda: (torch.zeros(10), torch.ones(10)))
-    assert cache.get_or_create(pc.PECacheKey("cs").add(1), lambda: None)[0] is cos
+    cos, sin, flag, lengths = cache.get_or_create(
+        pc.PECacheKey("cs").add(1), lambda: (torch.zeros(10), torch.ones(10), True, (3, 4)))
+    again = cache.get_or_create(pc.PECacheKey("cs").add(1), lambda: None)
+    assert again[0] is cos and again[2:] == (True, (3, 4))
     assert cache.nbytes()["cpu"] >= 80
-    with pytest.raises(TypeError):
-        cache.get_or_create(pc.PECacheKey("bad").add(1), lambda: 3)
+    for mutable in ({"a": torch.zeros(1)}, object()):  # a value a caller could change in place
+        with pytest.raises(TypeError):
+            cache.get_or_create(pc.PECacheKey("bad").add(1), lambda v=mutable: v)
 
 
 def test_stats_register_per_owner_clear_and_release_with_the_owner(pc):

@@ -120,9 +120,11 @@ def test_reference_latents_their_sizes_and_order_are_part_of_the_key(family, fam
     assert stats["hits"] == 1 and stats["misses"] == len(calls) - 1
 
 
-def test_flux2_reference_at_timestep_zero_is_bit_exact_and_shares_the_index_table(families, rope):
+def test_flux2_reference_at_timestep_zero_is_bit_exact_and_keyed_by_its_method(families, rope):
     """``index_timestep_zero`` (ComfyUI >= 0.17) changes the modulation, not the positions: its
-    output differs from ``index`` while the PE table of the same references is the same one."""
+    output differs from ``index`` while the PE table of the same references has the same values.
+    The hit is decided from the forward's arguments, the method among them, so the other method
+    builds its (equal) table once instead of reading the ids to find it equal."""
     import comfy.ldm.flux.model as flux
 
     if not hasattr(flux, "invert_slices"):
@@ -133,9 +135,13 @@ def test_flux2_reference_at_timestep_zero_is_bit_exact_and_shares_the_index_tabl
     ref = torch.randn((*x.shape[:-2], 4, 6), generator=torch.Generator().manual_seed(10))
     zero, index = ((x, sigma, dict(kwargs, ref_latents=[ref], ref_latents_method=m))
                    for m in ("index_timestep_zero", "index"))
-    cache = compare(model, [zero, zero, index], cached_options(rope), rope)
-    (stats,) = cache.name_stats().values()
-    assert stats["misses"] == 1 and stats["hits"] == 2
+    cache = compare(model, [zero, zero], cached_options(rope), rope)
+    (name,) = cache.names()
+    zero_table = cache.entry(name)[1]
+    compare(model, [index, index], cached_options(rope), rope)
+    assert torch.equal(cache.entry(name)[1], zero_table)
+    stats = cache.name_stats()[name]
+    assert stats["misses"] == 2 and stats["hits"] == 2
     assert not torch.equal(run(model, zero, cached_options(rope)), run(model, index, cached_options(rope)))
 
 
