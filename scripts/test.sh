@@ -4,8 +4,24 @@
 #   REUSEKIT_HOST=0.33 scripts/test.sh     one host only (0.3.75 or 0.33), for quick runs
 #   COMFYUI_PATH=/path/to/ComfyUI          your own checkout only (in .venv/)
 # Arguments go to pytest (e.g. -m conditioning, -k wan, -x). Exits non-zero if any host failed.
+# Never hangs: a test past pyproject.toml's timeout fails with every thread's stack, and each host's whole
+# run is stopped after REUSEKIT_HOST_TIMEOUT s (default 2400) with a stack dump (SIGABRT: faulthandler); either
+# way the host and the test are named below, and where each host's output was kept.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+HOST_LIMIT=${REUSEKIT_HOST_TIMEOUT:-2400}
+
+# The tests that timed out in a host's log, one per line: pytest-timeout's failures, or (the whole run
+# stopped) the test frame nearest the top of the main thread's stack in faulthandler's dump.
+timed_out() {
+  local log=$1 stopped=$2
+  grep -oE '^FAILED [^ ]+ - Failed: Timeout' "$log" | sed -E 's/^FAILED ([^ ]+) .*/\1/'
+  if [ "$stopped" = 1 ]; then
+    sed -n '/^Current thread\|^Thread 0x.*most recent call first/,/^$/p' "$log" \
+      | grep -oE 'File "[^"]*/tests/[^"]+", line [0-9]+ in test_[A-Za-z0-9_]+' | head -n 1 \
+      | sed -E 's#File "[^"]*/(tests/[^"]+)", line ([0-9]+) in (.*)#\1::\3 (line \2, when the run was stopped)#'
+  fi
+}
 
 if [ -n "${COMFYUI_PATH:-}" ]; then
   hosts=(0.3.75)   # .venv/ around the user's checkout
@@ -28,7 +44,20 @@ for host in "${hosts[@]}"; do
   echo "[reusekit test] ===== ComfyUI $label ($dir) ====="
   # pytest's own launcher, not `python -m pytest`: that would put this folder on sys.path and the
   # pack's nodes/ and tests/ would shadow ComfyUI's.
-  if COMFYUI_PATH="$dir" REUSEKIT_TEST_HOST="$host" "$venv/bin/pytest" "$@"; then
+  log=$(mktemp -t "reusekit-pytest-$host.XXXXXX.log")
+  COMFYUI_PATH="$dir" REUSEKIT_TEST_HOST="$host" timeout --signal=ABRT --kill-after=60 "$HOST_LIMIT" \
+    "$venv/bin/pytest" "$@" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  stopped=0
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    stopped=1
+    echo "[reusekit test] ComfyUI $label: STOPPED after ${HOST_LIMIT} s (REUSEKIT_HOST_TIMEOUT): a hang; every thread's stack is above"
+  fi
+  while read -r test; do
+    [ -n "$test" ] && echo "[reusekit test] ComfyUI $label: TIMED OUT: $test"
+  done < <(timed_out "$log" "$stopped")
+  echo "[reusekit test] ComfyUI $label: output kept in $log"
+  if [ "$rc" = 0 ]; then
     passed+=("$host")
   else
     failed+=("$host")
