@@ -165,7 +165,10 @@ class _Entry:
         self.bytes["cpu"] = self.bytes.get("cpu", 0) + key.nbytes()
 
     def intact(self) -> bool:
-        return all(t._version == v for t, v in self.versions)
+        for t, v in self.versions:
+            if t._version != v:
+                return False
+        return True
 
 
 class PECache:

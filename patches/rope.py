@@ -36,7 +36,6 @@ ComfyUI reshaped stays uncached, with one warning); ``install()`` / ``uninstall(
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import importlib
@@ -84,14 +83,20 @@ class _Scope:
 _SCOPE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("reusekit_pe_scope", default=None)
 
 
-@contextlib.contextmanager
-def scope(cache, transformer_options: dict | None = None):
-    """Inside, patched builders use ``cache`` (``None``: they run unchanged)."""
-    token = _SCOPE.set(_Scope(cache, transformer_options) if cache is not None else None)
-    try:
-        yield
-    finally:
-        _SCOPE.reset(token)
+class scope:  # noqa: N801  (used as a function: ``with scope(cache, options):``)
+    """Inside, patched builders use ``cache`` (``None``: they run unchanged). A class rather than a
+    generator: it is entered on every model call."""
+
+    __slots__ = ("_scope", "_token")
+
+    def __init__(self, cache, transformer_options: dict | None = None):
+        self._scope = _Scope(cache, transformer_options) if cache is not None else None
+
+    def __enter__(self) -> None:
+        self._token = _SCOPE.set(self._scope)
+
+    def __exit__(self, *exc) -> None:
+        _SCOPE.reset(self._token)
 
 
 def _scope_open() -> bool:

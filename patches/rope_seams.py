@@ -26,7 +26,6 @@ during the forward (a callback scheduled from the sampling thread) keeps nothing
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import importlib
@@ -37,7 +36,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ..caching.keys import Uncacheable, encode, encode_geometry, tensors_in
+import torch
+
+from ..caching.keys import Uncacheable, encode, encode_geometry, tensor_meta, tensors_in
 
 _GEOMETRY: contextvars.ContextVar[Geometry | None] = contextvars.ContextVar("reusekit_pe_geometry", default=None)
 
@@ -48,11 +49,19 @@ _next_serial = itertools.count(1)
 
 def _serial(model) -> int:
     """A number for this model object: a new model never shares a key with a dead one."""
-    with _serials_lock:
-        n = _serials.get(model)
-        if n is None:
-            n = _serials[model] = next(_next_serial)
-        return n
+    n = _serials.get(model)
+    if n is None:
+        with _serials_lock:
+            n = _serials.get(model)
+            if n is None:
+                n = _serials[model] = next(_next_serial)
+    return n
+
+
+def _module(model, attr: str):
+    """``model.<attr>`` (a submodule straight from ``_modules``: no ``nn.Module.__getattr__``)."""
+    found = getattr(model, "_modules", {}).get(attr)
+    return found if found is not None else getattr(model, attr, None)
 
 
 def current() -> Geometry | None:
@@ -87,6 +96,22 @@ class _NoGeometry(Exception):
     pass
 
 
+class _Opened:
+    """The context of one forward call: its geometry is the current one inside."""
+
+    __slots__ = ("geometry", "_token")
+
+    def __init__(self, geometry: Geometry):
+        self.geometry = geometry
+
+    def __enter__(self) -> Geometry:
+        self._token = _GEOMETRY.set(self.geometry)
+        return self.geometry
+
+    def __exit__(self, *exc) -> None:
+        _GEOMETRY.reset(self._token)
+
+
 class ForwardSeam:
     """One family forward that makes its ids from geometry (``module.Class.attr``).
 
@@ -105,7 +130,7 @@ class ForwardSeam:
         self.embedders, self.helpers, self.module_helpers = embedders, helpers, module_helpers
         self.options, self.blocking_patches, self.ignored = options, blocking_patches, ignored
         self._names: tuple[str, ...] = ()
-        self._host: list[tuple[Any, str, Any]] = []  # (owner, name, function) recorded at install
+        self._host: list[tuple[bool, Any, str, Any]] = []  # (on the class, owner, name, function) at install
         self.off: str | None = None
 
     def _record_host(self) -> None:
@@ -119,7 +144,7 @@ class ForwardSeam:
                     continue
                 if not getattr(fn, "__module__", "").startswith("comfy."):
                     self.off = f"{name} is not ComfyUI's own (from {fn.__module__})"
-                self._host.append((owner, name, fn))
+                self._host.append((owner is cls, owner, name, fn))
 
     def make(self, original: Callable, active: Callable[[], bool]) -> Callable:
         """The replacement forward (called by the patch's install); ``active``: whether a PE cache
@@ -138,27 +163,22 @@ class ForwardSeam:
                 return original(model, *args, **kwargs)
         return forward
 
-    @contextlib.contextmanager
-    def opened(self, model, args: tuple, kwargs: dict):
-        """Inside, the model's embedder calls are keyed by this call's geometry."""
+    def opened(self, model, args: tuple, kwargs: dict) -> _Opened:
+        """``with seam.opened(model, args, kwargs):`` the model's embedder calls inside are keyed by
+        this call's geometry."""
         try:
             fields, why = self.fields(model, args, kwargs), None
         except (Uncacheable, _NoGeometry) as e:
             fields, why = None, f"{self.family}: {e}"
-        owned = tuple(id(getattr(model, a, None)) for a in self.embedders)
-        token = _GEOMETRY.set(Geometry(fields, why, owned))
-        try:
-            yield
-        finally:
-            _GEOMETRY.reset(token)
+        return _Opened(Geometry(fields, why, tuple(id(_module(model, a)) for a in self.embedders)))
 
     def fields(self, model, args: tuple, kwargs: dict) -> tuple:
         """The geometry of one call, encoded (raises :class:`_NoGeometry` or ``Uncacheable``)."""
         if self.off:
             raise _NoGeometry(self.off)
         cls = type(model)
-        for owner, name, fn in self._host:
-            if getattr(cls if isinstance(owner, type) else owner, name, None) is not fn:
+        for on_class, owner, name, fn in self._host:
+            if getattr(cls if on_class else owner, name, None) is not fn:
                 raise _NoGeometry(f"{name} is not the host's {name}")
         if len(args) > len(self._names):
             raise _NoGeometry("unexpected positional arguments")
@@ -176,7 +196,8 @@ class ForwardSeam:
             if next(tensors_in(value), None) is not None:  # its values would decide the ids
                 raise _NoGeometry(f"transformer_options['{o}'] holds a tensor")
         return (self.family, _serial(model), encode(getattr(model, "patch_size", None)),
-                tuple((name, encode_geometry(value)) for name, value in sorted(arguments.items())),
+                tuple((name, tensor_meta(value) if isinstance(value, torch.Tensor) else encode_geometry(value))
+                      for name, value in sorted(arguments.items())),
                 tuple((o, encode(value)) for o, value in read))
 
 
