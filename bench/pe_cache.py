@@ -3,17 +3,26 @@
 Two tables, each measured side by side in one run (interleaved rounds, best round's median):
 
 1. realistic geometries, the PE builder alone (no transformer): the host's builder (a miss) and the
-   patched builder answering from a warm cache (a hit, including the key build and compare; the
-   ids tensors are fresh each call, as the host makes them);
-2. the tiny test models: one whole ``apply_model`` forward without and with the cache.
+   patched builder answering from a warm cache (a hit, including the key build and compare). How a
+   row's hit is decided: ``geometry``, an EmbedND family's embedder called inside its forward's
+   geometry seam (``patches/rope_seams.py``; the forward's arguments keyed by value and tensors by
+   shape, at their real sizes; the ids are fresh each call, as the host makes them); ``args``, a
+   builder whose arguments are host values; ``values``, a builder keyed by tensor values, which
+   hits on the CPU only (on a GPU it computes). The ``by value`` column is the same EmbedND call
+   outside its forward: the ids keyed by their bytes, as every EmbedND hit was before the seams.
+2. the tiny test models: one whole ``apply_model`` forward without and with the cache, and the
+   reads of tensor values the pack makes on a hit (``tests/host_reads.py``, every tensor taken as
+   on a GPU: each would be a device-to-host copy and a wait).
 
-Last line: ``RESULT pe_hit_over_miss=<worst hit/miss ratio over table 1> families=<families covered>``.
+Last line: ``RESULT pe_hit_over_miss=<worst hit/miss over the geometry and args rows>
+pe_hit_host_copies=<pack reads over every family's hit> families=<families covered>``.
 Run from the repository root: ``.venv/bin/python bench/pe_cache.py``.
 """
 
 from __future__ import annotations
 
 import importlib
+import itertools
 import statistics
 import sys
 import time
@@ -24,8 +33,10 @@ import rkharness  # noqa: E402
 rkharness.bootstrap()
 
 import torch  # noqa: E402
+from host_reads import HostReads  # noqa: E402
 
 rope = rkharness.pack("patches.rope")
+seams = rkharness.pack("patches.rope_seams")
 pc = rkharness.pack("caching.pe_cache")
 families = importlib.import_module(rkharness.TINY.__name__ + ".families")
 
@@ -80,17 +91,58 @@ def fresh_inputs(fn, tensor: torch.Tensor):
     return call
 
 
-def embednd_case(module: str, axes, theta, ids):
+def meta(*shape) -> torch.Tensor:
+    """An argument of the forward at its real size: the geometry reads its shape, dtype and device only."""
+    return torch.empty(shape, device="meta")
+
+
+def geometry_case(family: str, seam: str, embedder: str, module: str, axes, theta, ids, args: tuple, kwargs: dict):
+    """The family's tiny host model with its position embedder at the real axes and theta; miss: the
+    host's table; hit: that embedder called inside the forward's geometry seam (as ``_forward`` does),
+    and, for comparison, outside it (ids keyed by their values)."""
     mod = importlib.import_module(module)
     kw = {"dim": sum(axes)} if module.endswith("flux.layers") else {}
-    return fresh_inputs(mod.EmbedND(theta=theta, axes_dim=list(axes), **kw), ids)
+    model = families.FAMILY_SPECS[family].build(0).model.diffusion_model
+    setattr(model, embedder, mod.EmbedND(theta=theta, axes_dim=list(axes), **kw))
+    emb = getattr(model, embedder)
+    seam = next(s for s in seams.SEAMS if s.family == seam)
+    kwargs = dict(kwargs, transformer_options={"cond_or_uncond": [1, 0], "sigmas": torch.ones(1)})
+
+    def in_forward(ids):
+        with seam.opened(model, args, kwargs):
+            return emb(ids)
+    return {"geometry": fresh_inputs(in_forward, ids), "by value": fresh_inputs(emb, ids),
+            "miss": fresh_inputs(emb, ids)}
 
 
-def realistic_cases():
+def geometry_cases():
+    t = meta(1)
+    return {
+        "flux 1024x1024 (+512 text)": geometry_case(
+            "flux", "flux", "pe_embedder", "comfy.ldm.flux.layers", (16, 56, 56), 10000, flux_ids(64, 64, 512),
+            (meta(1, 16, 128, 128), t, meta(1, 512, 4096)),
+            {"y": meta(1, 768), "guidance": t, "control": None, "attention_mask": None}),
+        "qwen-image 1328x1328 (+256 text)": geometry_case(
+            "qwen_image", "qwen-image", "pe_embedder", "comfy.ldm.flux.layers", (16, 56, 56), 10000, flux_ids(83, 83, 256),
+            (meta(1, 16, 1, 166, 166), t, meta(1, 256, 3584)), {"attention_mask": None, "control": None}),
+        "z-image 1024x1024 (+512 text)": geometry_case(
+            "z_image", "lumina2 / z-image", "rope_embedder", "comfy.ldm.flux.layers", (32, 48, 48), 256, flux_ids(64, 64, 512),
+            (meta(1, 16, 128, 128), t, meta(1, 512, 2560), 512), {"attention_mask": None}),
+        "hidream 1024x1024 (+128 text)": geometry_case(
+            "hidream", "hidream", "pe_embedder", "comfy.ldm.hidream.model", (64, 32, 32), 10000, flux_ids(64, 64, 128),
+            (meta(1, 16, 128, 128), t, meta(1, 2048), meta(1, 128, 4096), meta(1, 32, 128, 4096)), {}),
+        "hunyuan video 544x960 x 61 f": geometry_case(
+            "hunyuan_video", "hunyuan video", "pe_embedder", "comfy.ldm.flux.layers", (16, 56, 56), 256, video_ids(16, 34, 60, 256),
+            (meta(1, 16, 16, 68, 120), t, meta(1, 256, 4096), meta(1, 768)), {"guidance": t, "control": None}),
+    }
+
+
+def builder_cases():
     import comfy.ldm.cosmos.position_embedding as cosmos_pos
     import comfy.ldm.genmo.joint_model.asymm_models_joint as mochi
     import comfy.ldm.hydit.models as hydit
     import comfy.ldm.lightricks.model as ltxv
+    import comfy.ldm.omnigen.omnigen2 as omnigen2
     import comfy.ldm.wan.model as wan
 
     wan_model = rkharness.TINY.tiny_wan(0, dim=256, ffn_dim=256, num_heads=2).model.diffusion_model  # head dim 128
@@ -100,44 +152,69 @@ def realistic_cases():
     freqs = torch.randn(3, 24, 64, generator=torch.Generator().manual_seed(0))
     hydit_latent = torch.zeros(1, 4, 128, 128)
     # a module function up to ComfyUI 0.8, then a method of the LTX model (LTX-2 too)
-    families = importlib.import_module(f"{rkharness.TINY.__name__}.families")
     ltxv_freqs = (getattr(ltxv, "precompute_freqs_cis", None)
                   or families.tiny_ltxv(0).model.diffusion_model._precompute_freqs_cis)
+    omnigen = omnigen2.OmniGen2RotaryPosEmbed(theta=10000, axes_dim=(40, 40, 40), axes_lens=(1024, 1664, 1664))
     return {
-        "flux 1024x1024 (+512 text)": embednd_case("comfy.ldm.flux.layers", (16, 56, 56), 10000,
-                                                   flux_ids(64, 64, 512)),
-        "qwen-image 1328x1328 (+256 text)": embednd_case("comfy.ldm.flux.layers", (16, 56, 56), 10000,
-                                                         flux_ids(83, 83, 256)),
-        "z-image 1024x1024 (+512 text)": embednd_case("comfy.ldm.flux.layers", (32, 48, 48), 256,
-                                                      flux_ids(64, 64, 512)),
-        "hidream 1024x1024 (+128 text)": embednd_case("comfy.ldm.hidream.model", (64, 32, 32), 10000,
-                                                      flux_ids(64, 64, 128)),
-        "hunyuan video 544x960 x 61 f": embednd_case("comfy.ldm.flux.layers", (16, 56, 56), 256,
-                                                     video_ids(16, 34, 60, 256)),
-        "wan 832x480 x 81 f (rope_encode)": lambda: wan.WanModel.rope_encode(
+        ("args", "wan 832x480 x 81 f (rope_encode)"): lambda: wan.WanModel.rope_encode(
             wan_model, 21, 60, 104, device=torch.device("cpu"), dtype=torch.float32),
-        "ltxv 768x512 x 97 f": fresh_inputs(lambda grid: ltxv_freqs(grid, dim=2048, out_dtype=torch.float32),
-                                           ltxv_grid),
-        "cosmos 1280x704 x 93 f": lambda: cosmos_emb.generate_embeddings(torch.Size((1, 24, 44, 80, 2048))),
-        "mochi 848x480 x 163 f": lambda: mochi.compute_mixed_rotation(
+        ("args", "omnigen2 1024x1024 (+256 text)"): lambda: omnigen(
+            1, 256, [256], [[0]], [4096], [None], [(128, 128)], torch.device("cpu")),
+        ("args", "cosmos 1280x704 x 93 f"): lambda: cosmos_emb.generate_embeddings(torch.Size((1, 24, 44, 80, 2048))),
+        ("args", "hunyuan dit 1024x1024"): lambda: hydit.calc_rope(hydit_latent, 2, 88),
+        ("values", "ltxv 768x512 x 97 f"): fresh_inputs(
+            lambda grid: ltxv_freqs(grid, dim=2048, out_dtype=torch.float32), ltxv_grid),
+        # the positions are keyed by their arguments, the rotation by the positions' and weights' values
+        ("values", "mochi 848x480 x 163 f"): lambda: mochi.compute_mixed_rotation(
             freqs=freqs, pos=mochi.create_position_matrix(28, pH=30, pW=53, device=torch.device("cpu"),
                                                           dtype=torch.float32)),
-        "hunyuan dit 1024x1024": lambda: hydit.calc_rope(hydit_latent, 2, 88),
     }
 
 
-def time_realistic():
-    rows = []
-    for label, call in realistic_cases().items():
-        cache = pc.PECache()
+def warm_hit(call):
+    """``call`` through a warm cache that keeps stats, as a model's cache does (a hit counts itself)."""
+    cache = pc.PECache(f"pe:bench#{next(_serial)}")
 
-        def hit(call=call, cache=cache):
-            with rope.scope(cache):
-                return call()
-        hit()  # warm: the first call is the one miss
+    def hit():
+        with rope.scope(cache):
+            return call()
+    hit()  # warm: the first call is the one miss
+    return hit, cache
+
+
+_serial = itertools.count()
+
+
+def time_realistic():
+    """Rows (kind, label, miss s, hit s, by-value hit s or None, bytes held)."""
+    rows = []
+    for label, case in geometry_cases().items():
+        hit, cache = warm_hit(case["geometry"])
+        by_value, _ = warm_hit(case["by value"])
+        miss, hit_t = side_by_side(case["miss"], hit, rounds=3, repeats=3)
+        _, value_t = side_by_side(case["miss"], by_value, rounds=1, repeats=3)
+        rows.append(("geometry", label, miss, hit_t, value_t, sum(cache.nbytes().values())))
+    for (kind, label), call in builder_cases().items():
+        hit, cache = warm_hit(call)
         miss, hit_t = side_by_side(call, hit, rounds=3, repeats=3)
-        rows.append((label, miss, hit_t, sum(cache.nbytes().values())))
+        rows.append((kind, label, miss, hit_t, None, sum(cache.nbytes().values())))
     return rows
+
+
+def host_reads_on_hit(model, call) -> tuple[int, int]:
+    """(reads of tensor values by the pack, hits) in one cached forward after a warm one, every tensor
+    taken as on a GPU (value keys off, as for device tensors)."""
+    saved = rope.VALUE_KEYS_ON
+    rope.VALUE_KEYS_ON = frozenset()
+    try:
+        call()
+        stats = rope.model_cache(model.model).stats
+        before = stats.counter("hits")
+        with HostReads() as reads:
+            call()
+        return len(reads.pack()), stats.counter("hits") - before
+    finally:
+        rope.VALUE_KEYS_ON = saved
 
 
 def time_tiny():
@@ -156,9 +233,9 @@ def time_tiny():
 
         def cached(model=model, x=x, sigma=sigma, kwargs=kwargs):
             model.model.apply_model(x, sigma, transformer_options=dict(opts), **kwargs)
-        cached()
+        reads, hits = host_reads_on_hit(model, cached)
         off, on = side_by_side(plain, cached, rounds=4, repeats=3)
-        rows.append((name, off, on))
+        rows.append((name, off, on, reads, hits))
     return rows
 
 
@@ -166,17 +243,21 @@ def main():
     with torch.inference_mode():
         real = time_realistic()
         tiny = time_tiny()
-    print("\nPE builder alone, realistic geometries (CPU, float32): miss = the host's builder, "
-          "hit = patched builder with a warm cache")
-    print(f"{'geometry':36} {'miss ms':>9} {'hit us':>9} {'hit/miss':>9} {'held':>9}")
-    for label, miss, hit, nbytes in real:
-        print(f"{label:36} {miss * 1e3:9.2f} {hit * 1e6:9.1f} {hit / miss:9.4f} {nbytes / 2**20:7.1f}Mi")
-    print("\nTiny test models, one apply_model forward (ms): without / with the PE cache")
-    print(f"{'family':18} {'off ms':>8} {'on ms':>8} {'on/off':>8}")
-    for name, off, on in tiny:
-        print(f"{name:18} {off * 1e3:8.2f} {on * 1e3:8.2f} {on / off:8.3f}")
-    worst = max(hit / miss for _, miss, hit, _ in real)
-    print(f"RESULT pe_hit_over_miss={worst:.4f} families={len(COVERED)}")
+    print(f"\nPE builder alone, realistic geometries (CPU, float32, {torch.get_num_threads()} threads): "
+          "miss = the host's builder, hit = patched builder with a warm cache")
+    print(f"{'key':8} {'geometry':38} {'miss ms':>9} {'hit us':>8} {'hit/miss':>9} {'by value us':>12} {'held':>8}")
+    for kind, label, miss, hit, by_value, nbytes in real:
+        value = f"{by_value * 1e6:12.1f}" if by_value is not None else f"{'':12}"
+        print(f"{kind:8} {label:38} {miss * 1e3:9.2f} {hit * 1e6:8.1f} {hit / miss:9.4f} {value} "
+              f"{nbytes / 2**20:6.1f}Mi")
+    print("\nTiny test models, one apply_model forward (ms): without / with the PE cache; the pack's reads of "
+          "tensor values on a hit (each a device-to-host copy on a GPU)")
+    print(f"{'family':18} {'off ms':>8} {'on ms':>8} {'on/off':>8} {'hits':>5} {'reads':>6}")
+    for name, off, on, reads, hits in tiny:
+        print(f"{name:18} {off * 1e3:8.2f} {on * 1e3:8.2f} {on / off:8.3f} {hits:5d} {reads:6d}")
+    worst = max(hit / miss for kind, _, miss, hit, _, _ in real if kind != "values")
+    copies = sum(reads for *_, reads, _ in tiny)
+    print(f"RESULT pe_hit_over_miss={worst:.4f} pe_hit_host_copies={copies} families={len(COVERED)}")
 
 
 if __name__ == "__main__":
