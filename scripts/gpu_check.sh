@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# ReuseKit's GPU checks in one call: the `gpu` tests and bench/graph_reuse.py, on both hosts.
+# ReuseKit's GPU checks in one call: the `gpu` tests, bench/graph_reuse.py and bench/pe_cache_gpu.py
+# (one Flux and one Wan forward with the PE cache on against off), on both hosts.
 #
 #   scripts/gpu_check.sh --prepare   here (with a package index): fills .devcarry/ (git-ignored) with
 #                                    cp312 wheels of what a bare GPU machine lacks and the two host
@@ -7,9 +8,12 @@
 #   scripts/gpu_check.sh [HOST...]   on the GPU machine, .devcarry carried: installs the wheels into
 #                                    /tmp/rk-site, unpacks the hosts into /tmp/rk-hosts, runs the checks
 #                                    and writes one log per check and summary.txt to $OUT
+#   scripts/gpu_check.sh --dry-run   here, without a GPU: bench/pe_cache_gpu.py at tiny sizes on the
+#                                    CPU with the local venvs (checks it runs; prints no GPU figures)
 #
 # HOST is ComfyUI (0.3.75) or ComfyUI-0.33.0 (default: both). Time limits per check, in seconds:
-# GPU_CHECK_TEST_S (default 150) and GPU_CHECK_BENCH_S (default 90); both hosts fit in one 10-minute call.
+# GPU_CHECK_TEST_S (default 150), GPU_CHECK_BENCH_S (default 90) and GPU_CHECK_PE_S (default 45);
+# both hosts fit in one 10-minute call.
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 CARRY=$ROOT/.devcarry
@@ -70,13 +74,33 @@ run_checks() {
         rc=$?
         echo "$host bench (rc $rc): $(grep '^RESULT' "$out/bench-$host.log" | tail -1)" >>"$out/summary.txt"
         [ $rc -eq 0 ] || status=1
+        timeout "${GPU_CHECK_PE_S:-45}" python3 bench/pe_cache_gpu.py >"$out/pe-$host.log" 2>&1
+        rc=$?
+        echo "$host pe bench (rc $rc): $(grep '^RESULT' "$out/pe-$host.log" | tail -1)" >>"$out/summary.txt"
+        [ $rc -eq 0 ] || status=1
     done
     cat "$out/summary.txt"
     return $status
 }
 
+dry_run() {
+    local status=0 venv dir rc
+    cd "$ROOT" || exit 2
+    for host in 0.3.75 0.33; do
+        read -r venv dir < <(scripts/setup.sh --print-host "$host")
+        [ -x "$venv/bin/python" ] || { echo "gpu_check --dry-run: no $venv"; status=1; continue; }
+        COMFYUI_PATH=$dir timeout 300 "$venv/bin/python" bench/pe_cache_gpu.py --dry-run >/tmp/rk-pe-dry-$host.log 2>&1
+        rc=$?
+        echo "ComfyUI $host pe bench dry run (rc $rc): $(grep '^RESULT' /tmp/rk-pe-dry-$host.log | tail -1)"
+        [ $rc -eq 0 ] || status=1
+    done
+    return $status
+}
+
 if [ "${1:-}" = "--prepare" ]; then
     prepare
+elif [ "${1:-}" = "--dry-run" ]; then
+    dry_run
 else
     run_checks "$@"
 fi
