@@ -5,10 +5,11 @@ Qwen-Image, Lumina 2 / Z-Image, HiDream) build their ids inside a forward and ha
 fresh device tensor every call; keying that tensor by value would copy it to the host and wait for
 the GPU on every step. A :class:`ForwardSeam` wraps the forward that builds them (``_forward``,
 behind the DIFFUSION_MODEL wrappers, so it sees the arguments the model really gets) and opens a
-:class:`Geometry` for the call: the model, its arguments and the transformer options the ids read.
-A call of the model's own embedder inside it is then keyed by the geometry's fields (arguments by
-value, tensors by type, dtype, shape and device: :func:`~..caching.keys.encode_geometry`), the
-call's order in the forward and the ids' shape, dtype and device: host values only.
+:class:`Geometry` for the call: what its ids are made from (the model, its arguments, the transformer
+options the ids read), encoded. A call of the model's own embedder inside it is then keyed by the
+geometry's fields (arguments by value, tensors by type, dtype, shape and device:
+:func:`~..caching.keys.encode_geometry`), the call's order in the forward and the ids' shape, dtype
+and device: host values only.
 
 That is exact because the host makes those ids from nothing else, which holds only while the
 forward and its ids builders are ComfyUI's own. So a forward has no geometry (its embedder calls
@@ -17,7 +18,8 @@ fall back to the value rules, which a device tensor never takes) when:
 - a helper that makes ids (``process_img``, ``forward_orig``, ``img_ids``, ...) is not the host
   function recorded at install (replaced later by someone, or a subclass overrides it);
 - a ``transformer_options["patches"]`` entry that may rewrite the ids is set (``post_input``);
-- an argument cannot be keyed (:class:`~..caching.keys.Uncacheable`).
+- an argument cannot be keyed (:class:`~..caching.keys.Uncacheable`), or an option the ids read
+  holds a tensor (its values would decide them).
 
 The geometry is encoded when the forward starts, only while a PE cache scope is open (a model without
 the cache pays one check). It holds host values only, never the model or a tensor: a context copied
