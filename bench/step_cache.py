@@ -3,6 +3,7 @@ published skip rules (TeaCache, MagCache, First-Block-Cache) and ComfyUI core's 
 
     .venv/bin/python bench/step_cache.py [--quick] [--png-dir docs] [--markdown FILE]
     .venv/bin/python bench/step_cache.py --write-tables     # the schedule rule's shipped tables
+    .venv/bin/python bench/step_cache.py --pick-defaults    # each family's default, on the tuning prompts
 
 Models: the stand-in Flux and Wan 2.1 of ``tests/tinymodels/standins.py`` (real ComfyUI classes,
 trained at the 16x16 latent the bench runs), 20, 28 and 50 euler/simple steps, CFG 3.5, through the
@@ -295,9 +296,10 @@ def references(bench: Bench, steps: int, runs: list[tuple[str, int]]) -> dict:
     return refs
 
 
-def tune(bench: Bench, method: dict, steps: int, tuning: list, refs: dict) -> tuple[list[dict], dict | None]:
-    """Every combo's thresholds on the tuning prompts (a log grid, refined at the floors' crossing): the
-    tuning points, and the pick (the fastest keeping the floors; the node defaults' with a margin)."""
+def tune(bench: Bench, method: dict, steps: int, tuning: list, refs: dict,
+         floors: tuple[float, float] = (MEAN_FLOOR, WORST_FLOOR)) -> tuple[list[dict], dict | None]:
+    """Every combo's thresholds on the tuning prompts (a log grid, refined at the ``floors``' crossing):
+    the tuning points, and the pick (the fastest keeping the floors)."""
     points = []
     if method.get("defaults"):
         point = measure(bench, dict(method, threshold=None), steps, tuning, refs)
@@ -314,12 +316,12 @@ def tune(bench: Bench, method: dict, steps: int, tuning: list, refs: dict) -> tu
                 tried.add(th)
                 mine.append(dict(measure(bench, dict(method, combo=combo, threshold=th), steps, tuning, refs),
                                  combo=combo_name))
-            nxt = curves.refine(mine, MEAN_FLOOR, WORST_FLOOR, tried)
+            nxt = curves.refine(mine, *floors, tried)
             if nxt is None:
                 break
             todo = [nxt]
         points += mine
-    return points, curves.pick(points, MEAN_FLOOR, WORST_FLOOR)
+    return points, curves.pick(points, *floors)
 
 
 def evaluate(bench: Bench, method: dict, steps: int, picked: dict | None, tune_points: list, evals: list,
@@ -403,6 +405,29 @@ def _said(p: dict | None) -> str:
     if p is None:
         return "none (no setting kept the floors)"
     return f"{p['combo']} {p['threshold']:g}: {p['x']:.2f}x at {p['psnr']:.1f} dB (worst {p['worst']:.1f})"
+
+
+def pick_defaults(family: str) -> dict:
+    """The family's default for the node, on the tuning prompts only: the schedule rule with the shipped
+    table (no calibration), each residual mode's fastest threshold keeping DEFAULT_FLOORS at every step
+    count; the default is the mode whose slowest step count is fastest, at the smallest of its picks."""
+    bench = Bench(family, quick=False)
+    tuning = [(p, TUNING_SEED) for p in TUNING_PROMPTS]
+    picks: dict[str, dict[int, dict | None]] = {}
+    with torch.inference_mode():
+        for steps in STEP_COUNTS:
+            refs = references(bench, steps, tuning)
+            for method in methods(family):
+                if method.get("rule") == "schedule" and method["model_type"] == "auto":
+                    _, picked = tune(bench, method, steps, tuning, refs, DEFAULT_FLOORS)
+                    picks.setdefault(method["mode"], {})[steps] = picked
+                    print(f"[{family} {steps}] {method['name']}: {_said(picked)}", flush=True)
+    usable = {mode: p for mode, p in picks.items() if all(v is not None for v in p.values())}
+    if not usable:
+        return {"family": family, "picks": picks, "default": None}
+    mode = max(usable, key=lambda m: min(v["x"] for v in usable[m].values()))
+    return {"family": family, "picks": picks,
+            "default": {"mode": mode, "threshold": min(v["threshold"] for v in usable[mode].values())}}
 
 
 # ---- the shipped schedule tables --------------------------------------------------------------------
@@ -554,13 +579,15 @@ def main():
     ap.add_argument("--png-dir", help="write docs-style plots step_cache_<model>.png here")
     ap.add_argument("--json", help="keep every measured point here")
     ap.add_argument("--write-tables", action="store_true", help="measure the schedule rule's shipped tables")
+    ap.add_argument("--pick-defaults", action="store_true", help="pick each family's default on the tuning prompts")
     args = ap.parse_args()
     if args.family:  # a worker
         rkharness.bootstrap()
         torch.set_num_threads(1)
         logging.getLogger("reusekit").setLevel(logging.WARNING)
         logging.getLogger().setLevel(logging.WARNING)
-        data = write_tables(args.family) if args.write_tables else sweep(args.family, args.quick)
+        data = (write_tables(args.family) if args.write_tables else pick_defaults(args.family) if args.pick_defaults
+                else sweep(args.family, args.quick))
         Path(args.out).write_text(json.dumps(data))
         return
     tmp = Path(tempfile.mkdtemp(prefix="rk-step-bench-"))
@@ -569,6 +596,7 @@ def main():
         cmd = [sys.executable, __file__, "--family", family, "--out", str(tmp / f"{family}.json")]
         cmd += ["--quick"] if args.quick else []
         cmd += ["--write-tables"] if args.write_tables else []
+        cmd += ["--pick-defaults"] if args.pick_defaults else []
         procs[family] = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     failed = [f for f, p in procs.items() if p.wait() != 0]
     if failed:
@@ -581,6 +609,12 @@ def main():
                      "on its tuning prompts with the family's stand-in model (tests/tinymodels/standins.py).",
             "tables": results}, indent=None, separators=(",", ":")) + "\n")
         print(f"wrote {target}")
+        return
+    if args.pick_defaults:
+        for family, res in results.items():
+            d = res["default"]
+            print(f"{family}: default " + ("none keeps the floors" if d is None else
+                                           f"schedule {d['mode']} threshold {d['threshold']:g}"))
         return
     if args.json:
         Path(args.json).write_text(json.dumps(results))

@@ -26,6 +26,7 @@ bound on the worst stretch, found as a shortest path over the steps.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -146,6 +147,14 @@ class ResidualTable:
             return None
         return cls(tuple(float(s) for s in sigmas), tuple(branches), tuple(tuple(float(v) for v in r) for r in gram),
                    tuple(float(g) for g in gains), None if sens is None else tuple(float(v) for v in sens))
+
+    def with_sensitivity_of(self, other: ResidualTable | None) -> ResidualTable:
+        """This table with ``other``'s sensitivity read at its sigmas (a calibration measures no
+        sensitivity: it borrows the family's shipped one); itself where ``other`` has none."""
+        if other is None or other.sensitivity is None:
+            return self
+        sens = tuple(sum(w * other.sensitivity[i] for i, w in other._weights(s)) for s in self.sigmas)
+        return dataclasses.replace(self, sensitivity=sens)
 
     def _weights(self, sigma: float) -> tuple[tuple[int, float], ...]:
         """The grid steps (and weights) whose linear interpolation is the residual at ``sigma``."""

@@ -569,6 +569,8 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None) -> Pla
     stored = STORE.get(key, ident)
     table = None if stored is None else {"teacache": stored.coefficients, "magcache": stored.magnitudes,
                                          "schedule": stored.table}[cfg.rule]
+    if cfg.rule == "schedule" and table is not None and table.sensitivity is None:
+        table = table.with_sensitivity_of(step_schedule.shipped_table(family.name))
     if table is not None:
         return plan("calibrated", table)
     table = None if cfg.model_type == "calibrated" else published(variant)

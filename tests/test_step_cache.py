@@ -793,8 +793,9 @@ def test_an_interrupted_calibration_is_never_saved_nor_used(flux, conds, _isolat
     assert "nothing is saved" in caplog.text
     sample(teacache(flux, 0.3, model_type="auto"), conds)
     assert last_run()["model_type"] == "flux"  # the published polynomial, not 3 points of an interrupted run
-    with pytest.raises(ValueError, match="no calibration"):
-        sample(teacache(flux, 0.3, model_type="calibrated"), conds)
+    for rule in ("teacache", "magcache", "schedule"):  # no table of any rule from the interrupted run
+        with pytest.raises(ValueError, match="no calibration"):
+            sample(teacache(flux, 0.3, model_type="calibrated", rule=rule), conds)
 
 
 @pytest.mark.hardening

@@ -359,3 +359,23 @@ def test_threshold_minus_one_takes_the_familys_schedule_threshold(flux):
     config = tc().StepCacheConfig(None, "auto", -1.0, rule="schedule", residual_mode="auto")
     resolved = P().resolved_config(config, family)
     assert resolved.rule == "schedule" and resolved.threshold == tc().RULE_THRESHOLDS["flux"]["schedule"] > 0
+
+
+def test_a_calibrated_table_borrows_the_shipped_tables_sensitivity_read_at_its_sigmas(flux, conds, monkeypatch):
+    calibrated(flux, conds)
+    grid = flow_sigmas(4)[:-1]
+    shipped = dataclasses.replace(table_of(residual_fn(7), grid), sensitivity=(4.0, 3.0, 2.0, 1.0))
+    monkeypatch.setattr(S(), "shipped_table", lambda family: shipped if family == "flux" else None)
+    m = scheduled(flux, 0.05)
+    table = P().resolve(m.model_options["transformer_options"][P().KEY], m).table
+    want = []
+    for s in table.sigmas:  # linear in sigma between the shipped table's steps, its ends beyond them
+        if s >= grid[0] or s <= grid[-1]:
+            want.append(4.0 if s >= grid[0] else 1.0)
+        else:
+            i = next(i for i in range(3) if grid[i] >= s >= grid[i + 1])
+            w = (grid[i] - s) / (grid[i] - grid[i + 1])
+            want.append(shipped.sensitivity[i] * (1 - w) + shipped.sensitivity[i + 1] * w)
+    assert table.sensitivity == pytest.approx(tuple(want))
+    monkeypatch.setattr(S(), "shipped_table", lambda family: None)
+    assert P().resolve(m.model_options["transformer_options"][P().KEY], m).table.sensitivity is None
