@@ -12,6 +12,10 @@ Patched (class attributes, one install and one uninstall, idempotent, each shape
 - ``CLIP.load_sd`` / ``ClipVisionModel.load_sd`` (weights replaced in place: a new generation) and
   ``VAE.__init__``: the weights they load are fingerprinted as the reference of the edit checks.
 
+A lazy text encoder (patches/lazy_clip.py: built from its files' headers, weights on the ``meta``
+device) is keyed exactly as the same files loaded eagerly; its weights load in place on the first
+encode that misses every tier.
+
 Entries are CPU copies (caching/conditioning.py): the cache makes no device copy of its own (weight
 patches it pins stay where their patcher keeps them), so nothing here hooks ComfyUI's memory manager.
 

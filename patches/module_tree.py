@@ -31,7 +31,9 @@ import torch
 LOAD_STATE = frozenset({
     "current_weight_patches_uuid", "model_loaded_weight_memory", "model_lowvram", "lowvram_patch_counter",
     "model_offload_buffer_memory", "weight_function", "bias_function", "comfy_cast_weights",
-    "prev_comfy_cast_weights", "comfy_force_cast_weights", "comfy_patched_weights", "device", "execution_device"})
+    "prev_comfy_cast_weights", "comfy_force_cast_weights", "comfy_patched_weights", "device", "execution_device",
+    # ComfyUI 0.16+: dynamic VRAM's pins, arenas and patchers, and the injection state of its patchers
+    "dynamic_pins", "dynamic_vbars", "dynamic_patchers", "seed_key", "skip_injection", "current_patcher"})
 RESET_OPTIONS = frozenset({"layer", "layer_idx", "return_projected_pooled"})
 HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
