@@ -307,3 +307,18 @@ def test_later_encodes_of_one_node_run_check_the_rows_they_read(cc, tmp_path):
     expected = uncached(fresh.encode_from_tokens, fresh.tokenize("a blue circle"))
     assert not torch.equal(second[1][0][0], first[1][0][0]) and torch.equal(second[1][0][0], expected)
     assert checks(clip)[1] - quick == 2  # one check of every weight, then the second prompt's rows
+
+
+def test_what_comfyuis_patchers_keep_on_a_module_is_not_an_encoder_setting(cc):
+    """Dynamic VRAM (ComfyUI 0.16+ on NVIDIA) keeps its pins, arenas and patchers on the module it
+    loads, as objects a key cannot describe: they are load state, so encodes still hit."""
+    clip = rkharness.TINY.tiny_clip(5)
+    tokens = clip.tokenize("a dynamic load")
+    first = clip.encode_from_tokens(tokens)
+    module = clip.cond_stage_model
+    module.dynamic_pins, module.dynamic_vbars, module.dynamic_patchers = object(), {}, [object()]
+    try:
+        assert torch.equal(clip.encode_from_tokens(tokens), first)
+        assert cc.CACHE.count("hits.text") == 1 and cc.CACHE.count("bypasses.text") == 0
+    finally:
+        del module.dynamic_pins, module.dynamic_vbars, module.dynamic_patchers
