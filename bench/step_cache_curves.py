@@ -87,7 +87,8 @@ def plot(panels: list[tuple[str, dict[str, list[dict]]]], path: Path, colors: di
     from PIL import Image, ImageDraw
 
     w, h, pad = 520, 400, 58
-    img = Image.new("RGB", (w * len(panels), h + 22 * math.ceil(len(colors) / 3)), "white")
+    cols = 2 * len(panels)
+    img = Image.new("RGB", (w * len(panels), h + 22 * math.ceil(len(colors) / cols)), "white")
     d = ImageDraw.Draw(img)
     x_lo, x_hi, y_lo, y_hi = 1.0, 8.0, 15.0, 60.0
     for k, (title, methods) in enumerate(panels):
@@ -107,7 +108,6 @@ def plot(panels: list[tuple[str, dict[str, list[dict]]]], path: Path, colors: di
             xx, _ = xy(x, y_lo)
             d.text((xx - 8, y0 + 6), f"{x:g}x", fill="black")
         d.text(((x0 + x1) / 2 - 110, h - 26), "speedup (model calls per branch, uncached / cached)", fill="black")
-        d.text((x0 - 50, y1 - 24), "PSNR dB", fill="black")
         for name, pts in methods.items():
             pts = sorted(pts, key=lambda p: p["x"])
             xys = [xy(p["x"], p["psnr"]) for p in pts]
@@ -116,7 +116,7 @@ def plot(panels: list[tuple[str, dict[str, list[dict]]]], path: Path, colors: di
             for x, y in xys:
                 d.ellipse((x - 3, y - 3, x + 3, y + 3), fill=colors[name])
     for i, (name, color) in enumerate(colors.items()):
-        x, y = 14 + (i % 3) * (img.width // 3), h + 6 + 22 * (i // 3)
+        x, y = 14 + (i % cols) * (img.width // cols), h + 6 + 22 * (i // cols)
         d.line((x, y + 7, x + 24, y + 7), fill=color, width=3)
         d.text((x + 30, y + 1), name, fill="black")
     path.parent.mkdir(parents=True, exist_ok=True)
