@@ -10,7 +10,7 @@ WEB_DIRECTORY = "./web"
 async def comfy_entrypoint():
     from .caching.settings import SETTINGS
     from .nodes import ReuseKitExtension
-    from .patches import graph_release, host, rope, teacache
+    from .patches import graph_release, host, rope, step_cache
     from .patches.conditioning import install as install_conditioning_cache
     from .routes import register as register_routes
 
@@ -23,7 +23,7 @@ async def comfy_entrypoint():
     else:
         host.set_layer("conditioning cache", "on for ReuseKit Cached nodes only", "global mode is off")
     rope.install()  # RoPE builders ask the PE cache; pass-through for models without it
-    teacache.report_layer()  # the step cache hooks each model through its node: nothing to install
+    step_cache.report_layer()  # the step cache hooks each model through its node: nothing to install
     graph_release.install()  # graphs are released whenever ComfyUI loads or unloads a model's weights
     if register_routes():  # the panel's /reusekit/ routes and stats push, where a server runs
         host.set_layer("panel", "on")

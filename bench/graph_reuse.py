@@ -136,7 +136,7 @@ def with_teacache(c) -> None:
     decisions only, so the ratio is what the eager probe up to TeaCache's first block costs."""
     import importlib
 
-    tea_node = rkharness.pack("nodes.teacache").TeaCacheNode
+    tea_node = rkharness.pack("nodes.step_cache").TeaCacheNode
     model = importlib.import_module(f"{tiny.__name__}.trained_flux").build()
     tea = tea_node.execute(model, "flux", 0.4, 0.0, 1.0, 0, "device", "extrapolate").args[0]
     both = graph_nodes.with_capture("bench", tea, True, 2)

@@ -150,9 +150,9 @@ class Bench:
         comfy.utils.PROGRESS_BAR_ENABLED = False
         self.family, self.quick = family, quick
         self.S = importlib.import_module(rkharness.TINY.__name__ + ".standins")
-        self.N = rkharness.pack("nodes.teacache")
-        self.P = rkharness.pack("patches.teacache")
-        self.tc = rkharness.pack("caching.teacache")
+        self.N = rkharness.pack("nodes.step_cache")
+        self.P = rkharness.pack("patches.step_cache")
+        self.tc = rkharness.pack("caching.step_cache")
         self.schedule = rkharness.pack("caching.step_schedule")
         self.model, self.clip = self.S.load_standin(family), rkharness.TINY.tiny_clip(0)
         dm = self.model.model.diffusion_model

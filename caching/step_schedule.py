@@ -58,7 +58,7 @@ def forecast(history: list[tuple[float, Any]], sigma: float, mode: str) -> Any:
     oldest first): the last one (``reuse``), or it continued along the last two's divided difference,
     never further than their gap (``extrapolate``). Residuals are anything with + and * by a number (the
     planner's coefficient vectors); the run's tensors follow the same formula
-    (:meth:`caching.teacache.RunState.residual`)."""
+    (:meth:`caching.step_cache.RunState.residual`)."""
     s1, r1 = history[-1]
     if mode != "extrapolate" or len(history) < 2 or history[-2][0] == s1:
         return r1

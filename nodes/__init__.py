@@ -12,7 +12,7 @@ import logging
 from comfy_api.latest import ComfyExtension, io
 
 CATEGORY = "ReuseKit"
-NODE_MODULES = ("stats", "conditioning", "lazy_clip", "pe_cache", "teacache", "graph", "demo")
+NODE_MODULES = ("stats", "conditioning", "lazy_clip", "pe_cache", "step_cache", "graph", "demo")
 
 log = logging.getLogger("reusekit")
 

@@ -2,7 +2,7 @@
 stack, which subclasses it refuses, the host seams it calls, and which published variant a model is.
 
 Pure data and small readers over ComfyUI's model classes (resolved by name, so a host without a family
-simply lacks it); the seams themselves are in patches/teacache.py.
+simply lacks it); the seams themselves are in patches/step_cache.py.
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ def test_a_prompt_in_todays_inputs_may_leave_every_cache_input_out():
     prompt["4"]["inputs"] = bare
     assert validate(prompt)[0]
     _, summary = run(prompt)
-    defaults = rkharness.pack("caching.teacache").FAMILY_DEFAULTS["flux"]
+    defaults = rkharness.pack("caching.step_cache").FAMILY_DEFAULTS["flux"]
     assert (summary["rule"], summary["threshold"], summary["residual_mode"]) == defaults
 
 

@@ -454,7 +454,7 @@ def trained_flux():
 
 
 def teacache(model, thresh=0.4):
-    node = rkharness.pack("nodes.teacache").TeaCacheNode
+    node = rkharness.pack("nodes.step_cache").TeaCacheNode
     return node.execute(model, "flux", thresh, 0.0, 1.0, 0, "device", "extrapolate").args[0]
 
 
@@ -465,7 +465,7 @@ def test_teacache_decides_outside_the_graph_and_its_skips_never_replay(gc, monke
     """ReuseKit's TeaCache decides in a block patch, inside the forward: under capture it probes
     the forward eagerly up to that decision; a skip finishes there, a computed step replays and
     the graph hands back the residual the next skips add. Same latent as TeaCache alone."""
-    stats = rkharness.pack("patches.teacache").stats
+    stats = rkharness.pack("patches.step_cache").stats
     monkeypatch.setattr(gc, "FORCE_BACKEND", backend)
     both = capture(teacache(trained_flux)) if capture_first else teacache(capture(trained_flux))
     for seed in (7, 11):  # the second run replays what the first one captured

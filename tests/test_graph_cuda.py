@@ -83,8 +83,8 @@ def test_with_teacache_computed_steps_replay_and_skips_do_not(gc, conds):
     replay and hand back the residual that the skipped steps add."""
     import importlib
 
-    tea_node = rkharness.pack("nodes.teacache").TeaCacheNode
-    stats = rkharness.pack("patches.teacache").stats
+    tea_node = rkharness.pack("nodes.step_cache").TeaCacheNode
+    stats = rkharness.pack("patches.step_cache").stats
     model = importlib.import_module(f"{rkharness.TINY.__name__}.trained_flux").build()
 
     def teacache(m):

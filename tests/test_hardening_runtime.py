@@ -60,7 +60,7 @@ def _pe(model):
 
 
 def _tea(model, device="device", mode="extrapolate"):
-    node = rkharness.pack("nodes.teacache").TeaCacheNode
+    node = rkharness.pack("nodes.step_cache").TeaCacheNode
     return node.execute(model, "auto", 0.0, 0.0, 1.0, 0, device, mode).result[0]
 
 

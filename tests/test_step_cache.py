@@ -19,11 +19,11 @@ STEPS = 10
 
 
 def tc():
-    return rkharness.pack("caching.teacache")
+    return rkharness.pack("caching.step_cache")
 
 
 def P():
-    return rkharness.pack("patches.teacache")
+    return rkharness.pack("patches.step_cache")
 
 
 def H():
@@ -36,7 +36,7 @@ def SF():
 
 
 def N():
-    return rkharness.pack("nodes.teacache")
+    return rkharness.pack("nodes.step_cache")
 
 
 def tiny_module(name):

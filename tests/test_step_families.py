@@ -17,7 +17,7 @@ pytestmark = pytest.mark.step_cache
 
 
 def P():
-    return rkharness.pack("patches.teacache")
+    return rkharness.pack("patches.step_cache")
 
 
 def SF():
@@ -25,7 +25,7 @@ def SF():
 
 
 def N():
-    return rkharness.pack("nodes.teacache")
+    return rkharness.pack("nodes.step_cache")
 
 
 def helpers():
@@ -35,7 +35,7 @@ def helpers():
 @pytest.fixture(autouse=True)
 def _isolated_calibrations(monkeypatch, tmp_path):
     """Calibrations go to a temporary file, and none leaks between tests."""
-    store = rkharness.pack("caching.teacache").CalibrationStore(tmp_path / "teacache_calibration.json")
+    store = rkharness.pack("caching.step_cache").CalibrationStore(tmp_path / "teacache_calibration.json")
     monkeypatch.setattr(P(), "STORE", store)
     return store
 
@@ -192,7 +192,7 @@ def test_ltx2_skips_add_both_streams_residuals_decided_once(conds):
     moved = x + 0.3 * torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
     to = cached.model_options["transformer_options"].copy()
     settings = to[P().KEY]
-    run = rkharness.pack("caching.teacache").RunState(P().resolved_config(settings.config, settings.family),
+    run = rkharness.pack("caching.step_cache").RunState(P().resolved_config(settings.config, settings.family),
                                                       None, 1.0, 0.0, h.FLAT)
     to.update({"wrappers": cached.wrappers, "sigmas": sigma, "uuids": ["c", "u"], "cond_or_uncond": [0, 1],
                P().RUN_KEY: run})
@@ -246,7 +246,7 @@ def test_flux_with_reference_latents_is_flux_kontext(tiny, conds):
     kontext = (pos, conds[1])
     assert run_variant(flux, conds, (1, 16, 8, 8)) == "flux"
     assert run_variant(flux, kontext, (1, 16, 8, 8)) == "flux-kontext"
-    assert set(rkharness.pack("caching.teacache").COEFFICIENTS) >= {"flux", "flux-kontext"}
+    assert set(rkharness.pack("caching.step_cache").COEFFICIENTS) >= {"flux", "flux-kontext"}
 
 
 def test_wan21_t2v_is_told_apart_by_width(tiny, conds):

@@ -19,15 +19,15 @@ def S():
 
 
 def tc():
-    return rkharness.pack("caching.teacache")
+    return rkharness.pack("caching.step_cache")
 
 
 def P():
-    return rkharness.pack("patches.teacache")
+    return rkharness.pack("patches.step_cache")
 
 
 def N():
-    return rkharness.pack("nodes.teacache")
+    return rkharness.pack("nodes.step_cache")
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,7 @@ import { test } from "node:test";
 
 import { runFlag, runThreshold, stepRun, stepRuns, stripCells, traceBars } from "../../web/panel/format.mjs";
 
-// A summary as patches/teacache.py's _finish reports it (H1's newer keys; older ones in the tests below).
+// A summary as patches/step_cache.py's _finish reports it (H1's newer keys; older ones in the tests below).
 function summary(extra = {}) {
   return {
     rule: "magcache", threshold: 0.25, residual_mode: "reuse", model_type: "flux", family: "flux",

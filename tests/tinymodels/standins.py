@@ -12,7 +12,7 @@ models' tiny CLIP (``tiny_clip(0)``); :func:`latent_to_picture` decodes a latent
 How close they behave to the real models is measured on the magnitude-ratio curve that MagCache
 calibrates (the ratio of consecutive residual norms per call): :func:`calibrated_magnitudes` runs ReuseKit's
 TeaCache Calibrate node on a full sampling, :func:`curve_match` compares the result with the published
-FLUX.1-dev / Wan 2.1 1.3B table (``caching/teacache.py``) on the schedule fraction.
+FLUX.1-dev / Wan 2.1 1.3B table (``caching/step_cache.py``) on the schedule fraction.
 """
 
 from __future__ import annotations
@@ -109,9 +109,9 @@ def calibrated_magnitudes(model, family: str, steps: int, cfg: float = 3.5, prom
 
     from . import tiny_clip
 
-    N, P = rkharness.pack("nodes.teacache"), rkharness.pack("patches.teacache")
+    N, P = rkharness.pack("nodes.step_cache"), rkharness.pack("patches.step_cache")
     clip = tiny_clip(0)
-    store, before = rkharness.pack("caching.teacache").CalibrationStore(None), P.STORE
+    store, before = rkharness.pack("caching.step_cache").CalibrationStore(None), P.STORE
     progress, comfy.utils.PROGRESS_BAR_ENABLED = comfy.utils.PROGRESS_BAR_ENABLED, False
     P.STORE = store  # never the user's calibration file
     try:
@@ -156,7 +156,7 @@ def published_ratios(family: str) -> dict[str, list[float]]:
     """The published MagCache ratios the family's stand-in is held to, per cond label."""
     import rkharness
 
-    ratios, steps, _shift = rkharness.pack("caching.teacache").MAG_RATIOS[PUBLISHED[family]]
+    ratios, steps, _shift = rkharness.pack("caching.step_cache").MAG_RATIOS[PUBLISHED[family]]
     per_step = len(ratios) // steps
     return {label: list(ratios[j::per_step]) for j, label in enumerate(("cond", "uncond")[:per_step])}
 

@@ -112,7 +112,7 @@ def two_calls(model, x, sigma, kwargs, keys=("c", "u"), second="S"):
     (first output, second output, the run's state)."""
     import rkharness
 
-    patch, math = rkharness.pack("patches.teacache"), rkharness.pack("caching.teacache")
+    patch, math = rkharness.pack("patches.step_cache"), rkharness.pack("caching.step_cache")
     schedule = rkharness.pack("caching.step_schedule")
     to = model.model_options["transformer_options"].copy()
     settings = to[patch.KEY]

@@ -4,7 +4,7 @@
 // before, from `start` (today's first widget of the changed part; the widgets before it are unchanged):
 // a saved list of exactly that length, whose values fit today's widgets' types, is put back by name.
 // `renamed` maps an old name to today's; `meant` gives what an input the layout lacked meant then.
-// Python keeps the same facts for API prompts (nodes/teacache.py OLD_MEANING, nodes/compat.py).
+// Python keeps the same facts for API prompts (nodes/step_cache.py OLD_MEANING, nodes/compat.py).
 
 const STEP_CACHE_V1 = ["model_type", "rel_l1_thresh", "start_percent", "end_percent", "max_consecutive_skips",
   "cache_device"];  // 97c43a2 (2026-11-29): the first step cache, TeaCache only, the residual reused

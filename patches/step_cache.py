@@ -1,7 +1,7 @@
 """The step cache (TeaCache, MagCache, First-Block-Cache rules) on ComfyUI's seams: ModelPatcher
 wrappers and the block-replace patches. No core forward is copied.
 
-- OUTER_SAMPLE wrapper: one :class:`~..caching.teacache.RunState` per sampling run (so a second
+- OUTER_SAMPLE wrapper: one :class:`~..caching.step_cache.RunState` per sampling run (so a second
   run, a split sampler or a hires pass starts clean), the resolved rule, threshold, residual mode
   and tables, and at the end one log line, the stats and (when calibrating) the fitted tables.
 - DIFFUSION_MODEL wrapper: one model call; knows the conds in the batch (``uuids``) and whether
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
+from ..caching import step_cache as tc
 from ..caching import step_schedule, weights_identity
-from ..caching import teacache as tc
 from ..caching.protocol import GRAPH_SAFE, STEP_HOOK, transformer_options
 from ..caching.stats import REGISTRY
 from ..caching.weights_identity import WeightsIdentity

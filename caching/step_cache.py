@@ -22,7 +22,7 @@ alone and rebuild the uncond one from the last measured cond-minus-uncond differ
 This module holds the per-cond state (:class:`CondState`), the joint skip decision for one model
 call (:meth:`RunState.decide`, :meth:`RunState.decide_scheduled`), the per-run report, the published
 tables and the calibration fits.
-The ComfyUI side (patches/teacache.py) only finds the rule's inputs and the block stack's ends.
+The ComfyUI side (patches/step_cache.py) only finds the rule's inputs and the block stack's ends.
 """
 
 from __future__ import annotations

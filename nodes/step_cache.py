@@ -6,9 +6,9 @@ import math
 
 from comfy_api.latest import io
 
-from ..caching.teacache import StepCacheConfig
+from ..caching.step_cache import StepCacheConfig
 from ..patches import host
-from ..patches import teacache as patch
+from ..patches import step_cache as patch
 from . import CATEGORY, SamplerInputs, compat, ksampler_inputs
 
 AREA = f"{CATEGORY}/step cache"
