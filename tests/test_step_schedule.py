@@ -32,8 +32,10 @@ def N():
 
 @pytest.fixture(autouse=True)
 def _isolated_calibrations(monkeypatch, tmp_path):
+    """Calibrations in a temporary file; no shipped table (a test that wants one patches it in)."""
     store = tc().CalibrationStore(tmp_path / "teacache_calibration.json")
     monkeypatch.setattr(P(), "STORE", store)
+    monkeypatch.setattr(S(), "shipped_table", lambda family: None)
     return store
 
 
@@ -379,3 +381,37 @@ def test_a_calibrated_table_borrows_the_shipped_tables_sensitivity_read_at_its_s
     assert table.sensitivity == pytest.approx(tuple(want))
     monkeypatch.setattr(S(), "shipped_table", lambda family: None)
     assert P().resolve(m.model_options["transformer_options"][P().KEY], m).table.sensitivity is None
+
+
+def shipped(family):
+    """The table shipped for ``family`` (caching/schedule_tables.json), read past the autouse patch."""
+    import json
+
+    return S().ResidualTable.from_json(json.loads(S().TABLES.read_text())["tables"].get(family))
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_the_shipped_tables_plan_runs_of_step_counts_they_were_not_measured_at(family):
+    """Each shipped table (measured at 50 steps, with a sensitivity) plans 20, 28, 37 and 50 steps under
+    Flux's and Wan's schedules: a computed first step, every stretch within the threshold, and more
+    saved with a higher threshold."""
+    table = shipped(family)
+    assert table is not None and len(table.sigmas) == 50 and table.sensitivity is not None
+    for steps in (20, 28, 37, 50):
+        sigmas = flow_sigmas(steps, 3.0 if family == "flux" else 5.0)
+        costs = []
+        for threshold in (0.005, 0.0245, 0.1):
+            plan = S().plan(table, sigmas, threshold, 3.5, True, "extrapolate")
+            assert plan.actions[0] == "C" and len(plan.actions) == steps and max(plan.errors) <= threshold
+            costs.append(sum({"C": 1.0, "H": 0.5, "S": 0.0}[a] for a in plan.actions))
+        assert costs == sorted(costs, reverse=True) and costs[-1] < costs[0] <= steps
+
+
+def test_the_node_defaults_run_the_schedule_rule_with_the_shipped_table_on_flux(flux, conds, monkeypatch):
+    monkeypatch.setattr(S(), "shipped_table", shipped)
+    defaults = {i.id: i.default for i in N().TeaCacheNode.define_schema().inputs if i.id != "model"}
+    (m,) = N().TeaCacheNode.execute(model=flux, **defaults).args
+    out = sample(m, conds)
+    run = last_run()
+    assert (run["rule"], run["residual_mode"], run["model_type"]) == ("schedule", "extrapolate", "flux")
+    assert run["threshold"] == tc().FAMILY_DEFAULTS["flux"][1] and torch.isfinite(out).all()
