@@ -123,20 +123,21 @@ MAG_RATIOS: dict[str, tuple[tuple[float, ...], int, float]] = {
 }
 
 # The defaults of rule="auto" / residual_mode="auto" / threshold=-1 per family: (rule, threshold,
-# residual_mode), and each rule's own default threshold per family. Flux and Wan: the schedule rule with
-# the shipped table, picked by ``bench/step_cache.py --pick-defaults`` on its tuning prompts alone (never
-# the evaluation ones): the residual mode whose slowest step count (20, 28, 50) saves the most calls while
-# the tuning runs keep a mean PSNR >= 32 dB and a worst run >= 27 dB at every step count, at the smallest
-# threshold picked (20 steps'). The other rules' thresholds were picked the same way on the earlier demo
-# models (mean >= 33 dB; for Flux no swept MagCache threshold kept it: the smallest swept, 0.06). Families
-# without a shipped schedule table keep TeaCache with forecasts: Wan 2.2, and every other family (modulated-
-# input DiTs like Flux) by the fallback; with no table for their rule, auto runs first_block.
-_FLUX = ("schedule", 0.0245, "extrapolate")
-_WAN = ("schedule", 0.0245, "extrapolate")
-_TEACACHE = ("teacache", 0.4, "extrapolate")
-FAMILY_DEFAULTS: dict[str, tuple[str, float, str]] = {"flux": _FLUX, "wan": _WAN,
-                                                      "wan22": ("teacache", 0.3, "extrapolate")}
-FALLBACK_DEFAULTS: tuple[str, float, str] = _TEACACHE
+# residual_mode), and each rule's own default threshold per family. Picked by bench/step_cache.py on its
+# tuning prompts (never the evaluation ones) on the stand-in models. The schedule rule plans from a table
+# of residuals measured on one model; the tables shipped in caching/schedule_tables.json were measured on
+# the stand-ins, whose curves are not yet the real models' (README, "Bench stand-ins"), so auto uses them
+# on no model: it runs TeaCache (published polynomials, fitted on the real models) with forecasts, and the
+# rule of CALIBRATED_RULES at its threshold once the model has its own calibration of that rule (ReuseKit
+# TeaCache Calibrate) and the threshold is left at -1. rule="schedule" picked by hand uses the shipped
+# table. Wan 2.2 takes Wan's; every other family (modulated-input DiTs like Flux) takes Flux's.
+_FLUX = ("teacache", 0.4, "extrapolate")
+_WAN = ("teacache", 0.3, "extrapolate")
+FAMILY_DEFAULTS: dict[str, tuple[str, float, str]] = {"flux": _FLUX, "wan": _WAN, "wan22": _WAN}
+FALLBACK_DEFAULTS: tuple[str, float, str] = _FLUX
+CALIBRATED_RULES: dict[str, str] = {"flux": "schedule", "wan": "schedule"}
+TABLE_FIELDS = {"teacache": "coefficients", "magcache": "magnitudes", "schedule": "table"}
+"""Where each rule's table lives in a stored calibration."""
 _FLUX_THRESHOLDS = {"teacache": 0.4, "magcache": 0.06, "first_block": 0.2, "schedule": 0.0245}
 _WAN_THRESHOLDS = {"teacache": 0.3, "magcache": 0.06, "first_block": 0.2, "schedule": 0.0245}
 RULE_THRESHOLDS: dict[str, dict[str, float]] = {"flux": _FLUX_THRESHOLDS, "wan": _WAN_THRESHOLDS,
@@ -311,6 +312,7 @@ class RunState:
         self.conds: dict[Any, CondState] = {}
         self.calls_computed = 0
         self.calls_skipped = 0
+        self.calls_half = 0  # schedule: computed calls that ran the cond rows alone (H steps)
         self.unhooked = 0  # calls computed without the cache seeing them (the model never reached its blocks)
         self.time_computed = 0.0
         self.time_skipped = 0.0
@@ -679,6 +681,7 @@ class RunState:
             "steps": total_steps,
             "calls_computed": self.calls_computed,
             "calls_skipped": self.calls_skipped,
+            "calls_half": self.calls_half,
             # per branch: an H step of the schedule rule computes the cond of a cond/uncond pair only
             "speedup_calls": branches / branches_computed if branches_computed else (
                 calls / self.calls_computed if self.calls_computed else 1.0),

@@ -272,6 +272,9 @@ def _step_hook_finished(call: _Call) -> bool:
         call.done = call.forward()
     else:
         probed = hook.probe(call.forward)
+        if probed is not None and getattr(hook, "half", False):  # a step on some conds' rows: it ran eagerly
+            call.done = call.eager(probed)
+            return True
         if probed is not None and not hook.skip:  # finished without deciding: it ran eagerly
             _count(call.run, "bypasses", "step_hook_undecided")
             call.done = call.eager(probed)

@@ -276,9 +276,8 @@ class _Call:
             return
         chunk = (img.shape[0] // len(self.keys), *img.shape[1:])
         if rule == "schedule":
-            # under graph capture (a probe) a call is whole: the graph replays every row
             self.roles = self.run.decide_scheduled(self.keys, self.labels, list(signals), chunk, self.sigma,
-                                                   half=not self.probing and self.family.half)
+                                                   half=self.family.half)
             self.skip = "C" not in self.roles
             self.half = not self.skip and "E" in self.roles
             return
@@ -290,7 +289,9 @@ class _Call:
                 self._decide(args)
             if self.undecided:  # runs to the end eagerly (graph capture: "undecided")
                 return run_block(args)
-            if self.probing and self.skip is False:
+            if self.probing and self.skip is False and not self.half:
+                # computed whole: the graph replays it (an H step runs on here eagerly: a graph holds
+                # whole calls, and the plan is the same with graph capture as without)
                 raise _Computed
             # blocks (and ControlNet between them) add in place; a skip adds the residual to this copy,
             # which already holds what ControlNet added inside the stack at the last computed step
@@ -497,6 +498,8 @@ def _diffusion_model(executor, *args, **kwargs):
                       type(executor.class_obj).__name__, level=logging.WARNING)
         run.calls_computed += 1
         run.unhooked += 1
+    if call.half:
+        run.calls_half += 1
     if call.skip:
         run.calls_skipped += 1
         run.time_skipped += dt
@@ -567,8 +570,13 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None) -> Pla
     if cfg.model_type not in ("auto", "calibrated"):
         return plan(cfg.model_type, published(cfg.model_type))
     stored = STORE.get(key, ident)
-    table = None if stored is None else {"teacache": stored.coefficients, "magcache": stored.magnitudes,
-                                         "schedule": stored.table}[cfg.rule]
+    upgrade = tc.CALIBRATED_RULES.get(family.name)
+    if (upgrade is not None and stored is not None and getattr(stored, tc.TABLE_FIELDS[upgrade]) is not None
+            and settings.config.rule == "auto" and settings.config.threshold < 0 and cfg.model_type == "auto"):
+        # this model's own calibration holds the table the family's better rule plans from
+        cfg = dataclasses.replace(cfg, rule=upgrade, threshold=float(
+            tc.RULE_THRESHOLDS.get(family.name, tc.FALLBACK_THRESHOLDS)[upgrade]))
+    table = None if stored is None else getattr(stored, tc.TABLE_FIELDS[cfg.rule], None)
     if cfg.rule == "schedule" and table is not None and table.sensitivity is None:
         table = table.with_sensitivity_of(step_schedule.shipped_table(family.name))
     if table is not None:

@@ -453,9 +453,9 @@ def trained_flux():
     return importlib.import_module(f"{rkharness.TINY.__name__}.trained_flux").build()
 
 
-def teacache(model, thresh=0.4):
+def teacache(model, thresh=0.4, rule="auto"):
     node = rkharness.pack("nodes.step_cache").TeaCacheNode
-    return node.execute(model, "flux", thresh, 0.0, 1.0, 0, "device", "extrapolate").args[0]
+    return node.execute(model, "flux", thresh, 0.0, 1.0, 0, "device", "extrapolate", rule).args[0]
 
 
 @pytest.mark.parametrize("backend", ["emulate", "eager"])
@@ -477,8 +477,29 @@ def test_teacache_decides_outside_the_graph_and_its_skips_never_replay(gc, monke
         assert run["bypasses"] == {} and run["step_cache_skips"] == tea["calls_skipped"] > 0
         computed = run["replays"] + run["captures"] + run["eager_steps"]
         assert computed == tea["calls_computed"] and run["steps"] == computed + run["step_cache_skips"]
-        if backend == "emulate":
-            assert (run["captures"], run["eager_steps"]) == ((1, 0) if seed == 7 else (0, 0))
+        if backend == "emulate":  # an H step (the cond rows alone) runs eagerly, a whole call replays
+            assert run["eager_steps"] == tea["calls_half"]
+            assert run["captures"] == (1 if seed == 7 else 0)
+
+
+@pytest.mark.parametrize("capture_first", [True, False])
+def test_the_schedule_rules_cond_only_steps_run_eagerly_and_its_whole_steps_replay(gc, monkeypatch, trained_flux,
+                                                                                  conds, capture_first):
+    """The schedule rule's H steps run the blocks on the cond rows alone, which a graph of the whole call
+    cannot replay: they run eagerly, the plan is the one it makes without capture, and so is the latent."""
+    stats = rkharness.pack("patches.step_cache").stats
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    both = capture(teacache(trained_flux, 0.05, "schedule")) if capture_first \
+        else teacache(capture(trained_flux), 0.05, "schedule")
+    for seed in (7, 11):
+        alone = sample(teacache(trained_flux, 0.05, "schedule"), conds, steps=10, seed=seed)
+        expected = stats().snapshot()["info"]["last_run"]
+        assert torch.equal(sample(both, conds, steps=10, seed=seed), alone)
+        tea, run = stats().snapshot()["info"]["last_run"], last_run(gc)
+        assert {c: tea["conds"][c]["pattern"] for c in tea["conds"]} == {
+            c: expected["conds"][c]["pattern"] for c in expected["conds"]}
+        assert tea["calls_half"] == expected["calls_half"] > 0 and run["eager_steps"] == tea["calls_half"]
+        assert run["bypasses"] == {} and run["replays"] + run["captures"] == tea["calls_computed"] - tea["calls_half"]
 
 
 def test_teacache_over_another_nodes_block_patch_runs_eagerly(gc, monkeypatch, trained_flux, conds):

@@ -407,11 +407,23 @@ def test_the_shipped_tables_plan_runs_of_step_counts_they_were_not_measured_at(f
         assert costs == sorted(costs, reverse=True) and costs[-1] < costs[0] <= steps
 
 
-def test_the_node_defaults_run_the_schedule_rule_with_the_shipped_table_on_flux(flux, conds, monkeypatch):
+def test_the_node_defaults_run_teacache_until_the_model_has_its_own_schedule_table(flux, conds, monkeypatch):
+    """The shipped table was measured on the bench's stand-in, not on this model: the node's defaults run
+    TeaCache's published polynomial on it (never the shipped table), and the schedule rule at its own
+    default threshold once this model is calibrated; a threshold set by hand keeps TeaCache's meaning."""
     monkeypatch.setattr(S(), "shipped_table", shipped)
     defaults = {i.id: i.default for i in N().TeaCacheNode.define_schema().inputs if i.id != "model"}
     (m,) = N().TeaCacheNode.execute(model=flux, **defaults).args
+    sample(m, conds)
+    run = last_run()
+    assert (run["rule"], run["threshold"], run["residual_mode"]) == tc().FAMILY_DEFAULTS["flux"] == (
+        "teacache", 0.4, "extrapolate")
+    calibrated(flux, conds)
     out = sample(m, conds)
     run = last_run()
-    assert (run["rule"], run["residual_mode"], run["model_type"]) == ("schedule", "extrapolate", "flux")
-    assert run["threshold"] == tc().FAMILY_DEFAULTS["flux"][1] and torch.isfinite(out).all()
+    assert (run["rule"], run["residual_mode"], run["model_type"]) == ("schedule", "extrapolate", "calibrated")
+    assert run["threshold"] == tc().RULE_THRESHOLDS["flux"]["schedule"] and torch.isfinite(out).all()
+    assert run["calls_skipped"] + run["calls_half"] > 0
+    (by_hand,) = N().TeaCacheNode.execute(model=flux, **{**defaults, "threshold": 0.4}).args
+    sample(by_hand, conds)
+    assert (last_run()["rule"], last_run()["threshold"]) == ("teacache", 0.4)
