@@ -36,8 +36,9 @@ def _cache_inputs() -> list:
                                "schedule: a plan made when sampling starts, from the model's residual table, that "
                                "keeps every skipped stretch's error under the threshold; under CFG some steps "
                                "compute the cond alone and rebuild the uncond from the last measured difference "
-                               "(half the work). auto: the family's benchmarked rule (first_block while that rule "
-                               "has no published or calibrated table for this model)."),
+                               "(half the work). auto: TeaCache with its published polynomial; on a Flux or Wan model "
+                               "calibrated by ReuseKit TeaCache Calibrate, with threshold -1, the schedule rule "
+                               "(first_block while the rule has no published or calibrated table for this model)."),
         io.Float.Input("threshold", default=-1.0, min=-1.0, max=10.0, step=0.01, optional=True,
                        tooltip="Skip while the rule's accumulated distance stays under this (teacache: rescaled "
                                "relative L1 of the modulated input; magcache: accumulated |1 - magnitude ratio|; "
