@@ -249,6 +249,7 @@ class WeightWatch:
         self._names: frozenset[str] = frozenset()
         self.full_checks = 0
         self.quick_checks = 0
+        self.last_full_bytes = 0  # bytes the last full check or refresh fingerprinted
 
     @property
     def ready(self) -> bool:
@@ -259,16 +260,43 @@ class WeightWatch:
         """Fingerprint every weight in full and take the result as the new reference; True when the
         weights differ from the last full check's (an edit or a replaced weight; never a move)."""
         self.full_checks += 1
-        names = list(named)
+        edited = bool(self._names) and self._names != frozenset(named) | patched
+        edited = self._fingerprint(named, list(named), embeddings) or edited
+        self._names = frozenset(named) | patched
+        return edited
+
+    def refresh(self, named: Mapping[str, torch.Tensor], patched: frozenset[str], written: Iterable[str],
+                embeddings: frozenset[str] = frozenset()) -> bool:
+        """After the patcher applied or removed weight patches: the weights it wrote (``written``, the
+        names of its patches and backup) and any weight without a reference are fingerprinted in full
+        and compared with their last reference (a restored weight with the one from before it was
+        patched over); every other weight, which the patcher did not touch, gets the cheap check.
+        True when an edit is seen. Counted as a full check."""
+        if not self._names:
+            return self.full(named, patched, embeddings)
+        self.full_checks += 1
+        written = set(written)
+        redo = [n for n in named if n in written or n not in self._plans]
+        if self._names != frozenset(named) | patched:
+            return True
+        if self._fingerprint(named, redo, embeddings):
+            return True
+        again = frozenset(redo)
+        return self._differ({n: t for n, t in named.items() if n not in again}, patched | again)
+
+    def _fingerprint(self, named: Mapping[str, torch.Tensor], names: list[str], embeddings: frozenset[str]) -> bool:
+        """Fingerprints ``names`` in full and takes them as their new reference; True where one differs
+        from its last reference."""
         values = fingerprints(named[n] for n in names)
-        edited = bool(self._names) and self._names != frozenset(names) | patched
+        edited = False
+        self.last_full_bytes = 0
         for name, fp in zip(names, values, strict=True):
             t = named[name]
+            self.last_full_bytes += t.numel() * t.element_size()
             old = self._plans.get(name)
             if old is not None and (old.fp != fp or old.dtype != t.dtype or old.shape != t.shape):
                 edited = True
             self._plans[name] = _Plan(t, fp, name in embeddings)
-        self._names = frozenset(names) | patched
         return edited
 
     def quick(self, named: Mapping[str, torch.Tensor], patched: frozenset[str] = frozenset(),
@@ -278,10 +306,15 @@ class WeightWatch:
         token this encode reads; ``rows_only``: the rows alone). CPU weights are read through NumPy;
         each device's are gathered there and brought over in one transfer."""
         self.quick_checks += 1
-        plans = self._plans
         if rows_only:
+            plans = self._plans
             return self._rows_differ([(t, plans[n]) for n, t in named.items()
                                       if n in plans and plans[n].rows is not None], token_ids)
+        return self._differ(named, patched, token_ids)
+
+    def _differ(self, named: Mapping[str, torch.Tensor], patched: frozenset[str], token_ids: Iterable[int] = ()) -> bool:
+        """The cheap check's comparison of every weight in ``named`` (see :meth:`quick`)."""
+        plans = self._plans
         if frozenset(named) | patched != self._names:
             return True
         now: list[bytes] = []

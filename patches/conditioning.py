@@ -50,6 +50,7 @@ import hashlib
 import inspect
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -396,13 +397,23 @@ def register_source(encoder, paths, loader: str, options=None, *, stamps=None, p
     return True
 
 
+_INDEXED_TEXT = re.compile(r"'(cuda|xpu|mps|npu|mlu|hpu|xla|privateuseone|mtia):\d+'")  # caching/tiers.py's names
+
+
 def _portable(tree):
     """An encoded key tree with indexed device names replaced by ``portable_device``: in device
     fields (``("device", name)``), tensor fields (``caching/keys.py``: device after the layout) and
-    weight-patch skeletons (``("T", dtype, shape, device)``); other strings stay as they are."""
+    weight-patch skeletons (``("T", dtype, shape, device)``); other strings stay as they are. A tree
+    whose text names no indexed device is returned as it is (one pass in C, not one call per field)."""
+    if not isinstance(tree, tuple) or not _INDEXED_TEXT.search(repr(tree)):
+        return tree
+    return _portable_walk(tree)
+
+
+def _portable_walk(tree):
     if not isinstance(tree, tuple):
         return tree
-    out = tuple(_portable(x) for x in tree)
+    out = tuple(_portable_walk(x) for x in tree)
     at = None
     if len(out) == 2 and out[0] == "device":
         at = 1
@@ -429,11 +440,20 @@ def _patch_digest(weights) -> str:
 
 def _weight_layout(module, patcher) -> tuple:
     """Names, dtypes and shapes of the module's weights (as without weight patches: their originals
-    are in the patcher's backup): the same file loaded in another precision differs."""
+    are in the patcher's backup): the same file loaded in another precision differs. Kept with the
+    module's tree for its generation and the patcher's backup: a weight replaced or cast shows in the
+    tree or, through this encode's edit check, as a new generation."""
     named, patched = module_tree.weights(module, patcher)
     backup = getattr(patcher, "backup", None) or {}
+    token = (getattr(module, _GENERATION, 0), tuple((name, id(backup[name])) for name in sorted(patched)))
+    memo = module_tree.tree(module, patcher).memo
+    found = memo.get("layout")
+    if found is not None and found[0] == token:
+        return found[1]
     named.update({name: getattr(backup[name], "weight", backup[name]) for name in patched})
-    return digest(tuple((name, str(t.dtype), tuple(t.shape)) for name, t in sorted(named.items())))
+    layout = digest(tuple((name, str(t.dtype), tuple(t.shape)) for name, t in sorted(named.items())))
+    memo["layout"] = (token, layout)
+    return layout
 
 
 def _host_versions() -> tuple:

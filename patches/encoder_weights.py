@@ -6,11 +6,14 @@ kind of check runs, per encoder module:
 - a full fingerprint when the weights become what they are: at registration (a ComfyUI loader
   returned them, a VAE was built, a custom loader called ``register_source``), before any other node
   can touch them; after ComfyUI's patcher applied or removed weight patches (a listener on
-  ``ModelPatcher.load / unpatch_model / partially_unload``, through patches/lifecycle.py, marks the
-  encoder and its next encode checks), at most once per encoder per node execution (ComfyUI's
-  executing-node context: other nodes' code runs only between node executions, so the encodes of
-  one node, a Prompt Batch or SDXL's two encoders, share one check); and after a cheap check saw an
-  edit (the edited weights become the reference of the new generation);
+  ``ModelPatcher.load / unpatch_model / partially_unload``, through patches/lifecycle.py, records the
+  weights the patcher writes, its patches' and backup's names, and the next encode fingerprints
+  those in full, each restored weight against its reference from before it was patched over, and
+  gives the others, which the patcher did not touch, the cheap check), at most once per encoder per
+  node execution (ComfyUI's executing-node context: other nodes' code runs only between node
+  executions, so the encodes of one node, a Prompt Batch or SDXL's two encoders, share one check);
+  and after a cheap check saw an edit (the edited weights become the reference of the new
+  generation, in full);
 - on every other encode, the cheap check (:meth:`caching.weight_edits.WeightWatch.quick`): its cost
   follows the number of tensors, never their bytes, and a move between devices is never an edit.
   Later encodes of the same node run check only the embedding rows their tokens read (nothing else
@@ -36,12 +39,13 @@ from .module_tree import weights as _base_weights
 
 
 class _Encoder:
-    __slots__ = ("watch", "lock", "dirty", "epoch", "checked", "embeddings", "loaded_ns", "__weakref__")
+    __slots__ = ("watch", "lock", "dirty", "written", "epoch", "checked", "embeddings", "loaded_ns", "__weakref__")
 
     def __init__(self, module: torch.nn.Module):
         self.watch = WeightWatch()
         self.lock = threading.Lock()
         self.dirty = False  # weight patches applied or removed since the last full check
+        self.written: set[str] = set()  # the weights the patcher wrote since then (its patches' and backup's names)
         self.epoch = None  # the node execution of the last full check
         self.checked = None  # the node execution whose weights were last checked in all (full or cheap)
         self.embeddings = frozenset(f"{name}.weight" if name else "weight" for name, m in module.named_modules()
@@ -89,8 +93,21 @@ def node_execution():
 def _full(enc: _Encoder, module, patcher) -> bool:
     named, patched = _base_weights(module, patcher)
     enc.dirty = False
+    enc.written = set()
     enc.epoch = enc.checked = node_execution()
     return enc.watch.full(named, patched, enc.embeddings)
+
+
+def _refresh(enc: _Encoder, module, patcher) -> bool:
+    """The check after weight patches moved: what the patcher wrote in full, the rest cheaply; an edit
+    seen makes the weights as they are now the reference, in full."""
+    named, patched = _base_weights(module, patcher)
+    written, enc.written, enc.dirty = enc.written, set(), False
+    enc.epoch = enc.checked = node_execution()
+    if enc.watch.refresh(named, patched, written, enc.embeddings):
+        enc.watch.full(named, patched, enc.embeddings)
+        return True
+    return False
 
 
 def register(module: torch.nn.Module, patcher) -> bool:
@@ -131,8 +148,10 @@ def check(module: torch.nn.Module, patcher, token_ids=()) -> bool:
             _full(enc, module, patcher)
             return False
         execution = node_execution()
-        if mode == "every_encode" or (enc.dirty and (enc.epoch is None or execution != enc.epoch)):
+        if mode == "every_encode":
             return _full(enc, module, patcher)
+        if enc.dirty and (enc.epoch is None or execution != enc.epoch):
+            return _refresh(enc, module, patcher)
         named, patched = _base_weights(module, patcher)
         # later encodes of one node run (a Prompt Batch) check only the embedding rows they read
         rows_only = execution is not None and execution == enc.checked and not enc.dirty
@@ -152,10 +171,14 @@ def checks(module: torch.nn.Module) -> tuple[int, int]:
 
 def _patches_moved(patcher, *args, **kwargs) -> None:
     """A lifecycle listener (before ``load``, ``unpatch_model``, ``partially_unload``): when the
-    patcher has weight patches to apply or to remove, the encoder's next check is a full one. Only
-    records (it may run anywhere ComfyUI moves weights)."""
+    patcher has weight patches to apply or to remove, the encoder's next check fingerprints the weights
+    they name in full. Only records (it may run anywhere ComfyUI moves weights)."""
     enc = _encoders.get(patcher.model)
-    if enc is not None and (getattr(patcher, "patches", None) or getattr(patcher, "backup", None)):
+    if enc is None:
+        return
+    names = [*(getattr(patcher, "patches", None) or ()), *(getattr(patcher, "backup", None) or ())]
+    if names:
+        enc.written.update(names)
         enc.dirty = True
 
 

@@ -158,6 +158,36 @@ def test_weight_patches_applied_and_removed_take_one_full_check_and_still_hit(cc
     assert cc.CACHE.count("encodes") == 1
 
 
+def test_a_removed_patch_reads_again_only_what_the_patcher_wrote_and_sees_its_base_edited(cc, we):
+    """A patch on a large weight: when ComfyUI removes it, the next encode fingerprints in full the
+    weight the patcher put back, and no other: unchanged, a hit; its base edited while patched over
+    (one value away from the sampled positions), the encode is the edited weights' own."""
+    import comfy.model_management
+
+    name = "clip_l.transformer.text_model.encoder.layers.0.mlp.fc1.weight"
+    clip = _files().clip_l_sized(3, _files().CLIP_MID).clone()
+    diff = torch.randn(512, 128, generator=torch.Generator().manual_seed(1)) * 0.01
+    clip.add_patches({name: ("diff", (diff,))}, 1.0)
+    tokens = clip.tokenize("a patched prompt")
+    first = clip.encode_from_tokens(tokens)  # ComfyUI loads the encoder: the patch is applied
+    module = clip.cond_stage_model
+    watch = rkharness.pack("patches.encoder_weights")._encoders[module].watch
+    total = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+    comfy.model_management.unload_all_models()  # the patch removed
+    assert torch.equal(clip.encode_from_tokens(tokens), first) and cc.CACHE.count("hits.text") == 1
+    assert watch.last_full_bytes == diff.numel() * 4 < total / 4
+
+    comfy.model_management.load_model_gpu(clip.patcher)  # applied again: the base weight in the backup
+    base = clip.patcher.backup[name].weight
+    sampled = set(we._positions(base.numel()).tolist())
+    at = next(i for i in range(1000, base.numel()) if i not in sampled)
+    with torch.no_grad():
+        base.view(-1)[at] += 1.0
+    comfy.model_management.unload_all_models()  # puts the edited base back
+    out = clip.encode_from_tokens(tokens)
+    assert not torch.equal(out, first) and torch.equal(out, uncached(clip.encode_from_tokens, tokens))
+
+
 @pytest.mark.parametrize("what", ["dense", "embedding_row", "small"])
 def test_an_in_place_edit_between_two_node_runs_is_seen_under_events(cc, what, tmp_path):
     """Through the real executor: encode, a node edits the CLIP's weights in place, encode again: the
