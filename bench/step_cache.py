@@ -1,7 +1,7 @@
 """Step cache benchmark on the papers' protocol, able to rank: ReuseKit's step cache against the
 published skip rules (TeaCache, MagCache, First-Block-Cache) and ComfyUI core's EasyCache and LazyCache.
 
-    .venv/bin/python bench/step_cache.py [--quick] [--png-dir docs] [--markdown FILE]
+    .venv/bin/python bench/step_cache.py [--quick] [--png-dir docs] [--json FILE]
     .venv/bin/python bench/step_cache.py --write-tables     # the schedule rule's shipped tables
     .venv/bin/python bench/step_cache.py --pick-defaults    # each family's default, on the tuning prompts
 
