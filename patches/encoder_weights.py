@@ -178,7 +178,9 @@ def _patches_moved(patcher, *args, **kwargs) -> None:
         return
     names = [*(getattr(patcher, "patches", None) or ()), *(getattr(patcher, "backup", None) or ())]
     if names:
-        enc.written.update(names)
+        # rebound, never updated in place: a check taking the set meanwhile loses no name (at worst the
+        # next one reads some again)
+        enc.written = enc.written | set(names)
         enc.dirty = True
 
 
