@@ -105,6 +105,16 @@ def load_extra_nodes() -> None:
         _extra_nodes_loaded = True
 
 
+def forget_dropped_clones() -> None:
+    """Drops ComfyUI's entries for loaded model clones that are gone while their base model lives on (kept
+    by a module-level cache: the demo node's, the tests' shared checkpoints). ComfyUI keeps such entries
+    for as long as the base lives: its leak check reports them, and ``loaded_models()`` lists them as
+    None. For a test that checks either from a clean slate."""
+    import comfy.model_management as mm
+
+    mm.current_loaded_models[:] = [m for m in mm.current_loaded_models if not m.is_dead()]
+
+
 class Executor:
     """Runs API-format prompts through the real ``execution.PromptExecutor``.
 

@@ -80,6 +80,7 @@ def test_a_new_model_per_prompt_through_the_real_executor_leaves_no_model_behind
     and ComfyUI's own leak check stays silent."""
     from test_graph import graph_ksampler_prompt
 
+    rkharness.forget_dropped_clones()  # earlier tests' (their models' leak reports are not this test's)
     monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
     ex = rkharness.Executor()
     refs = []

@@ -430,6 +430,7 @@ def test_controlnet_beside_every_cache_is_exact(settings):
     plain model with the pack's caches off."""
     import nodes
 
+    rkharness.forget_dropped_clones()  # ControlNet's VAE hint reloads loaded_models(), which lists them as None
     tiny = rkharness.TINY
     model, clip, vae = tiny.tiny_flux(8), tiny.tiny_clip(8), tiny.tiny_vae(8)
     control = _tiny_flux_controlnet(9)
