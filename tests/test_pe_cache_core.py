@@ -187,3 +187,37 @@ def test_default_setting_is_defined_and_validated(pc):
     assert settings.get(pc.DEFAULT_ENABLED_KEY) is False
     with pytest.raises(ValueError, match="pe_cache.default_enabled"):
         settings.set(pc.DEFAULT_ENABLED_KEY, "yes")
+
+
+def test_the_builders_argument_binding_is_inspects_for_every_call_shape():
+    """The PE keys bind a builder's arguments without ``inspect`` on a hit: the same names, values and
+    order as ``Signature.bind`` with defaults, and the same refusal of a call that does not fit."""
+    import inspect
+
+    binder = rkharness.pack("patches.rope")._Binder
+
+    def plain(self, a, b=2, *, c=3):
+        pass
+
+    def positional_only(a, /, b, c=5):
+        pass
+
+    def variadic(a, *args, **kw):
+        pass
+
+    calls = [(plain, (0, 1), {}), (plain, (0, 1, 5), {}), (plain, (0,), {"a": 1, "c": 9}), (plain, (0, 1), {"b": 4}),
+             (plain, (0,), {}), (plain, (0, 1, 2, 3), {}), (plain, (0, 1), {"a": 2}), (plain, (0, 1), {"zz": 2}),
+             (positional_only, (1, 2), {}), (positional_only, (1,), {"b": 3}), (positional_only, (), {"a": 1, "b": 2}),
+             (variadic, (1, 2), {"k": 3}), (variadic, (), {"a": 1})]
+    for fn, args, kwargs in calls:
+        try:
+            bound = inspect.signature(fn).bind(*args, **kwargs)
+            bound.apply_defaults()
+            want = list(bound.arguments.items())
+        except TypeError:
+            want = TypeError
+        try:
+            got = list(binder(fn)(args, kwargs).items())
+        except TypeError:
+            got = TypeError
+        assert got == want, (fn.__name__, args, kwargs)
