@@ -220,7 +220,7 @@ class _Binder:
 
     def __call__(self, args: tuple, kwargs: dict) -> dict:
         if self.plain and len(args) <= len(self.positional):
-            out = dict(zip(self.positional, args))
+            out = dict(zip(self.positional, args, strict=False))  # fewer arguments: defaults
             if all(k in self.by_name and k not in out for k in kwargs):
                 out.update(kwargs)
                 defaults = self.defaults
