@@ -443,13 +443,13 @@ def _weight_layout(module, patcher) -> tuple:
     are in the patcher's backup): the same file loaded in another precision differs. Kept with the
     module's tree for its generation and the patcher's backup: a weight replaced or cast shows in the
     tree or, through this encode's edit check, as a new generation."""
-    named, patched = module_tree.weights(module, patcher)
     backup = getattr(patcher, "backup", None) or {}
-    token = (getattr(module, _GENERATION, 0), tuple((name, id(backup[name])) for name in sorted(patched)))
+    token = (getattr(module, _GENERATION, 0), tuple((name, id(backup[name])) for name in sorted(backup)))
     memo = module_tree.tree(module, patcher).memo
     found = memo.get("layout")
     if found is not None and found[0] == token:
         return found[1]
+    named, patched = module_tree.weights(module, patcher)
     named.update({name: getattr(backup[name], "weight", backup[name]) for name in patched})
     layout = digest(tuple((name, str(t.dtype), tuple(t.shape)) for name, t in sorted(named.items())))
     memo["layout"] = (token, layout)
