@@ -522,8 +522,11 @@ def shared_key(key: Key, module, patcher=None) -> SharedKey | None:
     at = _GENERATION_AT[key.kind]
     fields = key.fields[:at] + key.fields[at + 1:]
     tree = (FORMAT, key.kind, _host_versions(), (source[1], hashes, source[3]), _weight_layout(module, patcher),
-            tuple(_patch_digest(w) for w in key.weights), _portable(fields))
-    return SharedKey(tree, _local_devices(patcher))
+            tuple(_patch_digest(w) for w in key.weights), fields)
+    text = repr(tree)  # written out once: the fields hold hundreds of token values
+    if _INDEXED_TEXT.search(text):
+        text = repr((*tree[:-1], _portable_walk(fields)))
+    return SharedKey.of_text(text, _local_devices(patcher))
 
 
 _local = threading.local()  # per thread: inside a plain VAE encode, and whether it fell back to tiles
@@ -544,15 +547,22 @@ def _tiled_fallback_reason():
 def _route(kind: str, patcher, module, make_key, compute, check_rng=False, admit=None):
     if not _routed(patcher) or not _active or not CACHE.enabled:
         return compute()
+    look = module_tree.Look()  # the key and the shared key read the encoder's modules once between them
     try:
-        key = make_key()
+        with look:
+            key = make_key()
     except Uncacheable as exc:
         CACHE.bypass(kind, str(exc))
         return compute()
     except Exception as exc:  # an encoder object this key builder does not know: never break the encode
         CACHE.bypass(kind, f"unexpected {type(exc).__name__}: {exc}")
         return compute()
-    return CACHE.fetch(key, compute, check_rng=check_rng, admit=admit, shared=lambda: shared_key(key, module, patcher))
+
+    def shared():  # asked by the lookup on a miss, before anything computes
+        with look:
+            return shared_key(key, module, patcher)
+
+    return CACHE.fetch(key, compute, check_rng=check_rng, admit=admit, shared=shared)
 
 
 # ---- the patched methods ----------------------------------------------------------------------

@@ -11,7 +11,9 @@ backup has the same entries, every module's attribute dict the same size, every 
 child module the same object (modules and bound methods by weak reference), every parameter and
 buffer table the same size, and no hook table has an entry. A plain attribute set, a child swapped, a
 weight added or removed, a hook or an object patch makes it stale: the next call walks again. The
-check costs one pass over those references, nothing that grows with the weights' bytes. Attributes
+check costs one pass over those references, nothing that grows with the weights' bytes. Within one
+encode's key and lookup (a :class:`Look`: only ReuseKit's own code runs between its steps, on one
+thread) a tree found fresh once is not checked again. Attributes
 ComfyUI rewrites while it loads, casts and unloads weights (``LOAD_STATE``) are not settings and are
 not followed.
 """
@@ -123,20 +125,47 @@ class ModuleTree:
 
 _trees: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
+_local = threading.local()  # the Look active on this thread, if any
+
+
+class Look:
+    """The trees found or made during one encode's key and lookup, reused within it: entered around
+    each stretch (``with look:``) where only ReuseKit's own code runs, and never around an encode's
+    computation (the encoder's code may set attributes)."""
+
+    __slots__ = ("_seen", "_outer")
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[torch.nn.Module, object, ModuleTree]] = {}  # id -> (module, patcher's backup, tree)
+
+    def __enter__(self) -> Look:
+        self._outer = getattr(_local, "look", None)
+        _local.look = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _local.look = self._outer
 
 
 def tree(module: torch.nn.Module, patcher) -> ModuleTree:
     """The module's tree, walked again only when it changed (see the module docstring)."""
-    backup = getattr(patcher, "object_patches_backup", None) or {}
+    held = getattr(patcher, "object_patches_backup", None)
+    backup = held or {}
+    look = getattr(_local, "look", None)
+    if look is not None:
+        seen = look._seen.get(id(module))
+        if seen is not None and seen[0] is module and seen[1] is held:
+            return seen[2]
     with _lock:
         found = _trees.get(module)
-    if found is not None and found.fresh(backup):
-        return found
-    made = ModuleTree()
-    made._walk(module, backup)
-    with _lock:
-        _trees[module] = made
-    return made
+    if found is None or not found.fresh(backup):
+        found = ModuleTree()
+        found._walk(module, backup)
+        with _lock:
+            _trees[module] = found
+    if look is not None:
+        look._seen[id(module)] = (module, held, found)
+    return found
 
 
 def weights(module: torch.nn.Module, patcher) -> tuple[dict[str, torch.Tensor], frozenset[str]]:

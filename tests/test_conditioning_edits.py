@@ -313,6 +313,34 @@ def test_module_settings_are_memoised_but_never_stale(cc):
     assert torch.equal(clip.encode_from_tokens(tokens), plain) and cc.CACHE.count("hits.text") == 2
 
 
+def test_a_setting_an_encode_changes_while_it_runs_is_seen_by_the_next_encode(cc, monkeypatch):
+    """One encode's key and shared key read the modules once between them; an encoder that sets one of
+    its own settings while it computes makes the next encode a miss whose output equals an uncached
+    encode (the first encode's reading of its modules is not kept past it)."""
+    clip = rkharness.TINY.tiny_clip(0)
+    tokens = clip.tokenize("a setting set inside")
+    inner = clip.cond_stage_model.clip_l
+    before = inner.enable_attention_masks
+    first = clip.encode_from_tokens(tokens)
+    run = type(inner).forward
+
+    def forward(self, *args, **kwargs):
+        out = run(self, *args, **kwargs)
+        self.enable_attention_masks = not before
+        return out
+
+    monkeypatch.setattr(type(inner), "forward", forward)
+    try:
+        inner.enable_attention_masks = before
+        cc.CACHE.clear()
+        assert torch.equal(clip.encode_from_tokens(tokens), first) and cc.CACHE.count("hits.text") == 0
+        second = clip.encode_from_tokens(tokens)  # computed with the setting the first encode left
+        assert cc.CACHE.count("hits.text") == 0 and not torch.equal(second, first)
+        assert torch.equal(second, uncached(clip.encode_from_tokens, tokens))
+    finally:
+        inner.enable_attention_masks = before
+
+
 def test_later_encodes_of_one_node_run_check_the_rows_they_read(cc, tmp_path):
     """A Prompt Batch checks the weights once per node run, then only the embedding rows each prompt
     reads: a row edited before the run that only the second prompt reads still makes it miss."""
