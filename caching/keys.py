@@ -10,7 +10,10 @@ Two trees are equal only when the values are, by these rules:
   dtype and value.
 - ``torch.dtype``, ``torch.device`` (type and index) and ``torch.Size`` key by name and value.
 - Tuples and lists (tagged apart, in order), dicts (by encoded key, order ignored) and sets key by
-  their elements. A subclass of a built-in (a namedtuple, an enum) keys with its class name.
+  their elements. A subclass of a built-in (a namedtuple, an enum) keys with its class name. A list of
+  tuples of one shape of plain ints and floats (a prompt's ``(token, weight)`` pairs) keys column by
+  column, each packed into one bytes field (ints as 64-bit words where they fit, floats by their bits):
+  a few fields where element by element it would take hundreds.
 - Tensors key by metadata and content: dtype, shape, stride, layout and device, then their logical
   values' bytes (a view keys by the elements it shows, its stride beside them, so a non-contiguous
   view never shares a key with its contiguous copy). Up to :data:`SMALL_TENSOR` bytes the bytes are
@@ -73,6 +76,32 @@ def tensor_field(t: torch.Tensor) -> tuple:
     return (*head, "blake2b-256", hashlib.blake2b(memoryview(data), digest_size=32).digest())
 
 
+def _rows(value: list) -> tuple | None:
+    """A list of tuples of one shape of plain ints and floats as ``("R", <column codes>, *columns)``:
+    ``d`` a float column (IEEE-754 bits), ``q`` an int column in 64-bit words, ``i`` an int column
+    beyond them (the ints as they are). None for any other list."""
+    first = value[0]
+    shape = tuple(map(type, first)) if type(first) is tuple else ()
+    if not shape or any(t is not int and t is not float for t in shape):
+        return None
+    for row in value:
+        if type(row) is not tuple or tuple(map(type, row)) != shape:
+            return None
+    n, codes, columns = len(value), [], []
+    for t, column in zip(shape, zip(*value, strict=True), strict=True):
+        if t is float:
+            codes.append("d")
+            columns.append(struct.pack(f"<{n}d", *column))
+            continue
+        try:
+            columns.append(struct.pack(f"<{n}q", *column))
+            codes.append("q")
+        except struct.error:  # an int beyond 64 bits
+            columns.append(column)
+            codes.append("i")
+    return ("R", "".join(codes), *columns)
+
+
 def _sorted(pairs) -> tuple:
     return tuple(sorted(pairs, key=lambda kv: repr(kv[0])))
 
@@ -83,6 +112,10 @@ def encode(value: Any) -> Any:
     scalar = _SCALARS.get(kind)
     if scalar is not None:  # the common cases first (token ids, weights, geometry)
         return scalar(value)
+    if kind is list and value:
+        rows = _rows(value)
+        if rows is not None:
+            return rows
     if kind is tuple or kind is list:
         return ("U" if kind is tuple else "L", tuple(encode(v) for v in value))
     if kind is dict:
@@ -144,8 +177,14 @@ def digest(tree: Any) -> tuple:
 
 
 def nbytes(tree: Any) -> int:
-    """Memory of an encoded tree: every object counted by ``sys.getsizeof`` (shared ones as often as used)."""
-    size = sys.getsizeof(tree)
-    if isinstance(tree, tuple):
-        size += sum(nbytes(f) for f in tree)
+    """Memory of an encoded tree: every object counted by ``sys.getsizeof`` (shared ones as often as
+    used). A loop over a stack, not a call per field: a text key has hundreds of fields, and a shared
+    tiers' hit pays this when its entry joins the LRU."""
+    size, stack, getsizeof = 0, [tree], sys.getsizeof
+    pop, push = stack.pop, stack.extend
+    while stack:
+        x = pop()
+        size += getsizeof(x)
+        if isinstance(x, tuple):
+            push(x)
     return size

@@ -649,6 +649,15 @@ def test_key_encoder_types_plain_values_apart(keys, cc):
     assert ev({1, 2}) == ev({2, 1}) and ev({1, 2}) != ev((1, 2)) and ev(torch.Size([2])) != ev((2,))
     assert ev(torch.float16) != ev(torch.bfloat16) and ev(torch.device("cpu")) != ev("cpu")
     assert ev(collections.OrderedDict(a=1)) != ev({"a": 1})  # a subclass keys with its class
+    # a prompt's (token, weight) pairs key packed by column, as exactly as element by element
+    pairs = [(49406, 1.0), (320, 1.1), (49407, 1.0)]
+    assert ev(pairs) == ev([tuple(p) for p in pairs]) and ev(pairs)[0] == "R"
+    alike = [pairs, [(49406, 1.0), (320, 1.1), (49407, -1.0)], [(49406, 1.0), (320, 1), (49407, 1.0)],
+             [(49406, 1.0), (320, 1.1), (True, 1.0)], [(49406, 1.0), (320, 1.1), (49407, 1.0, 0)],
+             [(49406, -0.0)], [(49406, 0.0)], [(2**70, 1.0)], [(2**70 + 1, 1.0)], tuple(pairs),
+             [list(p) for p in pairs], [(1.0, 49406)], pairs[:2], [(49406, float("nan"))]]
+    assert len({ev(v) for v in alike}) == len(alike)
+    assert ev([(49406, float("nan"))]) == ev([(49406, float("nan"))])
     assert cc.Key("text", (ev(1),)) != cc.Key("vae", (ev(1),))
     for bad in (object(), torch.nn.Linear(1, 1), lambda: 0, torch.zeros(2, device="meta"),
                 torch.zeros(2, 2).to_sparse()):
