@@ -213,12 +213,10 @@ class _Plan:
         where NumPy has the dtype)."""
         if not t.is_cpu:
             return self.gather(t).cpu().numpy().tobytes()
-        if t.requires_grad:
-            t = t.detach()
         try:
             flat = t.numpy().reshape(-1).view(_NP_INT[t.element_size()])
-        except (TypeError, KeyError):  # bfloat16, float8, 16-byte elements: read through a torch view
-            flat = self._ints(t).numpy().reshape(-1)
+        except (RuntimeError, TypeError, KeyError):  # needs grad; bfloat16, float8, 16-byte elements
+            flat = self._ints(t.detach()).numpy().reshape(-1)
         return flat.tobytes() if self.small else flat[self.positions_np].tobytes()
 
     def _ints(self, t: torch.Tensor) -> torch.Tensor:
@@ -317,8 +315,6 @@ class WeightWatch:
         plans = self._plans
         if frozenset(named) | patched != self._names:
             return True
-        now: list[bytes] = []
-        ref: list[bytes] = []
         on_device: dict[torch.device, list[tuple[torch.Tensor, bytes]]] = {}
         embeddings = []
         for name, t in named.items():
@@ -326,16 +322,16 @@ class WeightWatch:
             if plan is None or t.dtype is not plan.dtype or t.shape != plan.shape:
                 return True
             if t.is_cpu:  # (``Parameter.device`` costs a dozen microseconds; ``is_cpu`` does not)
-                now.append(plan.read(t))
-                ref.append(plan.ref)
+                if plan.read(t) != plan.ref:
+                    return True
             else:
                 on_device.setdefault(t.device, []).append((plan.gather(t), plan.ref))
             if plan.rows is not None:
                 embeddings.append((t, plan))
-        for parts in on_device.values():
-            now.append(torch.cat([p[0] for p in parts]).cpu().numpy().tobytes())  # one small transfer per device
-            ref.append(b"".join(p[1] for p in parts))
-        return b"".join(now) != b"".join(ref) or self._rows_differ(embeddings, token_ids)
+        for parts in on_device.values():  # one small transfer per device
+            if torch.cat([p[0] for p in parts]).cpu().numpy().tobytes() != b"".join(p[1] for p in parts):
+                return True
+        return self._rows_differ(embeddings, token_ids)
 
     @staticmethod
     def _rows_differ(embeddings: list, token_ids: Iterable[int]) -> bool:
