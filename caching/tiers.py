@@ -11,7 +11,7 @@ Pure logic (torch, safetensors and the standard library; the ``redis`` client on
 - Devices in a stored value are named by kind and model (``cuda[<name>]``), as in the key, and read back
   as this process's device of that kind and model.
 - The disk tier writes atomically (a temporary file, then ``os.replace``), bounds its bytes and evicts
-  the least recently used files (a hit touches the file's mtime). It opens an entry without following
+  the least recently used files (a hit touches the file's mtime, at most once a minute). It opens an entry without following
   links and without blocking, and reads only a regular file under the entry size cap. Its files end
   in ``.rkcond``, so a folder under ComfyUI's ``models/`` never shows them in a model list.
 - The Redis tier has short socket timeouts, a total deadline per read (a server sending a byte at a
@@ -313,6 +313,7 @@ class DiskTier:
     SUFFIX = ".rkcond"  # not a model extension: ComfyUI never lists these files
     RESCAN_S = 30.0  # other processes' writes are seen by a rescan at least this often
     STALE_TMP_S = 3600.0  # a temporary file this old belongs to no live write
+    TOUCH_S = 60.0  # a hit sets the file's mtime when older than this (a hot entry writes no metadata per hit)
 
     def __init__(self, folder: str | os.PathLike, budget_bytes: int):
         self.folder = Path(folder)
@@ -352,10 +353,9 @@ class DiskTier:
         if n > st.st_size:
             raise Rejected("corrupt", "grew while read")
         data = bytes(view[:n])
-        try:
-            os.utime(path)  # least recently used: a hit is a use
-        except OSError:
-            pass
+        if time.time() - st.st_mtime > self.TOUCH_S:  # least recently used: a hit is a use
+            with contextlib.suppress(OSError):
+                os.utime(path)
         return data
 
     def write(self, name: str, data: bytes) -> None:

@@ -269,14 +269,17 @@ def test_the_disk_tier_evicts_least_recently_used_files_within_its_budget(shared
     files = _tiny_files()
     clip = files.load_tiny_clip_file(files.write_tiny_clip_file(str(shared.files), 0))
     encode(clip, "first")
-    size = entry_files(shared.folder)[0].stat().st_size
+    (first_path,) = entry_files(shared.folder)
+    size = first_path.stat().st_size
     shared.settings.set("conditioning.disk.budget_mib", 1)
     disk = shared.tiers.TIERS.disk
     disk.budget_bytes = int(size * 2.5)  # room for two entries
     try:
         encode(clip, "second")
         first_name = {p.name for p in entry_files(shared.folder)}
-        time.sleep(0.05)
+        old = time.time() - 2 * disk.TOUCH_S  # written long ago ("first" before "second"): a hit touches them
+        for path in entry_files(shared.folder):
+            os.utime(path, (old - 10, old - 10) if path == first_path else (old, old))
         shared.cc.CACHE.clear()
         encode(clip, "first")  # a disk hit: now the most recently used
         encode(clip, "third")
