@@ -80,8 +80,9 @@ def test_the_picture_code_decodes_a_training_target_exactly(S, family):
     assert torch.allclose(S.latent_to_picture(latent, family), pic, atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="not met yet: trained 600 / 1,100 steps of 16 on a loaded CPU, the "
-                   "stand-ins do not yet draw held-out captions' colours (Flux) or one shape (Wan)")
+@pytest.mark.xfail(strict=True, reason="not met yet: trained 1,500 / 1,600 steps of 16 on a CPU, the stand-ins "
+                   "draw one shape per held-out caption but not yet its colours closely (mean error 0.31 Flux, "
+                   "0.47 Wan, against 0.2)")
 def test_the_stand_ins_draw_the_held_out_captions_colours(S, standin):
     """Held-out prompts (never trained on) at CFG 4: the shape's pixels have the caption's colour and the
     rest its background's (on average: the pictures are grainy), far closer than another colour."""
@@ -154,11 +155,12 @@ def calibrated(S):
 
 def test_the_flux_stand_ins_residual_grows_over_its_early_steps_as_flux_dev_does(S, calibrated):
     """The demo Flux's ratios start at 0.98-1.0 (its early steps nearly alike); FLUX.1-dev's at 1.21, 1.12,
-    1.08: the stand-in's grow its residual over the first six steps too, then shrink it."""
+    1.08: the stand-in's grow its residual over the first six steps too (published: by 1.66x), then
+    shrink it over the second half (published: to 0.75x)."""
     for points in calibrated["flux"].values():
         r = S.step_ratios(points)
         assert math.prod(r[1:7]) > 1.1 and min(r[1:4]) > 1.0, r
-        assert math.prod(r[14:25]) < 0.9, r
+        assert math.prod(r[14:]) < 0.85, r
 
 
 def test_the_wan_stand_ins_ratios_stay_near_one_over_the_first_half_as_wan_1_3b_does(S, calibrated):
@@ -167,9 +169,11 @@ def test_the_wan_stand_ins_ratios_stay_near_one_over_the_first_half_as_wan_1_3b_
         assert all(0.97 < x < 1.03 for x in r[1:25]), r
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22, part 1, not met yet: the stand-ins' last 3-5 ratios rise "
-                   "(to ~1.1) where the published ones fall (to 0.89 / 0.82), so curve_match is above a flat "
-                   "curve's")
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_stand_ins_calibrated_curves_are_closer_to_the_published_than_a_flat_one(S, calibrated, family):
-    assert S.curve_match(family, calibrated[family]) < S.flat_match(family)
+def test_the_stand_ins_calibrated_curves_are_far_closer_to_the_published_than_a_flat_one(S, calibrated, family):
+    """The residual-profile term of their training holds the residual's norm against sigma to the
+    published curve's: their ratios fall over the last steps as the real models' do."""
+    assert S.curve_match(family, calibrated[family]) < 0.5 * S.flat_match(family)
+    for points in calibrated[family].values():
+        r = S.step_ratios(points)
+        assert math.prod(r[-4:]) < 0.9, r  # falling at the end: the published curves 0.77 (Flux), 0.59 (Wan)
