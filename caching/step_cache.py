@@ -126,8 +126,9 @@ MAG_RATIOS: dict[str, tuple[tuple[float, ...], int, float]] = {
 # residual_mode), and each rule's own default threshold per family. Picked by bench/step_cache.py on its
 # tuning prompts (never the evaluation ones) on the stand-in models. The schedule rule plans from a table
 # of residuals measured on one model; the tables shipped in caching/schedule_tables.json were measured on
-# the stand-ins, whose curves are not yet the real models' (README, "Bench stand-ins"), so auto uses them
-# on no model: it runs TeaCache (published polynomials, fitted on the real models) with forecasts, and the
+# the stand-ins (README, "Stand-in models for the benchmark"): a table is one model's, and on another one
+# it can plan far more skips than that model bears, so auto uses them on no model: it runs TeaCache
+# (published polynomials, fitted on the real models) with forecasts, and the
 # rule of CALIBRATED_RULES at its threshold once the model has its own calibration of that rule (ReuseKit
 # TeaCache Calibrate) and the threshold is left at -1. rule="schedule" picked by hand uses the shipped
 # table. Wan 2.2 takes Wan's; every other family (modulated-input DiTs like Flux) takes Flux's.
@@ -138,8 +139,8 @@ FALLBACK_DEFAULTS: tuple[str, float, str] = _FLUX
 CALIBRATED_RULES: dict[str, str] = {"flux": "schedule", "wan": "schedule"}
 TABLE_FIELDS = {"teacache": "coefficients", "magcache": "magnitudes", "schedule": "table"}
 """Where each rule's table lives in a stored calibration."""
-_FLUX_THRESHOLDS = {"teacache": 0.4, "magcache": 0.06, "first_block": 0.2, "schedule": 0.0245}
-_WAN_THRESHOLDS = {"teacache": 0.3, "magcache": 0.06, "first_block": 0.2, "schedule": 0.0245}
+_FLUX_THRESHOLDS = {"teacache": 0.4, "magcache": 0.06, "first_block": 0.2, "schedule": 0.0131}
+_WAN_THRESHOLDS = {"teacache": 0.3, "magcache": 0.06, "first_block": 0.2, "schedule": 0.0131}
 RULE_THRESHOLDS: dict[str, dict[str, float]] = {"flux": _FLUX_THRESHOLDS, "wan": _WAN_THRESHOLDS,
                                                 "wan22": _WAN_THRESHOLDS}
 FALLBACK_THRESHOLDS: dict[str, float] = _FLUX_THRESHOLDS
