@@ -408,6 +408,31 @@ def test_hits_keep_the_types_of_sizes_and_containers(cc):
     assert cache.count("bypasses") == 1 and len(cache) == 1
 
 
+@pytest.mark.parametrize("inference", [False, True])
+def test_hits_give_every_dtype_bit_for_bit_in_tensors_the_caller_owns(cc, inference):
+    """A hit's CPU tensors are copied on the calling thread, byte for byte: each dtype, 0-d and empty
+    tensors, a non-contiguous one; the copy is the caller's own (resizable, sharing no memory) and is
+    an inference tensor exactly when torch's own copy would be."""
+    cache = cc.ConditioningCache()
+    base = torch.randn(4, 77, 24)
+    value = [base.to(dt) for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                                    torch.int64, torch.float8_e4m3fn, torch.complex64)]
+    value += [base > 0, torch.tensor(3.5), torch.empty(0, 5), base.transpose(0, 2)]
+    with torch.inference_mode(inference):
+        cache.fetch(_key(cc, "dtypes"), lambda: value)
+        for _ in range(2):
+            hit = cache.fetch(_key(cc, "dtypes"), lambda: pytest.fail("must hit"))
+            assert len(hit) == len(value)
+            for got, want in zip(hit, value, strict=True):
+                expected = want.to("cpu", copy=True)
+                assert (got.dtype, got.shape, got.stride(), got.is_inference()) == \
+                    (want.dtype, want.shape, expected.stride(), expected.is_inference())
+                assert got.contiguous().view(-1).view(torch.uint8).tolist() == \
+                    want.contiguous().view(-1).view(torch.uint8).tolist()
+                assert got.numel() == 0 or got.untyped_storage().data_ptr() != want.untyped_storage().data_ptr()
+            hit[0].resize_(2, 3).fill_(9)  # torch-owned memory, and the next hit is unchanged
+
+
 @pytest.mark.parametrize("schedule_clip", [False, True])
 def test_clip_with_lora_hooks_bypasses_and_stays_exact(cc, uncached, tiny, schedule_clip):
     import comfy_extras.nodes_hooks as hooks_nodes
