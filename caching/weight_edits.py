@@ -14,8 +14,9 @@ what a check reads and compares.
   positions of large ones and, for large embedding tables (where sparse edits land: a textual
   inversion, a token merge), each row's share of the fingerprint. :meth:`WeightWatch.quick` is the
   check an encode pays: the same small bytes, the samples, and the rows of the tokens this encode
-  looks up, gathered on each device into one buffer and brought over in one small transfer. Its
-  cost follows the number of tensors and tokens, never the weights' bytes. What it cannot see is an
+  looks up, gathered on each device into one buffer and brought over in one small transfer (CPU
+  weights: read where they lie, small ones whole and all samples in one gather). Its cost follows the
+  number of tensors and tokens, never the weights' bytes. What it cannot see is an
   edit of a few values of a large non-embedding tensor away from the sampled positions: the full
   check sees those, and runs on every encode where a user asks for it.
 - Version counters are not trusted: an edit through ``.data`` bypasses them, and inference tensors
@@ -24,6 +25,7 @@ what a check reads and compares.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -191,11 +193,13 @@ class _Plan:
     """What one weight was at the last full check and how an encode checks it: ``ref`` is the bytes the
     check reads (the whole tensor when small, else the values at ``positions``)."""
 
-    __slots__ = ("dtype", "shape", "fp", "small", "ints", "positions", "positions_np", "ref", "width", "rows", "_on")
+    __slots__ = ("dtype", "shape", "fp", "nbytes", "small", "ints", "positions", "positions_np", "ref", "width",
+                 "rows", "_on")
 
     def __init__(self, t: torch.Tensor, fp: int, embedding: bool):
         self.dtype, self.shape, self.fp = t.dtype, t.shape, fp
-        self.small = t.numel() * t.element_size() <= SMALL
+        self.nbytes = t.numel() * t.element_size()
+        self.small = self.nbytes <= SMALL
         self.ints, count = _as_ints(t)
         self.positions = self.positions_np = self.width = self.rows = None
         self._on: dict[torch.device, torch.Tensor] = {}
@@ -235,6 +239,43 @@ class _Plan:
         return found
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # types whose data_ptr() is their elements' memory
+
+
+class _Memory:
+    """The bytes the cheap check reads from the CPU weights, read straight from their memory: small
+    tensors whole (one C call each), every large tensor's samples by one gather over the address range
+    they span. Built for one list of (address, plan); valid only while the very tensors checked are at
+    those addresses (the caller compares the addresses on every check, holding the tensors meanwhile,
+    so every byte read lies inside a live tensor of the plan's shape). Never reads memory it does not
+    find there: a changed address rebuilds it."""
+
+    __slots__ = ("ptrs", "small", "arena", "index", "ref")
+
+    def __init__(self, cpu: list[tuple[int, _Plan]]):
+        self.ptrs = tuple(p for p, _ in cpu)
+        self.small = [(p, plan.nbytes, plan.ref) for p, plan in cpu if plan.small and plan.nbytes]
+        large = [(p, plan) for p, plan in cpu if not plan.small]
+        self.arena = self.index = None
+        self.ref = b"".join(plan.ref for _, plan in large)
+        if large:
+            base = min(p for p, _ in large)
+            span = max(p + plan.nbytes for p, plan in large) - base
+            self.arena = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(base))
+            parts = []
+            for p, plan in large:
+                size = plan.ints.itemsize  # the unit ``positions`` count in (see _as_ints)
+                starts = (p - base) + plan.positions_np.astype(np.int64) * size
+                parts.append((starts[:, None] + np.arange(size, dtype=np.int64)).reshape(-1))
+            self.index = np.concatenate(parts)
+
+    def differ(self) -> bool:
+        for p, n, ref in self.small:
+            if ctypes.string_at(p, n) != ref:
+                return True
+        return self.arena is not None and self.arena[self.index].tobytes() != self.ref
+
+
 class WeightWatch:
     """An encoder's weights as of the last full check, and the cheap check of an encode against it.
 
@@ -245,6 +286,7 @@ class WeightWatch:
     def __init__(self) -> None:
         self._plans: dict[str, _Plan] = {}
         self._names: frozenset[str] = frozenset()
+        self._memory: _Memory | None = None  # the CPU weights' addresses at the last cheap check
         self.full_checks = 0
         self.quick_checks = 0
         self.last_full_bytes = 0  # bytes the last full check or refresh fingerprinted
@@ -287,6 +329,7 @@ class WeightWatch:
         from its last reference."""
         values = fingerprints(named[n] for n in names)
         edited = False
+        self._memory = None  # new references
         self.last_full_bytes = 0
         for name, fp in zip(names, values, strict=True):
             t = named[name]
@@ -301,7 +344,8 @@ class WeightWatch:
               token_ids: Iterable[int] = (), rows_only: bool = False) -> bool:
         """The cheap check: True when the weights are seen to differ from the last full check (a
         weight added, removed or reshaped, a small tensor's bytes, a sampled value, or the row of a
-        token this encode reads; ``rows_only``: the rows alone). CPU weights are read through NumPy;
+        token this encode reads; ``rows_only``: the rows alone). Plain contiguous CPU weights are read
+        straight from memory (see :class:`_Memory`), other CPU weights through NumPy;
         each device's are gathered there and brought over in one transfer."""
         self.quick_checks += 1
         if rows_only:
@@ -317,17 +361,26 @@ class WeightWatch:
             return True
         on_device: dict[torch.device, list[tuple[torch.Tensor, bytes]]] = {}
         embeddings = []
+        cpu: list[tuple[int, _Plan]] = []  # plain contiguous CPU weights: read straight from memory
         for name, t in named.items():
             plan = plans.get(name)
             if plan is None or t.dtype is not plan.dtype or t.shape != plan.shape:
                 return True
             if t.is_cpu:  # (``Parameter.device`` costs a dozen microseconds; ``is_cpu`` does not)
-                if plan.read(t) != plan.ref:
+                if type(t) in _PLAIN and t.is_contiguous():
+                    cpu.append((t.data_ptr(), plan))
+                elif plan.read(t) != plan.ref:
                     return True
             else:
                 on_device.setdefault(t.device, []).append((plan.gather(t), plan.ref))
             if plan.rows is not None:
                 embeddings.append((t, plan))
+        if cpu:
+            memory = self._memory
+            if memory is None or memory.ptrs != tuple(p for p, _ in cpu):
+                memory = self._memory = _Memory(cpu)
+            if memory.differ():
+                return True
         for parts in on_device.values():  # one small transfer per device
             if torch.cat([p[0] for p in parts]).cpu().numpy().tobytes() != b"".join(p[1] for p in parts):
                 return True

@@ -7,6 +7,7 @@ import os
 import tempfile
 from importlib import import_module
 
+import numpy as np
 import pytest
 import rkharness
 import torch
@@ -108,6 +109,44 @@ def test_the_cheap_check_sees_small_tensors_samples_and_the_rows_a_prompt_reads(
     assert watch.quick({**named, "extra": torch.zeros(3)}) and watch.quick({"emb": named["emb"]})
     assert watch.quick({**named, "norm": named["norm"].double()})
     assert watch.full(row, embeddings=frozenset({"emb"})) and not watch.quick(row, token_ids=[1234])
+
+
+def test_the_cheap_check_reads_weights_where_they_are_and_follows_them_when_they_move(we):
+    """The cheap check reads plain contiguous CPU weights straight from memory: a one-element edit at a
+    sampled position is seen in every dtype, in place (same addresses) and after a move; a new full
+    check's references replace the old at the same addresses; a non-contiguous weight and a Parameter
+    are read too."""
+    gen = torch.Generator().manual_seed(2)
+    named = {"f32": torch.randn(300, 200, generator=gen), "bf16": torch.randn(300, 200, generator=gen).bfloat16(),
+             "f8": torch.randn(200, 200, generator=gen).to(torch.float8_e4m3fn), "c128": torch.randn(90, 90, generator=gen).to(torch.complex128),
+             "norm": torch.randn(64, generator=gen).half(), "t": torch.randn(256, 128, generator=gen).t(),
+             "param": torch.nn.Parameter(torch.randn(256, 256, generator=gen), requires_grad=False)}
+    watch = we.WeightWatch()
+    assert not watch.full(named) and not watch.quick(named) and not watch.quick(named)
+
+    def flip(t, plan, at):  # one bit of the value the check reads at ``at`` (in its reading order)
+        data = t.data
+        if plan.small:
+            data.view(-1).view(torch.uint8)[at] ^= 1
+        else:
+            ints = data.view(plan.ints)
+            ints[tuple(int(i) for i in np.unravel_index(at, ints.shape))] ^= 1
+
+    for name, t in named.items():
+        plan = watch._plans[name]
+        at = int(plan.positions[len(plan.positions) // 2]) if not plan.small else plan.nbytes - 1
+        flip(t, plan, at)  # in place: the addresses the check last read
+        assert watch.quick(named), name
+        flip(t, plan, at)
+        assert not watch.quick(named), name
+        moved = {k: v.clone() for k, v in named.items()}  # new addresses, the same bytes
+        assert not watch.quick(moved), name
+        flip(moved[name], plan, at)
+        assert watch.quick(moved), name
+    edited = {k: v.clone() for k, v in named.items()}
+    edited["f32"].view(-1)[int(watch._plans["f32"].positions[0])] += 1
+    assert watch.quick(edited) and watch.full(edited) and not watch.quick(edited)  # its new reference
+    assert watch.quick(named)  # the old bytes are an edit now
 
 
 # ---- events --------------------------------------------------------------------------------------
