@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import rkharness
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save
 
 pytestmark = pytest.mark.conditioning
 
@@ -356,6 +356,17 @@ def test_with_a_secret_unsigned_and_wrongly_signed_entries_are_counted_misses(sh
     assert equal(encode(clip), reference(0)) and counter(shared.tiers, "disk", "hits") == 0  # "wrong" rewrote it
     shared.cc.CACHE.clear()
     assert equal(encode(clip), reference(0)) and counter(shared.tiers, "disk", "hits") == 1
+    # a forgery: other values under the right key, with a checksum that matches them
+    tiers, data = shared.tiers, path.read_bytes()
+    rejected = counter(tiers, "disk", "rejected.unsigned")
+    meta, tensors = tiers._header(data), load_file(str(path))
+    tensors = {name: t + 1 for name, t in tensors.items()}
+    meta["checksum"] = tiers._checksum(meta, tensors)
+    path.write_bytes(save(tensors, metadata=meta))
+    shared.cc.CACHE.clear()
+    assert equal(encode(clip), reference(0)) and counter(shared.tiers, "disk", "hits") == 1
+    assert counter(tiers, "disk", "rejected.unsigned") == rejected + 1
+    assert counter(tiers, "disk", "rejected.corrupt") == 0
 
 
 _WRITER = textwrap.dedent("""
@@ -754,8 +765,6 @@ def test_a_malformed_unsigned_entry_is_a_counted_rejection(shared):
     and counted as malformed, never an exception out of the tier and never a hit."""
     import json
 
-    from safetensors.torch import save
-
     clip, path = _stored_entry(shared)
     tiers = shared.tiers
     data = path.read_bytes()
@@ -768,7 +777,7 @@ def test_a_malformed_unsigned_entry_is_a_counted_rejection(shared):
     first_tensor["on"] = "not a device at all"
     meta["value"] = json.dumps(value)
     meta.pop("checksum")
-    meta["checksum"] = tiers._checksum(meta, tensors).hex()
+    meta["checksum"] = tiers._checksum(meta, tensors)
     path.write_bytes(save(tensors, metadata=meta))
     assert equal(encode(clip), reference(0))
     assert counter(shared.tiers, "disk", "rejected.malformed") == 1 and counter(shared.tiers, "disk", "hits") == 0
