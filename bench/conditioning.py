@@ -221,7 +221,7 @@ def kind_table(rkharness, quick: bool):
         # the 4x encoder's hit against CLIP-L's (default setting), side by side in rounds
         settings.set("conditioning.check_weight_edits", "events")
         small, big = rows[0][3], rows[1][3]
-        times = _rounds({"small": (small, small, 5, 2), "big": (big, big, 5, 2)}, repeat)
+        times = _rounds({"small": (small, small, 5, repeat), "big": (big, big, 5, repeat)}, repeat)
         results["big_over_small"] = _ratio_by_round(times["big"], times["small"])
         print(f"4x CLIP-L hit / CLIP-L hit, {repeat} rounds side by side: {results['big_over_small'][0]:.2f} "
               f"(worst round {results['big_over_small'][1]:.2f})")
@@ -364,11 +364,11 @@ def shared_table(rkharness, quick: bool, url):
     """A whole shared-tier hit (the LRU emptied first, so the entry comes from the tier; the default
     setting) against an encode of a CLIP-L-sized encoder loaded from a file by ComfyUI's CLIPLoader
     path, side by side in 9 rounds (--quick: 3): per round one encode with the tiers off after an
-    untimed one, then the median of 5 whole hits after 2 untimed; the ratio is the median of the
-    rounds' ratios, printed beside the worst round's. Then the tiers' own read + verify + copy of a
-    CLIP-L-size (1x77x768) and a T5-size (1x512x4096) output, each timed after 7 untimed runs of it
-    (--quick: 3), as in a server's steady state (CPython specialises a function's code after its
-    first calls)."""
+    untimed one, then the median of 5 whole hits after 7 untimed (--quick: 3); the ratio is the median
+    of the rounds' ratios, printed beside the worst round's. Then the tiers' own read + verify + copy
+    of a CLIP-L-size (1x77x768) and a T5-size (1x512x4096) output, each timed after 7 untimed runs of
+    it. Untimed runs first, as in a server's steady state: CPython specialises a function's code after
+    its first calls, and on this VM the first hits after a reconfiguration or an encode run slower."""
     import comfy.sd
     import torch
     from safetensors.torch import save_file
@@ -419,7 +419,7 @@ def shared_table(rkharness, quick: bool, url):
             # a round: an encode with the tiers off (the miss), then whole hits from the tier (the LRU
             # emptied before each, so every one comes from the tier)
             times = _rounds({"miss": (lambda: _use_tiers(settings, None, None), encode, 1, 1),
-                             "hit": (tiers_on, encode, 5, 2)}, rounds)
+                             "hit": (tiers_on, encode, 5, repeat)}, rounds)
             assert tiers.TIERS.stats[tier].counter("hits") > hits_before, f"no {tier} hits"
             ratio, worst = _ratio_by_round(times["hit"], times["miss"])
             ratios[tier], ratios[f"{tier}_worst"] = ratio, worst
