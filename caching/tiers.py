@@ -25,7 +25,6 @@ Pure logic (torch, safetensors and the standard library; the ``redis`` client on
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import errno
 import hashlib
@@ -464,12 +463,69 @@ class Unavailable(Exception):
     """The Redis tier is skipped right now (breaker open, or the client failed)."""
 
 
+class _Deadlines:
+    """Deadlines of calls running on their callers' threads, and one daemon thread that calls
+    ``expire()`` when one passes. Arming a deadline wakes the thread only when it is idle or waits
+    for a later one: reads a second apart wake it about once a second, not once a read."""
+
+    def __init__(self, expire):
+        self._expire = expire
+        self._cond = threading.Condition()
+        self._armed: dict[int, float] = {}  # token -> monotonic deadline
+        self._fired: set[int] = set()
+        self._tokens = iter(range(1 << 62))
+        self._until: float | None = None  # what the thread waits for (None: nothing, or not started)
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def arm(self, seconds: float) -> int:
+        with self._cond:
+            token, deadline = next(self._tokens), time.monotonic() + seconds
+            self._armed[token] = deadline
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="reusekit-redis-deadline", daemon=True)
+                self._thread.start()
+            elif self._until is None or deadline < self._until:
+                self._cond.notify()
+            return token
+
+    def disarm(self, token: int) -> bool:
+        """Forget a deadline; True when it had passed (``expire`` was called for it)."""
+        with self._cond:
+            self._armed.pop(token, None)
+            fired = token in self._fired
+            self._fired.discard(token)
+            return fired
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                late = [t for t, d in self._armed.items() if d <= now]
+                for t in late:
+                    del self._armed[t]
+                    self._fired.add(t)
+                if not late:
+                    self._until = min(self._armed.values(), default=None)
+                    self._cond.wait(None if self._until is None else self._until - now)
+                    self._until = None
+                    continue
+            self._expire()  # outside the lock: it closes sockets
+
+
 class RedisTier:
-    """Entries as Redis values with a TTL. A read waits at most ``4 * timeout_s`` in all (it runs on a
-    reader thread; past the deadline its connection is closed under it) and fetches at most
-    ``max_bytes`` + 1 bytes (``GETRANGE``: a larger value is rejected unread). Writes go
-    through a bounded background queue (a full queue drops the write). A failure opens the breaker:
-    the tier is skipped for ``cooldown_s`` seconds, with one log line."""
+    """Entries as Redis values with a TTL. A read runs on the caller's thread and takes at most
+    ``4 * timeout_s`` in all (past that deadline a watchdog thread closes the connections under it),
+    and fetches at most ``max_bytes`` + 1 bytes (``GETRANGE``: a larger value is rejected unread).
+    Writes go through a bounded background queue (a full queue drops the write). A failure opens the
+    breaker: the tier is skipped for ``cooldown_s`` seconds, with one log line."""
 
     PREFIX = "reusekit:cond:1:"
 
@@ -492,7 +548,7 @@ class RedisTier:
         self._closed = False
         self._thread = threading.Thread(target=self._work, name="reusekit-redis-writer", daemon=True)
         self._thread.start()
-        self._readers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="reusekit-redis-reader")
+        self._deadlines = _Deadlines(self._client.connection_pool.disconnect)  # a read in flight fails
 
     def _fail(self, exc: Exception) -> None:
         first = time.monotonic() >= self._down_until
@@ -515,13 +571,15 @@ class RedisTier:
         if time.monotonic() < self._down_until:
             raise Unavailable("breaker open")
         cap = self.max_bytes
-        pending = self._readers.submit(self._call, self._client.getrange, self.PREFIX + name, 0, cap)
+        token = self._deadlines.arm(self.deadline_s)
         try:
-            data = pending.result(timeout=self.deadline_s)
-        except concurrent.futures.TimeoutError:
-            self._client.connection_pool.disconnect()  # the read in flight fails and frees its thread
-            self._fail(TimeoutError(f"a read took over {self.deadline_s:.2f} s"))
-            raise Unavailable("read deadline") from None
+            data = self._client.getrange(self.PREFIX + name, 0, cap)
+        except Exception as exc:  # the client's errors and a server answering nonsense alike
+            late = self._deadlines.disarm(token)
+            self._fail(TimeoutError(f"a read took over {self.deadline_s:.2f} s") if late else exc)
+            raise Unavailable("read deadline" if late else str(exc)) from None
+        finally:
+            self._deadlines.disarm(token)  # (an answer that came whole as the deadline passed is whole)
         if not data:
             return None  # no such key (GETRANGE answers an empty string)
         if len(data) > cap:
@@ -558,7 +616,7 @@ class RedisTier:
     def close(self) -> None:
         """Stop taking writes; the writer thread ends after the write in hand (the rest are dropped)."""
         self._closed = True
-        self._readers.shutdown(wait=False)
+        self._deadlines.close()
         with contextlib.suppress(queue.Full):
             self._queue.put_nowait((None, None))
 

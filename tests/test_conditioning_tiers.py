@@ -784,6 +784,29 @@ def test_a_malformed_unsigned_entry_is_a_counted_rejection(shared):
 
 
 @pytest.mark.hardening
+def test_read_deadlines_fire_once_each_only_for_the_reads_still_running():
+    """The Redis tier's watchdog: a deadline that passes expires once and its read learns so; a read
+    done in time is never cut, nor is one armed after another fired; close ends the thread."""
+    tiers = rkharness.pack("caching.tiers")
+    cut = []
+    deadlines = tiers._Deadlines(lambda: cut.append(time.monotonic()))
+    early, slow = deadlines.arm(30.0), deadlines.arm(0.05)
+    time.sleep(0.3)
+    assert len(cut) == 1 and deadlines.disarm(slow) and not deadlines.disarm(slow)
+    later = deadlines.arm(0.2)  # armed while the thread waits for a later deadline (early's)
+    assert not deadlines.disarm(early)
+    time.sleep(0.5)
+    assert len(cut) == 2 and deadlines.disarm(later)
+    quick = deadlines.arm(0.1)
+    assert not deadlines.disarm(quick)
+    time.sleep(0.3)
+    assert len(cut) == 2
+    deadlines.close()
+    deadlines._thread.join(2)
+    assert not deadlines._thread.is_alive()
+
+
+@pytest.mark.hardening
 def test_a_redis_server_that_drips_one_byte_at_a_time_cannot_hold_an_encode(shared):
     """A server that answers every read with a large value a byte at a time: the read gives up at its
     total deadline (four socket timeouts), the tier's breaker opens, and the encode completes."""
