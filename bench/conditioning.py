@@ -5,7 +5,8 @@ unloads and reloads an encoder, full fingerprints in a Prompt Batch of 16; then 
 scenarios through the real executor in each ComfyUI cache mode, with and without ReuseKit, counting
 encoder forwards, and their wall time on a CLIP-L-size encoder (three passes, each scenario without and
 then with ReuseKit; the total's ratio and the worst pass's); then the shared tiers: a whole
-disk-tier and Redis hit (an entry another process wrote) against an encode, and two ComfyUI server
+disk-tier and Redis hit (an entry another process wrote) against an encode (in rounds: the median
+round's ratio and the worst round's, ``*_worst``), and two ComfyUI server
 processes sharing them (Redis rows need Debian's redis-server); then a lazy text encoder (a 1.39 GB
 CLIP-G file; --quick: a 246 MB CLIP-L) on a restarted server against ComfyUI's CLIPLoader.
 
