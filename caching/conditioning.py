@@ -50,6 +50,10 @@ log = logging.getLogger("reusekit")
 
 KINDS = ("text", "vision", "vae")
 MIB = 1 << 20
+REASON_CHARS = 200  # a bypass reason is kept to this length (an exception's message may be long)
+MAX_REASONS = 64  # distinct (kind, encoder, reason) counted; later ones count under OTHER_REASON
+OTHER_REASON = "other reasons (more than 64 kinds seen)"
+TOP_REASONS = 20  # how many the stats publish, most frequent first
 ENV_SWITCH = "REUSEKIT_CONDITIONING"
 
 
@@ -305,6 +309,7 @@ class ConditioningCache:
         self.max_entries = int(max_entries)
         self.stats = stats
         self._counts: dict[str, int] = {}
+        self._reasons: dict[tuple[str, str, str], int] = {}  # (kind, encoder class, reason) -> bypasses
         self._dead: deque[int] = deque()  # serials of dead encoders, dropped at the next call
 
     def owner_died(self, serial: int) -> None:
@@ -357,14 +362,15 @@ class ConditioningCache:
 
     # -- the one entry point for encoders
     def fetch(self, key: Key, compute: Callable[[], Any], *, check_rng: bool = False, admit: Callable[[], str | None] | None = None,
-              shared: Callable[[], SharedKey | None] | None = None) -> Any:
+              shared: Callable[[], SharedKey | None] | None = None, encoder: str = "") -> Any:
         """The cached result for ``key`` (a private copy), or ``compute()`` stored on a miss.
 
         ``check_rng``: when the computation moves torch's global random state, its result depends
         on randomness and is not stored (the randomness then runs on every request).
         ``admit``: asked after a miss's computation; a returned reason means "do not store".
         ``shared``: the key for the shared tiers (None when this encode cannot use them), asked on a
-        miss: a shared hit is promoted into this LRU; a computed result is written through to them."""
+        miss: a shared hit is promoted into this LRU; a computed result is written through to them.
+        ``encoder``: the encoder's class name, beside the reason of a bypass."""
         if not self.enabled:
             return compute()
         self.reap()
@@ -385,13 +391,13 @@ class ConditioningCache:
         with self._lock:
             self._count("encodes", key.kind)
         if rng is not None and not _rng_equal(rng, _rng_state()):
-            self.bypass(key.kind, "random")
+            self.bypass(key.kind, "random", encoder)
             return result
         refused = admit() if admit is not None else None
         if refused:
-            self.bypass(key.kind, refused)
+            self.bypass(key.kind, refused, encoder)
             return result
-        stored = self._store(key, result, seconds)
+        stored = self._store(key, result, seconds, encoder=encoder)
         if stored is not None and skey is not None:
             try:
                 TIERS.put(skey, stored, seconds, _CONTAINERS)
@@ -419,16 +425,16 @@ class ConditioningCache:
         """Store a private copy of ``value``; False when not admitted (oversized or uncacheable)."""
         return self._store(key, value, seconds, admitted_only=True) is not None
 
-    def _store(self, key: Key, value: Any, seconds: float, admitted_only: bool = False) -> Any:
+    def _store(self, key: Key, value: Any, seconds: float, admitted_only: bool = False, encoder: str = "") -> Any:
         """Freeze ``value`` and admit it; the frozen copy (None when uncacheable, or not admitted
         with ``admitted_only``)."""
         try:
             stored, value_bytes = freeze(value)
         except Uncacheable as exc:
-            self.bypass(key.kind, str(exc))
+            self.bypass(key.kind, str(exc), encoder)
             return None
         except (RuntimeError, MemoryError) as exc:  # no room for the copy: the caller keeps its result
-            self.bypass(key.kind, f"copy failed: {exc}")
+            self.bypass(key.kind, f"copy failed: {exc}", encoder)
             return None
         admitted = self._admit(Entry(key, stored, value_bytes, seconds))
         return stored if admitted or not admitted_only else None
@@ -455,11 +461,26 @@ class ConditioningCache:
         self._publish()
         return admitted
 
-    def bypass(self, kind: str, reason: str) -> None:
+    def bypass(self, kind: str, reason: str, encoder: str = "") -> None:
+        """An encode that ran uncached, counted by kind and by (kind, encoder class, reason); the first of
+        each reason is logged at info level, so a user whose cache never hits sees why."""
+        reason = reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS - 1] + "…"
         with self._lock:
             self._count("bypasses", kind)
-        log.debug("ReuseKit conditioning: %s bypassed (%s)", kind, reason)
+            slot = (kind, encoder, reason)
+            if slot not in self._reasons and len(self._reasons) >= MAX_REASONS:
+                slot = (kind, "", OTHER_REASON)
+            first = slot not in self._reasons
+            self._reasons[slot] = self._reasons.get(slot, 0) + 1
+        if first:
+            log.info("ReuseKit conditioning: %s encodes%s run uncached: %s", kind,
+                     f" of {encoder}" if encoder else "", reason)
         self._publish()
+
+    def bypass_reasons(self) -> list[dict]:
+        """Every bypass reason seen since the counts were reset, most frequent first."""
+        with self._lock:
+            return _reason_rows(self._reasons)
 
     # -- dropping
     def clear(self) -> None:
@@ -530,17 +551,27 @@ class ConditioningCache:
             for e in self._entries.values():
                 by_kind[e.key.kind]["entries"] += 1
             budget, max_entries = self.budget_bytes, self.max_entries
+            reasons = _reason_rows(self._reasons)[:TOP_REASONS]
         for tier, held in tiers.items():
             self.stats.set_memory(tier, held, budget)
         self.stats.set_entries(n)
         self.stats.set_info("by_kind", by_kind)
         self.stats.set_info("limits", {"budget_bytes": budget, "max_entries": max_entries})
+        self.stats.set_info("bypass_reasons", reasons)
 
     def reset_counts(self) -> None:
         with self._lock:
             self._counts.clear()
+            self._reasons.clear()
         if self.stats is not None:
             self.stats.reset_counters()
+        self._publish()
+
+
+def _reason_rows(reasons: dict[tuple[str, str, str], int]) -> list[dict]:
+    rows = [{"kind": k, "encoder": e, "reason": r, "count": n} for (k, e, r), n in reasons.items()]
+    rows.sort(key=lambda row: (-row["count"], row["kind"], row["encoder"], row["reason"]))
+    return rows
 
 
 def _shared_key(shared: Callable[[], SharedKey | None] | None) -> SharedKey | None:

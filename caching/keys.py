@@ -14,6 +14,8 @@ Two trees are equal only when the values are, by these rules:
   tuples of one shape of plain ints and floats (a prompt's ``(token, weight)`` pairs) keys column by
   column, each packed into one bytes field (ints as 64-bit words where they fit, floats by their bits):
   a few fields where element by element it would take hundreds.
+- Dataclass instances (an LLM text encoder's config) key by their class and every attribute they hold,
+  by name: their fields and anything set on the instance besides. Their values key by these rules.
 - Tensors key by metadata and content: dtype, shape, stride, layout and device, then their logical
   values' bytes (a view keys by the elements it shows, its stride beside them, so a non-contiguous
   view never shares a key with its contiguous copy). Up to :data:`SMALL_TENSOR` bytes the bytes are
@@ -29,6 +31,7 @@ tensors' values follow from the rest of the key (a model's position ids made fro
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import numbers
 import struct
@@ -130,10 +133,22 @@ def encode(value: Any) -> Any:
         if isinstance(value, numbers.Integral):
             return ("i", int(value))  # NumPy integers (token ids)
         return ("np", str(value.dtype), encode(value.item()))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return ("dc", f"{kind.__module__}.{kind.__qualname__}", tuple(
+            (name, encode(getattr(value, name))) for name in dataclass_attributes(value)))
     for base in (bool, int, float, str, bytes, tuple, list, dict):
         if isinstance(value, base):  # enums, namedtuples, ordered dicts...: the class is part of the key
             return ("sub", f"{kind.__module__}.{kind.__qualname__}", encode(base(value)))
     raise Uncacheable(f"cannot key a {kind.__name__}")
+
+
+def dataclass_attributes(value: Any) -> list[str]:
+    """The attributes a dataclass instance holds: its fields, then what was set on the instance besides."""
+    names = [f.name for f in dataclasses.fields(value)]
+    extra = getattr(value, "__dict__", None)
+    if extra:
+        names += [name for name in extra if name not in names]
+    return names
 
 
 def _numpy_scalar(value: Any) -> bool:

@@ -45,6 +45,7 @@ encoder with no record, with weights replaced or edited since loading, a file ch
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 import hashlib
 import inspect
@@ -238,7 +239,7 @@ def _module_state(model: torch.nn.Module, patcher) -> tuple:
     ComfyUI's object patches (patches/module_tree.py; a patcher's own object patches are keyed by
     ``_patcher_fields``), as a digest. Instance-level methods (injections) are left out. Uncacheable
     for module hooks and for settings a key cannot describe. Kept with the module's tree while it is
-    unchanged, the settings held in containers compared by value."""
+    unchanged, the settings held in containers and dataclasses compared by value."""
     import torch.nn.modules.module as torch_module
 
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
@@ -253,7 +254,7 @@ def _module_state(model: torch.nn.Module, patcher) -> tuple:
     for path, name, value in tree.settings:
         full = f"{path}.{name}" if path else name
         field = _setting(full, value)
-        if isinstance(value, (list, dict, set)):  # may change in place: compared by value on every use
+        if isinstance(value, (list, dict, set)) or dataclasses.is_dataclass(value):  # may change in place: compared by value on every use
             mutables.append((full, value, field))
         out.append((path, name, field))
     found = tree.memo["settings"] = (digest(tuple(out)), mutables)  # thousands of settings in a VAE: a digest
@@ -548,21 +549,29 @@ def _route(kind: str, patcher, module, make_key, compute, check_rng=False, admit
     if not _routed(patcher) or not _active or not CACHE.enabled:
         return compute()
     look = module_tree.Look()  # the key and the shared key read the encoder's modules once between them
+    encoder = encoder_name(module)
     try:
         with look:
             key = make_key()
     except Uncacheable as exc:
-        CACHE.bypass(kind, str(exc))
+        CACHE.bypass(kind, str(exc), encoder)
         return compute()
     except Exception as exc:  # an encoder object this key builder does not know: never break the encode
-        CACHE.bypass(kind, f"unexpected {type(exc).__name__}: {exc}")
+        CACHE.bypass(kind, f"unexpected {type(exc).__name__}: {exc}", encoder)
         return compute()
 
     def shared():  # asked by the lookup on a miss, before anything computes
         with look:
             return shared_key(key, module, patcher)
 
-    return CACHE.fetch(key, compute, check_rng=check_rng, admit=admit, shared=shared)
+    return CACHE.fetch(key, compute, check_rng=check_rng, admit=admit, shared=shared, encoder=encoder)
+
+
+def encoder_name(module) -> str:
+    """An encoder's class as the stats name it: its module's last part and its name
+    (``z_image.ZImageTEModel_``; ComfyUI makes many encoder classes inside functions)."""
+    kind = type(module)
+    return f"{kind.__module__.rpartition('.')[2]}.{kind.__name__}"
 
 
 # ---- the patched methods ----------------------------------------------------------------------
@@ -589,7 +598,7 @@ def _make_methods():
 
     def encode_from_tokens_scheduled(self, tokens, *args, **kwargs):
         if self.patcher.forced_hooks is not None and self.use_clip_schedule and _active and _routed(self.patcher):
-            CACHE.bypass("text", "hook-scheduled encode")
+            CACHE.bypass("text", "hook-scheduled encode", encoder_name(self.cond_stage_model))
         return _orig(CLIP, "encode_from_tokens_scheduled")(self, tokens, *args, **kwargs)
 
     # every replacement passes keyword options a newer host added on to it, and keys them

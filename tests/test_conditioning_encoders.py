@@ -1,0 +1,202 @@
+"""Conditioning cache on every text encoder the host's loaders build (CLIPLoader, DualCLIPLoader,
+TripleCLIPLoader, QuadrupleCLIPLoader): CLIP, T5 and the LLM encoders (Qwen2.5-VL, Qwen3, Llama, Gemma,
+Mistral...), each built from the host's own classes at a test size (tests/tinymodels/text_encoders.py)
+with the host's real tokenizers. A repeat is a hit bit-identical to the pack being off; what the output
+depends on (text, template, images in the prompt, the encoder's config) makes a miss."""
+
+import logging
+
+import pytest
+import rkharness
+from test_conditioning import image, same
+
+pytestmark = pytest.mark.conditioning
+
+TEXT = "a photo of a cat sitting on a red chair"
+# Encoders whose encode the tests cannot run at a test size, with why
+TOO_LARGE = {"lt.LTXAVTEModel_": "its connector keeps Gemma 3 12B's full width (435M parameters at the test size)"}
+
+
+def _text_encoders():
+    import importlib
+
+    return importlib.import_module(f"{rkharness.TINY.__name__}.text_encoders")
+
+
+def _targets():
+    targets = list(_text_encoders().loader_targets().values())
+    ids, seen = [], {}
+    for t in targets:
+        loader, clip_type, files = t.seen[0]
+        name = f"{t.name}[{'+'.join(files)}]"
+        seen[name] = seen.get(name, 0) + 1
+        ids.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+    return targets, ids
+
+
+TARGETS, IDS = _targets()
+
+
+@pytest.fixture
+def cc():
+    mod = rkharness.pack("caching.conditioning")
+    settings = rkharness.pack("caching.settings").SETTINGS
+    before = settings.get("conditioning.enabled")
+    settings.set("conditioning.enabled", True)
+    mod.CACHE.clear()
+    mod.CACHE.reset_counts()
+    yield mod
+    settings.set("conditioning.enabled", before)
+    mod.CACHE.clear()
+
+
+def _off(fn):
+    settings = rkharness.pack("caching.settings").SETTINGS
+    before = settings.get("conditioning.enabled")
+    settings.set("conditioning.enabled", False)
+    try:
+        return fn()
+    finally:
+        settings.set("conditioning.enabled", before)
+
+
+def _tokenize_options(target) -> dict:
+    return {"duration": 2} if target.clip.__module__.endswith("ace15") else {}  # ACE 1.5 samples audio codes per second
+
+
+def _build(target):
+    if target.name in TOO_LARGE:
+        pytest.skip(f"{target.name}: {TOO_LARGE[target.name]}")
+    try:
+        return _text_encoders().build(target)
+    except NotImplementedError as exc:
+        pytest.skip(f"{target.name}: {exc}")
+
+
+def _takes_template(clip) -> bool:
+    import inspect
+
+    return "llama_template" in inspect.signature(clip.tokenizer.tokenize_with_weights).parameters
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=IDS)
+def test_every_loader_encoder_hits_exactly_and_misses_on_what_its_output_depends_on(cc, target):
+    clip = _build(target)
+    options = _tokenize_options(target)
+
+    def encode(text, **kw):
+        return clip.encode_from_tokens_scheduled(clip.tokenize(text, **options, **kw))
+
+    reference = _off(lambda: encode(TEXT))
+    first, second = encode(TEXT), encode(TEXT)
+    assert cc.CACHE.bypass_reasons() == [], f"{target.name} bypassed the cache"
+    assert (cc.CACHE.count("misses"), cc.CACHE.count("hits")) == (1, 1)
+    assert same(first, reference) and same(second, reference)
+
+    other = encode("a dog running in the snow")
+    assert cc.CACHE.count("misses") == 2
+    assert same(other, _off(lambda: encode("a dog running in the snow")))
+    if _takes_template(clip):
+        template = "<|im_start|>system\nDraw exactly what is asked.<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+        templated = encode(TEXT, llama_template=template)
+        assert cc.CACHE.count("misses") == 3
+        assert same(templated, _off(lambda: encode(TEXT, llama_template=template)))
+    assert cc.CACHE.bypass_reasons() == []
+
+
+def _one(name: str):
+    for t in TARGETS:
+        if t.name == name:
+            return t
+    pytest.skip(f"this host's loaders build no {name}")
+
+
+def test_an_llm_config_changed_in_place_misses_and_gives_what_comfyui_gives(cc):
+    target = _one("z_image.ZImageTEModel_")
+    clip = _build(target)
+    config = clip.cond_stage_model.qwen3_4b.transformer.model.config
+    tokens = clip.tokenize(TEXT)
+    before = clip.encode_from_tokens_scheduled(tokens)
+    config.rms_norm_eps = 0.5
+    after = clip.encode_from_tokens_scheduled(tokens)
+    assert cc.CACHE.count("hits") == 0 and cc.CACHE.count("misses") == 2
+    assert same(after, _off(lambda: clip.encode_from_tokens_scheduled(tokens)))
+    assert same(before, _off(lambda: (setattr(config, "rms_norm_eps", 1e-6), clip.encode_from_tokens_scheduled(tokens))[1]))
+
+
+@pytest.mark.parametrize("name", ["qwen_image.QwenImageTEModel_"])
+def test_images_in_the_prompt_are_keyed_by_content_and_the_vision_tower_runs_only_on_a_miss(cc, name):
+    clip = _build(_one(name))
+    visual = clip.cond_stage_model.qwen25_7b.transformer.visual
+    calls = []  # counted through the class (a module hook would make the cache refuse the encoder)
+    forward = type(visual).forward
+
+    def counted(self, *a, **kw):
+        calls.append(1)
+        return forward(self, *a, **kw)
+
+    type(visual).forward = counted
+    try:
+        def encode(img, text="make the sky green"):
+            return clip.encode_from_tokens_scheduled(clip.tokenize(text, images=[img]))
+
+        picture = image(1, size=56)
+        reference = _off(lambda: encode(picture))
+        assert len(calls) == 1
+        first, second = encode(picture), encode(picture.clone())
+        assert len(calls) == 2, "the vision tower ran on a hit"
+        assert same(first, reference) and same(second, reference)
+        changed = picture.clone()
+        changed[0, 10, 10, 0] += 0.25
+        other = encode(changed)
+        assert len(calls) == 3 and cc.CACHE.count("misses") == 2
+        assert same(other, _off(lambda: encode(changed)))
+        assert not same(other, reference)
+    finally:
+        type(visual).forward = forward
+    assert cc.CACHE.bypass_reasons() == []
+
+
+def test_a_bypass_is_counted_by_reason_and_encoder_and_logged_once(cc, tiny, caplog):
+    clip = tiny.tiny_clip(3)
+    clip.cond_stage_model.clip_l.transformer.reusekit_test_setting = object()  # a setting no key can describe
+    tokens = clip.tokenize(TEXT)
+    with caplog.at_level(logging.INFO, logger="reusekit"):
+        out = [clip.encode_from_tokens_scheduled(tokens) for _ in range(3)]
+    assert cc.CACHE.count("bypasses") == 3 and cc.CACHE.count("hits") == 0
+    reason = "encoder setting 'clip_l.transformer.reusekit_test_setting' holds a object"
+    assert cc.CACHE.bypass_reasons() == [{"kind": "text", "encoder": "sd1_clip.SD1ClipModel", "reason": reason, "count": 3}]
+    stats = rkharness.pack("caching.stats").REGISTRY.snapshot()
+    card = next(c for c in stats["caches"] if c["kind"] == "conditioning" and "bypass_reasons" in c["info"])
+    assert card["info"]["bypass_reasons"][0]["count"] == 3
+    assert [r.getMessage() for r in caplog.records if reason in r.getMessage()] == [
+        f"ReuseKit conditioning: text encodes of sd1_clip.SD1ClipModel run uncached: {reason}"]
+    assert all(same(o, _off(lambda: clip.encode_from_tokens_scheduled(tokens))) for o in out)
+    cc.CACHE.reset_counts()
+    assert cc.CACHE.bypass_reasons() == []
+
+
+def test_dataclasses_key_by_class_and_every_attribute():
+    import dataclasses
+
+    keys = rkharness.pack("caching.keys")
+
+    @dataclasses.dataclass
+    class Config:
+        hidden_size: int = 64
+        rope_scale: list | None = None
+
+    @dataclasses.dataclass
+    class Other:
+        hidden_size: int = 64
+        rope_scale: list | None = None
+
+    a, b = Config(), Config()
+    assert keys.encode(a) == keys.encode(b)
+    assert keys.encode(Config(hidden_size=65)) != keys.encode(a)
+    assert keys.encode(Config(rope_scale=[1.0])) != keys.encode(a)
+    assert keys.encode(Other()) != keys.encode(a)
+    b.extra = 1  # set on the instance besides its fields
+    assert keys.encode(b) != keys.encode(a)
+    with pytest.raises(keys.Uncacheable):
+        keys.encode(Config(rope_scale=[object()]))

@@ -1,0 +1,293 @@
+"""Tiny text encoders of every kind the host's text-encoder loaders build, from the host's own classes.
+
+Which classes: ComfyUI's own ``comfy.sd.load_text_encoder_state_dicts`` (behind CLIPLoader,
+DualCLIPLoader, TripleCLIPLoader and QuadrupleCLIPLoader) picks them. :func:`loader_targets` calls it
+for each loader type with probe files: per text-encoder model, the few keys and shapes its detection
+reads (``meta`` tensors, so nothing is allocated). ``comfy.sd.CLIP`` is answered, while it runs, by
+recording the target, tokenizer data and options it was asked to build, so nothing loads.
+
+Building (:func:`build`): ``comfy.sd.CLIP(target)`` with the host's tokenizers, while ``SDClipModel``
+is given test-only small sizes for the architecture it builds (CLIP, T5, the LLMs' config dataclasses,
+with enough layers for the layers it reads) and Qwen2-VL's vision tower a small width and depth. Every
+weight is then filled from a seeded generator. A tokenizer that ComfyUI reads from inside the checkpoint
+(Gemma's and UMT5's sentencepiece models) is a tiny sentencepiece model trained here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import io
+import itertools
+
+import torch
+
+from . import _SHAPES, fill_weights
+from .lazy_clip import T5_CONFIG
+
+TINY_LLM = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 2,
+            "num_key_value_heads": 1}
+TINY_VISION = {"hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "num_layers": 2}  # Qwen2-VL's tower
+
+
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _llm(width: int, layers: int = 1, q_norm: bool = False, k_bias: int | None = None, kv: int = 1024,
+         gemma: bool = False) -> dict:
+    """What detection reads of a Llama-style checkpoint: the norms' width, the layer count, q_norm, biases."""
+    sd = {"model.layers.0.self_attn.k_proj.weight": _meta(kv, width),
+          f"model.layers.{layers - 1}.post_attention_layernorm.weight": _meta(width),
+          "model.layers.0.post_attention_layernorm.weight": _meta(width)}
+    if q_norm:
+        sd[f"model.layers.{layers - 1}.self_attn.q_norm.weight"] = _meta(128)
+        sd["model.layers.0.self_attn.q_norm.weight"] = _meta(128)
+    if k_bias is not None:
+        sd["model.layers.0.self_attn.k_proj.bias"] = _meta(k_bias)
+    if gemma:
+        sd["model.layers.0.post_feedforward_layernorm.weight"] = _meta(width)
+    return sd
+
+
+# The text-encoder models whose files the loaders detect, by ComfyUI's TEModel name: what detection reads
+PROBES = {
+    "CLIP_L": lambda: {"text_model.encoder.layers.0.mlp.fc1.weight": _meta(3072, 768)},
+    "CLIP_G": lambda: {"text_model.encoder.layers.30.mlp.fc1.weight": _meta(5120, 1280),
+                       "text_model.encoder.layers.0.mlp.fc1.weight": _meta(5120, 1280)},
+    "T5_XXL": lambda: {"encoder.block.23.layer.1.DenseReluDense.wi_1.weight": _meta(10240, 4096),
+                       "encoder.block.0.layer.0.SelfAttention.k.weight": _meta(4096, 4096)},
+    "QWEN25_7B": lambda: _llm(3584, k_bias=512, kv=512),
+    "QWEN25_3B": lambda: _llm(2048, k_bias=256, kv=256),
+    "QWEN3_06B": lambda: _llm(1024, q_norm=True),
+    "QWEN3_4B": lambda: _llm(2560, layers=36, q_norm=True),
+    "QWEN3_8B": lambda: _llm(4096, layers=36, q_norm=True),
+    "LLAMA3_8": lambda: _llm(4096, layers=32),
+    "MISTRAL3_24B": lambda: _llm(5120, layers=40),
+    "GEMMA_2_2B": lambda: _llm(2304, layers=26, gemma=True),
+    "GEMMA_3_4B": lambda: _llm(2560, layers=34, q_norm=True, gemma=True),
+    "GEMMA_3_12B": lambda: _llm(3840, layers=48, q_norm=True, gemma=True),
+}
+
+
+def probes() -> dict[str, dict]:
+    """The probes this host detects as the model they are named after (older hosts know fewer)."""
+    import comfy.sd
+
+    out = {}
+    for name, make in PROBES.items():
+        want = getattr(comfy.sd.TEModel, name, None)
+        sd = make()
+        if want is not None and comfy.sd.detect_te_model(sd) == want:
+            out[name] = sd
+    return out
+
+
+class _Asked(Exception):
+    def __init__(self, target, kwargs):
+        super().__init__("recorded")
+        self.target, self.kwargs = target, kwargs
+
+
+@dataclasses.dataclass
+class Target:
+    """One encoder a loader builds: ComfyUI's target (text-encoder class, tokenizer, params), the tokenizer
+    data and model options the loader passes, and where it was seen (loader, type, probe files)."""
+
+    clip: type
+    tokenizer: type
+    params: dict
+    tokenizer_data: dict
+    model_options: dict
+    seen: list = dataclasses.field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.clip.__module__.rpartition('.')[2]}.{self.clip.__name__}"
+
+    def signature(self) -> tuple:
+        """What makes two targets the same encoder: classes by where they are defined, the values the
+        class factories captured (dtypes, model types), params and tokenizer-data keys."""
+        def captured(cls):
+            init = vars(cls).get("__init__")
+            cells = getattr(init, "__closure__", None) or ()
+            return tuple(repr(c.cell_contents) for c in cells if not callable(c.cell_contents))
+
+        return (self.clip.__module__, self.clip.__qualname__, captured(self.clip), self.tokenizer.__module__,
+                self.tokenizer.__qualname__, repr(sorted(self.params.items())), tuple(sorted(self.tokenizer_data)))
+
+
+LOADERS = {"CLIPLoader": 1, "DualCLIPLoader": 2, "TripleCLIPLoader": 3, "QuadrupleCLIPLoader": 4}
+
+
+def loader_types(loader: str) -> list[str]:
+    """The types a loader node offers on this host ([] when the host has no such loader, or it has no type)."""
+    import nodes
+
+    cls = nodes.NODE_CLASS_MAPPINGS.get(loader)
+    if cls is None:
+        return []
+    required = cls.INPUT_TYPES()["required"]
+    return list(required["type"][0]) if "type" in required else [""]
+
+
+def ask(clip_type: str, files: list[dict]) -> Target | None:
+    """What ComfyUI's loader builds from ``files`` as ``clip_type`` (None when it builds nothing)."""
+    import comfy.sd
+
+    kind = getattr(comfy.sd.CLIPType, clip_type.upper(), comfy.sd.CLIPType.STABLE_DIFFUSION) if clip_type else \
+        comfy.sd.CLIPType.STABLE_DIFFUSION
+    real = comfy.sd.CLIP
+
+    def record(target=None, **kwargs):
+        raise _Asked(target, kwargs)
+
+    comfy.sd.CLIP = record
+    try:
+        comfy.sd.load_text_encoder_state_dicts([dict(f) for f in files], clip_type=kind, model_options={})
+    except _Asked as asked:
+        t, kw = asked.target, asked.kwargs
+        if getattr(t, "clip", None) is None or getattr(t, "tokenizer", None) is None:
+            return None
+        return Target(t.clip, t.tokenizer, dict(getattr(t, "params", {}) or {}),
+                      dict(kw.get("tokenizer_data") or {}),
+                      dict(kw.get("model_options") or {}))
+    except Exception:  # a combination the loader does not take (a key it needs is not in the probes)
+        return None
+    finally:
+        comfy.sd.CLIP = real
+    return None
+
+
+@functools.cache
+def loader_targets() -> dict[tuple, Target]:
+    """Every encoder the host's text-encoder loaders build from the probe files, by :meth:`Target.signature`,
+    each with the (loader, type, probes) that build it."""
+    found: dict[tuple, Target] = {}
+    files = probes()
+    for loader, n in LOADERS.items():
+        for clip_type in loader_types(loader):
+            for combo in itertools.combinations(sorted(files), n):
+                target = ask(clip_type, [files[name] for name in combo])
+                if target is None:
+                    continue
+                target = found.setdefault(target.signature(), target)
+                target.seen.append((loader, clip_type, combo))
+    return found
+
+
+# ---- building --------------------------------------------------------------------------------------
+
+@functools.cache
+def spiece_model() -> bytes:
+    """A tiny sentencepiece model (what Gemma and UMT5 checkpoints carry inside as ``spiece_model``)."""
+    import sentencepiece
+
+    text = ["a photo of a cat sitting on a red chair", "a dog running in the snow under a blue sky",
+            "<start_of_turn>user describe the image<end_of_turn> <start_of_turn>model",
+            "You are an assistant designed to generate superior images with the superior degree of image-text alignment",
+            "the quick brown fox jumps over the lazy dog", "make the sky green and add a small house"] * 8
+    out = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(text), model_writer=out, vocab_size=120,
+                                             model_type="bpe", character_coverage=1.0, pad_id=0, unk_id=3,
+                                             bos_id=2, eos_id=1, minloglevel=2)
+    return out.getvalue()
+
+
+def _llm_config(model_class, layers: int) -> dict:
+    """:data:`TINY_LLM` for the config dataclass ``model_class`` builds (only the fields it has)."""
+    import comfy.text_encoders.llama as llama
+
+    names = [n for n in model_class.__init__.__code__.co_names if n.endswith("Config")]
+    config = next((getattr(llama, n) for n in names if dataclasses.is_dataclass(getattr(llama, n, None))), None)
+    if config is None:
+        raise NotImplementedError(f"no test size for {model_class.__qualname__}: its config class is not found")
+    fields = {f.name for f in dataclasses.fields(config)}
+    return {k: v for k, v in {**TINY_LLM, "num_hidden_layers": layers}.items() if k in fields}
+
+
+def _layers_read(layer, layer_idx) -> int:
+    """How many layers an encoder needs for the layers it reads (``layer_idx``, a list of layers)."""
+    need = [3]
+    if isinstance(layer, (list, tuple)):
+        need += [abs(int(i)) + 1 for i in layer]
+    if isinstance(layer_idx, int):
+        need.append(abs(layer_idx) + 1)
+    return max(need)
+
+
+# Encoders that join T5's output to CLIP's at T5-XXL's full width (SD3, HiDream): their T5 keeps it
+FULL_WIDTH_T5 = ("sd3_clip", "hidream")
+
+
+def _tiny_size(model_class, layer, layer_idx, t5_width: int | None) -> dict:
+    import comfy.clip_model
+
+    module = getattr(model_class, "__module__", "")
+    if model_class is comfy.clip_model.CLIPTextModel:
+        return dict(_SHAPES.CLIP_CONFIG, num_hidden_layers=_layers_read(layer, layer_idx))
+    if module == "comfy.text_encoders.t5":
+        return dict(T5_CONFIG, **({"d_model": t5_width} if t5_width else {}))
+    if module == "comfy.text_encoders.llama":
+        return _llm_config(model_class, _layers_read(layer, layer_idx))
+    raise NotImplementedError(f"no test size for {module}.{model_class.__qualname__}")
+
+
+@contextlib.contextmanager
+def tiny_sizes(t5_width: int | None = None):
+    """While it is held, ComfyUI's ``SDClipModel`` builds its transformer at a test size (through its own
+    ``<model_name>_model_config`` option; T5 at ``t5_width`` when given) and Qwen2-VL's vision tower is
+    small."""
+    import comfy.sd1_clip
+    import comfy.text_encoders.qwen_vl as qwen_vl
+
+    sd_init = comfy.sd1_clip.SDClipModel.__init__
+    vision_init = qwen_vl.Qwen2VLVisionTransformer.__init__
+
+    @functools.wraps(sd_init)
+    def sized(self, *args, **kwargs):
+        import inspect
+
+        bound = inspect.signature(sd_init).bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        if a["textmodel_json_config"] is None:  # ComfyUI's CLIP-L file config, named clip_l
+            a["model_options"] = {**a["model_options"], "model_name": a["model_options"].get("model_name", "clip_l")}
+        options = dict(a["model_options"])
+        name = options.get("model_name", "")
+        options[f"{name}_model_config"] = {**_tiny_size(a["model_class"], a["layer"], a["layer_idx"], t5_width),
+                                           **options.get(f"{name}_model_config", {})}
+        a["model_options"] = options
+        return sd_init(*bound.args, **bound.kwargs)
+
+    @functools.wraps(vision_init)
+    def small_vision(self, *args, **kwargs):
+        return vision_init(self, *args, **{**kwargs, **TINY_VISION})
+
+    comfy.sd1_clip.SDClipModel.__init__ = sized
+    qwen_vl.Qwen2VLVisionTransformer.__init__ = small_vision
+    try:
+        yield
+    finally:
+        comfy.sd1_clip.SDClipModel.__init__ = sd_init
+        qwen_vl.Qwen2VLVisionTransformer.__init__ = vision_init
+
+
+def build(target: Target, seed: int = 0):
+    """The real ``comfy.sd.CLIP`` of ``target`` at test sizes, weights filled from ``seed``. Raises
+    NotImplementedError (with the reason) for an encoder the tests cannot size or tokenize."""
+    import comfy.sd
+
+    tokenizer_data = {}
+    for key in target.tokenizer_data:
+        if not key.endswith("spiece_model"):
+            raise NotImplementedError(f"its tokenizer ({key}) comes from inside the checkpoint; no test tokenizer")
+        tokenizer_data[key] = torch.frombuffer(bytearray(spiece_model()), dtype=torch.uint8)
+    clip_target = type("ClipTarget", (), {"clip": target.clip, "tokenizer": target.tokenizer,
+                                           "params": dict(target.params)})()
+    with tiny_sizes(4096 if target.clip.__module__.rpartition(".")[2] in FULL_WIDTH_T5 else None):
+        clip = comfy.sd.CLIP(target=clip_target, tokenizer_data=tokenizer_data,
+                             model_options=dict(target.model_options))
+    fill_weights(clip.cond_stage_model, seed)
+    return clip
