@@ -17,6 +17,7 @@ import {
   memoryRows,
   MemoryHistory,
   niceMax,
+  reasonRows,
   tierTotals,
 } from "../../web/panel/format.mjs";
 
@@ -164,4 +165,21 @@ test("chart path is a step line scaled into the box, extended to now", () => {
   assert.equal(niceMax(56 * 1024), 100 * 1024);
   assert.equal(niceMax(5e6), 5 * MiB);
   assert.equal(niceMax(512 * MiB), 1000 * MiB);
+});
+
+test("reasonRows: the top bypass reasons with their counts, kind and encoder; none without any", () => {
+  const info = { bypass_reasons: [
+    { kind: "text", encoder: "z_image.ZImageTEModel_", reason: "hooks on encoder module 'x'", count: 1200 },
+    { kind: "vae", encoder: "", reason: "random", count: 3 },
+    { kind: "text", encoder: "a.B", reason: "c", count: 2 },
+    { kind: "text", encoder: "a.B", reason: "d", count: 1 },
+  ] };
+  assert.deepEqual(reasonRows(info), [
+    ["1,200×", "text (z_image.ZImageTEModel_): hooks on encoder module 'x'"],
+    ["3×", "vae: random"],
+    ["2×", "text (a.B): c"],
+  ]);
+  assert.deepEqual(reasonRows(info, 1).length, 1);
+  assert.deepEqual(reasonRows({}), []);
+  assert.deepEqual(reasonRows(undefined), []);
 });

@@ -98,6 +98,15 @@ export function lastRunRows(lastRun) {
   return Object.entries(lastRun).map(([k, v]) => [humanize(k), formatValue(v, k)]);
 }
 
+/** The top bypass reasons of a cache (info.bypass_reasons, most frequent first) as rows [count, text]. */
+export function reasonRows(info, n = 3) {
+  const rows = Array.isArray(info?.bypass_reasons) ? info.bypass_reasons : [];
+  return rows.slice(0, n).map((r) => [
+    `${formatCount(r.count ?? 0)}×`,
+    `${r.kind ? `${r.kind}` : ""}${r.encoder ? ` (${r.encoder})` : ""}: ${r.reason ?? "?"}`,
+  ]);
+}
+
 function rank(order, value) {
   const i = order.indexOf(value);
   return i === -1 ? order.length : i;

@@ -14,6 +14,7 @@ import {
   lastRunRows,
   memoryRows,
   niceMax,
+  reasonRows,
   runFlag,
   stepRun,
   stepRuns,
@@ -360,6 +361,12 @@ export function createPanel(root, { actions, history }) {
       grid.append(el("div", { "data-rk-counter": k }, el("small", { text: k, title: k }), el("span", { text: v })));
     }
     card.append(grid);
+    const reasons = reasonRows(c.info);
+    if (reasons.length) {
+      const rows = el("div", { class: "rk-rows", "data-rk": "bypass-reasons" });
+      for (const [count, text] of reasons) rows.append(el("small", { text: count }), el("span", { text, title: text }));
+      card.append(el("h3", { text: "Why encodes ran uncached" }), rows);
+    }
     if (runs.length) {
       card.append(el("h3", { text: runs.length === 1 ? "Last run" : "Last run per model" }), runLegend(),
         el("div", { "data-rk": "step-runs" }, ...runs.map(cachedRun)));
