@@ -18,8 +18,9 @@ async def comfy_entrypoint():
     if not install_conditioning_cache():
         host.set_layer("conditioning cache", "off", "; ".join(host.off_features().values()) or "see the warning")
     elif SETTINGS.get("conditioning.enabled"):
-        host.set_layer("conditioning cache", "on", "every text, CLIP-vision and VAE encode; REUSEKIT_CONDITIONING=0 "
-                       "turns global mode off")
+        host.set_layer("conditioning cache", "on", "every text encode (CLIP, T5 and LLM encoders: Qwen2.5-VL with "
+                       "images, Qwen3, Llama, Gemma, Mistral), CLIP-vision and VAE encode; "
+                       "REUSEKIT_CONDITIONING=0 turns global mode off")
     else:
         host.set_layer("conditioning cache", "on for ReuseKit Cached nodes only", "global mode is off")
     rope.install()  # RoPE builders ask the PE cache; pass-through for models without it

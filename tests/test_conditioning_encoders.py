@@ -13,8 +13,6 @@ from test_conditioning import image, same
 pytestmark = pytest.mark.conditioning
 
 TEXT = "a photo of a cat sitting on a red chair"
-# Encoders whose encode the tests cannot run at a test size, with why
-TOO_LARGE = {"lt.LTXAVTEModel_": "its connector keeps Gemma 3 12B's full width (435M parameters at the test size)"}
 
 
 def _text_encoders():
@@ -60,13 +58,7 @@ def _off(fn):
         settings.set("conditioning.enabled", before)
 
 
-def _tokenize_options(target) -> dict:
-    return {"duration": 2} if target.clip.__module__.endswith("ace15") else {}  # ACE 1.5 samples audio codes per second
-
-
 def _build(target):
-    if target.name in TOO_LARGE:
-        pytest.skip(f"{target.name}: {TOO_LARGE[target.name]}")
     try:
         return _text_encoders().build(target)
     except NotImplementedError as exc:
@@ -82,7 +74,7 @@ def _takes_template(clip) -> bool:
 @pytest.mark.parametrize("target", TARGETS, ids=IDS)
 def test_every_loader_encoder_hits_exactly_and_misses_on_what_its_output_depends_on(cc, target):
     clip = _build(target)
-    options = _tokenize_options(target)
+    options = _text_encoders().tokenize_options(target)
 
     def encode(text, **kw):
         return clip.encode_from_tokens_scheduled(clip.tokenize(text, **options, **kw))
@@ -200,3 +192,23 @@ def test_dataclasses_key_by_class_and_every_attribute():
     assert keys.encode(b) != keys.encode(a)
     with pytest.raises(keys.Uncacheable):
         keys.encode(Config(rope_scale=[object()]))
+
+
+def test_qwen_image_edit_plus_node_hits_with_its_images_and_misses_on_another_image(cc):
+    """ComfyUI's own TextEncodeQwenImageEditPlus (images through the vision tower, in its template)."""
+    import comfy_extras.nodes_qwen as nodes_qwen
+
+    clip = _build(_one("qwen_image.QwenImageTEModel_"))
+    node = nodes_qwen.TextEncodeQwenImageEditPlus
+
+    def run(*images):
+        return node.execute(clip, "make the sky green", None, *images).result[0]
+
+    first, second = image(4, size=64), image(5, size=48)
+    reference = _off(lambda: run(first, second))
+    assert same(run(first, second), reference) and same(run(first, second), reference)
+    assert (cc.CACHE.count("misses"), cc.CACHE.count("hits")) == (1, 1)
+    swapped = run(second, first)  # the same images in the other order: another prompt
+    assert cc.CACHE.count("misses") == 2
+    assert same(swapped, _off(lambda: run(second, first)))
+    assert cc.CACHE.bypass_reasons() == []

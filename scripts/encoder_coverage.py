@@ -1,0 +1,128 @@
+"""The conditioning cache's text-encoder coverage table, generated from a host (never kept by hand).
+
+    COMFYUI_PATH=.host/ComfyUI-0.33.0 .venv-0.33/bin/python scripts/encoder_coverage.py --host 0.33 --write
+    .venv/bin/python scripts/encoder_coverage.py --host 0.3.75 --write
+
+Asks the host's own loaders (CLIPLoader, DualCLIPLoader, TripleCLIPLoader, QuadrupleCLIPLoader) which
+text encoder each of their types builds from files of each text-encoder model (tests/tinymodels/
+text_encoders.py), builds each at a test size from the host's classes with its real tokenizers, and
+encodes a prompt twice with the cache on: "hit" when the repeat is a hit bit-identical to the pack being
+off; otherwise why it bypassed, or why it could not be built here. Prints the table; ``--write`` puts it
+into docs/conditioning.md between the markers for that host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "conditioning.md"
+TEXT = "a photo of a cat sitting on a red chair"
+
+
+def _harness():
+    sys.path.insert(0, str(ROOT / "tests"))
+    import rkharness
+
+    rkharness.bootstrap()
+    rkharness.load_extra_nodes()
+    return rkharness
+
+
+def _same(a, b) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def status(harness, te, target) -> str:
+    import torch
+
+    cache = harness.pack("caching.conditioning").CACHE
+    settings = harness.pack("caching.settings").SETTINGS
+    try:
+        clip = te.build(target)
+    except NotImplementedError as exc:
+        return f"not built here: {exc}"
+    options = te.tokenize_options(target)
+    with torch.inference_mode():
+        def encode():
+            return clip.encode_from_tokens_scheduled(clip.tokenize(TEXT, **options))
+
+        settings.set("conditioning.enabled", False)
+        reference = encode()
+        settings.set("conditioning.enabled", True)
+        cache.clear()
+        cache.reset_counts()
+        encode()
+        second = encode()
+    reasons = cache.bypass_reasons()
+    if reasons:
+        return "bypass: " + "; ".join(r["reason"] for r in reasons)
+    if cache.count("hits") == 1 and _same(second, reference):
+        return "hit"
+    return f"no hit ({cache.count('hits')} hits, equal to ComfyUI: {_same(second, reference)})"
+
+
+def table(harness, host: str) -> str:
+    """One row per loader type: the encoders it builds from the model files tried, and how each fares."""
+    te = importlib.import_module(f"{harness.TINY.__name__}.text_encoders")
+    targets = list(te.loader_targets().values())
+    states = {id(t): status(harness, te, t) for t in targets}
+    by_type: dict[tuple[str, str], dict[str, set]] = {}
+    for t in targets:
+        for loader, clip_type, files in t.seen:
+            by_type.setdefault((loader, clip_type), {}).setdefault(t.name, set()).add((states[id(t)], "+".join(files)))
+    rows = []
+    for loader in te.LOADERS:
+        for clip_type in te.loader_types(loader):
+            encoders = by_type.get((loader, clip_type), {})
+            hits = sorted(name for name, found in encoders.items() if all(s == "hit" for s, _ in found))
+            others = []
+            for name, found in sorted(encoders.items()):
+                for state in sorted({state for state, _ in found}):
+                    if state != "hit":
+                        others.append(f"`{name}`: {state}")
+            rows.append((f"{loader} `{clip_type}`" if clip_type else loader,
+                         ", ".join(f"`{n}`" for n in hits) or "none", "; ".join(sorted(set(others))) or "none"))
+    built = [t for t in targets if not states[id(t)].startswith("not built")]
+    hit = sum(states[id(t)] == "hit" for t in built)
+    out = [f"ComfyUI {host}: {len(rows)} loader types; {len(targets)} distinct text encoders built by them from the "
+           f"model files tried ({', '.join(sorted(te.probes()))}); {hit} of the {len(built)} built here hit.",
+           "", "| loader type | encoders that hit | otherwise |", "|---|---|---|"]
+    out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", required=True, help="the host's name in the table (0.3.75, 0.33)")
+    parser.add_argument("--write", action="store_true", help="write it into docs/conditioning.md")
+    args = parser.parse_args()
+    text = table(_harness(), args.host)
+    print(text)
+    if args.write:
+        begin, end = f"<!-- encoder-coverage {args.host} -->", f"<!-- /encoder-coverage {args.host} -->"
+        doc = DOC.read_text()
+        block = f"{begin}\n{text}\n{end}"
+        if begin in doc:
+            doc = re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _: block, doc, flags=re.S)
+        else:
+            doc = doc.rstrip("\n") + f"\n\n{block}\n"
+        DOC.write_text(doc)
+
+
+if __name__ == "__main__":
+    main()
