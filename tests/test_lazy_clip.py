@@ -255,6 +255,39 @@ def test_a_dual_encoder_flux_clip_l_and_t5_is_lazy_too(lazy):
     assert equal(new, files().reference(paths, "a new prompt", clip_type="flux"))
 
 
+def test_an_llm_encoder_qwen_image_with_its_vision_tower_is_lazy_too(lazy):
+    """CLIPLoader's qwen_image type on a Qwen2.5-VL 7B file (ComfyUI's own classes at a test width): a
+    prompt seen before, with an image in it, is answered without reading one weight, bit-identical to
+    ComfyUI's eager load; a new prompt loads the weights once."""
+    te = import_module(rkharness.TINY.__name__ + ".text_encoders")
+    from test_conditioning import image, same
+
+    picture = image(2, size=56)
+
+    def edit(clip, text=TEXT):
+        return clip.encode_from_tokens(clip.tokenize(text, images=[picture]), return_pooled=True)
+
+    with te.tiny_sizes(llm=te.QWEN25_7B_FILE):
+        path = te.write_qwen25_7b(str(lazy.files / "qwen_2.5_vl_7b.safetensors"))
+        lazy.tiers.TIERS.hashes.get(path)
+        assert lazy.tiers.TIERS.hashes.wait() and lazy.tiers.TIERS.hashes.get(path) is not None
+        eager = files().load(path, lazy=False, clip_type="qwen_image")
+        ref = edit(eager)
+        assert lazy.cc.CACHE.count("encodes") == 1 and len(entries(lazy.folder)) == 1
+        lazy.cc.CACHE.clear()
+        clip = files().load(path, clip_type="qwen_image")
+        before = files().probe(clip, path)
+        assert before["pending"] and before["stored_bytes"] <= 64, before
+        out = edit(clip)
+        after = files().probe(clip, path)
+        assert same(out, ref) and after["stored_bytes"] == before["stored_bytes"] and not after["mapped"]
+        assert lazy.cc.CACHE.count("encodes") == 1 and count(lazy, "weights_loaded") == 0
+        assert count(lazy, "not_read_bytes") == os.path.getsize(path)
+        new = edit(clip, "a new prompt")
+        assert not lazy.lc.pending(clip.cond_stage_model) and count(lazy, "weights_loaded") == 1
+        assert same(new, edit(eager, "a new prompt"))
+
+
 def test_a_lora_on_a_lazy_clip_is_keyed_by_its_content(lazy):
     """The LoRA's tensors are not the CLIP's weights: the key holds them by content and strength, so a
     LoRA'd prompt seen before needs no weights either; another strength loads them, and ComfyUI applies

@@ -195,7 +195,7 @@ def spiece_model() -> bytes:
     return out.getvalue()
 
 
-def _llm_config(model_class, layers: int) -> dict:
+def _llm_config(model_class, layers: int, llm: dict | None = None) -> dict:
     """:data:`TINY_LLM` for the config dataclass ``model_class`` builds (only the fields it has)."""
     import comfy.text_encoders.llama as llama
 
@@ -204,7 +204,7 @@ def _llm_config(model_class, layers: int) -> dict:
     if config is None:
         raise NotImplementedError(f"no test size for {model_class.__qualname__}: its config class is not found")
     fields = {f.name for f in dataclasses.fields(config)}
-    return {k: v for k, v in {**TINY_LLM, "num_hidden_layers": layers}.items() if k in fields}
+    return {k: v for k, v in {**TINY_LLM, "num_hidden_layers": layers, **(llm or {})}.items() if k in fields}
 
 
 def _layers_read(layer, layer_idx) -> int:
@@ -221,7 +221,7 @@ def _layers_read(layer, layer_idx) -> int:
 FULL_WIDTH_T5 = ("sd3_clip", "hidream")
 
 
-def _tiny_size(model_class, layer, layer_idx, t5_width: int | None) -> dict:
+def _tiny_size(model_class, layer, layer_idx, t5_width: int | None, llm: dict | None) -> dict:
     import comfy.clip_model
 
     module = getattr(model_class, "__module__", "")
@@ -230,15 +230,15 @@ def _tiny_size(model_class, layer, layer_idx, t5_width: int | None) -> dict:
     if module == "comfy.text_encoders.t5":
         return dict(T5_CONFIG, **({"d_model": t5_width} if t5_width else {}))
     if module == "comfy.text_encoders.llama":
-        return _llm_config(model_class, _layers_read(layer, layer_idx))
+        return _llm_config(model_class, _layers_read(layer, layer_idx), llm)
     raise NotImplementedError(f"no test size for {module}.{model_class.__qualname__}")
 
 
 @contextlib.contextmanager
-def tiny_sizes(t5_width: int | None = None):
+def tiny_sizes(t5_width: int | None = None, llm: dict | None = None):
     """While it is held, ComfyUI's ``SDClipModel`` builds its transformer at a test size (through its own
-    ``<model_name>_model_config`` option; T5 at ``t5_width`` when given) and Qwen2-VL's vision tower is
-    small."""
+    ``<model_name>_model_config`` option; T5 at ``t5_width`` when given, an LLM at :data:`TINY_LLM` updated
+    by ``llm``) and Qwen2-VL's vision tower is small."""
     import comfy.sd1_clip
     import comfy.text_encoders.qwen_vl as qwen_vl
 
@@ -256,7 +256,7 @@ def tiny_sizes(t5_width: int | None = None):
             a["model_options"] = {**a["model_options"], "model_name": a["model_options"].get("model_name", "clip_l")}
         options = dict(a["model_options"])
         name = options.get("model_name", "")
-        options[f"{name}_model_config"] = {**_tiny_size(a["model_class"], a["layer"], a["layer_idx"], t5_width),
+        options[f"{name}_model_config"] = {**_tiny_size(a["model_class"], a["layer"], a["layer_idx"], t5_width, llm),
                                            **options.get(f"{name}_model_config", {})}
         a["model_options"] = options
         return sd_init(*bound.args, **bound.kwargs)
@@ -286,8 +286,6 @@ def tokenize_options(target: Target) -> dict:
 def build(target: Target, seed: int = 0):
     """The real ``comfy.sd.CLIP`` of ``target`` at test sizes, weights filled from ``seed``. Raises
     NotImplementedError (with the reason) for an encoder the tests cannot size or tokenize."""
-    import comfy.sd
-
     if target.name in TOO_LARGE:
         raise NotImplementedError(TOO_LARGE[target.name])
     tokenizer_data = {}
@@ -295,10 +293,41 @@ def build(target: Target, seed: int = 0):
         if not key.endswith("spiece_model"):
             raise NotImplementedError(f"its tokenizer ({key}) comes from inside the checkpoint; no test tokenizer")
         tokenizer_data[key] = torch.frombuffer(bytearray(spiece_model()), dtype=torch.uint8)
+    with tiny_sizes(4096 if target.clip.__module__.rpartition(".")[2] in FULL_WIDTH_T5 else None):
+        return build_sized(target, seed, tokenizer_data)
+
+
+def build_sized(target: Target, seed: int = 0, tokenizer_data: dict | None = None):
+    """``comfy.sd.CLIP`` of ``target`` at the sizes in force (:func:`tiny_sizes`), weights from ``seed``."""
+    import comfy.sd
+
     clip_target = type("ClipTarget", (), {"clip": target.clip, "tokenizer": target.tokenizer,
                                            "params": dict(target.params)})()
-    with tiny_sizes(4096 if target.clip.__module__.rpartition(".")[2] in FULL_WIDTH_T5 else None):
-        clip = comfy.sd.CLIP(target=clip_target, tokenizer_data=tokenizer_data,
-                             model_options=dict(target.model_options))
+    clip = comfy.sd.CLIP(target=clip_target, tokenizer_data=tokenizer_data or {}, model_options=dict(target.model_options))
     fill_weights(clip.cond_stage_model, seed)
     return clip
+
+
+# ---- files: what a loader reads --------------------------------------------------------------------
+
+# A Qwen2.5-VL 7B file as ComfyUI detects it (its k_proj bias is 4 heads of 128), at a test width
+QWEN25_7B_FILE = {"num_attention_heads": 4, "num_key_value_heads": 4}
+
+
+def write_qwen25_7b(path: str, seed: int = 0) -> str:
+    """ComfyUI's own Qwen-Image text encoder (Qwen2.5-VL 7B with its vision tower) at a test width, as a
+    file CLIPLoader's ``qwen_image`` type detects and loads while :func:`tiny_sizes` (``llm=QWEN25_7B_FILE``)
+    is held."""
+    import os
+
+    from safetensors.torch import save_file
+
+    if not os.path.exists(path):
+        target = next(t for t in loader_targets().values() if t.name == "qwen_image.QwenImageTEModel_")
+        with tiny_sizes(llm=QWEN25_7B_FILE):
+            clip = build_sized(target, seed)
+        state = clip.cond_stage_model.qwen25_7b.transformer.state_dict()
+        tmp = f"{path}.{os.getpid()}.tmp"
+        save_file({k: v.detach().contiguous().clone() for k, v in state.items()}, tmp)
+        os.replace(tmp, path)
+    return path
