@@ -8,7 +8,7 @@ recording the target, tokenizer data and options it was asked to build, so nothi
 
 Building (:func:`build`): ``comfy.sd.CLIP(target)`` with the host's tokenizers, while ``SDClipModel``
 is given test-only small sizes for the architecture it builds (CLIP, T5, the LLMs' config dataclasses,
-with enough layers for the layers it reads) and Qwen2-VL's vision tower a small width and depth. Every
+with enough layers for the layers it reads) and the vision towers inside LLMs (Qwen2-VL's, Gemma 3's SigLIP) a small width and depth. Every
 weight is then filled from a seeded generator. A tokenizer that ComfyUI reads from inside the checkpoint
 (Gemma's and UMT5's sentencepiece models) is a tiny sentencepiece model trained here.
 """
@@ -29,6 +29,7 @@ from .lazy_clip import T5_CONFIG
 TINY_LLM = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 2,
             "num_key_value_heads": 1}
 TINY_VISION = {"hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "num_layers": 2}  # Qwen2-VL's tower
+TINY_SIGLIP = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2}  # Gemma 3's
 
 
 def _meta(*shape, dtype=torch.bfloat16):
@@ -195,14 +196,48 @@ def spiece_model() -> bytes:
     return out.getvalue()
 
 
+TEKKEN_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"
+                  r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}|"
+                  r" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+TEKKEN_SPECIAL = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                  "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]",
+                  "[PREFIX]", "[MIDDLE]", "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]")
+
+
+@functools.cache
+def tekken_model() -> bytes:
+    """A tiny Mistral tekken tokenizer JSON (what Mistral checkpoints carry inside as ``tekken_model``): the
+    real file's layout and special tokens, every byte and a few merges as its vocabulary."""
+    import base64
+    import json
+
+    words = [bytes([b]) for b in range(256)] + [b"th", b"the", b" a", b"ca", b"cat", b"at", b" c", b" the"]
+    specials = [*TEKKEN_SPECIAL, *(f"<SPECIAL_{i}>" for i in range(len(TEKKEN_SPECIAL), 1000))]
+    return json.dumps({
+        "config": {"pattern": TEKKEN_PATTERN, "num_vocab_tokens": len(words) + len(specials),
+                   "default_vocab_size": len(words) + len(specials), "default_num_special_tokens": len(specials),
+                   "version": "v7"},
+        "vocab": [{"rank": i, "token_bytes": base64.b64encode(w).decode(), "token_str": None} for i, w in enumerate(words)],
+        "special_tokens": [{"rank": i, "token_str": t, "is_control": True} for i, t in enumerate(specials)],
+    }).encode()
+
+
+# Tokenizer files a checkpoint carries inside, and where the tests get a tiny one
+CHECKPOINT_TOKENIZERS = {"spiece_model": spiece_model, "tekken_model": tekken_model}
+
+
+def _config_class(model_class):
+    """The config dataclass ``model_class`` builds from its config dict (LLMs, Jina's XLM-RoBERTa), or None."""
+    import sys
+
+    module = sys.modules.get(model_class.__module__)
+    names = [n for n in getattr(getattr(model_class.__init__, "__code__", None), "co_names", ()) if n.endswith("Config")]
+    return next((getattr(module, n) for n in names if dataclasses.is_dataclass(getattr(module, n, None))), None)
+
+
 def _llm_config(model_class, layers: int, llm: dict | None = None) -> dict:
     """:data:`TINY_LLM` for the config dataclass ``model_class`` builds (only the fields it has)."""
-    import comfy.text_encoders.llama as llama
-
-    names = [n for n in model_class.__init__.__code__.co_names if n.endswith("Config")]
-    config = next((getattr(llama, n) for n in names if dataclasses.is_dataclass(getattr(llama, n, None))), None)
-    if config is None:
-        raise NotImplementedError(f"no test size for {model_class.__qualname__}: its config class is not found")
+    config = _config_class(model_class)
     fields = {f.name for f in dataclasses.fields(config)}
     return {k: v for k, v in {**TINY_LLM, "num_hidden_layers": layers, **(llm or {})}.items() if k in fields}
 
@@ -229,7 +264,7 @@ def _tiny_size(model_class, layer, layer_idx, t5_width: int | None, llm: dict | 
         return dict(_SHAPES.CLIP_CONFIG, num_hidden_layers=_layers_read(layer, layer_idx))
     if module == "comfy.text_encoders.t5":
         return dict(T5_CONFIG, **({"d_model": t5_width} if t5_width else {}))
-    if module == "comfy.text_encoders.llama":
+    if _config_class(model_class) is not None:
         return _llm_config(model_class, _layers_read(layer, layer_idx), llm)
     raise NotImplementedError(f"no test size for {module}.{model_class.__qualname__}")
 
@@ -238,12 +273,14 @@ def _tiny_size(model_class, layer, layer_idx, t5_width: int | None, llm: dict | 
 def tiny_sizes(t5_width: int | None = None, llm: dict | None = None):
     """While it is held, ComfyUI's ``SDClipModel`` builds its transformer at a test size (through its own
     ``<model_name>_model_config`` option; T5 at ``t5_width`` when given, an LLM at :data:`TINY_LLM` updated
-    by ``llm``) and Qwen2-VL's vision tower is small."""
+    by ``llm``) and the vision towers inside LLMs (Qwen2-VL's, Gemma 3's SigLIP) are small."""
+    import comfy.clip_model
     import comfy.sd1_clip
     import comfy.text_encoders.qwen_vl as qwen_vl
 
     sd_init = comfy.sd1_clip.SDClipModel.__init__
     vision_init = qwen_vl.Qwen2VLVisionTransformer.__init__
+    siglip_init = comfy.clip_model.CLIPVision.__init__
 
     @functools.wraps(sd_init)
     def sized(self, *args, **kwargs):
@@ -265,17 +302,21 @@ def tiny_sizes(t5_width: int | None = None, llm: dict | None = None):
     def small_vision(self, *args, **kwargs):
         return vision_init(self, *args, **{**kwargs, **TINY_VISION})
 
+    @functools.wraps(siglip_init)
+    def small_siglip(self, config_dict, *args, **kwargs):
+        if config_dict.get("model_type") == "siglip_vision_model":  # an LLM's own tower (Gemma 3)
+            config_dict = {**config_dict, **TINY_SIGLIP}
+        return siglip_init(self, config_dict, *args, **kwargs)
+
     comfy.sd1_clip.SDClipModel.__init__ = sized
     qwen_vl.Qwen2VLVisionTransformer.__init__ = small_vision
+    comfy.clip_model.CLIPVision.__init__ = small_siglip
     try:
         yield
     finally:
         comfy.sd1_clip.SDClipModel.__init__ = sd_init
         qwen_vl.Qwen2VLVisionTransformer.__init__ = vision_init
-
-
-# Encoders the tests cannot run at a test size, with why
-TOO_LARGE = {"lt.LTXAVTEModel_": "its connector keeps Gemma 3 12B's full width (435M parameters at the test size)"}
+        comfy.clip_model.CLIPVision.__init__ = siglip_init
 
 
 def tokenize_options(target: Target) -> dict:
@@ -286,13 +327,16 @@ def tokenize_options(target: Target) -> dict:
 def build(target: Target, seed: int = 0):
     """The real ``comfy.sd.CLIP`` of ``target`` at test sizes, weights filled from ``seed``. Raises
     NotImplementedError (with the reason) for an encoder the tests cannot size or tokenize."""
-    if target.name in TOO_LARGE:
-        raise NotImplementedError(TOO_LARGE[target.name])
     tokenizer_data = {}
     for key in target.tokenizer_data:
-        if not key.endswith("spiece_model"):
+        make = next((fn for name, fn in CHECKPOINT_TOKENIZERS.items() if key.endswith(name)), None)
+        if make is None:
             raise NotImplementedError(f"its tokenizer ({key}) comes from inside the checkpoint; no test tokenizer")
-        tokenizer_data[key] = torch.frombuffer(bytearray(spiece_model()), dtype=torch.uint8)
+        tokenizer_data[key] = torch.frombuffer(bytearray(make()), dtype=torch.uint8)
+    try:
+        target.tokenizer(tokenizer_data=tokenizer_data)
+    except Exception as exc:  # e.g. 0.3.75's Mistral tokenizer with today's transformers: ComfyUI fails alike
+        raise NotImplementedError(f"the host's own tokenizer fails here: {type(exc).__name__}: {exc}") from exc
     with tiny_sizes(4096 if target.clip.__module__.rpartition(".")[2] in FULL_WIDTH_T5 else None):
         return build_sized(target, seed, tokenizer_data)
 
