@@ -1,6 +1,9 @@
 """Conditioning cache benchmark: hit vs miss per kind under each value of
 ``conditioning.check_weight_edits`` (a CLIP-L-size and a 4x larger text encoder, a Flux-size VAE, a
-tiny CLIP vision; weights as ComfyUI's loaders leave them: inference tensors), hits after ComfyUI
+tiny CLIP vision, ComfyUI's Z-Image Qwen3-4B encoder at its real width with 4 of its layers, and its
+Qwen-Image Qwen2.5-VL encoder with an image in the prompt (its vision tower at real width, 4 of 32 layers); weights as ComfyUI's loaders
+leave them: inference tensors), whether every text encoder this host's loaders build hits (built at a
+test size, ``encoder_types_hit``), hits after ComfyUI
 unloads and reloads an encoder, full fingerprints in a Prompt Batch of 16; then five workflow
 scenarios through the real executor in each ComfyUI cache mode, with and without ReuseKit, counting
 encoder forwards, and their wall time on a CLIP-L-size encoder (three passes, each scenario without and
@@ -8,7 +11,8 @@ then with ReuseKit; the total's ratio and the worst pass's); then the shared tie
 disk-tier and Redis hit (an entry another process wrote) against an encode (in rounds: the median
 round's ratio and the worst round's, ``*_worst``), and two ComfyUI server
 processes sharing them (Redis rows need Debian's redis-server); then a lazy text encoder (a 1.39 GB
-CLIP-G file; --quick: a 246 MB CLIP-L) on a restarted server against ComfyUI's CLIPLoader.
+CLIP-G file; --quick: a 246 MB CLIP-L) on a restarted server against ComfyUI's CLIPLoader, and a lazy
+Qwen2.5-VL-class encoder answering an image prompt it saw before (weight bytes read: ``lazy_*weight_bytes_read``).
 
     .venv/bin/python bench/conditioning.py [--quick]
 
@@ -159,6 +163,22 @@ MODES_OF_CHECKS = ("events", "every_encode", "off")  # conditioning.check_weight
 BIG_CLIP = {"hidden_size": 1536, "intermediate_size": 6144, "num_attention_heads": 24,
             "num_hidden_layers": 12, "projection_dim": 768}  # CLIP-L's depth at twice its width: 4x its weights
 TEXT = "a photograph of an astronaut riding a (horse:1.2) on the moon, detailed"
+QWEN3_4B_WIDTH = {"hidden_size": 2560, "intermediate_size": 9728, "num_attention_heads": 32, "num_key_value_heads": 8,
+                  "num_hidden_layers": 4}  # Qwen3-4B's width and heads, 4 of its 36 layers
+# Qwen2.5-VL's vision tower at its real width and heads, 4 of its 32 layers (its LLM at the tests' width: the miss
+# is understated, the ratio conservative)
+QWEN25_VL_TOWER = {"hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "num_layers": 4}
+
+
+def encoder_types_hit(rkharness) -> tuple[int, int]:
+    """(hit, built): the text encoders this host's loaders build (tests/tinymodels/text_encoders.py), each
+    built at a test size and encoded twice: a hit bit-identical to the pack being off counts."""
+    te = __import__(f"{rkharness.TINY.__name__}.text_encoders", fromlist=["hit_status"])
+    states = [te.hit_status(t) for t in te.loader_targets().values()]
+    built = [s for s in states if not s.startswith("not built")]
+    print(f"\n== text encoders of this host's loaders: {built.count('hit')} of {len(built)} built hit "
+          f"({len(states) - len(built)} not built here) ==")
+    return built.count("hit"), len(built)
 
 
 def _weights(module) -> tuple[int, int]:
@@ -202,6 +222,22 @@ def kind_table(rkharness, quick: bool):
     small = image[:, :224, :224]
     rows.append(("CLIP vision (tiny ViT)", vision.model,
                  lambda: (cache.clear(), vision.encode_image(small)), lambda: vision.encode_image(small)))
+
+    # LLM encoders through ComfyUI's own classes: Z-Image's Qwen3-4B at its real width and heads (a few of
+    # its 36 layers), and Qwen-Image's Qwen2.5-VL 7B class (test width) with an image in the prompt
+    te = __import__(f"{tiny.__name__}.text_encoders", fromlist=["build"])
+    targets = {t.name: t for t in te.loader_targets().values()}
+    with te.tiny_sizes(llm=QWEN3_4B_WIDTH):
+        qwen3 = te.build_sized(targets["z_image.ZImageTEModel_"], 0)
+    tokens = qwen3.tokenize(TEXT)
+    rows.append((f"LLM text (Qwen3-4B width, {QWEN3_4B_WIDTH['num_hidden_layers']} layers)", qwen3.cond_stage_model,
+                 lambda: (cache.clear(), qwen3.encode_from_tokens(tokens)), lambda: qwen3.encode_from_tokens(tokens)))
+    with te.tiny_sizes(vision=QWEN25_VL_TOWER):
+        qwen_vl = te.build_sized(targets["qwen_image.QwenImageTEModel_"], 0)
+    picture = image[:, :384, :384]  # TextEncodeQwenImageEdit(Plus) scales the vision input to 384x384 pixels
+    vl_tokens = qwen_vl.tokenize("make the sky green", images=[picture])
+    rows.append((f"LLM text+image (Qwen2.5-VL, {QWEN25_VL_TOWER['num_layers']}/32 ViT)", qwen_vl.cond_stage_model,
+                 lambda: (cache.clear(), qwen_vl.encode_from_tokens(vl_tokens)), lambda: qwen_vl.encode_from_tokens(vl_tokens)))
 
     results = {}
     print(f"{'kind':38} {'tensors':>7} {'MiB':>7} {'inference':>9} {'miss ms':>9}"
@@ -579,9 +615,50 @@ def lazy_table(rkharness, quick: bool) -> dict:
         print(f"{'C  CLIPLoader: load + disk hit':44} {runs['eager_hit'][0]:8.2f}")
         print(f"B read {read} bytes of the file (its header), stored {lazy_probe['stored_bytes']} bytes of weights; "
               f"outputs bit-identical")
-        return {"bytes_read": read, "lazy_s": runs["lazy"][0], "eager_s": runs["eager"][0],
+        return {"bytes_read": read, "weight_bytes_read": lazy_probe["stored_weight_bytes"], "lazy_s": runs["lazy"][0], "eager_s": runs["eager"][0],
                 "eager_hit_s": runs["eager_hit"][0], "file_gib": size / 2**30}
     finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def lazy_llm_row(rkharness) -> int:
+    """Weight bytes a lazy LLM encoder holds after answering a prompt seen before, in this process: Qwen-Image's
+    Qwen2.5-VL 7B (ComfyUI's classes at a test width, with its vision tower) as a file CLIPLoader's qwen_image
+    type detects; ComfyUI's eager load writes the disk-tier entry, the lazy load answers an image prompt."""
+    import torch
+
+    te = __import__(f"{rkharness.TINY.__name__}.text_encoders", fromlist=["write_qwen25_7b"])
+    files = __import__(f"{rkharness.TINY.__name__}.lazy_clip", fromlist=["load"])
+    settings = rkharness.pack("caching.settings").SETTINGS
+    tiers = rkharness.pack("caching.tiers").TIERS
+    cache = rkharness.pack("caching.conditioning").CACHE
+    work = Path(tempfile.mkdtemp(prefix="rk_bench_lazy_llm_"))
+    keys = ("conditioning.disk.enabled", "conditioning.disk.folder", "conditioning.redis.enabled")
+    saved = {k: settings.get(k) for k in keys}
+    try:
+        settings.update({"conditioning.disk.enabled": True, "conditioning.disk.folder": str(work / "disk"),
+                         "conditioning.redis.enabled": False}, trusted=True)
+        picture = torch.rand(1, 56, 56, 3, generator=torch.Generator().manual_seed(2))
+        with te.tiny_sizes(llm=te.QWEN25_7B_FILE):
+            path = te.write_qwen25_7b(str(work / "qwen_2.5_vl_7b.safetensors"))
+            time.sleep(2.1)  # settled: hashed once
+            tiers.hashes.get(path)
+            tiers.hashes.wait()
+            eager = files.load(path, lazy=False, clip_type="qwen_image")
+            ref = eager.encode_from_tokens(eager.tokenize("make the sky green", images=[picture]))
+            cache.clear()
+            lazy = files.load(path, clip_type="qwen_image")
+            out = lazy.encode_from_tokens(lazy.tokenize("make the sky green", images=[picture]))
+            probe = files.probe(lazy, path)
+        assert torch.equal(out, ref) and probe["pending"], probe
+        print(f"\n== a lazy Qwen2.5-VL 7B-class encoder (test width), image prompt seen before: "
+              f"{probe['stored_weight_bytes']} weight bytes read of a {os.path.getsize(path) / 2**20:.0f} MiB file; "
+              f"bit-identical ==")
+        return probe["stored_weight_bytes"]
+    finally:
+        settings.update(saved, trusted=True)
+        tiers.configure(settings)
+        cache.clear()
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -592,6 +669,7 @@ def main() -> None:
     import rkharness
 
     rkharness.bootstrap()
+    rkharness.load_extra_nodes()  # the loaders of every text-encoder type (QuadrupleCLIPLoader...)
     import torch
 
     loras = __import__(f"{rkharness.TINY.__name__}.conditioning", fromlist=["write_lora"])
@@ -601,6 +679,7 @@ def main() -> None:
         offload = offload_table(rkharness, quick)
         batch = batch_table(rkharness)
         sampler_side_table(rkharness)
+        types_hit = encoder_types_hit(rkharness)
 
         lora_name = loras.write_lora("rk_bench_tiny.safetensors", seed=3, width=32)
         table = scenarios(lora_name, text="tiny")
@@ -650,6 +729,7 @@ def main() -> None:
             shared = shared_table(rkharness, quick, url)
             workers = two_workers(rkharness, url, quick)
         lazy = lazy_table(rkharness, quick)
+        lazy_llm = lazy_llm_row(rkharness)
 
     n = len(table) * len(MODES)
     speedup, worst = wall[False] / wall[True], min(passes)
@@ -669,7 +749,10 @@ def main() -> None:
           f"second_worker_encodes={max(workers.values())} "
           f"lazy_hit_bytes_read={lazy['bytes_read']} lazy_hit_s={lazy['lazy_s']:.2f} "
           f"eager_load_encode_s={lazy['eager_s']:.2f} lazy_hit_over_eager={lazy['lazy_s'] / lazy['eager_s']:.4f} "
-          f"lazy_file_gib={lazy['file_gib']:.2f}")
+          f"lazy_file_gib={lazy['file_gib']:.2f} "
+          f"llm_text_hit_over_miss={ratio('LLM text ('):.4f} llm_image_prompt_hit_over_miss={ratio('LLM text+image'):.4f} "
+          f"encoder_types_hit={types_hit[0]}/{types_hit[1]} lazy_weight_bytes_read={lazy['weight_bytes_read']} "
+          f"lazy_llm_weight_bytes_read={lazy_llm}")
 
 
 if __name__ == "__main__":

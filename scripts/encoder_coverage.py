@@ -21,7 +21,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "conditioning.md"
-TEXT = "a photo of a cat sitting on a red chair"
 
 
 def _harness():
@@ -33,54 +32,11 @@ def _harness():
     return rkharness
 
 
-def _same(a, b) -> bool:
-    import torch
-
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
-
-
-def status(harness, te, target) -> str:
-    import torch
-
-    cache = harness.pack("caching.conditioning").CACHE
-    settings = harness.pack("caching.settings").SETTINGS
-    try:
-        clip = te.build(target)
-    except NotImplementedError as exc:
-        return f"not built here: {exc}"
-    options = te.tokenize_options(target)
-    with torch.inference_mode():
-        def encode():
-            return clip.encode_from_tokens_scheduled(clip.tokenize(TEXT, **options))
-
-        settings.set("conditioning.enabled", False)
-        reference = encode()
-        settings.set("conditioning.enabled", True)
-        cache.clear()
-        cache.reset_counts()
-        encode()
-        second = encode()
-    reasons = cache.bypass_reasons()
-    if reasons:
-        return "bypass: " + "; ".join(r["reason"] for r in reasons)
-    if cache.count("hits") == 1 and _same(second, reference):
-        return "hit"
-    return f"no hit ({cache.count('hits')} hits, equal to ComfyUI: {_same(second, reference)})"
-
-
 def table(harness, host: str) -> str:
     """One row per loader type: the encoders it builds from the model files tried, and how each fares."""
     te = importlib.import_module(f"{harness.TINY.__name__}.text_encoders")
     targets = list(te.loader_targets().values())
-    states = {id(t): status(harness, te, t) for t in targets}
+    states = {id(t): te.hit_status(t) for t in targets}
     by_type: dict[tuple[str, str], dict[str, set]] = {}
     for t in targets:
         for loader, clip_type, files in t.seen:

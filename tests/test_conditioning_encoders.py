@@ -22,6 +22,7 @@ def _text_encoders():
 
 
 def _targets():
+    rkharness.load_extra_nodes()  # the loaders of every type (QuadrupleCLIPLoader is one of ComfyUI's extras)
     targets = list(_text_encoders().loader_targets().values())
     ids, seen = [], {}
     for t in targets:

@@ -115,7 +115,8 @@ class RKTestLazyTinyCLIP:
 def probe(clip, path: str) -> dict:
     """What a lazy encoder holds: whether it still waits for its weights, how many of its tensors have
     storage and how many bytes they hold, whether the file is mapped into this process, and how many
-    bytes this process read to hash files."""
+    bytes this process read to hash files. ``stored_weight_bytes``: of the stored bytes, those of tensors
+    larger than the scalars a loader reads for its own sake."""
     lazy_clip = _pack_module("patches.lazy_clip")
     tiers = _pack_module("caching.tiers")
     module = clip.cond_stage_model
@@ -128,7 +129,10 @@ def probe(clip, path: str) -> dict:
         mapped = None
     stored = [t for t in weights if not t.is_meta]
     return {"pending": lazy_clip.pending(module), "weights": len(weights), "stored": len(stored),
-            "stored_bytes": sum(t.numel() * t.element_size() for t in stored), "mapped": mapped,
+            "stored_bytes": sum(t.numel() * t.element_size() for t in stored),
+            # weights read beyond the scalars a loader reads for its own sake (logit_scale...)
+            "stored_weight_bytes": sum(t.numel() * t.element_size() for t in stored if t.numel() > lazy_clip.SMALL_NUMEL),
+            "mapped": mapped,
             "hashed_bytes": tiers.TIERS.hashes.hashed_bytes}
 
 

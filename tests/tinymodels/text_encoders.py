@@ -270,10 +270,11 @@ def _tiny_size(model_class, layer, layer_idx, t5_width: int | None, llm: dict | 
 
 
 @contextlib.contextmanager
-def tiny_sizes(t5_width: int | None = None, llm: dict | None = None):
+def tiny_sizes(t5_width: int | None = None, llm: dict | None = None, vision: dict | None = None):
     """While it is held, ComfyUI's ``SDClipModel`` builds its transformer at a test size (through its own
     ``<model_name>_model_config`` option; T5 at ``t5_width`` when given, an LLM at :data:`TINY_LLM` updated
-    by ``llm``) and the vision towers inside LLMs (Qwen2-VL's, Gemma 3's SigLIP) are small."""
+    by ``llm``) and the vision towers inside LLMs (Qwen2-VL's: :data:`TINY_VISION` updated by ``vision``; Gemma 3's
+    SigLIP) are small."""
     import comfy.clip_model
     import comfy.sd1_clip
     import comfy.text_encoders.qwen_vl as qwen_vl
@@ -300,7 +301,7 @@ def tiny_sizes(t5_width: int | None = None, llm: dict | None = None):
 
     @functools.wraps(vision_init)
     def small_vision(self, *args, **kwargs):
-        return vision_init(self, *args, **{**kwargs, **TINY_VISION})
+        return vision_init(self, *args, **{**kwargs, **TINY_VISION, **(vision or {})})
 
     @functools.wraps(siglip_init)
     def small_siglip(self, config_dict, *args, **kwargs):
@@ -375,3 +376,56 @@ def write_qwen25_7b(path: str, seed: int = 0) -> str:
         save_file({k: v.detach().contiguous().clone() for k, v in state.items()}, tmp)
         os.replace(tmp, path)
     return path
+
+
+# ---- coverage: does a repeat hit? ------------------------------------------------------------------
+
+COVERAGE_TEXT = "a photo of a cat sitting on a red chair"
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def hit_status(target: Target) -> str:
+    """Builds ``target`` and encodes a prompt twice with the conditioning cache on (global mode; the
+    cache emptied first): "hit" when the repeat is a hit bit-identical to encoding with the pack off;
+    else why it bypassed, or why it was not built here (scripts/encoder_coverage.py, the bench)."""
+    from .lazy_clip import _pack_module
+
+    cache = _pack_module("caching.conditioning").CACHE
+    settings = _pack_module("caching.settings").SETTINGS
+    try:
+        clip = build(target)
+    except NotImplementedError as exc:
+        return f"not built here: {exc}"
+    options = tokenize_options(target)
+    before = settings.get("conditioning.enabled")
+    try:
+        with torch.inference_mode():
+            def encode():
+                return clip.encode_from_tokens_scheduled(clip.tokenize(COVERAGE_TEXT, **options))
+
+            settings.set("conditioning.enabled", False)
+            reference = encode()
+            settings.set("conditioning.enabled", True)
+            cache.clear()
+            cache.reset_counts()
+            encode()
+            second = encode()
+    finally:
+        settings.set("conditioning.enabled", before)
+    reasons = cache.bypass_reasons()
+    if reasons:
+        return "bypass: " + "; ".join(r["reason"] for r in reasons)
+    if cache.count("hits") == 1 and _same(second, reference):
+        return "hit"
+    return f"no hit ({cache.count('hits')} hits, equal to ComfyUI: {_same(second, reference)})"
