@@ -521,6 +521,54 @@ def test_a_restarted_server_answers_a_prompt_seen_before_without_reading_the_enc
     assert not equal(_saved(tmp_path / "c0.st"), _saved(tmp_path / "a0.st"))
 
 
+def test_a_restarted_server_answers_a_qwen_image_edit_prompt_without_reading_the_llm(tmp_path):
+    """ComfyUI's TextEncodeQwenImageEditPlus with a picture, on a Qwen2.5-VL 7B file (ComfyUI's classes at a
+    test width) through the disk tier: server A loads it as CLIPLoader does and encodes, twice (the second
+    from ComfyUI's own cache or the LRU); a restarted server B, loading it lazily, answers the same prompt
+    without reading one byte of the LLM's weights, bit-identical to A."""
+    from PIL import Image
+
+    te = import_module(rkharness.TINY.__name__ + ".text_encoders")
+    path = te.write_qwen25_7b(str(tmp_path / "qwen_2.5_vl_7b.safetensors"))
+    user = tmp_path / "user"
+    user.mkdir()
+    env = {"REUSEKIT_DISK_CACHE": str(tmp_path / "disk")}
+
+    def prompt(lazy, out, probe=None):
+        p = {"1": {"class_type": "RKTestQwenImageTEFile", "inputs": {"path": path, "lazy": lazy}},
+             "2": {"class_type": "LoadImage", "inputs": {"image": "edit.png"}},
+             "3": {"class_type": "TextEncodeQwenImageEditPlus",
+                   "inputs": {"clip": ["1", 0], "prompt": "make the sky green", "image1": ["2", 0]}},
+             "4": {"class_type": "RKTestSaveConditioning", "inputs": {"conditioning": ["3", 0], "path": out}}}
+        if probe:
+            p["5"] = {"class_type": "RKTestLazyProbe", "inputs": {"clip": ["1", 0], "after": ["3", 0], "path": path,
+                                                                  "out": probe}}
+        return p
+
+    time.sleep(2.1)  # settled: the memo takes the file's hash, as an earlier run would have left it
+    memo = rkharness.pack("caching.file_hashes").FileHashes(inline_bytes=1 << 62)
+    memo.memo = str(user / "reusekit" / "file_hashes.json")
+    assert memo.get(path) is not None
+    for name, lazy in (("a", False), ("b", True)):
+        with rkharness.running_server("--user-directory", str(user), env=env) as server:
+            (server.base / "input").mkdir(parents=True, exist_ok=True)
+            Image.new("RGB", (56, 56), (30, 120, 200)).save(server.base / "input" / "edit.png")
+            for i in range(2):
+                _run(server, prompt(lazy, str(tmp_path / f"{name}{i}.st"),
+                                    str(tmp_path / f"{name}{i}.json") if lazy else None))
+            stats = _stats(server)
+        if name == "a":
+            assert stats["conditioning"]["counters"].get("encodes") == 1 and entries(tmp_path / "disk")
+    probe = json.loads((tmp_path / "b0.json").read_text())
+    assert probe["pending"] and probe["stored_weight_bytes"] == 0 and not probe["mapped"], probe
+    assert probe["hashed_bytes"] == 0, probe  # the memo: not even read to hash it
+    assert stats["conditioning"]["counters"].get("encodes", 0) == 0
+    assert stats["conditioning_lazy"]["counters"]["weights_loaded"] == 0
+    assert stats["conditioning_lazy"]["counters"]["not_read_bytes"] == os.path.getsize(path)
+    a, b = load_file(tmp_path / "a0.st"), load_file(tmp_path / "b1.st")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 WORKFLOW = "Lazy text encoder - prompts seen before never load it.json"
 
 

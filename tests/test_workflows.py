@@ -276,6 +276,16 @@ KONTEXT = "Flux Kontext edit - reference encode and PE cache.json"
 WAN = "Wan 2.1 text to video - PE cache, TeaCache.json"
 BEFORE_AFTER = "Before and after - Flux with and without ReuseKit.json"
 LAZY = "Lazy text encoder - prompts seen before never load it.json"
+QWEN_EDIT = "Qwen-Image edit - image prompt and reference encode.json"
+
+
+def _instruction(prompt: dict, text: str) -> dict:
+    """The edit instruction: the TextEncodeQwenImageEditPlus whose prompt is not empty (not the negative)."""
+    for node in prompt.values():
+        if node["class_type"] == "TextEncodeQwenImageEditPlus" and node["inputs"]["prompt"]:
+            node["inputs"]["prompt"] = text
+    return prompt
+
 # workflow -> (tiny family, the prompts to queue in order (from the converted workflow), what the note promises)
 RUNS = {
     FLUX: ("flux_trained", lambda p: [p], lambda c: c["conditioning.hits"] >= 3 and c["pe.hits"] > 0
@@ -292,6 +302,10 @@ RUNS = {
     # no shared tier on this server: the lazy loader loads as usual (tests/test_lazy_clip.py runs it with one)
     LAZY: ("flux_trained", lambda p: [_text(json.loads(json.dumps(p)), t) for t in ("a cat", "a dog", "a cat")],
            lambda c: c["conditioning.hits"] >= 1),
+    # ComfyUI's own Qwen-Image classes: the picture through Qwen2.5-VL's vision tower and the Wan VAE
+    QWEN_EDIT: ("qwen_image", lambda p: [_instruction(json.loads(json.dumps(p)), t) for t in ("make it red", "make it blue",
+                                                                                              "make it red")],
+                lambda c: c["conditioning.hits"] >= 1 and c["vae.hits"] >= 1 and c["pe.hits"] > 0),
     "conditioning_prompt_variations.json": ("flux", lambda p: [_text(json.loads(json.dumps(p)), t) for t in
                                                                ("a red fox", "a blue fox", "a red fox")],
                                             lambda c: c["conditioning.hits"] >= 1),

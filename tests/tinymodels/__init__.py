@@ -19,7 +19,7 @@ import torch
 
 from .trained_flux import _load_shapes
 
-FAMILIES = ("flux", "wan", "flux_trained", "wan_trained")
+FAMILIES = ("flux", "wan", "flux_trained", "wan_trained", "qwen_image")
 
 _SHAPES = _load_shapes()  # the pack's demo models: the tiny CLIP and its weight filling live there, once
 TEXT_DIM = _SHAPES.TEXT_DIM  # width of the tiny CLIP; every tiny diffusion model takes this as context
@@ -157,7 +157,20 @@ class RKTestTinyCheckpoint:
     CATEGORY = "ReuseKit tests"
 
     def load(self, family, seed):
+        if family == "qwen_image":
+            return tiny_qwen_image_checkpoint(seed)
         return BUILDERS[family](seed), tiny_clip(seed), tiny_vae(seed)
+
+
+def tiny_qwen_image_checkpoint(seed: int = 0):
+    """Qwen-Image's three parts from ComfyUI's own classes: the diffusion model, its Qwen2.5-VL text encoder
+    (with the vision tower that reads an edit's images) and its Wan 2.1 VAE, at test sizes."""
+    from .conditioning import tiny_wan_vae
+    from .families import tiny_qwen_image
+    from .text_encoders import TINY_LLM, build, loader_targets
+
+    target = next(t for t in loader_targets().values() if t.name == "qwen_image.QwenImageTEModel_")
+    return tiny_qwen_image(seed, context_dim=TINY_LLM["hidden_size"]), build(target, seed), tiny_wan_vae(seed)
 
 
 class RKTestTinyCLIPVision:
@@ -177,3 +190,4 @@ NODE_CLASS_MAPPINGS = {"RKTestTinyCheckpoint": RKTestTinyCheckpoint, "RKTestTiny
 NODE_CLASS_MAPPINGS.update(__import__(f"{__name__}.panelprobe", fromlist=["x"]).NODE_CLASS_MAPPINGS)  # panel tests
 NODE_CLASS_MAPPINGS.update(__import__(f"{__name__}.conditioning", fromlist=["x"]).NODE_CLASS_MAPPINGS)  # conditioning
 NODE_CLASS_MAPPINGS.update(__import__(f"{__name__}.lazy_clip", fromlist=["x"]).NODE_CLASS_MAPPINGS)  # lazy encoders
+NODE_CLASS_MAPPINGS.update(__import__(f"{__name__}.text_encoders", fromlist=["x"]).NODE_CLASS_MAPPINGS)  # LLM encoders

@@ -177,7 +177,7 @@ class RKTestFileCLIP:
 
 
 class RKTestSaveConditioning:
-    """Writes a conditioning's first tensor and pooled output to a safetensors file (bit-exact checks)."""
+    """Writes a conditioning's first tensor and pooled output (if any) to a safetensors file (bit-exact checks)."""
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -192,7 +192,8 @@ class RKTestSaveConditioning:
         from safetensors.torch import save_file
 
         cond, extra = conditioning[0]
-        save_file({"cond": cond.contiguous(), "pooled": extra["pooled_output"].contiguous()}, path)
+        pooled = extra.get("pooled_output")  # LLM encoders give none
+        save_file({"cond": cond.contiguous(), **({} if pooled is None else {"pooled": pooled.contiguous()})}, path)
         return {}
 
 

@@ -96,9 +96,11 @@ def tiny_hunyuan_video(seed: int = 0):
                         seed)
 
 
-def tiny_qwen_image(seed: int = 0):
+def tiny_qwen_image(seed: int = 0, context_dim: int = TEXT_DIM):
+    """Qwen-Image (hidden 64, 1 block); ``context_dim``: the text encoder's width (the tiny CLIP's, or the
+    tests' Qwen2.5-VL's)."""
     cfg = dict(image_model="qwen_image", in_channels=64, out_channels=16, num_layers=1, attention_head_dim=32,
-               num_attention_heads=2, joint_attention_dim=TEXT_DIM, axes_dims_rope=(8, 12, 12))
+               num_attention_heads=2, joint_attention_dim=context_dim, axes_dims_rope=(8, 12, 12))
     return _from_config(_sm().QwenImage, cfg, seed)
 
 

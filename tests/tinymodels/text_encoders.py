@@ -492,6 +492,29 @@ def write_qwen25_7b(path: str, seed: int = 0) -> str:
     return path
 
 
+class RKTestQwenImageTEFile:
+    """A Qwen2.5-VL 7B file (:func:`write_qwen25_7b`) through ComfyUI's ``load_clip`` as CLIPLoader's qwen_image
+    type, at the file's test width; lazily as ReuseKit Lazy CLIP Loader does, or as ComfyUI loads it. (A lazy
+    one's weights would load at ComfyUI's own sizes: for prompts seen before only.)"""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"path": ("STRING", {"default": ""}), "lazy": ("BOOLEAN", {"default": True})}}
+
+    RETURN_TYPES = ("CLIP",)
+    FUNCTION = "run"
+    CATEGORY = "ReuseKit tests"
+
+    def run(self, path, lazy=True):
+        from .lazy_clip import load
+
+        with tiny_sizes(llm=QWEN25_7B_FILE):
+            return (load(write_qwen25_7b(path), lazy, clip_type="qwen_image"),)
+
+
+NODE_CLASS_MAPPINGS = {"RKTestQwenImageTEFile": RKTestQwenImageTEFile}
+
+
 # ---- coverage: does a repeat hit? ------------------------------------------------------------------
 
 COVERAGE_TEXT = "a photo of a cat sitting on a red chair"
