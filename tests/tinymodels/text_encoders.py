@@ -24,7 +24,7 @@ import itertools
 import torch
 
 from . import _SHAPES, fill_weights
-from .lazy_clip import T5_CONFIG
+from .lazy_clip import T5_CONFIG, RKTestLazyCLIPFile, load
 
 TINY_LLM = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 2,
             "num_key_value_heads": 1}
@@ -492,22 +492,12 @@ def write_qwen25_7b(path: str, seed: int = 0) -> str:
     return path
 
 
-class RKTestQwenImageTEFile:
+class RKTestQwenImageTEFile(RKTestLazyCLIPFile):
     """A Qwen2.5-VL 7B file (:func:`write_qwen25_7b`) through ComfyUI's ``load_clip`` as CLIPLoader's qwen_image
     type, at the file's test width; lazily as ReuseKit Lazy CLIP Loader does, or as ComfyUI loads it. (A lazy
     one's weights would load at ComfyUI's own sizes: for prompts seen before only.)"""
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"path": ("STRING", {"default": ""}), "lazy": ("BOOLEAN", {"default": True})}}
-
-    RETURN_TYPES = ("CLIP",)
-    FUNCTION = "run"
-    CATEGORY = "ReuseKit tests"
-
     def run(self, path, lazy=True):
-        from .lazy_clip import load
-
         with tiny_sizes(llm=QWEN25_7B_FILE):
             return (load(write_qwen25_7b(path), lazy, clip_type="qwen_image"),)
 
