@@ -239,3 +239,41 @@ def test_every_text_encoder_load_in_comfyuis_templates_is_tested_here_or_says_wh
     te = _text_encoders()
     unrouted = [kind for kind in coverage["encoders"] if not te.calls_the_encode_seam(nodes.NODE_CLASS_MAPPINGS[kind])]
     assert not unrouted, f"text-encode nodes that do not reach CLIP.encode_from_tokens: {unrouted}"
+
+
+LLM_ENCODERS = ["z_image.ZImageTEModel_", "qwen_image.QwenImageTEModel_", "hunyuan_video.HunyuanVideoClipModel_",
+                "omnigen2.Omnigen2TEModel_", "lumina2.LuminaTEModel_"]
+
+
+@pytest.mark.parametrize("name", LLM_ENCODERS)
+def test_an_llm_encoders_layer_choice_and_weight_patches_make_a_miss_and_comfyuis_output(cc, name):
+    """CLIPSetLastLayer's choice, and a weight patch (a LoRA's way in: ComfyUI's patcher), on an LLM encoder:
+    each misses and gives ComfyUI's output; the same patch on a fresh clone hits."""
+    import torch
+
+    clip = _build(_one(name))
+    tokens = clip.tokenize(TEXT)
+    base = clip.encode_from_tokens_scheduled(tokens)
+    layered = clip.clone()
+    layered.clip_layer(-1)
+    out = layered.encode_from_tokens_scheduled(tokens)
+    assert cc.CACHE.count("misses") == 2 and cc.CACHE.count("hits") == 0
+    assert same(out, _off(lambda: layered.encode_from_tokens_scheduled(tokens)))
+
+    key = next(k for k in clip.get_key_patches() if k.endswith("layers.0.mlp.down_proj.weight"))
+    weight = clip.get_key_patches()[key][0]
+    weight = weight[0] if isinstance(weight, tuple) else weight
+    delta = torch.randn(weight.shape, generator=torch.Generator().manual_seed(5)) * 0.05
+
+    def patched():
+        made = clip.clone()
+        made.add_patches({key: (delta.clone(),)}, 1.0)
+        return made
+
+    first = patched()
+    out = first.encode_from_tokens_scheduled(tokens)
+    assert cc.CACHE.count("misses") == 3
+    assert same(out, _off(lambda: first.encode_from_tokens_scheduled(tokens))) and not same(out, base)
+    again = patched().encode_from_tokens_scheduled(tokens)
+    assert cc.CACHE.count("hits") == 1 and same(again, out)
+    assert cc.CACHE.bypass_reasons() == []
