@@ -321,6 +321,15 @@ class Server:
     def queue(self, prompt: dict) -> str:
         return self.post("/prompt", {"prompt": prompt, "client_id": "reusekit-tests"})["prompt_id"]
 
+    def saved_latent(self, entry: dict, node: str):
+        """The latent that node ``node`` (a SaveLatent) of a finished prompt (its history ``entry``) wrote."""
+        from safetensors.torch import load_file
+
+        status = entry.get("status", {})
+        assert status.get("status_str") == "success", (status, self.log_text()[-3000:])
+        (saved,) = entry["outputs"][node]["latents"]
+        return load_file(str(self.base / "output" / saved["subfolder"] / saved["filename"]))["latent_tensor"]
+
 
 @contextlib.contextmanager
 def running_server(*extra_args: str, timeout: float = 120, env: dict | None = None):

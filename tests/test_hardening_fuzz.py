@@ -141,21 +141,11 @@ def build_prompt(case: dict, reusekit: bool, tag: str) -> dict:
     return p
 
 
-def saved_latent(server, entry: dict, node: str = "9") -> torch.Tensor:
-    """The latent a finished prompt's SaveLatent wrote."""
-    from safetensors.torch import load_file
-
-    status = entry.get("status", {})
-    assert status.get("status_str") == "success", status
-    (saved,) = entry["outputs"][node]["latents"]
-    return load_file(str(server.base / "output" / saved["subfolder"] / saved["filename"]))["latent_tensor"]
-
-
 def run_all(server, prompts: list[dict], timeout: float = 600) -> list[torch.Tensor]:
     """Queue every prompt at once, then collect each saved latent in order."""
     ids = [server.queue(p) for p in prompts]
     deadline = time.monotonic() + timeout
-    return [saved_latent(server, server.wait_for_prompt(i, timeout=max(1.0, deadline - time.monotonic())))
+    return [server.saved_latent(server.wait_for_prompt(i, timeout=max(1.0, deadline - time.monotonic())), "9")
             for i in ids]
 
 

@@ -521,6 +521,15 @@ def test_a_restarted_server_answers_a_prompt_seen_before_without_reading_the_enc
     assert not equal(_saved(tmp_path / "c0.st"), _saved(tmp_path / "a0.st"))
 
 
+def _hash_as_a_run_would(user: Path, path: str) -> None:
+    """Leave ``path``'s digest in the file-hash memo of ``user``, as an earlier server run would have (one
+    that ran longer than its background hash of a large file takes)."""
+    time.sleep(2.1)  # settled: the memo takes the file's hash
+    memo = rkharness.pack("caching.file_hashes").FileHashes(inline_bytes=1 << 62)
+    memo.memo = str(user / "reusekit" / "file_hashes.json")
+    assert memo.get(path) is not None
+
+
 def test_a_restarted_server_answers_a_qwen_image_edit_prompt_without_reading_the_llm(tmp_path):
     """ComfyUI's TextEncodeQwenImageEditPlus with a picture, on a Qwen2.5-VL 7B file (ComfyUI's classes at a
     test width) through the disk tier: server A loads it as CLIPLoader does and encodes, twice (the second
@@ -545,10 +554,7 @@ def test_a_restarted_server_answers_a_qwen_image_edit_prompt_without_reading_the
                                                                   "out": probe}}
         return p
 
-    time.sleep(2.1)  # settled: the memo takes the file's hash, as an earlier run would have left it
-    memo = rkharness.pack("caching.file_hashes").FileHashes(inline_bytes=1 << 62)
-    memo.memo = str(user / "reusekit" / "file_hashes.json")
-    assert memo.get(path) is not None
+    _hash_as_a_run_would(user, path)
     for name, lazy in (("a", False), ("b", True)):
         with rkharness.running_server("--user-directory", str(user), env=env) as server:
             (server.base / "input").mkdir(parents=True, exist_ok=True)
@@ -567,6 +573,60 @@ def test_a_restarted_server_answers_a_qwen_image_edit_prompt_without_reading_the
     assert stats["conditioning_lazy"]["counters"]["not_read_bytes"] == os.path.getsize(path)
     a, b = load_file(tmp_path / "a0.st"), load_file(tmp_path / "b1.st")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_restarted_server_answers_a_z_image_prompt_without_reading_the_llm(tmp_path):
+    """Z-Image text to image: a Qwen3-4B file at its real width (ComfyUI detects it by that width; a few
+    narrow layers) through CLIPLoader's lumina2 type, ComfyUI's Z-Image model at a test size, through the disk
+    tier. Server A loads the file as ComfyUI does and samples twice; a restarted server B, loading it lazily,
+    samples the same two without reading one byte of the LLM's weights: its conditioning and latents are
+    bit-identical to A's."""
+    te = import_module(rkharness.TINY.__name__ + ".text_encoders")
+    path = te.write_qwen3_4b(str(tmp_path / "qwen_3_4b.safetensors"))
+    user = tmp_path / "user"
+    user.mkdir()
+    env = {"REUSEKIT_DISK_CACHE": str(tmp_path / "disk")}
+
+    def prompt(lazy, seed, out, probe=None):
+        p = {"1": {"class_type": "RKTestZImageTEFile", "inputs": {"path": path, "lazy": lazy}},
+             "2": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 0], "text": "a cat reading a newspaper"}},
+             "3": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["2", 0]}},
+             "4": {"class_type": "RKTestTinyZImage", "inputs": {"seed": 0}},
+             "5": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+             "6": {"class_type": "KSampler",
+                   "inputs": {"model": ["4", 0], "seed": seed, "steps": 3, "cfg": 1.0, "sampler_name": "euler",
+                              "scheduler": "simple", "positive": ["2", 0], "negative": ["3", 0],
+                              "latent_image": ["5", 0], "denoise": 1.0}},
+             "7": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 0], "filename_prefix": "rk/z"}},
+             "8": {"class_type": "RKTestSaveConditioning", "inputs": {"conditioning": ["2", 0], "path": out}}}
+        if probe:
+            p["9"] = {"class_type": "RKTestLazyProbe", "inputs": {"clip": ["1", 0], "after": ["2", 0], "path": path,
+                                                                  "out": probe}}
+        return p
+
+    _hash_as_a_run_would(user, path)
+    latents = {}
+    for name, lazy in (("a", False), ("b", True)):
+        with rkharness.running_server("--user-directory", str(user), env=env) as server:
+            for seed in range(2):
+                entry = server.wait_for_prompt(server.queue(prompt(
+                    lazy, seed, str(tmp_path / f"{name}{seed}.st"), str(tmp_path / f"{name}{seed}.json") if lazy else None)))
+                latents[name, seed] = server.saved_latent(entry, "7")
+            stats = _stats(server)
+        if name == "a":
+            assert stats["conditioning"]["counters"].get("encodes") == 1 and entries(tmp_path / "disk")
+    probe = json.loads((tmp_path / "b0.json").read_text())
+    assert probe["pending"] and probe["stored_weight_bytes"] == 0 and not probe["mapped"], probe
+    assert probe["hashed_bytes"] == 0, probe
+    assert stats["conditioning"]["counters"].get("encodes", 0) == 0
+    assert stats["conditioning_lazy"]["counters"]["weights_loaded"] == 0
+    assert stats["conditioning_lazy"]["counters"]["not_read_bytes"] == os.path.getsize(path)
+    a, b = load_file(tmp_path / "a0.st"), load_file(tmp_path / "b1.st")
+    assert a["cond"].shape[-1] == te.QWEN3_4B_FILE["hidden_size"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for seed in range(2):
+        assert torch.equal(latents["a", seed], latents["b", seed])
+    assert not torch.equal(latents["a", 0], latents["a", 1])
 
 
 WORKFLOW = "Lazy text encoder - prompts seen before never load it.json"

@@ -471,25 +471,42 @@ def build_sized(target: Target, seed: int = 0, tokenizer_data: dict | None = Non
 
 # A Qwen2.5-VL 7B file as ComfyUI detects it (its k_proj bias is 4 heads of 128), at a test width
 QWEN25_7B_FILE = {"num_attention_heads": 4, "num_key_value_heads": 4}
+# A Qwen3-4B file as ComfyUI detects it: its norms are 2560 wide, so the embedding (151936 rows) is too, 0.8 GB
+QWEN3_4B_FILE = {"hidden_size": 2560}
+
+
+def _write_llm(path: str, target_name: str, llm: dict, seed: int, dtype=None) -> str:
+    """The LLM inside ComfyUI's text encoder ``target_name`` at the sizes of :func:`tiny_sizes` (``llm``), as
+    the file a loader reads (the weights in ``dtype`` when given), written once."""
+    import os
+
+    from safetensors.torch import save_file
+
+    if not os.path.exists(path):
+        target = next(t for t in loader_targets().values() if t.name == target_name)
+        with tiny_sizes(llm=llm):
+            clip = build_sized(target, seed)
+        model = clip.cond_stage_model
+        state = getattr(model, model.clip).transformer.state_dict()
+        tmp = f"{path}.{os.getpid()}.tmp"
+        save_file({k: v.detach().to(dtype or v.dtype).contiguous() for k, v in state.items()}, tmp)
+        del clip, model, state
+        os.replace(tmp, path)
+    return path
 
 
 def write_qwen25_7b(path: str, seed: int = 0) -> str:
     """ComfyUI's own Qwen-Image text encoder (Qwen2.5-VL 7B with its vision tower) at a test width, as a
     file CLIPLoader's ``qwen_image`` type detects and loads while :func:`tiny_sizes` (``llm=QWEN25_7B_FILE``)
     is held."""
-    import os
+    return _write_llm(path, "qwen_image.QwenImageTEModel_", QWEN25_7B_FILE, seed)
 
-    from safetensors.torch import save_file
 
-    if not os.path.exists(path):
-        target = next(t for t in loader_targets().values() if t.name == "qwen_image.QwenImageTEModel_")
-        with tiny_sizes(llm=QWEN25_7B_FILE):
-            clip = build_sized(target, seed)
-        state = clip.cond_stage_model.qwen25_7b.transformer.state_dict()
-        tmp = f"{path}.{os.getpid()}.tmp"
-        save_file({k: v.detach().contiguous().clone() for k, v in state.items()}, tmp)
-        os.replace(tmp, path)
-    return path
+def write_qwen3_4b(path: str, seed: int = 0) -> str:
+    """ComfyUI's own Z-Image text encoder (Qwen3-4B) at its real width and a few narrow layers, in bf16 as
+    the released file is, as a file CLIPLoader's ``lumina2`` type detects as Z-Image's while
+    :func:`tiny_sizes` (``llm=QWEN3_4B_FILE``) is held."""
+    return _write_llm(path, "z_image.ZImageTEModel_", QWEN3_4B_FILE, seed, dtype=torch.bfloat16)
 
 
 class RKTestQwenImageTEFile(RKTestLazyCLIPFile):
@@ -502,7 +519,34 @@ class RKTestQwenImageTEFile(RKTestLazyCLIPFile):
             return (load(write_qwen25_7b(path), lazy, clip_type="qwen_image"),)
 
 
-NODE_CLASS_MAPPINGS = {"RKTestQwenImageTEFile": RKTestQwenImageTEFile}
+class RKTestZImageTEFile(RKTestLazyCLIPFile):
+    """A Qwen3-4B file (:func:`write_qwen3_4b`) through ComfyUI's ``load_clip`` as CLIPLoader's lumina2 type
+    (Z-Image's text encoder), at the file's test sizes; lazily or as ComfyUI loads it."""
+
+    def run(self, path, lazy=True):
+        with tiny_sizes(llm=QWEN3_4B_FILE):
+            return (load(write_qwen3_4b(path), lazy, clip_type="lumina2"),)
+
+
+class RKTestTinyZImage:
+    """ComfyUI's Z-Image diffusion model at a test size, reading the Qwen3-4B width the file encoder gives."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0})}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "load"
+    CATEGORY = "ReuseKit tests"
+
+    def load(self, seed):
+        from .families import tiny_lumina2
+
+        return (tiny_lumina2(seed, z_image=True, cap_feat_dim=QWEN3_4B_FILE["hidden_size"]),)
+
+
+NODE_CLASS_MAPPINGS = {"RKTestQwenImageTEFile": RKTestQwenImageTEFile, "RKTestZImageTEFile": RKTestZImageTEFile,
+                       "RKTestTinyZImage": RKTestTinyZImage}
 
 
 # ---- coverage: does a repeat hit? ------------------------------------------------------------------
