@@ -112,6 +112,10 @@ def known_identity(obj: Any) -> int | None:
 
 # ---- keys -------------------------------------------------------------------------------------
 
+class LocalOnly(Exception):
+    """An encode whose encoder has no shared identity (the reason): its result stays in this process."""
+
+
 class WeightSet:
     """An interned set of weight patches; equal contents share one object (compared by identity)."""
 
@@ -362,14 +366,15 @@ class ConditioningCache:
 
     # -- the one entry point for encoders
     def fetch(self, key: Key, compute: Callable[[], Any], *, check_rng: bool = False, admit: Callable[[], str | None] | None = None,
-              shared: Callable[[], SharedKey | None] | None = None, encoder: str = "") -> Any:
+              shared: Callable[[], SharedKey] | None = None, encoder: str = "") -> Any:
         """The cached result for ``key`` (a private copy), or ``compute()`` stored on a miss.
 
         ``check_rng``: when the computation moves torch's global random state, its result depends
         on randomness and is not stored (the randomness then runs on every request).
         ``admit``: asked after a miss's computation; a returned reason means "do not store".
-        ``shared``: the key for the shared tiers (None when this encode cannot use them), asked on a
-        miss: a shared hit is promoted into this LRU; a computed result is written through to them.
+        ``shared``: the key for the shared tiers (raising :class:`LocalOnly` with the reason when this
+        encode cannot use them), asked on a miss: a shared hit is promoted into this LRU; a computed result
+        is written through to them.
         ``encoder``: the encoder's class name, beside the reason of a bypass."""
         if not self.enabled:
             return compute()
@@ -377,7 +382,7 @@ class ConditioningCache:
         found = self.lookup(key)
         if found is not _MISS:
             return found
-        skey = _shared_key(shared)
+        skey = self._shared_key(shared, key.kind, encoder)
         if skey is not None:
             got = _shared_get(skey)
             if got is not None:
@@ -464,18 +469,39 @@ class ConditioningCache:
     def bypass(self, kind: str, reason: str, encoder: str = "") -> None:
         """An encode that ran uncached, counted by kind and by (kind, encoder class, reason); the first of
         each reason is logged at info level, so a user whose cache never hits sees why."""
+        self._reason("bypasses", kind, reason, encoder, "run uncached")
+
+    def kept_local(self, kind: str, reason: str, encoder: str = "") -> None:
+        """A miss that the shared tiers (on) neither answered nor will receive, counted as a bypass is, its
+        reason marked as theirs."""
+        self._reason("not_shared", kind, f"not shared: {reason}", encoder, "not shared with other workers")
+
+    def _reason(self, counter: str, kind: str, reason: str, encoder: str, what: str) -> None:
         reason = reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS - 1] + "…"
         with self._lock:
-            self._count("bypasses", kind)
+            self._count(counter, kind)
             slot = (kind, encoder, reason)
             if slot not in self._reasons and len(self._reasons) >= MAX_REASONS:
                 slot = (kind, "", OTHER_REASON)
             first = slot not in self._reasons
             self._reasons[slot] = self._reasons.get(slot, 0) + 1
         if first:
-            log.info("ReuseKit conditioning: %s encodes%s run uncached: %s", kind,
-                     f" of {encoder}" if encoder else "", reason)
+            log.info("ReuseKit conditioning: %s encodes%s %s: %s", kind, f" of {encoder}" if encoder else "", what,
+                     reason)
         self._publish()
+
+    def _shared_key(self, shared: Callable[[], SharedKey] | None, kind: str, encoder: str) -> SharedKey | None:
+        """The shared tiers' key of an encode, or None: tiers off, or the encoder has no shared identity
+        (counted with its reason)."""
+        if shared is None or not TIERS.active:
+            return None
+        try:
+            return shared()
+        except LocalOnly as exc:
+            self.kept_local(kind, str(exc), encoder)
+        except Exception as exc:  # a key the shared tiers cannot build: this encode stays in the process
+            self.kept_local(kind, f"no shared key: {type(exc).__name__}: {exc}", encoder)
+        return None
 
     def bypass_reasons(self) -> list[dict]:
         """Every bypass reason seen since the counts were reset, most frequent first."""
@@ -572,17 +598,6 @@ def _reason_rows(reasons: dict[tuple[str, str, str], int]) -> list[dict]:
     rows = [{"kind": k, "encoder": e, "reason": r, "count": n} for (k, e, r), n in reasons.items()]
     rows.sort(key=lambda row: (-row["count"], row["kind"], row["encoder"], row["reason"]))
     return rows
-
-
-def _shared_key(shared: Callable[[], SharedKey | None] | None) -> SharedKey | None:
-    """The shared tiers' key of an encode, or None (tiers off, or the encoder has no shared identity)."""
-    if shared is None or not TIERS.active:
-        return None
-    try:
-        return shared()
-    except Exception as exc:  # a key the shared tiers cannot build: this encode stays in the process
-        log.debug("ReuseKit conditioning: no shared key (%s)", exc)
-        return None
 
 
 def _shared_get(key: SharedKey) -> tuple[Any, float] | None:

@@ -63,6 +63,7 @@ import torch
 from ..caching.conditioning import (
     CACHE,
     Key,
+    LocalOnly,
     identity,
     intern_weights,
     known_identity,
@@ -502,24 +503,28 @@ def _local_devices(patcher) -> dict:
     return {portable_device(str(d)): torch.device(d) for d in devices if d is not None}
 
 
-def shared_key(key: Key, module, patcher=None) -> SharedKey | None:
-    """The key of an encode for the shared tiers, or None while the encoder has no shared identity:
-    edit checks off, no recorded source, a file changed on disk since loading (its stamp), weights
-    replaced or edited since loading, or a weight file not hashed yet. It holds the in-process key's
-    fields (devices by kind and name, not index; the generation left out), the weight files by
-    content, the loader and its options, the weights' layout and the patch set by content, and the
-    torch and ComfyUI versions."""
-    if SETTINGS.get(CHECK_SETTING) == "off":  # nothing vouches that the weights are the files'
-        return None
+def shared_key(key: Key, module, patcher=None) -> SharedKey:
+    """The key of an encode for the shared tiers. It holds the in-process key's fields (devices by kind
+    and name, not index; the generation left out), the weight files by content, the loader and its
+    options, the weights' layout and the patch set by content, and the torch and ComfyUI versions.
+    Raises :class:`LocalOnly` with the reason while the encoder has no shared identity: edit checks off,
+    no recorded source, weights replaced or edited since loading, a file changed on disk since loading
+    (its stamp), or a weight file not hashed yet."""
+    if SETTINGS.get(CHECK_SETTING) == "off":
+        raise LocalOnly("weight edit checks are off: nothing vouches that the weights are their files'")
     with _sources_lock:
         source = _sources.get(module)
     if source is None and patcher is not None:
         source = _factory_source(module, patcher)
-    if source is None or source[0] != getattr(module, _GENERATION, 0) or _stamps(source[2]) != source[4]:
-        return None
+    if source is None:
+        raise LocalOnly("not loaded from files by a loader ReuseKit follows (or edited before its first encode)")
+    if source[0] != getattr(module, _GENERATION, 0):
+        raise LocalOnly("weights replaced or edited since loading")
+    if _stamps(source[2]) != source[4]:
+        raise LocalOnly("a weight file changed on disk since loading")
     hashes = tuple(TIERS.hashes.get(f) for f in source[2])
     if None in hashes:
-        return None
+        raise LocalOnly("a weight file is being hashed (in the background, once per file; shared after)")
     at = _GENERATION_AT[key.kind]
     fields = key.fields[:at] + key.fields[at + 1:]
     tree = (FORMAT, key.kind, _host_versions(), (source[1], hashes, source[3]), _weight_layout(module, patcher),

@@ -312,7 +312,8 @@ def test_off_checks_nothing_and_leaves_the_shared_tiers_and_switching_empties_th
     clip.encode_from_tokens(tokens)
     assert checks(clip) == before and cc.CACHE.count("hits.text") == 1
     key = pc.text_key(clip, tokens, False, False)
-    assert pc.shared_key(key, clip.cond_stage_model, clip.patcher) is None
+    with pytest.raises(cc.LocalOnly, match="weight edit checks are off"):
+        pc.shared_key(key, clip.cond_stage_model, clip.patcher)
     settings.set("conditioning.check_weight_edits", "events")
     assert len(cc.CACHE) == 0 and pc.shared_key(pc.text_key(clip, tokens, False, False), clip.cond_stage_model,
                                                  clip.patcher) is not None

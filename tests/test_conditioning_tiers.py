@@ -243,6 +243,7 @@ def test_lora_patch_sets_key_by_content_and_strength(shared):
 
 
 def test_until_a_weight_file_is_hashed_the_shared_tiers_are_bypassed(shared):
+    """Counted with the reason, never silently; the first encode after the hash is shared."""
     hashes = shared.tiers.TIERS.hashes
     saved = hashes.inline_bytes
     hashes.inline_bytes = 0  # every file on the background thread, as a large one would be
@@ -256,10 +257,13 @@ def test_until_a_weight_file_is_hashed_the_shared_tiers_are_bypassed(shared):
         assert hashes.get(path) is None
         assert equal(encode(clip), reference(2))
         assert entry_files(shared.folder) == [] and shared.cc.CACHE.count("encodes") == 1
+        (row,) = shared.cc.CACHE.bypass_reasons()  # not silent: counted, with its reason, for the panel
+        assert row["count"] == 1 and row["reason"].startswith("not shared: a weight file is being hashed"), row
+        assert shared.cc.CACHE.count("not_shared.text") == 1 and shared.cc.CACHE.count("bypasses") == 0
         gate.set()
         assert hashes.wait(30) and hashes.get(path) is not None
         encode(clip, "another prompt")
-        assert len(entry_files(shared.folder)) == 1
+        assert len(entry_files(shared.folder)) == 1 and shared.cc.CACHE.count("not_shared") == 1
     finally:
         del hashes._hash
         hashes.inline_bytes = saved

@@ -365,7 +365,7 @@ export function createPanel(root, { actions, history }) {
     if (reasons.length) {
       const rows = el("div", { class: "rk-rows", "data-rk": "bypass-reasons" });
       for (const [count, text] of reasons) rows.append(el("small", { text: count }), el("span", { text, title: text }));
-      card.append(el("h3", { text: "Why encodes ran uncached" }), rows);
+      card.append(el("h3", { text: "Why encodes ran uncached or unshared" }), rows);
     }
     if (runs.length) {
       card.append(el("h3", { text: runs.length === 1 ? "Last run" : "Last run per model" }), runLegend(),
