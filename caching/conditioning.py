@@ -366,7 +366,8 @@ class ConditioningCache:
 
     # -- the one entry point for encoders
     def fetch(self, key: Key, compute: Callable[[], Any], *, check_rng: bool = False, admit: Callable[[], str | None] | None = None,
-              shared: Callable[[], SharedKey] | None = None, encoder: str = "") -> Any:
+              shared: Callable[[], SharedKey] | None = None, encoder: str = "",
+              vouch: Callable[[Callable[[], None], Callable[[], None]], None] | None = None) -> Any:
         """The cached result for ``key`` (a private copy), or ``compute()`` stored on a miss.
 
         ``check_rng``: when the computation moves torch's global random state, its result depends
@@ -374,7 +375,7 @@ class ConditioningCache:
         ``admit``: asked after a miss's computation; a returned reason means "do not store".
         ``shared``: the key for the shared tiers (raising :class:`LocalOnly` with the reason when this
         encode cannot use them), asked on a miss: a shared hit is promoted into this LRU; a computed result
-        is written through to them.
+        is written through to them, when ``vouch`` (given the write and what to do instead) lets it.
         ``encoder``: the encoder's class name, beside the reason of a bypass."""
         if not self.enabled:
             return compute()
@@ -404,8 +405,19 @@ class ConditioningCache:
             return result
         stored = self._store(key, result, seconds, encoder=encoder)
         if stored is not None and skey is not None:
-            try:
+            kind = key.kind
+
+            def publish() -> None:
                 TIERS.put(skey, stored, seconds, _CONTAINERS)
+                with self._lock:
+                    self._count("published", kind)
+
+            def drop() -> None:
+                self.kept_local(kind, "its encoder's weights differed from their reference in full after the "
+                                      "encode (an edit the cheap check missed)", encoder)
+
+            try:
+                publish() if vouch is None else vouch(publish, drop)
             except Exception as exc:  # a shared tier never fails an encode
                 log.debug("ReuseKit conditioning: shared write failed: %s", exc)
         return result

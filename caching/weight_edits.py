@@ -340,6 +340,11 @@ class WeightWatch:
             self._plans[name] = _Plan(t, fp, name in embeddings)
         return edited
 
+    def reference(self) -> tuple[frozenset[str], dict[str, tuple[int, torch.dtype, torch.Size]]]:
+        """The last full check's names and each weight's (fingerprint, dtype, shape), for
+        :func:`matches_reference` to compare with outside the caller's lock."""
+        return self._names, {n: (p.fp, p.dtype, p.shape) for n, p in self._plans.items()}
+
     def quick(self, named: Mapping[str, torch.Tensor], patched: frozenset[str] = frozenset(),
               token_ids: Iterable[int] = (), rows_only: bool = False) -> bool:
         """The cheap check: True when the weights are seen to differ from the last full check (a
@@ -398,3 +403,17 @@ class WeightWatch:
             if rows and not np.array_equal(_shares_of_rows(t, rows, plan.width), plan.rows.numpy()[rows]):
                 return True
         return False
+
+
+def matches_reference(named: Mapping[str, torch.Tensor], patched: frozenset[str],
+                      reference: tuple[frozenset[str], dict[str, tuple[int, torch.dtype, torch.Size]]]) -> bool:
+    """Whether the weights equal a :meth:`WeightWatch.reference` in full: the same names, and every weight
+    the same dtype, shape and full fingerprint (every byte read)."""
+    names, plans = reference
+    if frozenset(named) | patched != names:
+        return False
+    for name, t in named.items():
+        plan = plans.get(name)
+        if plan is None or t.dtype != plan[1] or t.shape != plan[2]:
+            return False
+    return fingerprints(named.values()) == [plans[n][0] for n in named]

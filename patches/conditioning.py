@@ -569,7 +569,14 @@ def _route(kind: str, patcher, module, make_key, compute, check_rng=False, admit
         with look:
             return shared_key(key, module, patcher)
 
-    return CACHE.fetch(key, compute, check_rng=check_rng, admit=admit, shared=shared, encoder=encoder)
+    def vouch(publish, drop):  # after a miss: see encoder_weights.vouch
+        if SETTINGS.get(CHECK_SETTING) == "every_encode":
+            publish()  # this encode's own check was a full one
+        else:
+            encoder_weights.vouch(module, patcher, publish, drop)
+
+    return CACHE.fetch(key, compute, check_rng=check_rng, admit=admit, shared=shared, encoder=encoder,
+                       vouch=vouch)
 
 
 def encoder_name(module) -> str:

@@ -321,6 +321,18 @@ class Server:
     def queue(self, prompt: dict) -> str:
         return self.post("/prompt", {"prompt": prompt, "client_id": "reusekit-tests"})["prompt_id"]
 
+    def wait_published(self, timeout: float = 60) -> None:
+        """Wait until the conditioning misses of finished prompts passed their publication check and
+        reached the shared tiers (or were dropped): what a restarted or second server finds from then on."""
+        deadline = time.monotonic() + timeout
+        while True:
+            caches = {c["name"]: c for c in self.get("/reusekit/stats")["caches"]}
+            if not caches["conditioning"].get("info", {}).get("publish_waiting", 0):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"conditioning entries still wait to be published after {timeout} s")
+            time.sleep(0.1)
+
     def saved_latent(self, entry: dict, node: str):
         """The latent that node ``node`` (a SaveLatent) of a finished prompt (its history ``entry``) wrote."""
         from safetensors.torch import load_file

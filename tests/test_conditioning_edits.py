@@ -252,6 +252,24 @@ def test_an_in_place_edit_between_two_node_runs_is_seen_under_events(cc, what, t
     assert cc.CACHE.count("hits.text") == 0
 
 
+def test_an_edit_between_two_encodes_of_one_custom_node_is_seen(cc):
+    """A custom node encodes, scales a whole MLP weight by 1.5 and encodes again, all in one node run:
+    the second encode gets the cheap check in full (only ComfyUI's own nodes, a Prompt Batch through
+    CLIPTextEncode, check just the rows of later encodes), so it is the edited weights' own, not the
+    first one's output."""
+    text = "a green tree"
+    ex = rkharness.Executor()
+    ex.run({"1": {"class_type": "RKTestSizedCLIP", "inputs": {"seed": 0, "name": "events_dense"}},
+            "2": {"class_type": "RKTestEncodeEditEncode", "inputs": {"clip": ["1", 0], "text": text, "what": "dense"}},
+            "3": {"class_type": "ReuseKitCacheStats", "inputs": {"after": ["2", 1]}}})
+    (before,), (after,) = ex.output("2")
+    fresh = _files().clip_l_sized(0, _files().CLIP_MID)
+    _files().edit_weights(fresh, "dense", text)
+    expected = uncached(fresh.encode_from_tokens, fresh.tokenize(text))
+    assert not torch.equal(before[0][0], after[0][0]) and torch.equal(after[0][0], expected)
+    assert cc.CACHE.count("hits.text") == 0
+
+
 def test_every_encode_sees_an_edit_inside_one_node(cc):
     """A node that encodes, edits one value of a large weight away from the sampled positions, and
     encodes again: under every_encode the second encode is the edited weights' own."""

@@ -58,8 +58,17 @@ def counter(tiers, tier, name):
     return tiers.TIERS.stats[tier].counter(name)
 
 
+def published():
+    """Wait until every miss's entry passed its publication check (a background full fingerprint) and
+    was written to the shared tiers, or dropped: what another worker would see from then on."""
+    assert rkharness.pack("patches.encoder_weights").wait_published(60)
+
+
 def encode(clip, text=TEXT):
-    return clip.encode_from_tokens(clip.tokenize(text), return_pooled=True)
+    """Encode, and wait for the publication of what missed."""
+    out = clip.encode_from_tokens(clip.tokenize(text), return_pooled=True)
+    published()
+    return out
 
 
 def reference(seed=0, text=TEXT):
@@ -78,6 +87,7 @@ def equal(a, b):
 
 
 def entry_files(folder: Path):
+    published()
     return sorted(folder.rglob("*.rkcond"))
 
 
@@ -602,6 +612,8 @@ def test_a_second_server_hits_the_first_servers_encodes_through_the_disk_tier_an
     with rkharness.running_server(env=env) as a:
         _run(a, _prompt(clip_path, str(tmp_path / "a.safetensors")))
         assert _stats(a)["conditioning"]["counters"].get("encodes") == 1
+        a.wait_published()
+        assert _stats(a)["conditioning"]["counters"].get("published") == 1
     for name in ("b", "c"):  # b: another process; c: the same folder after a restart
         with rkharness.running_server(env=env) as s:
             _run(s, _prompt(clip_path, str(tmp_path / f"{name}.safetensors")))
@@ -641,6 +653,63 @@ def test_a_second_server_hits_through_redis_and_survives_redis_being_killed(tmp_
 
 
 # ---- what never reaches a shared tier ----------------------------------------------------------
+
+def test_an_edit_the_cheap_check_misses_never_reaches_another_worker(shared):
+    """Worker A zeroes one attention head of its encoder in place, where the cheap check samples nothing;
+    its encode is its edited weights' own, and the publication check (a full fingerprint after the
+    encode) keeps it from the disk tier, counted with its reason. Worker B, a fresh load of the same
+    file, gets ComfyUI's clean output; A's next check is a full one and starts a new generation."""
+    files = _tiny_files()
+    path = files.write_tiny_clip_file(str(shared.files), 0, files.CLIP_HEADS)
+    a = files.load_tiny_clip_file(path, files.CLIP_HEADS)
+    weight, rows = files.unsampled_head(a)
+    with torch.inference_mode():
+        weight[rows] = 0
+    text = "one head less"
+    edited = encode(a, text)
+    assert entry_files(shared.folder) == [] and counter(shared.tiers, "disk", "misses") == 1
+    (row,) = shared.cc.CACHE.bypass_reasons()
+    assert "differed from their reference in full after the encode" in row["reason"], row
+    b = files.load_tiny_clip_file(path, files.CLIP_HEADS)
+    clean = encode(b, text)
+    assert counter(shared.tiers, "disk", "hits") == 0 and len(entry_files(shared.folder)) == 1
+    fresh = files.load_tiny_clip_file(path, files.CLIP_HEADS)
+    settings = shared.settings
+    settings.set("conditioning.enabled", False)
+    try:
+        expected = fresh.encode_from_tokens(fresh.tokenize(text), return_pooled=True)
+        with torch.inference_mode():
+            files.unsampled_head(fresh)[0][rows] = 0
+        expected_edited = fresh.encode_from_tokens(fresh.tokenize(text), return_pooled=True)
+    finally:
+        settings.set("conditioning.enabled", True)
+    assert equal(clean, expected) and equal(edited, expected_edited) and not equal(clean, edited)
+    generation = getattr(a.cond_stage_model, "_reusekit_generation", 0)
+    assert equal(encode(a, text), expected_edited)  # A's next check: in full, a new generation, no stale hit
+    assert getattr(a.cond_stage_model, "_reusekit_generation", 0) == generation + 1
+    assert len(entry_files(shared.folder)) == 1
+
+
+def test_checks_switched_on_compare_with_the_weights_as_loaded(shared):
+    """Loaded with the checks off, edited, then checks on: the first encode compares with the weights as
+    loaded (taken in every mode), so the edit is an edit, never the reference: nothing reaches the disk
+    tier, and a fresh load of the clean file encodes ComfyUI's output."""
+    files = _tiny_files()
+    shared.settings.set("conditioning.check_weight_edits", "off")
+    try:
+        path = files.write_tiny_clip_file(str(shared.files), 3)
+        a = files.load_tiny_clip_file(path)
+        with torch.inference_mode():
+            a.cond_stage_model.clip_l.transformer.text_model.final_layer_norm.weight.mul_(1.5)
+        shared.settings.set("conditioning.check_weight_edits", "events")
+        edited = encode(a)
+        assert entry_files(shared.folder) == []
+        clean = encode(files.load_tiny_clip_file(path))
+        assert counter(shared.tiers, "disk", "hits") == 0 and equal(clean, reference(3))
+        assert not equal(edited, clean)
+    finally:
+        shared.settings.set("conditioning.check_weight_edits", "events")
+
 
 def test_with_edit_checks_off_the_shared_tiers_neither_read_nor_write(shared):
     """A worker with ``conditioning.check_weight_edits`` off cannot vouch that its weights are the

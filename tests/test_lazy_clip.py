@@ -13,6 +13,7 @@ import pytest
 import rkharness
 import torch
 from safetensors.torch import load_file
+from test_conditioning_tiers import published
 
 pytestmark = pytest.mark.conditioning
 
@@ -56,7 +57,10 @@ def lazy(tmp_path, monkeypatch):
 
 
 def encode(clip, text=TEXT):
-    return clip.encode_from_tokens(clip.tokenize(text), return_pooled=True)
+    """Encode, and wait for the publication of what missed."""
+    out = clip.encode_from_tokens(clip.tokenize(text), return_pooled=True)
+    published()
+    return out
 
 
 def equal(a, b):
@@ -68,6 +72,7 @@ def count(lazy, name):
 
 
 def entries(folder: Path):
+    published()
     return sorted(folder.rglob("*.rkcond"))
 
 
@@ -451,8 +456,10 @@ def test_the_lazy_clip_loader_node_on_a_clip_l_file(lazy, tmp_path):
 # ---- across restarts: real servers ---------------------------------------------------------------
 
 def _run(server, prompt) -> None:
+    """Run a prompt; return once its misses reached the shared tiers."""
     history = server.wait_for_prompt(server.queue(prompt))
     assert history["status"]["status_str"] == "success", (history["status"], server.log_text()[-3000:])
+    server.wait_published()
 
 
 def _stats(server) -> dict:
@@ -612,6 +619,7 @@ def test_a_restarted_server_answers_a_z_image_prompt_without_reading_the_llm(tmp
                 entry = server.wait_for_prompt(server.queue(prompt(
                     lazy, seed, str(tmp_path / f"{name}{seed}.st"), str(tmp_path / f"{name}{seed}.json") if lazy else None)))
                 latents[name, seed] = server.saved_latent(entry, "7")
+            server.wait_published()
             stats = _stats(server)
         if name == "a":
             assert stats["conditioning"]["counters"].get("encodes") == 1 and entries(tmp_path / "disk")

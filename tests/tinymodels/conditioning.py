@@ -112,14 +112,20 @@ class RKTestSharedTinyCheckpoint:
         return _SHARED[key]
 
 
-def write_tiny_clip_file(folder: str, seed: int = 0) -> str:
-    """The tiny CLIP's weights at ``seed`` as a safetensors file in ``folder`` (its full state dict)."""
+CLIP_HEADS = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 16,
+              "num_hidden_layers": 2, "projection_dim": 256}  # heads of 16: most miss every sampled position
+
+
+def write_tiny_clip_file(folder: str, seed: int = 0, config: dict | None = None) -> str:
+    """The tiny CLIP's weights at ``seed`` (or a CLIP-L-class one of ``config``) as a safetensors file in
+    ``folder`` (its full state dict)."""
     from safetensors.torch import save_file
 
     from . import tiny_clip
 
-    path = os.path.join(folder, f"tiny_clip_{seed}.safetensors")
-    sd = {k: v.detach().contiguous().clone() for k, v in tiny_clip(seed).cond_stage_model.state_dict().items()}
+    clip = tiny_clip(seed) if config is None else clip_l_sized(seed, config)
+    path = os.path.join(folder, f"tiny_clip_{seed}{'' if config is None else '_' + str(config['hidden_size'])}.safetensors")
+    sd = {k: v.detach().contiguous().clone() for k, v in clip.cond_stage_model.state_dict().items()}
     save_file(sd, path)
     return path
 
@@ -135,10 +141,10 @@ def _pack_module(name: str):
     raise RuntimeError(f"the ReuseKit pack's {name} is not loaded")
 
 
-def load_tiny_clip_file(path: str):
-    """A real ``comfy.sd.CLIP`` at the tiny CLIP's shape with its weights loaded from ``path`` through
-    ``CLIP.load_sd`` (as ComfyUI's loaders do), recorded as coming from that file (a custom loader
-    registering its source with ReuseKit)."""
+def load_tiny_clip_file(path: str, config: dict | None = None):
+    """A real ``comfy.sd.CLIP`` at the tiny CLIP's shape (or ``config``'s, in float32) with its weights
+    loaded from ``path`` through ``CLIP.load_sd`` (as ComfyUI's loaders do), recorded as coming from that
+    file (a custom loader registering its source with ReuseKit)."""
     import comfy.sd
     import comfy.sd1_clip
     import comfy.supported_models_base
@@ -146,14 +152,35 @@ def load_tiny_clip_file(path: str):
 
     from . import _SHAPES
 
+    shape = dict(_SHAPES.CLIP_CONFIG if config is None else config)
     target = comfy.supported_models_base.ClipTarget(comfy.sd1_clip.SD1Tokenizer, comfy.sd1_clip.SD1ClipModel)
-    clip = comfy.sd.CLIP(target=target, model_options={"clip_l_model_config": dict(_SHAPES.CLIP_CONFIG)})
+    options = {"clip_l_model_config": shape, **({} if config is None else {"dtype": torch.float32})}
+    clip = comfy.sd.CLIP(target=target, model_options=options)
     missing, unexpected = clip.load_sd(comfy.utils.load_torch_file(path, safe_load=True), full_model=True)
     if missing or unexpected:
         raise RuntimeError(f"{path}: missing {missing}, unexpected {unexpected}")
-    _pack_module("patches.conditioning").register_source(clip, [path], "rk_tinymodels.load_tiny_clip_file",
-                                                        dict(_SHAPES.CLIP_CONFIG))
+    _pack_module("patches.conditioning").register_source(clip, [path], "rk_tinymodels.load_tiny_clip_file", shape)
     return clip
+
+
+def unsampled_head(clip) -> tuple[torch.Tensor, slice]:
+    """An attention projection of a CLIP-L-class encoder and one of its heads (rows) that holds none of
+    the positions the cheap edit check samples (its rows): zeroing it is an edit only a full fingerprint
+    sees."""
+    weight_edits = _pack_module("caching.weight_edits")
+    model = clip.cond_stage_model.clip_l.transformer.text_model
+    heads = model.encoder.layers[0].self_attn.heads
+    for layer in model.encoder.layers:
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            w = getattr(layer.self_attn, proj).weight
+            if w.numel() * w.element_size() <= weight_edits.SMALL:
+                continue
+            rows = w.shape[0] // heads
+            hit = {int(p) // w.shape[1] // rows for p in weight_edits._positions(w.numel())}
+            free = [h for h in range(heads) if h not in hit]
+            if free:
+                return w, slice(free[0] * rows, (free[0] + 1) * rows)
+    raise RuntimeError("every head of every projection holds a sampled position")
 
 
 _FILE_CLIPS: dict = {}
