@@ -16,7 +16,10 @@ forward and its ids builders are ComfyUI's own. So a forward has no geometry (it
 fall back to the value rules, which a device tensor never takes) when:
 
 - a helper that makes ids (``process_img``, ``forward_orig``, ``img_ids``, ...) is not the host
-  function recorded at install (replaced later by someone, or a subclass overrides it);
+  function recorded at install (replaced later by someone, or a subclass overrides it), or is replaced
+  on the model itself (a ComfyUI object patch sets it on the instance);
+- the embedder has hooks or a forward of its own on the instance, or torch's global module hooks are
+  set (any of them may rewrite the ids or the table);
 - a ``transformer_options["patches"]`` entry that may rewrite the ids is set (``post_input``);
 - an argument cannot be keyed (:class:`~..caching.keys.Uncacheable`), or an option the ids read
   holds a tensor (its values would decide them).
@@ -69,6 +72,13 @@ def _module(model, attr: str):
 def current() -> Geometry | None:
     """The geometry of the family forward running now (``None``: none)."""
     return _GEOMETRY.get()
+
+
+def _global_hooks() -> bool:
+    """Whether torch calls module hooks set for every module (they may rewrite an embedder's ids)."""
+    from torch.nn.modules import module as nn_module
+
+    return bool(nn_module._global_forward_pre_hooks or nn_module._global_forward_hooks)
 
 
 class Geometry:
@@ -179,9 +189,19 @@ class ForwardSeam:
         if self.off:
             raise _NoGeometry(self.off)
         cls = type(model)
+        overrides = getattr(model, "__dict__", {})
         for on_class, owner, name, fn in self._host:
             if getattr(cls if on_class else owner, name, None) is not fn:
                 raise _NoGeometry(f"{name} is not the host's {name}")
+            if on_class and name in overrides:
+                raise _NoGeometry(f"{name} is replaced on the model (an object patch)")
+        if _global_hooks():
+            raise _NoGeometry("global module hooks are set")
+        for attr in self.embedders:
+            embedder = _module(model, attr)
+            if embedder is not None and (embedder._forward_pre_hooks or embedder._forward_hooks
+                                         or "forward" in getattr(embedder, "__dict__", {})):
+                raise _NoGeometry(f"{attr} has hooks or a replaced forward")
         if len(args) > len(self._names):
             raise _NoGeometry("unexpected positional arguments")
         arguments = dict(zip(self._names, args, strict=False))  # fewer args: defaults

@@ -109,6 +109,52 @@ def test_an_ids_builder_replaced_after_install_is_never_answered_from_the_geomet
     assert any("process_img" in r for r in reasons), reasons
 
 
+@pytest.mark.parametrize("how", ["object patch", "embedder pre-hook", "global pre-hook"])
+def test_ids_rewritten_on_the_model_itself_are_never_answered_from_the_geometry(families, rope, monkeypatch, how):
+    """ComfyUI's object patch of ``diffusion_model.process_img`` (set on the instance, the class's stays the
+    host's), a hook on the embedder, or torch's global module hook moves the positions: the forward then
+    has no geometry, so every output equals ComfyUI's with the same patch, and the reason is counted."""
+    import types
+
+    import comfy.ldm.flux.model as flux
+
+    model = families.FAMILY_SPECS["flux"].build(0)
+    call = families.FAMILY_SPECS["flux"].inputs((16, 8, 8), 2)
+    dm = model.model.diffusion_model
+    host_out = run(model, call, cached_options(rope))  # a miss, then an entry of the host's geometry
+    assert torch.equal(run(model, call, cached_options(rope)), host_out)
+    undo = []
+    if how == "object patch":
+        def moved(self, x, *args, **kwargs):
+            img, ids = flux.Flux.process_img(self, x, *args, **kwargs)
+            return img, ids + torch.tensor([0.0, 1.0, 0.0])
+
+        model.add_object_patch("diffusion_model.process_img", types.MethodType(moved, dm))
+        model.patch_model()
+        undo.append(model.unpatch_model)
+    else:
+        def shift(module, args):
+            return (args[0] + 1.0,)
+
+        if how == "embedder pre-hook":
+            undo.append(dm.pe_embedder.register_forward_pre_hook(shift).remove)
+        else:
+            undo.append(torch.nn.modules.module.register_module_forward_pre_hook(
+                lambda module, args: shift(module, args) if module is dm.pe_embedder else None).remove)
+    try:
+        plain = run(model, call, {})
+        assert not torch.equal(plain, host_out)
+        for _ in range(2):
+            assert torch.equal(run(model, call, cached_options(rope)), plain)
+        monkeypatch.setattr(rope, "VALUE_KEYS_ON", frozenset())  # as on a device: computed, and why
+        assert torch.equal(run(model, call, cached_options(rope)), plain)
+        reasons = rope.model_cache(model.model).bypass_reasons()
+        assert any(("object patch" if how == "object patch" else "hook") in r for r in reasons), reasons
+    finally:
+        for u in undo:
+            u()
+
+
 @pytest.mark.parametrize("family", ["flux", "qwen_image"])
 def test_a_post_input_patch_that_moves_the_ids_is_never_answered_from_the_geometry(family, families, rope,
                                                                                    monkeypatch):
