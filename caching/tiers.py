@@ -7,18 +7,21 @@ Pure logic (torch, safetensors and the standard library; the ``redis`` client on
 - An entry is a safetensors blob: the stored value's tensors as tensors, the rest of it and the full key
   text as JSON in the header, a CRC-32 checksum over all of it and, with a secret, an HMAC-SHA256 of all
   of it. A read checks the format, the signature's presence, the key (whole, field by field as text),
-  the checksum and the signature before anything is used: a torn, corrupted, foreign, unsigned or
-  forged entry is a counted miss.
+  the checksum and the signature before anything is used: a torn, corrupted, foreign, unsigned,
+  forged or otherwise malformed entry is a counted rejection and a miss.
 - Devices in a stored value are named by kind and model (``cuda[<name>]``), as in the key, and read back
   as this process's device of that kind and model.
 - The disk tier writes atomically (a temporary file, then ``os.replace``), bounds its bytes and evicts
   the least recently used files (a hit touches the file's mtime, at most once a minute). It opens an entry without following
   links and without blocking, and reads only a regular file under the entry size cap. Its files end
-  in ``.rkcond``, so a folder under ComfyUI's ``models/`` never shows them in a model list.
-- The Redis tier has short socket timeouts, a total deadline per read (a server sending a byte at a
-  time cannot hold an encode), reads at most the entry size cap, and a circuit breaker (after a
-  failure the tier is skipped for a while, one log line, an error counted); writes go through a
-  background queue.
+  in ``.rkcond``, so a folder under ComfyUI's ``models/`` never shows them in a model list. Its files
+  are 0600 and the folders it makes 0700: entries hold prompts' conditionings.
+- The Redis tier has short socket timeouts, a total deadline per read that grows with the entry's size
+  (a server sending a byte at a time cannot hold an encode; a large entry over a slow link is a counted
+  ``too_slow`` rejection that cuts only its own connection), reads at most the entry size cap, and a
+  circuit breaker (after a failure the tier is skipped for a while, one log line, an error counted);
+  writes go through a background queue. Its URL is shown (settings, stats, log) without its password,
+  in any form.
 - Where the tiers are (the disk folder, the Redis URL) is set from the environment only: a client of
   ComfyUI's API can switch a tier on or off, never point it elsewhere.
 """
@@ -42,6 +45,7 @@ import uuid
 import zlib
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote_plus
 
 import torch
 from safetensors.torch import load as st_load
@@ -296,7 +300,20 @@ def _header(data: bytes) -> dict[str, str]:
 def unpack(data: bytes, key: SharedKey, secret: bytes | None, classes: dict[str, type],
            local: dict[str, torch.device] | None = None) -> tuple[Any, float]:
     """The frozen value and compute seconds of an entry, after every check; Rejected otherwise.
-    ``local``: this process's devices by portable name (:func:`portable_device`), for stored tensors."""
+    ``local``: this process's devices by portable name (:func:`portable_device`), for stored tensors.
+    Whatever else an entry's bytes make a check raise (a non-ASCII checksum in ``hmac.compare_digest``,
+    a header nested past json's recursion limit, a value node of the wrong type) is ``malformed``: every
+    bad entry is a counted rejection and a miss, never an exception the tiers' counters miss."""
+    try:
+        return _unpack(data, key, secret, classes, local)
+    except Rejected:
+        raise
+    except Exception as exc:
+        raise Rejected("malformed", f"{type(exc).__name__}: {exc}") from None
+
+
+def _unpack(data: bytes, key: SharedKey, secret: bytes | None, classes: dict[str, type],
+            local: dict[str, torch.device] | None) -> tuple[Any, float]:
     meta = _header(data)
     if meta.get("format") != FORMAT:
         raise Rejected("corrupt", f"format {meta.get('format')!r}")
@@ -312,14 +329,7 @@ def unpack(data: bytes, key: SharedKey, secret: bytes | None, classes: dict[str,
         raise Rejected("corrupt", "checksum")
     if secret and not hmac.compare_digest(_signature(secret, meta, tensors), str(meta["hmac"])):
         raise Rejected("unsigned", "wrong signature")
-    try:
-        stored = _from_json(json.loads(meta["value"]), tensors, classes, local)
-        seconds = float.fromhex(meta["seconds"])
-    except Rejected:
-        raise
-    except Exception as exc:  # anything else a stored value can hold is malformed: counted, never raised
-        raise Rejected("malformed", f"{type(exc).__name__}: {exc}") from None
-    return stored, seconds
+    return _from_json(json.loads(meta["value"]), tensors, classes, local), float.fromhex(meta["seconds"])
 
 
 # ---- the disk tier -----------------------------------------------------------------------------
@@ -327,6 +337,18 @@ def unpack(data: bytes, key: SharedKey, secret: bytes | None, classes: dict[str,
 _HEX2 = re.compile(r"^[0-9a-f]{2}$")
 # an entry, or its temporary file (``.safetensors``: entries of ReuseKit 0.1, counted and evicted, never read)
 _ENTRY = re.compile(r"^(\.)?([0-9a-f]{64})\.(?:rkcond|safetensors)(\.\d+\.[0-9a-f]{8}\.tmp)?$")
+
+
+def _private_folders(folder: Path) -> None:
+    """Make ``folder`` and its missing parents, each 0700 (``Path.mkdir(parents=True)`` makes the parents
+    with the umask's mode). A folder that exists is left as it is: the user chose it."""
+    missing = []
+    while not folder.is_dir():
+        missing.append(folder)
+        folder = folder.parent
+    for made in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another process made it meanwhile
+            os.mkdir(made, 0o700)
 
 
 class DiskTier:
@@ -381,12 +403,15 @@ class DiskTier:
         return data
 
     def write(self, name: str, data: bytes) -> None:
-        """Write atomically: a reader sees the old file, the new one or none, never a part."""
+        """Write atomically: a reader sees the old file, the new one or none, never a part. The file is
+        0600 and every folder this makes 0700 (created so: a umask only takes bits away, so a permissive
+        one cannot open them): an entry holds a prompt's conditioning."""
         path = self.path(name)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _private_folders(path.parent)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            with open(tmp, "wb") as f:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+            with os.fdopen(os.open(tmp, flags, 0o600), "wb") as f:
                 f.write(data)
             os.replace(tmp, path)
         finally:
@@ -463,26 +488,35 @@ class Unavailable(Exception):
     """The Redis tier is skipped right now (breaker open, or the client failed)."""
 
 
-class _Deadlines:
-    """Deadlines of calls running on their callers' threads, and one daemon thread that calls
-    ``expire()`` when one passes. Arming a deadline wakes the thread only when it is idle or waits
-    for a later one: reads a second apart wake it about once a second, not once a read."""
+class _Late(Exception):
+    """A Redis call cut at its deadline."""
 
-    def __init__(self, expire):
+
+class _Deadlines:
+    """Deadlines of calls running on their callers' threads, and one daemon thread that cuts a call
+    when its deadline passes: ``cut()`` given to ``arm`` (what closes that call's own connection), else
+    ``expire()``. Arming a deadline wakes the thread only when it is idle or waits for a later one:
+    reads a second apart wake it about once a second, not once a read. ``close`` never strands a call:
+    the thread ends once closed with nothing armed, and a call armed after that (a read that took the
+    tier just before a settings change replaced it) starts it again."""
+
+    def __init__(self, expire=None):
         self._expire = expire
         self._cond = threading.Condition()
-        self._armed: dict[int, float] = {}  # token -> monotonic deadline
+        self._armed: dict[int, tuple[float, Any]] = {}  # token -> (monotonic deadline, cut)
         self._fired: set[int] = set()
         self._tokens = iter(range(1 << 62))
         self._until: float | None = None  # what the thread waits for (None: nothing, or not started)
         self._thread: threading.Thread | None = None
+        self._running = False  # the thread runs (False once it has decided to end)
         self._closed = False
 
-    def arm(self, seconds: float) -> int:
+    def arm(self, seconds: float, cut=None) -> int:
         with self._cond:
             token, deadline = next(self._tokens), time.monotonic() + seconds
-            self._armed[token] = deadline
-            if self._thread is None:
+            self._armed[token] = (deadline, cut or self._expire)
+            if not self._running:
+                self._running = True
                 self._thread = threading.Thread(target=self._run, name="reusekit-redis-deadline", daemon=True)
                 self._thread.start()
             elif self._until is None or deadline < self._until:
@@ -490,7 +524,7 @@ class _Deadlines:
             return token
 
     def disarm(self, token: int) -> bool:
-        """Forget a deadline; True when it had passed (``expire`` was called for it)."""
+        """Forget a deadline; True when it had passed (its call was cut)."""
         with self._cond:
             self._armed.pop(token, None)
             fired = token in self._fired
@@ -498,6 +532,7 @@ class _Deadlines:
             return fired
 
     def close(self) -> None:
+        """End the thread once no call is armed (the calls armed still get their deadlines)."""
         with self._cond:
             self._closed = True
             self._cond.notify()
@@ -505,29 +540,39 @@ class _Deadlines:
     def _run(self) -> None:
         while True:
             with self._cond:
-                if self._closed:
+                if self._closed and not self._armed:
+                    self._running = False
                     return
                 now = time.monotonic()
-                late = [t for t, d in self._armed.items() if d <= now]
-                for t in late:
+                late = [(t, cut) for t, (d, cut) in self._armed.items() if d <= now]
+                for t, _ in late:
                     del self._armed[t]
                     self._fired.add(t)
                 if not late:
-                    self._until = min(self._armed.values(), default=None)
+                    self._until = min((d for d, _ in self._armed.values()), default=None)
                     self._cond.wait(None if self._until is None else self._until - now)
                     self._until = None
                     continue
-            self._expire()  # outside the lock: it closes sockets
+            for _, cut in late:  # outside the lock: a cut closes sockets
+                try:
+                    cut()
+                except Exception as exc:  # the watchdog outlives a cut that fails: later calls need it
+                    log.debug("ReuseKit: cutting a Redis call failed: %s", exc)
 
 
 class RedisTier:
-    """Entries as Redis values with a TTL. A read runs on the caller's thread and takes at most
-    ``4 * timeout_s`` in all (past that deadline a watchdog thread closes the connections under it),
-    and fetches at most ``max_bytes`` + 1 bytes (``GETRANGE``: a larger value is rejected unread).
-    Writes go through a bounded background queue (a full queue drops the write). A failure opens the
-    breaker: the tier is skipped for ``cooldown_s`` seconds, with one log line."""
+    """Entries as Redis values with a TTL. A read runs on the caller's thread, on a connection of that
+    thread's own: ``STRLEN`` within ``4 * timeout_s``, then (a value over ``max_bytes`` is rejected
+    unread) ``GETRANGE`` of that many bytes within ``4 * timeout_s`` + size / ``MIN_RATE``, so a large
+    entry over a link that is slow but above the floor rate still arrives. Past a deadline a watchdog
+    thread closes that read's connection, and no other: the writer's SETs and other threads' reads go
+    on. Writes go through a bounded background queue (a full queue drops the write). A failure opens
+    the breaker: the tier is skipped for ``cooldown_s`` seconds, with one log line. An entry too slow
+    for its deadline is no failure of the tier: a counted ``too_slow`` rejection, the breaker stays
+    shut."""
 
     PREFIX = "reusekit:cond:1:"
+    MIN_RATE = MIB  # bytes per second: the slowest link a read waits for (256 MiB: 256 s more)
 
     def __init__(self, url: str, ttl_s: int, timeout_s: float = 0.25, cooldown_s: float = 15.0,
                  on_error=None, on_written=None):
@@ -539,8 +584,9 @@ class RedisTier:
         self.deadline_s = 4 * timeout_s
         self.max_bytes = MAX_ENTRY_BYTES
         self._redis = redis
-        self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                            retry_on_timeout=False)
+        self._options = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s, "retry_on_timeout": False}
+        self._client = redis.Redis.from_url(url, **self._options)  # the writer's and usage's
+        self._readers = threading.local()  # each reading thread's client: a cut ends that read only
         self._down_until = 0.0
         self._on_error = on_error or (lambda exc: None)
         self._on_written = on_written or (lambda n: None)
@@ -548,7 +594,7 @@ class RedisTier:
         self._closed = False
         self._thread = threading.Thread(target=self._work, name="reusekit-redis-writer", daemon=True)
         self._thread.start()
-        self._deadlines = _Deadlines(self._client.connection_pool.disconnect)  # a read in flight fails
+        self._deadlines = _Deadlines()
 
     def _fail(self, exc: Exception) -> None:
         first = time.monotonic() >= self._down_until
@@ -567,23 +613,51 @@ class RedisTier:
             self._fail(exc)
             raise Unavailable(str(exc)) from None
 
+    def _reader(self):
+        client = getattr(self._readers, "client", None)
+        if client is None:
+            client = self._readers.client = self._redis.Redis.from_url(self.url, **self._options)
+        return client
+
+    def _timed(self, reader, seconds: float, fn, *args):
+        """``fn(*args)`` on ``reader``, cut (its connection closed) past ``seconds``: _Late then."""
+        token = self._deadlines.arm(seconds, reader.connection_pool.disconnect)
+        try:
+            return fn(*args)
+        except Exception:
+            if self._deadlines.disarm(token):
+                raise _Late(f"a call took over {seconds:.2f} s") from None
+            raise
+        finally:
+            self._deadlines.disarm(token)  # (an answer that came whole as the deadline passed is whole)
+
     def read(self, name: str) -> bytes | None:
         if time.monotonic() < self._down_until:
             raise Unavailable("breaker open")
-        cap = self.max_bytes
-        token = self._deadlines.arm(self.deadline_s)
+        key, reader = self.PREFIX + name, self._reader()
         try:
-            data = self._client.getrange(self.PREFIX + name, 0, cap)
-        except Exception as exc:  # the client's errors and a server answering nonsense alike
-            late = self._deadlines.disarm(token)
-            self._fail(TimeoutError(f"a read took over {self.deadline_s:.2f} s") if late else exc)
-            raise Unavailable("read deadline" if late else str(exc)) from None
-        finally:
-            self._deadlines.disarm(token)  # (an answer that came whole as the deadline passed is whole)
+            size = self._timed(reader, self.deadline_s, reader.strlen, key)
+            if not isinstance(size, int):
+                raise TypeError(f"STRLEN answered {size!r}")
+        except Exception as exc:  # the client's errors, a server answering nonsense or too slow to answer
+            self._fail(exc)
+            raise Unavailable(str(exc)) from None
+        if not size:
+            return None  # no such key
+        if size > self.max_bytes:
+            raise Rejected("oversize", f"{size} bytes, over {self.max_bytes}")
+        seconds = self.deadline_s + size / self.MIN_RATE
+        try:
+            data = self._timed(reader, seconds, reader.getrange, key, 0, size)  # at most size + 1 bytes
+        except _Late:  # this entry over this link, not the tier: the breaker stays shut
+            raise Rejected("too_slow", f"{size} bytes in over {seconds:.2f} s") from None
+        except Exception as exc:
+            self._fail(exc)
+            raise Unavailable(str(exc)) from None
         if not data:
-            return None  # no such key (GETRANGE answers an empty string)
-        if len(data) > cap:
-            raise Rejected("oversize", f"over {cap} bytes")
+            return None  # gone since the STRLEN (expired, evicted)
+        if len(data) > size:
+            raise Rejected("corrupt", "grew while read")
         return data
 
     def write(self, name: str, data: bytes) -> bool:
@@ -636,12 +710,26 @@ class RedisTier:
                 self._queue.task_done()
 
 
+# query keys that carry a secret to the client (redis-py passes unknown keys on: ``password``, ``ssl_password``)
+_SECRET_QUERY_KEY = re.compile(r"pass|secret|token|auth|cred", re.IGNORECASE)
+
+
 def _redacted(url: str) -> str:
-    """A Redis URL without its password."""
-    if "@" not in url:
-        return url
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://***@{rest.rpartition('@')[2]}"
+    """A Redis URL without its password in any form redis-py takes, as the settings, the stats and the
+    log show it: everything before the last ``@`` (``user:pw@``, ``:pw@``, a password holding an
+    unescaped ``?``) and the value of every query key that names a secret (``?password=``,
+    ``ssl_password=``, a percent-encoded name alike) become ``***``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    if "@" in rest:
+        rest = f"***@{rest.rpartition('@')[2]}"
+    where, q, query = rest.partition("?")
+    fields = []
+    for field in query.split("&") if q else ():
+        name, eq, _ = field.partition("=")
+        fields.append(f"{name}=***" if eq and _SECRET_QUERY_KEY.search(unquote_plus(name)) else field)
+    return f"{scheme}{sep}{where}{q}{'&'.join(fields)}"
 
 
 # ---- the tiers together, their settings and stats ----------------------------------------------
@@ -830,6 +918,6 @@ SETTINGS.define("conditioning.redis.ttl_hours", int, 168,
                 "Hours a Redis entry lives (Redis's own maxmemory policy evicts before that).",
                 minimum=1, maximum=1 << 20, on_change=_reconfigure)
 SETTINGS.define("conditioning.redis.timeout_ms", int, 250,
-                "Socket timeout of a Redis call (a whole read gets four times this); a failure skips the tier "
-                "for a while.",
+                "Socket timeout of a Redis call (a whole read gets four times this, plus a second per MiB of "
+                "the entry); a failure skips the tier for a while.",
                 minimum=10, maximum=60_000, on_change=_reconfigure)
