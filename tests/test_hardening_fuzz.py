@@ -170,6 +170,69 @@ def test_seeded_fuzz_matches_the_uncached_server_bit_for_bit(servers):
     assert tea["calls_computed"] > 0 and tea["calls_skipped"] == 0, tea  # threshold 0 computes every step
 
 
+def test_a_worker_editing_its_encoder_in_place_never_hands_an_edit_to_another(tmp_path):
+    """Two workers with every cache on share one disk tier; between prompts a node on worker A edits its
+    encoder in place, often where the cheap check samples nothing (a head, one value). Worker B encodes
+    each text right after A, from a clean load of the same file. Every output of A equals the pack-off
+    server's under the same edits, every output of B equals its clean encoder's (never A's edited one),
+    and B hit the disk tier for the texts A encoded before its first edit (but the first, encoded while
+    A hashed the file in the background)."""
+    from importlib import import_module
+
+    from safetensors.torch import load_file
+
+    files = import_module(rkharness.TINY.__name__ + ".conditioning")
+    path = files.write_tiny_clip_file(str(tmp_path), 0, files.CLIP_HEADS)
+    clean_path = str(tmp_path / "clean_copy.safetensors")
+    Path(clean_path).write_bytes(Path(path).read_bytes())
+    rng = random.Random(20261203)
+    rounds = [(" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 5))),
+               None if i < 6 or rng.random() < 0.3 else rng.choice(["head", "sparse", "head", "dense"]))
+              for i in range(18)]
+    assert sum(edit in ("head", "sparse") for _, edit in rounds) >= 4
+
+    def prompt(clip_path, text, edit, out):
+        p = {"1": {"class_type": "RKTestFileCLIP", "inputs": {"path": clip_path, "heads": True}}}
+        clip = ["1", 0]
+        if edit:
+            p["2"] = {"class_type": "CLIPTextEncode", "inputs": {"clip": clip, "text": f"before {out}"}}
+            p["3"] = {"class_type": "RKTestEditEncoder", "inputs": {"clip": clip, "what": edit, "text": text,
+                                                                    "after": ["2", 0]}}
+            clip = ["3", 0]
+        p["4"] = {"class_type": "CLIPTextEncode", "inputs": {"clip": clip, "text": text}}
+        p["5"] = {"class_type": "RKTestSaveConditioning", "inputs": {"conditioning": ["4", 0], "path": out}}
+        return p
+
+    def run(server, p):
+        entry = server.wait_for_prompt(server.queue(p))
+        assert entry["status"]["status_str"] == "success", (entry["status"], server.log_text()[-3000:])
+        server.wait_published()
+
+    disk = {"REUSEKIT_DISK_CACHE": str(tmp_path / "disk")}
+    with server_with(**disk) as a, server_with(**disk) as b, server_with(REUSEKIT_CONDITIONING="0") as off:
+        for i, (text, edit) in enumerate(rounds):
+            run(a, prompt(path, text, edit, str(tmp_path / f"a{i}.st")))
+            run(b, prompt(path, text, None, str(tmp_path / f"b{i}.st")))
+            run(off, prompt(path, text, edit, str(tmp_path / f"off_a{i}.st")))
+            run(off, prompt(clean_path, text, None, str(tmp_path / f"off_b{i}.st")))
+        b_disk = {c["name"]: c for c in b.get("/reusekit/stats")["caches"]}["conditioning_disk"]["counters"]
+        a_reasons = {c["name"]: c for c in a.get("/reusekit/stats")["caches"]}["conditioning"]["info"]["bypass_reasons"]
+
+    def same(x, y):
+        x, y = load_file(x), load_file(y)
+        return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+    wrong_a = [i for i in range(len(rounds)) if not same(tmp_path / f"a{i}.st", tmp_path / f"off_a{i}.st")]
+    wrong_b = [i for i in range(len(rounds)) if not same(tmp_path / f"b{i}.st", tmp_path / f"off_b{i}.st")]
+    assert not wrong_a and not wrong_b, (wrong_a, wrong_b, rounds)
+    first_edit = next(i for i, (_, edit) in enumerate(rounds) if edit)
+    edited = [i for i in range(first_edit, len(rounds)) if not same(tmp_path / f"a{i}.st", tmp_path / f"b{i}.st")]
+    assert edited, "A's edits changed none of its outputs: the test edits nothing"
+    hashing = sum(r["count"] for r in a_reasons if "being hashed" in r["reason"])  # A's first (50 MB file)
+    assert hashing <= 1 and b_disk.get("hits", 0) >= len({t for t, _ in rounds[:first_edit]}) - hashing, b_disk
+    assert any(r["reason"].startswith("not shared") for r in a_reasons), a_reasons
+
+
 def _wait_running(server, prompt_id: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -187,19 +187,20 @@ _FILE_CLIPS: dict = {}
 
 
 class RKTestFileCLIP:
-    """The tiny CLIP loaded from a weights file (kept between prompts, as a model manager would)."""
+    """The tiny CLIP loaded from a weights file (kept between prompts, as a model manager would); ``heads``:
+    a file of :data:`CLIP_HEADS`'s shape."""
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"path": ("STRING", {"default": ""})}}
+        return {"required": {"path": ("STRING", {"default": ""})}, "optional": {"heads": ("BOOLEAN", {"default": False})}}
 
     RETURN_TYPES = ("CLIP",)
     FUNCTION = "load"
     CATEGORY = "ReuseKit tests"
 
-    def load(self, path):
+    def load(self, path, heads=False):
         if path not in _FILE_CLIPS:
-            _FILE_CLIPS[path] = load_tiny_clip_file(path)
+            _FILE_CLIPS[path] = load_tiny_clip_file(path, CLIP_HEADS if heads else None)
         return (_FILE_CLIPS[path],)
 
 
@@ -224,14 +225,15 @@ class RKTestSaveConditioning:
         return {}
 
 
-EDITS = ("dense", "embedding_row", "small", "sparse")
+EDITS = ("dense", "embedding_row", "small", "sparse", "head")
 
 
 def edit_weights(clip, what: str, text: str = "") -> None:
     """Edit a CLIP's weights in place, as a custom node might (inference tensors, outside the patcher):
     ``dense``: scale the first large MLP weight (or the token embedding); ``embedding_row``: one row of
     the token embedding that ``text`` reads; ``small``: one value of the final layer norm; ``sparse``:
-    one value of the first MLP weight away from the positions the cheap check samples."""
+    one value of the first MLP weight away from the positions the cheap check samples; ``head``: halve
+    one attention head that holds none of them (:func:`unsampled_head`, a :data:`CLIP_HEADS` encoder)."""
     weight_edits = _pack_module("caching.weight_edits")
     model = clip.cond_stage_model.clip_l.transformer.text_model
     mlp = model.encoder.layers[0].mlp.fc1.weight
@@ -244,6 +246,9 @@ def edit_weights(clip, what: str, text: str = "") -> None:
             model.embeddings.token_embedding.weight[row, 0] += 1.0
         elif what == "small":
             model.final_layer_norm.weight[0] += 1.0
+        elif what == "head":
+            weight, rows = unsampled_head(clip)
+            weight[rows] *= 0.5
         elif what == "sparse":
             sampled = set(weight_edits._positions(mlp.numel()).tolist())
             flat = mlp.view(-1)
