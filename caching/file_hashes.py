@@ -7,9 +7,12 @@ that content's digest without reading the file, hence the memo.
 
 - A file's stamp is (real path, size, mtime_ns, inode, ctime_ns): a file rewritten, replaced or renamed
   over has another (the kernel sets the ctime on every change, and no call can set it back). A digest is
-  used only for the very stamp it was made for.
+  used only for the very stamp it was made for. A caller that stamped a file when it read it (a loader)
+  asks by that stamp (``for_stamp``), never by the path: a file replaced since is another file, and its
+  digest must never name what was read before.
 - Files up to ``inline_bytes`` are hashed at once, larger ones on a background thread (``get`` is None
-  meanwhile). A file that changed while it was read is not remembered.
+  meanwhile). A file is read only when the one opened has the stamp asked for, and a file that changed
+  while it was read is not remembered.
 - The memo (``memo``: a JSON file, ComfyUI's user directory + ``reusekit/file_hashes.json``) holds stamp
   -> digest, written to a temporary file and renamed into place (a reader never sees half of it), at
   most ``MEMO_ENTRIES`` entries, the newest stamp per path. With ``secret`` set (``REUSEKIT_CACHE_SECRET``)
@@ -19,17 +22,22 @@ that content's digest without reading the file, hence the memo.
   ctime were at least ``SETTLE_NS`` older than the start of its reading; a file hashed sooner (just
   written or downloaded) is hashed again once that window has passed, and the memo takes it then, if
   both reads agree (else the stamp is not trusted at all).
+- The memo's path is opened as the disk tier opens its entries: never through a link, never blocking (a
+  FIFO there would hang every loader holding the memo's lock), read only when it is a regular file; a
+  new memo replaces whatever is at the path (a link itself, never its target).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import hmac
 import json
 import logging
 import os
 import queue
+import stat
 import threading
 import time
 import uuid
@@ -70,14 +78,28 @@ class FileHashes:
             st = os.stat(real)
         except OSError:
             return None
-        return (real, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+        return (real, *_fields(st))
+
+    @staticmethod
+    def stamp_fd(fd: int, real: str) -> tuple:
+        """The stamp of the open file ``fd`` under the name ``real`` (whatever that name holds now)."""
+        return (real, *_fields(os.fstat(fd)))
 
     def get(self, path: str) -> str | None:
-        """The file's digest if known (in this process or the memo, or small enough to hash now); else
-        None and hashing is queued."""
+        """The digest of the file now at ``path`` if known (in this process or the memo, or small enough to
+        hash now); else None and hashing is queued."""
         stamp = self.stamp(path)
-        if stamp is None:
+        return None if stamp is None else self._digest(stamp)
+
+    def for_stamp(self, stamp: tuple | None) -> str | None:
+        """The digest of the file that had ``stamp`` (:meth:`stamp`, taken when it was read) as :meth:`get`
+        answers, but None when the file no longer has exactly that stamp (replaced, changed, gone)."""
+        if stamp is None or self.stamp(stamp[0]) != stamp:
             return None
+        return self._digest(stamp)
+
+    def _digest(self, stamp: tuple) -> str | None:
+        """The digest for a stamp just taken: known, remembered, hashed now, or None and queued."""
         with self._lock:
             found = self._known.get(stamp)
             if found is not None and stamp in self._unsettled and self._settled(stamp, time.time_ns()):
@@ -132,12 +154,16 @@ class FileHashes:
         return max(stamp[2], stamp[4]) <= started_ns - self.SETTLE_NS
 
     def _hash(self, stamp: tuple) -> str | None:
+        """The digest of ``stamp``'s file, read only when the file opened has that stamp and remembered only
+        when it still has it after the read (None otherwise)."""
         started = time.time_ns()
         h = hashlib.blake2b(digest_size=32)
         buf = bytearray(8 * MIB)
         view = memoryview(buf)
         try:
             with open(stamp[0], "rb") as f:
+                if self.stamp_fd(f.fileno(), stamp[0]) != stamp:  # another file by now: not read
+                    return None
                 while n := f.readinto(buf):
                     h.update(view[:n])
                     self.hashed_bytes += n
@@ -175,13 +201,12 @@ class FileHashes:
         path = self.memo
         if not path:
             return {}
-        seen = (path, self.secret, self.stamp(path))
+        seen = (path, self.secret, _memo_stamp(path))
         if seen == self._memo_seen:
             return self._memo_entries
         entries: dict[tuple, str] = {}
         try:
-            with open(path, "rb") as f:
-                data = f.read(self.MEMO_MAX_BYTES + 1)
+            data = _read_memo_file(path, self.MEMO_MAX_BYTES + 1)
             if len(data) > self.MEMO_MAX_BYTES:
                 raise ValueError("oversized")
             memo = json.loads(data)
@@ -227,13 +252,44 @@ class FileHashes:
             tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
             try:
                 os.makedirs(folder, exist_ok=True)
-                with open(tmp, "w", encoding="utf-8") as f:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                             | getattr(os, "O_BINARY", 0), 0o600)
+                with open(fd, "w", encoding="utf-8") as f:
                     json.dump(memo, f, separators=(",", ":"))
-                os.replace(tmp, path)
+                os.replace(tmp, path)  # whatever is at the path (a FIFO, a link) is replaced, never followed
             except OSError as exc:  # a read-only user directory: the memo stays as it was
                 log.debug("ReuseKit: file-hash memo %s not written (%s)", path, exc)
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
                 return
             self._memo_entries = {tuple(r[:5]): r[5] for r in rows}
-            self._memo_seen = (path, self.secret, self.stamp(path))
+            self._memo_seen = (path, self.secret, _memo_stamp(path))
+
+
+def _fields(st: os.stat_result) -> tuple:
+    """A stamp's fields after the path: (size, mtime_ns, inode, ctime_ns)."""
+    return st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns
+
+
+def _memo_stamp(path: str) -> tuple | None:
+    """What is at the memo's path itself (a link is not followed), or None."""
+    try:
+        return _fields(os.lstat(path))
+    except OSError:
+        return None
+
+
+def _read_memo_file(path: str, limit: int) -> bytes:
+    """Up to ``limit`` bytes of the memo, opened as the disk tier opens an entry: never through a link,
+    never blocking (a FIFO), read only when it is a regular file (ValueError otherwise)."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a link where the memo should be
+            raise ValueError("a link") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        return f.read(limit)

@@ -394,8 +394,8 @@ def register_source(encoder, paths, loader: str, options=None, *, stamps=None, p
         _new_generation(module)  # edited since an earlier reference: not what the files hold
     with _sources_lock:
         _sources[module] = (getattr(module, _GENERATION, 0), str(loader), files, keyed, stamps)
-    for f in files:
-        TIERS.hashes.get(f)  # small files now, large ones on a background thread
+    for stamp in stamps if TIERS.active else ():  # only for a tier (one turned on later: its first encode asks)
+        TIERS.hashes.for_stamp(stamp)  # small files now, large ones on a background thread
     return True
 
 
@@ -522,9 +522,10 @@ def shared_key(key: Key, module, patcher=None) -> SharedKey:
         raise LocalOnly("weights replaced or edited since loading")
     if _stamps(source[2]) != source[4]:
         raise LocalOnly("a weight file changed on disk since loading")
-    hashes = tuple(TIERS.hashes.get(f) for f in source[2])
+    hashes = tuple(TIERS.hashes.for_stamp(st) for st in source[4])  # the files as loaded, not as now
     if None in hashes:
-        raise LocalOnly("a weight file is being hashed (in the background, once per file; shared after)")
+        raise LocalOnly("a weight file is being hashed (in the background, once per file; shared after) "
+                        "or changed just now")
     at = _GENERATION_AT[key.kind]
     fields = key.fields[:at] + key.fields[at + 1:]
     tree = (FORMAT, key.kind, _host_versions(), (source[1], hashes, source[3]), _weight_layout(module, patcher),

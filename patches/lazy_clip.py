@@ -30,9 +30,15 @@ before (a LoraLoader's) share the module, so they see it. From then on it is an 
 (its weights fingerprinted as the reference of the edit checks). A file that changed since the build
 is loaded as it is now; the encode that asked is then neither stored nor shared, and the encoder
 leaves the shared tiers (a new weight generation), as a loaded encoder does when its file changes.
+The files an encoder was built from are kept open until its weights are read (or it goes): one moved or
+deleted since is read through the copy kept open, the very file stamped at the build, so the encode runs
+as on an encoder ComfyUI loaded (which read its weights at load) instead of failing; counted
+(``gone_files_read``). A move or a delete sets the file's ctime, so its stamp no longer vouches for its
+content: that encode too is neither stored nor shared, and the encoder leaves the shared tiers.
 
 Stats (``conditioning_lazy``): lazy encoders built, loads avoided (built and never loaded), weights
-loaded, encodes answered without weights, eager loads (and why), bytes not read, header bytes read.
+loaded, encodes answered without weights, eager loads (and why), bytes not read, header bytes read,
+files read after they were moved or deleted.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import json
 import logging
 import os
 import struct
+import tempfile
 import threading
 import types
 import warnings
@@ -76,25 +83,30 @@ _DTYPES = {name: getattr(torch, attr) for name, attr in (
     ("I32", "int32"), ("I16", "int16"), ("I8", "int8"), ("U8", "uint8"), ("U16", "uint16"), ("U32", "uint32"),
     ("U64", "uint64"), ("BOOL", "bool"), ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"))
     if isinstance(getattr(torch, attr, None), torch.dtype)}
+# where the system names an open file by its descriptor, for ComfyUI's loader to read a kept file moved or
+# deleted since (none on Windows, where a file held open cannot be deleted or renamed: its name still holds it)
+FD_DIR = next((d for d in ("/proc/self/fd", "/dev/fd") if os.path.isdir(d)), None)
 
 STATS = REGISTRY.register(
     "conditioning_lazy", "conditioning",
     "Text encoders built from their files' headers: the weights are read only when an encode misses every "
     "tier (ReuseKit Lazy CLIP Loader).")
 COUNTERS = ("lazy_encoders", "loads_avoided", "weights_loaded", "encodes_without_weights", "eager_loads",
-            "not_read_bytes", "header_read_bytes")
+            "not_read_bytes", "header_read_bytes", "gone_files_read")
 
-_local = threading.local()  # requested (depth), building ({path: (state dict, metadata)}), materialising
+# requested (depth), building ({path: (state dict, metadata)}), materialising, kept ({path: a name of its kept file})
+_local = threading.local()
 
 
 class _Pending:
     """A lazy encoder's record: how to load it, what it was built from, what it must still be."""
 
     __slots__ = ("load", "arguments", "paths", "stamps", "layout", "tensors", "nbytes", "header_bytes", "counted",
-                 "lock", "refused")
+                 "lock", "refused", "fds", "close")
 
-    def __init__(self, load, arguments, paths, stamps, tensors, header_bytes):
+    def __init__(self, load, arguments, paths, stamps, tensors, header_bytes, fds, close):
         self.load, self.arguments, self.paths, self.stamps = load, arguments, paths, stamps
+        self.fds, self.close = fds, close  # the files as built, kept open; close(): at the load (or the GC's)
         self.tensors, self.header_bytes = tensors, header_bytes
         self.layout = _layout(tensors)
         self.nbytes = sum(st[1] for st in stamps)
@@ -215,8 +227,8 @@ def read_header(path: str) -> tuple[dict, dict | None, int]:
     return sd, metadata, read
 
 
-def _ineligible(arguments: dict, paths: list[str]) -> str | None:
-    """Why this load cannot be lazy (None: it can)."""
+def _ineligible(arguments: dict, paths: list[str], stamps: tuple) -> str | None:
+    """Why this load of the files with ``stamps`` cannot be lazy (None: it can)."""
     if not TIERS.active:
         return "no_shared_tier"
     if not CACHE.enabled or SETTINGS.get(CHECK_SETTING) == "off":
@@ -225,7 +237,7 @@ def _ineligible(arguments: dict, paths: list[str]) -> str | None:
         return "options"
     if not paths or not all(p.lower().endswith((".safetensors", ".sft")) for p in paths):
         return "format"
-    if any(TIERS.hashes.get(p) is None for p in paths):  # queued: the next start knows it
+    if any(TIERS.hashes.for_stamp(st) is None for st in stamps):  # queued: the next start knows it
         return "hash_unknown"
     return None
 
@@ -246,11 +258,15 @@ def build(load, arguments: dict):
         paths = [os.path.realpath(os.fspath(p)) for p in arguments["ckpt_paths"]]
     except (KeyError, TypeError):
         return None
-    reason = _ineligible(arguments, paths)
+    stamps = tuple(FileHashes.stamp(p) for p in paths)
+    reason = _ineligible(arguments, paths, stamps)
     if reason is not None:
         _eager(reason)
         return None
-    stamps = tuple(FileHashes.stamp(p) for p in paths)
+    fds = _keep(stamps)
+    if fds is None:
+        _eager("changed")
+        return None
     try:
         headers, read = {}, 0
         for p in paths:
@@ -266,19 +282,46 @@ def build(load, arguments: dict):
             _local.building = None
     except Exception as exc:  # a file or model this path cannot build from its header: loaded as usual
         log.debug("ReuseKit: no lazy encoder for %s: %s", paths, exc, exc_info=True)
+        _close(fds)
         _eager("error")
         return None
     module = getattr(clip, "cond_stage_model", None)
     tensors = _tensors(module) if isinstance(module, torch.nn.Module) else []
-    if tuple(FileHashes.stamp(p) for p in paths) != stamps or None in stamps:
+    if tuple(FileHashes.stamp(p) for p in paths) != stamps:
+        _close(fds)
         _eager("changed")
         return None
     if not any(t.is_meta for t in tensors):
+        _close(fds)
         _eager("error")
         return None
     with _pending_lock:
-        _pending[module] = _Pending(load, dict(arguments), paths, stamps, tensors, read)
+        _pending[module] = _Pending(load, dict(arguments), paths, stamps, tensors, read, fds,
+                                    weakref.finalize(module, _close, fds))
     return clip
+
+
+def _keep(stamps: tuple) -> tuple[int, ...] | None:
+    """The stamped files opened, to be read even when moved or deleted before the weights are (None when
+    one is no longer the file stamped)."""
+    fds: list[int] = []
+    for st in stamps:
+        try:
+            fds.append(os.open(st[0], os.O_RDONLY | getattr(os, "O_BINARY", 0)))
+            same = FileHashes.stamp_fd(fds[-1], st[0]) == st
+        except OSError:
+            same = False
+        if not same:
+            _close(fds)
+            return None
+    return tuple(fds)
+
+
+def _close(fds) -> None:
+    """Close kept files; also run by the garbage collector (a module's finalizer): it takes no lock."""
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def settle(clip, recorded: bool) -> None:
@@ -326,13 +369,15 @@ def materialise(module, patcher) -> None:
         if module not in _pending:
             return
         _require_intact(module)
-        before = tuple(FileHashes.stamp(p) for p in found.paths)
-        _local.materialising = True
-        try:
-            loaded = found.load(**found.arguments)
-        finally:
-            _local.materialising = False
-        after = tuple(FileHashes.stamp(p) for p in found.paths)
+        with tempfile.TemporaryDirectory(prefix="reusekit-kept-") if FD_DIR else contextlib.nullcontext() as folder:
+            kept = _kept_names(found, folder)
+            before = tuple(FileHashes.stamp(p) for p in found.paths)
+            _local.materialising, _local.kept = True, kept
+            try:
+                loaded = found.load(**found.arguments)
+            finally:
+                _local.materialising, _local.kept = False, None
+            after = tuple(FileHashes.stamp(p) for p in found.paths)
         fresh = loaded.cond_stage_model
         if _class_name(fresh) != _class_name(module):  # by name: some loaders make the class per call
             raise RuntimeError(f"ReuseKit Lazy CLIP Loader: {found.paths} now hold a {type(fresh).__name__}, "
@@ -340,12 +385,17 @@ def materialise(module, patcher) -> None:
         loaded.patcher.detach()  # undo whatever ComfyUI's load did with its own patcher
         _adopt(module, fresh)
         problems = []
-        if before != found.stamps or after != before:
+        if kept:  # the very files built from, but their ctime moved with their names: nothing vouches for them
+            problems.append("its files were moved or deleted since it was built (read as kept open)")
+        elif before != found.stamps or after != before:
             problems.append("its files changed since it was built")
         if _layout(_tensors(module)) != found.layout:
             problems.append("its weights' dtypes or shapes differ from the header's")
         with _pending_lock:
             _pending.pop(module, None)
+        found.close()
+        if kept:
+            STATS.incr("gone_files_read", len(kept))
         if found.counted:
             STATS.incr("weights_loaded")
             STATS.incr("loads_avoided", -1)
@@ -357,6 +407,19 @@ def materialise(module, patcher) -> None:
             for fn in list(_changed):
                 fn(module)
         encoder_weights.register(module, patcher)  # the reference of its edit checks, as loaded
+
+
+def _kept_names(found: _Pending, folder: str | None) -> dict[str, str]:
+    """{file: a name of its kept copy in ``folder``} for each file whose path holds nothing now (moved or
+    deleted since the build): ComfyUI's loader reads it there. A path that holds a file is read as usual
+    (the same file, or another: replaced, loaded as it is now)."""
+    kept = {}
+    for i, (path, fd) in enumerate(zip(found.paths, found.fds, strict=True)):
+        if folder is None or FileHashes.stamp(path) is not None:
+            continue
+        kept[path] = os.path.join(folder, f"{i}-{os.path.basename(path)}")  # the suffix: ComfyUI reads by it
+        os.symlink(f"{FD_DIR}/{fd}", kept[path])
+    return kept
 
 
 def _class_name(obj) -> tuple[str, str]:
@@ -392,6 +455,9 @@ def _methods():
                 sd, metadata = found
                 return_metadata = kwargs.get("return_metadata", args[2] if len(args) > 2 else False)
                 return (dict(sd), metadata) if return_metadata else dict(sd)
+        kept = getattr(_local, "kept", None)
+        if kept:  # a lazy encoder's file moved or deleted since its build: read as kept open
+            ckpt = kept.get(os.path.realpath(os.fspath(ckpt)), ckpt)
         return _originals[(comfy.utils, "load_torch_file")](ckpt, *args, **kwargs)
 
     def text_encoder_initial_device(load_device, offload_device, *args, **kwargs):
