@@ -171,6 +171,9 @@ class _Entry:
         return True
 
 
+DROPPED = "pe:models since dropped"  # the stats of every closed model cache, summed (under --cache-none: each prompt's)
+
+
 class PECache:
     """The last key and tensors per PE name, for one model. Thread-safe.
 
@@ -278,8 +281,15 @@ class PECache:
         self.publish()
 
     def close(self) -> None:
+        """Drop the entries and the stats handle; what it counted and saved goes on in :data:`DROPPED`."""
         self.clear()
         if self.stats is not None:
+            counted = self.stats.snapshot()
+            dropped = REGISTRY.register(DROPPED, "pe", "What the PE caches of models ComfyUI has since dropped "
+                                                       "counted and saved (each model's own card goes with it).")
+            for counter, n in counted["counters"].items():
+                dropped.incr(counter, n)
+            dropped.add_time_saved(counted["time_saved_s"])
             REGISTRY.unregister(self.stats.name)
             self.stats = None
 

@@ -49,19 +49,27 @@ _LOCK = threading.Lock()
 
 
 def load_demo(family: str):
-    """(MODEL, CLIP) of a demo family, built once per process and kept, as a model manager keeps loaded
-    weights (the caches keep their entries across prompts, even under --cache-none); their forwards
-    are counted: encoder_calls, transformer_calls."""
+    """(MODEL, CLIP) of a demo family. The trained weights are read once per process and kept, as a model
+    manager keeps loaded weights; each call wraps them in a new diffusion model and patcher (sharing the
+    tensors, no copy), so when the prompt drops its MODEL and the clones the caches made of it, the model
+    goes with them: ComfyUI's loaded-model list keeps no entry whose patcher is gone (under
+    --cache-none such entries made leak warnings and None in ``loaded_models()``). The CLIP is kept whole:
+    its encodes stay one encoder for the conditioning cache across prompts, even under --cache-none.
+    Their forwards are counted: encoder_calls, transformer_calls."""
     from .demo_models import shapes
 
     with _LOCK:
         if family not in _LOADED:
             model, clip = shapes.build(family=family), shapes.build_clip()
-            dm = model.model.diffusion_model
-            _count((dm.double_blocks if family == "flux" else dm.blocks)[0], "transformer_calls")
             _count(clip.cond_stage_model.clip_l, "encoder_calls")
-            _LOADED[family] = (model, clip)
-        return _LOADED[family]
+            _LOADED[family] = (dict(model.model.diffusion_model.state_dict(keep_vars=True)), clip)
+            del model
+        weights, clip = _LOADED[family]
+    model = shapes.build(load_weights=False, family=family)
+    dm = model.model.diffusion_model
+    dm.load_state_dict(weights, strict=True, assign=True)
+    _count((dm.double_blocks if family == "flux" else dm.blocks)[0], "transformer_calls")
+    return model, clip
 
 
 class DemoFlux(io.ComfyNode):

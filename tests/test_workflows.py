@@ -120,6 +120,37 @@ def test_demo_models_count_their_forward_calls_and_stay_cacheable():
     assert stats.counter("encoder_calls") == before + 1 and cache.count("hits") == hits + 1
 
 
+def test_the_demo_leaves_comfyui_no_model_whose_patcher_is_gone(caplog):
+    """The demo's prompts (every cache's node clones the MODEL) through real executors without ComfyUI's
+    cache (``make demo``) and with one that is then dropped: the demo keeps its weights, not its
+    patchers, so each dropped MODEL goes with its clones. ComfyUI's loaded-model list keeps no dead
+    entry, ``loaded_models()`` no None, and its leak check stays silent; what the dropped models' PE
+    caches saved stays in the stats."""
+    import gc
+
+    import comfy.model_management as mm
+
+    rkharness.forget_dropped_clones()  # earlier tests' (their models' leak reports are not this test's)
+    prompts = demo_script().variants(rkharness, rkharness.load_workflow(demo_script().DEMO))
+    registry = rkharness.pack("caching.stats").REGISTRY
+    dropped = rkharness.pack("caching.pe_cache").DROPPED
+
+    def pe_hits():
+        return sum(c["counters"].get("hits", 0) for c in registry.snapshot()["caches"] if c["name"] == dropped)
+
+    before = pe_hits()
+    with caplog.at_level("INFO"):
+        for name in ("full", "exact", "full"):
+            rkharness.Executor(cache="none").run(prompts[name])
+            rkharness.Executor().run(prompts[name])  # its cache dropped with it
+            gc.collect()
+            mm.cleanup_models_gc()
+    assert not [m for m in mm.current_loaded_models if m.is_dead()]
+    assert None not in mm.loaded_models()
+    assert not [r.message for r in caplog.records if "memory leak" in r.message.lower()]
+    assert pe_hits() - before >= 6 * 59
+
+
 # ---- the demo through the real server --------------------------------------------------------
 
 def demo_script():
