@@ -9,7 +9,8 @@ scenarios through the real executor in each ComfyUI cache mode, with and without
 encoder forwards, and their wall time on a CLIP-L-size encoder (three passes, each scenario without and
 then with ReuseKit; the total's ratio and the worst pass's); then the shared tiers: a whole
 disk-tier and Redis hit (an entry another process wrote) against an encode (in rounds: the median
-round's ratio and the worst round's, ``*_worst``), and two ComfyUI server
+round's ratio and the worst round's, ``*_worst``), the delay from a miss to its entry on the disk tier
+(``publish_delay_s``: its publication check runs in the background), and two ComfyUI server
 processes sharing them (Redis rows need Debian's redis-server); then a lazy text encoder (a 1.39 GB
 CLIP-G file; --quick: a 246 MB CLIP-L) on a restarted server against ComfyUI's CLIPLoader, and a lazy
 Qwen2.5-VL-class encoder answering an image prompt it saw before (weight bytes read: ``lazy_*weight_bytes_read``).
@@ -416,6 +417,7 @@ def shared_table(rkharness, quick: bool, url):
     settings = rkharness.pack("caching.settings").SETTINGS
     files = __import__(f"{tiny.__name__}.conditioning", fromlist=["clip_l_sized"])
     thaw = rkharness.pack("caching.conditioning").thaw
+    weights = rkharness.pack("patches.encoder_weights")
     work = Path(tempfile.mkdtemp(prefix="rk_bench_tiers_"))
     repeat = 3 if quick else 7
     rounds = 3 if quick else 9
@@ -448,7 +450,8 @@ def shared_table(rkharness, quick: bool, url):
 
             def tiers_on(folder=folder, tier_url=tier_url):
                 _use_tiers(settings, folder, tier_url)
-                encode()  # written through in the first round, a hit after it
+                encode()  # written through in the first round (once its publication check passed), a hit after
+                weights.wait_published(300)
                 if tiers.TIERS.redis is not None:
                     tiers.TIERS.redis.flush()
 
@@ -476,11 +479,50 @@ def shared_table(rkharness, quick: bool, url):
                 whole = f"{t_hit * 1e3:13.2f} {ratio:8.4f} {worst:12.4f}" if label.startswith("CLIP") else ""
                 print(f"{tier:8} {label:22} {t_tier * 1e3:25.2f} {t_tier / t_miss:14.4f} {whole}")
             _use_tiers(settings, None, None)
+        (ratios["publish_delay_s"], ratios["publish_delay_worst_s"],
+         ratios["miss_overhead"]) = publish_delay(rkharness, clip, work / "disk", rounds)
         return ratios
     finally:
         _use_tiers(settings, None, None)
         cache.clear()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def publish_delay(rkharness, clip, folder: Path, rounds: int) -> tuple[float, float, float]:
+    """Seconds from a miss's encode returning to its entry being on the disk tier, readable by a second
+    worker (its publication check: a full fingerprint of the encoder on a background thread, then the
+    write); median and worst over ``rounds`` new prompts, the CLIP-L-size encoder of :func:`shared_table`.
+    Beside it, in the same rounds, a miss with the disk tier on against one with the tiers off (new
+    prompts both): what a miss costs more, the previous publication done first."""
+    settings = rkharness.pack("caching.settings").SETTINGS
+    weights = rkharness.pack("patches.encoder_weights")
+    delays, on, off = [], [], []
+    try:
+        for i in range(rounds):
+            _use_tiers(settings, None, None)
+            start = time.perf_counter()
+            clip.encode_from_tokens(clip.tokenize(f"{TEXT} unshared {i}"), return_pooled=True)
+            off.append(time.perf_counter() - start)
+            _use_tiers(settings, folder, None)
+            before = set(folder.rglob("*.rkcond"))
+            start = time.perf_counter()
+            clip.encode_from_tokens(clip.tokenize(f"{TEXT} number {i}"), return_pooled=True)
+            on.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            while not set(folder.rglob("*.rkcond")) - before:
+                if time.perf_counter() - start > 60:
+                    raise TimeoutError("a miss was never published")
+                time.sleep(0.002)
+            delays.append(time.perf_counter() - start)
+            weights.wait_published(60)
+    finally:
+        _use_tiers(settings, None, None)
+    overhead = _ratio_by_round(on, off)[0] - 1
+    print(f"publication: a miss's entry on the disk tier {statistics.median(delays) * 1e3:.0f} ms after its encode "
+          f"(median of {rounds}; worst {max(delays) * 1e3:.0f} ms); a miss with the disk tier on "
+          f"{statistics.median(on) * 1e3:.1f} ms against {statistics.median(off) * 1e3:.1f} ms with it off "
+          f"({overhead * 100:+.1f}%)")
+    return statistics.median(delays), max(delays), overhead
 
 
 def two_workers(rkharness, url, quick: bool) -> dict[str, int]:
@@ -507,6 +549,7 @@ def two_workers(rkharness, url, quick: bool) -> dict[str, int]:
                                   "3": {"class_type": "RKTestSaveConditioning",
                                         "inputs": {"conditioning": ["2", 0], "path": str(work / f"{tier}{worker}_{i}.st")}}}
                         server.wait_for_prompt(server.queue(prompt))
+                    server.wait_published()
                     (stats,) = [c for c in server.get("/reusekit/stats")["caches"] if c["name"] == "conditioning"]
                     counts.append(stats["counters"].get("encodes", 0))
                     if tier == "redis":
@@ -746,7 +789,8 @@ def main() -> None:
           f"unchecked_vae_hit_over_miss={ratio('VAE', 'off'):.4f} "
           f"disk_hit_over_miss={shared['disk']:.4f} redis_hit_over_miss={shared['redis']:.4f} "
           f"disk_hit_over_miss_worst={shared['disk_worst']:.4f} redis_hit_over_miss_worst={shared['redis_worst']:.4f} "
-          f"second_worker_encodes={max(workers.values())} "
+          f"second_worker_encodes={max(workers.values())} publish_delay_s={shared['publish_delay_s']:.3f} "
+          f"publish_delay_worst_s={shared['publish_delay_worst_s']:.3f} shared_miss_overhead={shared['miss_overhead']:.3f} "
           f"lazy_hit_bytes_read={lazy['bytes_read']} lazy_hit_s={lazy['lazy_s']:.2f} "
           f"eager_load_encode_s={lazy['eager_s']:.2f} lazy_hit_over_eager={lazy['lazy_s'] / lazy['eager_s']:.4f} "
           f"lazy_file_gib={lazy['file_gib']:.2f} "
