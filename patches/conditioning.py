@@ -573,8 +573,16 @@ def _route(kind: str, patcher, module, make_key, compute, check_rng=False, admit
     def vouch(publish, drop):  # after a miss: see encoder_weights.vouch
         if SETTINGS.get(CHECK_SETTING) == "every_encode":
             publish()  # this encode's own check was a full one
-        else:
-            encoder_weights.vouch(module, patcher, publish, drop)
+            return
+        generation = getattr(module, _GENERATION, 0)
+
+        def same_generation():  # an edit seen since (the reference retaken from the edited weights): never
+            if getattr(module, _GENERATION, 0) == generation:
+                publish()
+            else:
+                drop()
+
+        encoder_weights.vouch(module, patcher, same_generation, drop)
 
     return CACHE.fetch(key, compute, check_rng=check_rng, admit=admit, shared=shared, encoder=encoder,
                        vouch=vouch)

@@ -690,6 +690,30 @@ def test_an_edit_the_cheap_check_misses_never_reaches_another_worker(shared):
     assert len(entry_files(shared.folder)) == 1
 
 
+def test_an_entry_waiting_for_publication_when_an_edit_is_seen_is_never_published(shared, monkeypatch):
+    """An edit the cheap check misses (a head) and one it sees later (an embedding row only the second
+    prompt reads): the second encode starts a new generation whose reference is the edited weights, so
+    the first encode's entry, still waiting, would pass a publication check against that reference. It
+    is dropped instead (its generation is gone); a fresh worker gets ComfyUI's clean output."""
+    files = _tiny_files()
+    weights = rkharness.pack("patches.encoder_weights")
+    gate = threading.Event()
+    real = weights._publication_check
+    monkeypatch.setattr(weights, "_publication_check", lambda *a: gate.wait(30) and real(*a))
+    path = files.write_tiny_clip_file(str(shared.files), 0, files.CLIP_HEADS)
+    a = files.load_tiny_clip_file(path, files.CLIP_HEADS)
+    files.edit_weights(a, "head")
+    files.edit_weights(a, "embedding_row", "circle")
+    first = a.encode_from_tokens(a.tokenize("a red square"), return_pooled=True)
+    a.encode_from_tokens(a.tokenize("a blue circle"), return_pooled=True)  # sees the row: a new generation
+    gate.set()
+    published()
+    assert entry_files(shared.folder) == []
+    b = files.load_tiny_clip_file(path, files.CLIP_HEADS)
+    clean = encode(b, "a red square")
+    assert counter(shared.tiers, "disk", "hits") == 0 and not equal(clean, first)
+
+
 def test_checks_switched_on_compare_with_the_weights_as_loaded(shared):
     """Loaded with the checks off, edited, then checks on: the first encode compares with the weights as
     loaded (taken in every mode), so the edit is an edit, never the reference: nothing reaches the disk
