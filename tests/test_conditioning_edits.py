@@ -252,37 +252,22 @@ def test_an_in_place_edit_between_two_node_runs_is_seen_under_events(cc, what, t
     assert cc.CACHE.count("hits.text") == 0
 
 
-def test_an_edit_between_two_encodes_of_one_custom_node_is_seen(cc):
-    """A custom node encodes, scales a whole MLP weight by 1.5 and encodes again, all in one node run:
-    the second encode gets the cheap check in full (only ComfyUI's own nodes, a Prompt Batch through
-    CLIPTextEncode, check just the rows of later encodes), so it is the edited weights' own, not the
-    first one's output."""
+@pytest.mark.parametrize("mode,edit", [("events", "dense"), ("every_encode", "sparse")])
+def test_an_edit_between_two_encodes_of_one_custom_node_is_seen(cc, mode, edit):
+    """A custom node encodes, edits the weights in place and encodes again, all in one node run; the second
+    encode is the edited weights' own, not the first one's output. ``events``: a whole MLP weight scaled
+    by 1.5, seen by the cheap check the second encode gets in full (only ComfyUI's own nodes, a Prompt
+    Batch through CLIPTextEncode, check just the rows of later encodes); ``every_encode``: one value away
+    from the sampled positions, seen by its full fingerprint."""
+    rkharness.pack("caching.settings").SETTINGS.set("conditioning.check_weight_edits", mode)
     text = "a green tree"
     ex = rkharness.Executor()
-    ex.run({"1": {"class_type": "RKTestSizedCLIP", "inputs": {"seed": 0, "name": "events_dense"}},
-            "2": {"class_type": "RKTestEncodeEditEncode", "inputs": {"clip": ["1", 0], "text": text, "what": "dense"}},
+    ex.run({"1": {"class_type": "RKTestSizedCLIP", "inputs": {"seed": 0, "name": f"{mode}_{edit}"}},
+            "2": {"class_type": "RKTestEncodeEditEncode", "inputs": {"clip": ["1", 0], "text": text, "what": edit}},
             "3": {"class_type": "ReuseKitCacheStats", "inputs": {"after": ["2", 1]}}})
     (before,), (after,) = ex.output("2")
     fresh = _files().clip_l_sized(0, _files().CLIP_MID)
-    _files().edit_weights(fresh, "dense", text)
-    expected = uncached(fresh.encode_from_tokens, fresh.tokenize(text))
-    assert not torch.equal(before[0][0], after[0][0]) and torch.equal(after[0][0], expected)
-    assert cc.CACHE.count("hits.text") == 0
-
-
-def test_every_encode_sees_an_edit_inside_one_node(cc):
-    """A node that encodes, edits one value of a large weight away from the sampled positions, and
-    encodes again: under every_encode the second encode is the edited weights' own."""
-    settings = rkharness.pack("caching.settings").SETTINGS
-    settings.set("conditioning.check_weight_edits", "every_encode")
-    text = "a green tree"
-    ex = rkharness.Executor()
-    ex.run({"1": {"class_type": "RKTestSizedCLIP", "inputs": {"seed": 0, "name": "every_encode"}},
-            "2": {"class_type": "RKTestEncodeEditEncode", "inputs": {"clip": ["1", 0], "text": text, "what": "sparse"}},
-            "3": {"class_type": "ReuseKitCacheStats", "inputs": {"after": ["2", 1]}}})
-    (before,), (after,) = ex.output("2")
-    fresh = _files().clip_l_sized(0, _files().CLIP_MID)
-    _files().edit_weights(fresh, "sparse", text)
+    _files().edit_weights(fresh, edit, text)
     expected = uncached(fresh.encode_from_tokens, fresh.tokenize(text))
     assert not torch.equal(before[0][0], after[0][0]) and torch.equal(after[0][0], expected)
     assert cc.CACHE.count("hits.text") == 0
