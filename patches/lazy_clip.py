@@ -53,6 +53,7 @@ import threading
 import types
 import warnings
 import weakref
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -106,7 +107,7 @@ class _Pending:
 
     def __init__(self, load, arguments, paths, stamps, tensors, header_bytes, fds, close):
         self.load, self.arguments, self.paths, self.stamps = load, arguments, paths, stamps
-        self.fds, self.close = fds, close  # the files as built, kept open; close(): at the load (or the GC's)
+        self.fds, self.close = fds, close  # the files as built, kept open until the load; close: their finalizer
         self.tensors, self.header_bytes = tensors, header_bytes
         self.layout = _layout(tensors)
         self.nbytes = sum(st[1] for st in stamps)
@@ -254,6 +255,7 @@ def build(load, arguments: dict):
     patches/conditioning.py, which then records the encoder's files like any other load."""
     if not wanted():
         return None
+    close_dead_files()
     try:
         paths = [os.path.realpath(os.fspath(p)) for p in arguments["ckpt_paths"]]
     except (KeyError, TypeError):
@@ -296,9 +298,31 @@ def build(load, arguments: dict):
         _eager("error")
         return None
     with _pending_lock:
-        _pending[module] = _Pending(load, dict(arguments), paths, stamps, tensors, read, fds,
-                                    weakref.finalize(module, _close, fds))
+        _pending[module] = _Pending(load, dict(arguments), paths, stamps, tensors, read, fds, _keep_open(module, fds))
     return clip
+
+
+_dead_files: deque[tuple[int, ...]] = deque()  # files of lazy encoders that died unread (their finalizers append)
+
+
+def _keep_open(module, fds) -> weakref.finalize:
+    """Keep ``fds`` open while ``module`` lives unread: its finalizer, run by the garbage collector on any
+    thread with any lock held, only records them; :func:`close_dead_files` closes them at the next build
+    or stats snapshot."""
+    return weakref.finalize(module, _dead_files.append, fds)
+
+
+def close_dead_files() -> None:
+    """Close the files of lazy encoders that died before their weights were read."""
+    while _dead_files:
+        try:
+            fds = _dead_files.popleft()
+        except IndexError:
+            break
+        _close(fds)
+
+
+REGISTRY.add_settler(close_dead_files)
 
 
 def _keep(stamps: tuple) -> tuple[int, ...] | None:
@@ -318,7 +342,7 @@ def _keep(stamps: tuple) -> tuple[int, ...] | None:
 
 
 def _close(fds) -> None:
-    """Close kept files; also run by the garbage collector (a module's finalizer): it takes no lock."""
+    """Close kept files."""
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -393,7 +417,8 @@ def materialise(module, patcher) -> None:
             problems.append("its weights' dtypes or shapes differ from the header's")
         with _pending_lock:
             _pending.pop(module, None)
-        found.close()
+        found.close.detach()
+        _close(found.fds)
         if kept:
             STATS.incr("gone_files_read", len(kept))
         if found.counted:

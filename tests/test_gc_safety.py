@@ -16,6 +16,7 @@ cache's state), and the recorded work must be done at the next safe point (a cac
 import ast
 import gc
 import itertools
+import os
 import sys
 import threading
 import types
@@ -196,7 +197,34 @@ class PatcherDetach(Scenario):
                 and self.heard[0][2].get("unpatch_all", True) is False)
 
 
+class LazyFiles(Scenario):
+    """patches/lazy_clip.py _keep_open: a lazy encoder that dies before its weights were read leaves the
+    files it kept open to be closed at the next build or snapshot."""
+
+    def make(self):
+        lazy = pack("patches.lazy_clip")
+        encoder = Owner()
+        fd = os.open(__file__, os.O_RDONLY)
+        lazy._keep_open(encoder, (fd,))
+        return [encoder], fd, {}
+
+    @staticmethod
+    def is_open(fd) -> bool:
+        try:
+            os.fstat(fd)
+        except OSError:
+            return False
+        return True
+
+    def untouched(self, fd) -> bool:
+        return self.is_open(fd)
+
+    def done(self, fd) -> bool:
+        return not self.is_open(fd)
+
+
 SCENARIOS = {
+    ("patches/lazy_clip.py", "_keep_open"): LazyFiles,
     ("patches/graph_release.py", "graph_set"): GraphSets,
     ("caching/pe_cache.py", "cache_for"): PECaches,
     ("caching/conditioning.py", "identity"): ConditioningOwners,
