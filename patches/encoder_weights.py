@@ -229,11 +229,6 @@ def _report(count: int) -> None:
         CACHE.stats.set_info("publish_waiting", count)  # the panel; servers in tests wait for 0
 
 
-def waiting() -> int:
-    """Encodes waiting for their publication check."""
-    return _waiting[0]
-
-
 def wait_published(timeout: float = 60.0) -> bool:
     """Wait until no encode waits for its publication check (tests, the bench); False on timeout."""
     with _queue_cond:
