@@ -479,6 +479,10 @@ class GraphStats:
     def info(self, key: str, value: Any) -> None:
         self.handle.set_info(key, value)
 
+    def reason(self, event: str, reason: str, source: str = "") -> None:
+        """A forward that ran eagerly, and why (:meth:`CacheStats.count_reason`)."""
+        self.handle.count_reason(event, reason, source=source)
+
 
 @dataclass
 class RunSummary:

@@ -203,6 +203,9 @@ class PECache:
                 self._count(key.name, "hits", saved=entry.build_s)
                 return entry.value
             self._count(key.name, "mutated")
+            if self.stats is not None:
+                self.stats.count_reason("fallback", "a stored table was changed in place since it was stored: "
+                                        "built again")
         shared = self._find_equal(key)
         if shared is not None:  # another name holds these very tensors (e.g. cond and uncond run apart)
             new = _Entry(key, shared.value, shared.build_s)
@@ -234,11 +237,12 @@ class PECache:
 
     def bypass(self, name: str, reason: str = "unspecified") -> None:
         """Count a call that could not use the cache (the builder ran unchanged) and why; the
-        reasons are in the stats' ``bypass_reasons`` info."""
+        reasons are in the stats' ``reasons`` (and, by reason only, its ``bypass_reasons`` info)."""
         with self._lock:
             self._reasons[reason] = self._reasons.get(reason, 0) + 1
             reasons = dict(self._reasons)
         if self.stats is not None:
+            self.stats.count_reason("bypass", reason)
             self.stats.set_info("bypass_reasons", reasons)
         self._count(name, "bypasses")
 
@@ -289,6 +293,8 @@ class PECache:
                                                        "counted and saved (each model's own card goes with it).")
             for counter, n in counted["counters"].items():
                 dropped.incr(counter, n)
+            for row in counted["reasons"]:
+                dropped.count_reason(row["event"], row["reason"], row["count"], row["source"])
             dropped.add_time_saved(counted["time_saved_s"])
             REGISTRY.unregister(self.stats.name)
             self.stats = None
@@ -354,7 +360,7 @@ def cache_for(owner: Any, label: str | None = None, create: bool = True) -> PECa
                         f"rotary position embeddings of a {label} model, one entry per PE input")
         _CACHES[owner] = cache
         # The finalizer may run inside the garbage collector, on any thread, with any lock held (this
-        # cache's, the stats'): it only records (README "Rules for contributors").
+        # cache's, the stats'): it only records (docs/development.md, "Rules for contributors").
         weakref.finalize(owner, _orphaned.append, cache)
         return cache
 

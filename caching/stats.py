@@ -7,12 +7,18 @@ misses, evictions...), reports the bytes it holds per memory tier (``cpu``, ``de
 optional budget, adds time saved, and publishes small JSON-ready facts (the last run's summary).
 :meth:`StatsRegistry.snapshot` returns one consistent, JSON-ready picture of every cache.
 
+Why a cache did not serve a call as it usually does (it bypassed itself, refused a model or a value, fell
+back to a slower way, or was disabled for a run) is counted by :meth:`CacheStats.count_reason` in one
+form for every cache: the snapshot's ``reasons``, rows ``{"event", "reason", "source", "count"}``, most
+frequent first. A cache that is off says so, with the one line that turns it on
+(:meth:`CacheStats.set_off`, the snapshot's ``off``).
+
 Listeners (the web panel's push) are told after each change; they must be cheap and must not
 call back into the handle that notified them.
 
 Code run by the garbage collector (a weakref callback, ``weakref.finalize``, ``__del__``, a GC callback)
 never calls into the stats: the collector may run it on any thread while one of these locks is held,
-by that very thread (README "Rules for contributors"). It records what happened (a deque append) and
+by that very thread (docs/development.md, "Rules for contributors"). It records what happened (a deque append) and
 the cache does the work at its next call; :meth:`StatsRegistry.add_settler` also runs that work before
 every snapshot, outside every lock, so no snapshot shows what a dead model held.
 """
@@ -27,6 +33,9 @@ from typing import Any
 
 SCHEMA_VERSION = 1
 STORAGE_TIERS = frozenset({"disk", "redis"})  # bytes held outside this process: never in the memory total
+REASON_CHARS = 200  # a reason is kept to this length (an exception's message may be long)
+MAX_REASONS = 64  # distinct (event, source, reason) kept per cache; later ones count under OTHER_REASON
+OTHER_REASON = f"other reasons (more than {MAX_REASONS} kinds seen)"
 
 log = logging.getLogger("reusekit")
 
@@ -48,6 +57,8 @@ class CacheStats:
         self._entries = 0
         self._time_saved_s = 0.0
         self._info: dict[str, Any] = {}
+        self._reasons: dict[tuple[str, str, str], int] = {}  # (event, source, reason) -> count
+        self._off: str | None = None
 
     def incr(self, counter: str, n: int = 1) -> None:
         with self._lock:
@@ -78,6 +89,27 @@ class CacheStats:
             self._info[key] = value
         self._registry._changed()
 
+    def count_reason(self, event: str, reason: str, n: int = 1, source: str = "") -> None:
+        """Count ``n`` calls (runs, models...) the cache did not serve as it usually does, and why: ``event``
+        says what it did instead (``bypass``: ran them uncached or eagerly; ``refused``: would not take a
+        model or a value; ``fallback``: served them another way; ``disabled``: computed a whole run),
+        ``source`` where it happened (a model family, a check's name) when the reason does not say."""
+        reason = reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS - 1] + "…"
+        with self._lock:
+            slot = (event, source, reason)
+            if slot not in self._reasons and len(self._reasons) >= MAX_REASONS:
+                slot = (event, "", OTHER_REASON)
+            self._reasons[slot] = self._reasons.get(slot, 0) + int(n)
+        self._registry._changed()
+
+    def set_off(self, how: str | None) -> None:
+        """The cache is off (``how``: the one line that turns it on), or on again (None)."""
+        with self._lock:
+            if how == self._off:
+                return  # unchanged: no push
+            self._off = how
+        self._registry._changed()
+
     def counter(self, name: str) -> int:
         with self._lock:
             return self._counters.get(name, 0)
@@ -85,6 +117,7 @@ class CacheStats:
     def reset_counters(self) -> None:
         with self._lock:
             self._counters.clear()
+            self._reasons.clear()
             self._time_saved_s = 0.0
         self._registry._changed()
 
@@ -99,6 +132,8 @@ class CacheStats:
         with self._lock:
             counters = dict(self._counters)
             hits, misses = counters.get("hits", 0), counters.get("misses", 0)
+            reasons = [{"event": e, "source": src, "reason": r, "count": n} for (e, src, r), n in self._reasons.items()]
+            reasons.sort(key=lambda row: (-row["count"], row["event"], row["source"], row["reason"]))
             return {
                 "name": self.name,
                 "kind": self.kind,
@@ -111,6 +146,8 @@ class CacheStats:
                 "budgets": dict(self._budgets),
                 "time_saved_s": self._time_saved_s,
                 "info": dict(self._info),
+                "reasons": reasons,
+                "off": self._off,
             }
 
 
@@ -240,12 +277,24 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+TOP_REASONS = 3  # the reasons a cache's text shows (the snapshot keeps every one)
+
+
+def format_reason(row: dict[str, Any]) -> str:
+    """A reason row as "event (source): reason" (the panel writes it the same way)."""
+    source = f" ({row['source']})" if row["source"] else ""
+    return f"{row['event']}{source}: {row['reason']}"
+
+
 def format_snapshot(snap: dict[str, Any]) -> str:
     """The snapshot as a few readable lines (the Cache Stats node shows this)."""
     totals = snap["totals"]
     lines = [f"ReuseKit: {len(snap['caches'])} caches, {format_bytes(totals['bytes'])} held, "
              f"{totals['time_saved_s']:.2f} s saved"]
     for c in sorted(snap["caches"], key=lambda c: (c["kind"], c["name"])):
+        if c.get("off"):
+            lines.append(f"- [{c['kind']}] {c['name']}: off — {c['off']}")
+            continue
         counters = c["counters"]
         parts = [f"{k}={v}" for k, v in sorted(counters.items())]
         if c["hit_rate"] is not None:
@@ -257,6 +306,8 @@ def format_snapshot(snap: dict[str, Any]) -> str:
                      + (f", {mem}" if mem else "")
                      + (f"; {' '.join(parts)}" if parts else "")
                      + (f"; saved {c['time_saved_s']:.2f} s" if c["time_saved_s"] else ""))
+        for row in c.get("reasons", [])[:TOP_REASONS]:
+            lines.append(f"    {row['count']}x {format_reason(row)}")
         for key, value in sorted(c["info"].items()):
             lines.append(f"    {key}: {value}")
     return "\n".join(lines)

@@ -45,7 +45,7 @@ from .step_schedule import ResidualTable
 from .weights_identity import WeightsIdentity
 
 # Published rescale polynomials (highest power first), from ali-vilab/TeaCache via the ComfyUI
-# TeaCache pack: see README "Step cache". Facts, not code.
+# TeaCache pack: see docs/step_cache.md. Facts, not code.
 COEFFICIENTS: dict[str, tuple[float, ...]] = {
     "flux": (4.98651651e+02, -2.83781631e+02, 5.58554382e+01, -3.82021401e+00, 2.64230861e-01),
     "flux-kontext": (-1.04655119e+03, 3.12563399e+02, -1.69500694e+01, 4.10995971e-01, 3.74537863e-02),
@@ -126,7 +126,7 @@ MAG_RATIOS: dict[str, tuple[tuple[float, ...], int, float]] = {
 # residual_mode), and each rule's own default threshold per family. Picked by bench/step_cache.py on its
 # tuning prompts (never the evaluation ones) on the stand-in models. The schedule rule plans from a table
 # of residuals measured on one model; the tables shipped in caching/schedule_tables.json were measured on
-# the stand-ins (README, "Stand-in models for the benchmark"): a table is one model's, and on another one
+# the stand-ins (docs/step_cache.md, "Stand-in models for the benchmark"): a table is one model's, and on another one
 # it can plan far more skips than that model bears, so auto uses them on no model: it runs TeaCache
 # (published polynomials, fitted on the real models) with forecasts, and the
 # rule of CALIBRATED_RULES at its threshold once the model has its own calibration of that rule (ReuseKit

@@ -165,8 +165,12 @@ def _state_fields(base_model, device: torch.device, backend: str) -> tuple:
 _NOT_RUN = object()
 
 
-def _count(run: gr.RunSummary | None, group: str, reason: str) -> None:
+def _count(run: gr.RunSummary | None, group: str, reason: str, detail: str = "") -> None:
+    """A rebuild or a bypass by its reason's name (the counter ``<group>.<reason>``); a bypass also with
+    what it means (``detail``) in the stats' reasons."""
     STATS.incr(f"{group}.{reason}")
+    if group == "bypasses":
+        STATS.reason("bypass", detail, source=reason)
     if run is not None:
         d = run.rebuilds if group == "rebuilds" else run.bypasses
         d[reason] = d.get(reason, 0) + 1
@@ -211,7 +215,7 @@ def graph_call(original, args: tuple, kwargs: dict, opts: dict, ctx):
         call.run.steps += 1
     why = _why_eager(call, ctx)
     if why is not None:
-        _count(call.run, "bypasses", why)
+        _count(call.run, "bypasses", *why)
         return call.eager()
     if call.hook is not None and _step_hook_finished(call):
         return call.done
@@ -223,17 +227,19 @@ def graph_call(original, args: tuple, kwargs: dict, opts: dict, ctx):
         return _capture(gs, call, decision)
 
 
-def _why_eager(call: _Call, ctx) -> str | None:
-    """Why this call cannot replay or capture (the bypass reason, noted in the run), or None; on
-    None the call's backend, arguments by name, signature and step hook are filled in."""
+def _why_eager(call: _Call, ctx) -> tuple[str, str] | None:
+    """Why this call cannot replay or capture (the bypass reason's name and what it means, noted in the
+    run), or None; on None the call's backend, arguments by name, signature and step hook are filled in."""
     if gr.env_disabled() or not call.opts.get("enabled", True) or not SETTINGS.get("graph_reuse.enabled"):
-        why = f"{gr.DISABLE_ENV} is set" if gr.env_disabled() else "disabled"
+        why = (f"{gr.DISABLE_ENV} is set" if gr.env_disabled()
+               else "the node's enable is off" if not call.opts.get("enabled", True)
+               else "the setting graph_reuse.enabled is off")
         if call.run is not None:
             call.run.backend = "disabled"
         call.note(f"graph capture disabled ({why})")
-        return "disabled"
+        return "disabled", f"graph capture disabled ({why})"
     if ctx is None:
-        return "no_context"
+        return "no_context", "the model's APPLY_MODEL wrapper did not run around this forward"
     call.base_model, compiled = ctx
     call.device = next((a.device for a in call.args if isinstance(a, torch.Tensor)), None) or next(
         (v.device for v in call.kwargs.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
@@ -248,7 +254,7 @@ def _why_eager(call: _Call, ctx) -> str | None:
     if bypass is not None:
         host.say_once(f"graph:bypass:{bypass[0]}", "ReuseKit graph: running eagerly: %s", bypass[1])
         call.note(bypass[1])
-        return bypass[0]
+        return bypass
     call.named = _bind(call.original, call.args, call.kwargs)
     call.spec = gr.analyse_call(call.named, _state_fields(call.base_model, call.device, call.backend), call.device)
     STATS.incr("checks")
@@ -256,7 +262,7 @@ def _why_eager(call: _Call, ctx) -> str | None:
         host.say_once(f"graph:bypass:{call.spec.bypass}:{call.spec.detail}", "ReuseKit graph: running eagerly: %s",
                       call.spec.detail)
         call.note(call.spec.detail)
-        return call.spec.bypass
+        return call.spec.bypass, call.spec.detail
     call.runner_cls = RUNNERS.get(call.backend)
     call.hook = graph_runners.step_hook(call.named)
     return None
@@ -276,7 +282,8 @@ def _step_hook_finished(call: _Call) -> bool:
             call.done = call.eager(probed)
             return True
         if probed is not None and not hook.skip:  # finished without deciding: it ran eagerly
-            _count(call.run, "bypasses", "step_hook_undecided")
+            _count(call.run, "bypasses", "step_hook_undecided", "the step cache did not decide in its probe: the "
+                   "forward ran eagerly")
             call.done = call.eager(probed)
             return True
         if probed is not None:
@@ -293,14 +300,14 @@ def _replay(call: _Call, entry: gr.Entry):
     """A kept graph fits: replay it (eager where its capture failed or nothing was captured)."""
     run = call.run
     if entry.failed:
-        _count(run, "bypasses", "capture_failed")
+        _count(run, "bypasses", "capture_failed", f"this signature's capture failed: {entry.failed}")
         return call.eager()
     STATS.incr("hits")
     if run is not None:
         run.hits += 1
         run.misses_in_row = 0
     if entry.runner is None:
-        return call.eager()
+        return _decisions_only(call)
     # ComfyUI checks for a cancel in every op of the forward; a replay runs none of them
     comfy.model_management.throw_exception_if_processing_interrupted()
     out = entry.runner.replay(call.spec.tensors)
@@ -329,12 +336,13 @@ def _capture(gs: gr.GraphSet, call: _Call, decision: gr.Decision):
                 run.capture_stopped = True
                 run.note(f"{run.misses_in_row} rebuilds in a row: no more captures in this run "
                          f"(last: {decision.reason}; raise max_graphs?)")
-            _count(run, "bypasses", "unstable_inputs")
+            _count(run, "bypasses", "unstable_inputs", f"more than {gr.THRASH_LIMIT} rebuilds in a row: no more "
+                   "captures in this run (raise max_graphs?)")
             return call.eager()
     if call.runner_cls is None:  # decisions only
         gs.retire(gs.add(gr.Entry(call.spec.signature)))
         publish_memory()
-        return call.eager()
+        return _decisions_only(call)
     if not any(e.runner is not None for e in gs.entries.values()):
         gs.shared.clear()  # no graph holds the backend's pool any more: the next one starts anew
     generation = gs.generation  # a release during the capture: the new graph is not kept
@@ -349,6 +357,7 @@ def _capture(gs: gr.GraphSet, call: _Call, decision: gr.Decision):
     if failure:
         runner.release()
         STATS.incr("capture_failures")
+        STATS.reason("fallback", f"could not capture this forward, it ran eagerly: {failure}", source="capture")
         host.say_once(f"graph:fail:{failure}", "ReuseKit graph: could not capture this forward, it runs "
                       "eagerly: %s", failure, level=logging.WARNING)
         call.note(f"capture failed: {failure}")
@@ -364,6 +373,14 @@ def _capture(gs: gr.GraphSet, call: _Call, decision: gr.Decision):
     gs.retire(evicted)
     publish_memory()
     return _hand_back(out, call.hook)
+
+
+def _decisions_only(call: _Call):
+    """The forward run eagerly where nothing replays on this backend (the decision was made and counted)."""
+    why = "no CUDA device" if call.device.type != "cuda" else f"backend {call.backend} forced"
+    STATS.reason("fallback", f"{why}: graphs are decided, not captured; the forward ran eagerly",
+                 source=call.backend)
+    return call.eager()
 
 
 def _hand_back(out, hook):

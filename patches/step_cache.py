@@ -116,10 +116,21 @@ def report_layer() -> None:
 
 
 def apply(model_patcher, config: tc.StepCacheConfig):
-    """A clone of ``model_patcher`` with the step cache attached (the input is not changed)."""
+    """A clone of ``model_patcher`` with the step cache attached (the input is not changed); a model or a
+    setting it refuses is a ValueError, counted with its message."""
+    try:
+        return _attach(model_patcher, config)
+    except ValueError as exc:
+        stats().count_reason("refused", str(exc))
+        raise
+
+
+def _attach(model_patcher, config: tc.StepCacheConfig):
     family = detect_family(model_patcher)
-    if not _seams_fit(family):
-        return model_patcher.clone()  # this host reshaped what the family reads: it runs uncached
+    if not _seams_fit(family):  # this host reshaped what the family reads: it runs uncached
+        stats().count_reason("bypass", "this ComfyUI reshaped a seam the family uses (the log names it): "
+                             "the model runs without the step cache", source=family.name)
+        return model_patcher.clone()
     if config.model_type not in MODEL_TYPES:
         raise ValueError(f"model_type: unknown {config.model_type!r} (one of {', '.join(MODEL_TYPES)})")
     if config.rule not in RULES:
@@ -272,6 +283,8 @@ class _Call:
             host.say_once(f"teacache-modulated:{self.family.name}", "ReuseKit TeaCache: cannot read the modulated "
                           "input of this %s model (%s: %s); computing every step", self.family.name,
                           type(exc).__name__, exc, level=logging.WARNING)
+            stats().count_reason("bypass", f"cannot read the modulated input of this model ({type(exc).__name__}): "
+                                 "the call was computed", source=self.family.name)
             self.skip, self.undecided = False, True
             return
         chunk = (img.shape[0] // len(self.keys), *img.shape[1:])
@@ -456,6 +469,8 @@ def _gain_probe(run: tc.RunState, settings: Settings, dm, keys: list, labels: li
     try:
         return executor(*args, **kwargs)
     except (RuntimeError, ValueError, IndexError):  # residuals of another layout: no gain at this step
+        stats().count_reason("fallback", "calibration: the residuals did not fit this call's layout, so no gain "
+                             "was measured at this step", source=settings.family.name)
         return None
     finally:
         to.pop(CALL_KEY, None)
@@ -496,6 +511,8 @@ def _diffusion_model(executor, *args, **kwargs):
                       "this %s never reached the step cache (called without transformer_options or under other "
                       "names); computing every step",
                       type(executor.class_obj).__name__, level=logging.WARNING)
+        stats().count_reason("bypass", f"the blocks of this {type(executor.class_obj).__name__} never reached the "
+                             "step cache: the call was computed", source=settings.family.name)
         run.calls_computed += 1
         run.unhooked += 1
     if call.half:
@@ -587,11 +604,15 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None) -> Pla
         host.say_once(f"teacache-no-table:{family.name}:{cfg.rule}", "ReuseKit Step Cache: no %s table for this %s "
                       "model yet (%s); rule auto uses first_block until ReuseKit TeaCache Calibrate has run on it",
                       cfg.rule, family.name, variant)
+        stats().count_reason("fallback", f"no {cfg.rule} table for this model yet ({variant}): rule auto used "
+                             "first_block (run ReuseKit TeaCache Calibrate on it once)", source=family.name)
         threshold = 0.0 if settings.config.threshold == 0.0 else tc.RULE_THRESHOLDS.get(
             family.name, tc.FALLBACK_THRESHOLDS).get("first_block", tc.FALLBACK_THRESHOLDS["first_block"])
         cfg = dataclasses.replace(cfg, rule="first_block", threshold=float(threshold))
         return plan("none")
     if table is None:
+        stats().count_reason("refused", f"no calibration of this model yet ({variant}, {cfg.rule}): run it once "
+                             "through ReuseKit TeaCache Calibrate", source=family.name)
         raise ValueError(f"ReuseKit TeaCache: model_type: no calibration for this {family.name} model yet "
                          f"({variant}, {cfg.rule}); run it once through ReuseKit TeaCache Calibrate (or pick "
                          "published coefficients)")
@@ -612,6 +633,8 @@ def _outer_sample(executor, *args, **kwargs):
     run = tc.RunState(cfg, plan.coefficients, float(ms.percent_to_sigma(cfg.start_percent)),
                       float(ms.percent_to_sigma(cfg.end_percent)), plan.magnitudes)
     run.disabled_reason = replaced_reason(orig.get("transformer_options", {}), settings)
+    if run.disabled_reason is not None:
+        stats().count_reason("disabled", run.disabled_reason, source=settings.family.name)
     guider.model_options = comfy.model_patcher.create_model_options_clone(orig)
     guider.model_options["transformer_options"][RUN_KEY] = run
     sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")

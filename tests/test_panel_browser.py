@@ -5,7 +5,11 @@ Opens the page, opens the ReuseKit sidebar tab, runs a tiny workflow with every 
 over the websocket, changes a setting (a bad value shows the server's message and
 changes nothing), presses "Clear all" and sees memory drop. Fails on any console error from the pack.
 The step cache's runs show each cond's compute/skip strip as the server reported it, and a run that
-skipped nothing is flagged. Saves test-artifacts/panel.png and panel_step.png (docs/ holds copies).
+skipped nothing is flagged. A shared tier that is off reads "off" with the line that turns it on, an
+empty memory chart says it waits for its first entry, every cache card lists its top reasons (a bypassed
+encode, a PE key that cannot describe its builder, graph capture switched off, a step-cache run another
+node disabled) with the server's counts, and the step card names its last run's rule and threshold.
+Saves test-artifacts/panel.png and panel_step.png (docs/ holds copies).
 """
 
 import contextlib
@@ -101,6 +105,48 @@ def expected_run(run: dict) -> dict:
                       for lab, c in run["conds"].items()}}
 
 
+# The rows [count, text] of a cache card's top reasons, as the panel shows them.
+SHOWN_REASONS = """(name) => {
+    const card = [...document.querySelectorAll('[data-rk-cache]')].find((e) => e.dataset.rkCache === name);
+    const cells = card ? [...card.querySelectorAll('[data-rk=bypass-reasons] > *')].map((e) => e.textContent) : [];
+    const rows = [];
+    for (let i = 0; i + 1 < cells.length; i += 2) rows.push([cells[i], cells[i + 1]]);
+    return rows;
+}"""
+DISK_OFF = ('turn on "conditioning disk enabled" in the panel\'s settings, or start ComfyUI with '
+            "REUSEKIT_DISK_CACHE=<folder>")
+REDIS_OFF = "start ComfyUI with REUSEKIT_REDIS_URL=redis://<host>:<port>/<db>"
+
+
+def reason_text(row: dict) -> str:
+    """A reason row as the panel writes it: the stats' common form or the conditioning cache's own."""
+    what, where = row.get("event", row.get("kind", "")), row.get("source", row.get("encoder", ""))
+    return f"{what}{' (' + where + ')' if where else ''}: {row['reason']}"
+
+
+def shows_reason(page, server, kind: str, match: str) -> str:
+    """The reason of a ``kind`` cache whose text holds ``match`` is on its card as the server counts it
+    (count and text); returns the card's name."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    rows = [(c["name"], r) for c in server.get("/reusekit/stats")["caches"] if c["kind"] == kind
+            for r in c["reasons"] + (c["info"].get("bypass_reasons") if isinstance(c["info"].get("bypass_reasons"), list) else [])
+            if match in r["reason"]]
+    assert rows, f"no {kind} cache counted a reason with {match!r}"
+    name, row = rows[0]
+    want = [f"{row['count']:,}×", reason_text(row)]
+    with contextlib.suppress(PlaywrightTimeout):  # the push arrives within a second; the assert says what differs
+        page.wait_for_function(f"(w) => ({SHOWN_REASONS})(w.name).some((r) => JSON.stringify(r) === JSON.stringify(w.want))",
+                               arg={"name": name, "want": want}, timeout=15_000)
+    assert want in page.evaluate(SHOWN_REASONS, name), (name, want)
+    return name
+
+
+def shown_number(v: float) -> str:
+    """A number as the panel's formatValue writes it (whole numbers bare, else four significant digits)."""
+    return str(int(v)) if float(v).is_integer() else f"{v:.4g}"
+
+
 def bytes_of(page, selector: str) -> int:
     return int(page.locator(selector).first.get_attribute("data-bytes"))
 
@@ -126,6 +172,7 @@ def test_panel_fills_with_real_numbers_and_clear_drops_memory(comfy_server, brow
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     comfy_server.post("/settings", {"Comfy.TutorialCompleted": True})
+    comfy_server.post("/reusekit/clear", {"all": True})  # nothing held: the memory chart waits
     page = browser.new_page(viewport={"width": 1280, "height": 1150})
     errors = []
     page.on("console", lambda m: errors.append(f"console: {m.text} @ {m.location}") if m.type == "error" else None)
@@ -138,6 +185,20 @@ def test_panel_fills_with_real_numbers_and_clear_drops_memory(comfy_server, brow
         panel.wait_for()
         assert page.evaluate("""() => ['reusekit.panel.toggle', 'reusekit.cache.clearAll']
             .every((id) => window.app.extensionManager.command.commands.some((c) => c.id === id))""")
+
+        # before anything is held: the chart waits for its first entry; the shared tiers are off (no
+        # folder or server in this environment) and each says the line that turns it on
+        waiting = page.locator("[data-rk=chart-waiting]")
+        assert waiting.inner_text() == "Waiting for the first entry: the chart starts when a cache holds memory."
+        assert page.locator("[data-rk=chart]").count() == 0
+        off = {c["name"]: c["off"] for c in comfy_server.get("/reusekit/stats")["caches"]}
+        assert (off["conditioning_disk"], off["conditioning_redis"]) == (DISK_OFF, REDIS_OFF), off
+        page.locator("[data-rk=tier-off][data-tier=disk]").wait_for()
+        assert page.locator("[data-rk=tier-off][data-tier=disk]").inner_text() == f"disk: off — {DISK_OFF}"
+        assert page.locator("[data-rk=tier-off][data-tier=redis]").inner_text() == f"redis: off — {REDIS_OFF}"
+        assert page.locator('[data-rk-cache="conditioning_disk"] [data-rk=cache-off]').inner_text() == f"disk: off — {DISK_OFF}"
+        assert page.locator('[data-rk-cache="conditioning_redis"] [data-rk=cache-off]').inner_text() == f"redis: off — {REDIS_OFF}"
+        assert "0 B / 0 B" not in page.locator("[data-rk=panel]").inner_text()
 
         # a tiny workflow through the API: the numbers arrive over the websocket
         counters = {c["name"]: c["counters"] for c in comfy_server.get("/reusekit/stats")["caches"]}
@@ -167,6 +228,24 @@ def test_panel_fills_with_real_numbers_and_clear_drops_memory(comfy_server, brow
         assert page.locator('[data-rk-kind="step"]').count() == 1
         assert bytes_of(page, "[data-rk=total-bytes]") > 0
         assert page.locator("[data-rk=chart] path[data-series=total]").count() == 1
+        assert waiting.count() == 0
+
+        # a run with what each cache refuses: an encoder setting no key can describe, a rotary base no PE
+        # key can describe, graph capture switched off; each card lists the reason with the server's count
+        prompt = with_real_caches(rkharness.TINY.panelprobe.probe_prompt(seed=seed, steps=3), comfy_server)
+        prompt["24"] = {"class_type": "RKTestOddTheta", "inputs": {"model": prompt["20"]["inputs"]["model"]}}
+        prompt["20"]["inputs"]["model"] = ["24", 0]
+        prompt["25"] = {"class_type": "RKTestUndescribedEncode", "inputs": {"text": "an undescribed encoder", "seed": 5}}
+        comfy_server.post("/reusekit/settings", {"graph_reuse.enabled": False})
+        try:
+            entry = comfy_server.wait_for_prompt(comfy_server.queue(prompt))
+        finally:
+            comfy_server.post("/reusekit/settings", {"graph_reuse.enabled": True})
+        assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:2000]
+        assert shows_reason(page, comfy_server, "conditioning", "'clip_l.transformer.reusekit_test_setting'") == "conditioning"
+        shows_reason(page, comfy_server, "pe", "EmbedND: cannot key a OddTheta")
+        shows_reason(page, comfy_server, "graph", "graph capture disabled (the setting graph_reuse.enabled is off)")
+        shows_reason(page, comfy_server, "graph", "no CUDA device")  # this CPU server only decides
 
         # the step cache's runs: a run that skips and one that skips nothing (threshold 0, other
         # weights: another model), each cond's strip exactly the server's pattern, the bars its trace
@@ -192,6 +271,7 @@ def test_panel_fills_with_real_numbers_and_clear_drops_memory(comfy_server, brow
         assert page.evaluate(SHOWN_RUN, disabled["model"]) == want
         reasons = page.locator(f'[data-rk=step-run][data-rk-model="{disabled["model"]}"] [data-rk=run-reasons]')
         assert reasons.inner_text() == f"disabled: {disabled['disabled_reason']}"
+        assert shows_reason(page, comfy_server, "step", disabled["disabled_reason"]) == step_name
 
         # a long run stays one line: fewer cells than calls, each cell holding exactly its calls' skips
         _, long_run = run_step_cached(comfy_server, 2.0, checkpoint_seed=2, steps=150)
@@ -205,6 +285,11 @@ def test_panel_fills_with_real_numbers_and_clear_drops_memory(comfy_server, brow
         assert strip.bounding_box()["height"] <= 10
         card = page.locator(f'[data-rk-cache="{step_name}"]')
         assert card.locator("[data-rk=step-run]").first.get_attribute("data-rk-model") == long_run["model"]  # newest first
+        # the card names the last run's rule and threshold, as the server resolved them
+        assert long_run["rule"] in ("teacache", "magcache", "first_block", "schedule"), long_run
+        assert card.locator("[data-rk=step-rule]").inner_text() == (
+            f"Last run: rule {long_run['rule']}, threshold {shown_number(long_run['threshold'])} ({long_run['model']})")
+        assert card.locator("[data-rk=run-settings]").first.inner_text().startswith(f"rule {long_run['rule']} · threshold ")
         models = next(c for c in comfy_server.get("/reusekit/stats")["caches"] if c["name"] == step_name)["info"]["models"]
         flagged = sum(expected_run(m)["warn"] == "true" for m in models.values())  # other tests' runs too
         assert flagged >= 1 and card.locator('[data-rk=step-run][data-warn="true"]').count() == flagged

@@ -136,6 +136,53 @@ def test_bad_settings_get_400_with_the_message_and_change_nothing(server, payloa
     assert server.get("/reusekit/settings")["settings"] == before
 
 
+def test_a_shared_tier_that_is_off_says_so_with_the_line_that_turns_it_on(server):
+    """No folder or server in this environment: both tiers are off; the panel's switch turns the disk
+    tier on (a folder under the user directory), and off again."""
+    disk_how = ('turn on "conditioning disk enabled" in the panel\'s settings, or start ComfyUI with '
+                "REUSEKIT_DISK_CACHE=<folder>")
+    snap = server.get("/reusekit/stats")
+    assert cache(snap, "conditioning_disk")["off"] == disk_how
+    assert cache(snap, "conditioning_redis")["off"] == "start ComfyUI with REUSEKIT_REDIS_URL=redis://<host>:<port>/<db>"
+    assert cache(snap, MEMO)["off"] is None  # a cache without a switch is never off
+    assert post_status(server, "/reusekit/settings", {"conditioning.disk.enabled": True})[0] == 200
+    try:
+        disk = cache(server.get("/reusekit/stats"), "conditioning_disk")
+        assert disk["off"] is None and disk["info"]["folder"] and disk["budgets"]["disk"] > 0
+    finally:
+        assert post_status(server, "/reusekit/settings", {"conditioning.disk.enabled": False})[0] == 200
+    assert cache(server.get("/reusekit/stats"), "conditioning_disk")["off"] == disk_how
+
+
+def test_reasons_are_counted_in_one_form_bounded_and_reset_with_the_counters():
+    stats = rkharness.pack("caching.stats")
+    registry = stats.StatsRegistry()
+    handle = registry.register("why", "graph")
+    handle.count_reason("bypass", "weights are partially loaded", source="partial_load")
+    handle.count_reason("fallback", "no CUDA device", n=5, source="eager")
+    handle.count_reason("bypass", "weights are partially loaded", source="partial_load")
+    handle.count_reason("refused", "x" * 500)
+    (c,) = registry.snapshot()["caches"]
+    assert c["reasons"][:2] == [
+        {"event": "fallback", "source": "eager", "reason": "no CUDA device", "count": 5},
+        {"event": "bypass", "source": "partial_load", "reason": "weights are partially loaded", "count": 2}]
+    assert len(c["reasons"][2]["reason"]) == stats.REASON_CHARS and c["reasons"][2]["reason"].endswith("…")
+    for i in range(stats.MAX_REASONS):  # past the bound: one row of the rest
+        handle.count_reason("bypass", f"reason {i}")
+    rows = registry.snapshot()["caches"][0]["reasons"]
+    assert len(rows) == stats.MAX_REASONS + 1
+    assert {"event": "bypass", "source": "", "reason": stats.OTHER_REASON, "count": 3} in rows
+    text = stats.format_snapshot(registry.snapshot())
+    assert "    5x fallback (eager): no CUDA device" in text and "    2x bypass (partial_load): weights" in text
+    version = registry.version
+    handle.set_off("start it")
+    handle.set_off("start it")  # unchanged: no push
+    assert registry.version == version + 1
+    assert "- [graph] why: off — start it" in stats.format_snapshot(registry.snapshot())
+    handle.reset_counters()
+    assert registry.snapshot()["caches"][0]["reasons"] == []
+
+
 @pytest.mark.hardening
 def test_a_body_that_is_not_json_gets_400(server):
     for path in ("/reusekit/settings", "/reusekit/clear"):

@@ -17,7 +17,12 @@ import {
   memoryRows,
   MemoryHistory,
   niceMax,
+  CHART_WAITING,
+  chartWaiting,
+  offHow,
+  offText,
   reasonRows,
+  reasonText,
   tierTotals,
 } from "../../web/panel/format.mjs";
 
@@ -120,7 +125,7 @@ test("aggregate groups by kind in a fixed order, unknown kinds last, with totals
   assert.equal(agg.totalBytes, 1185);
   assert.equal(agg.timeSaved, 2.5);
   assert.equal(agg.hitRate, 0.5);
-  assert.deepEqual(agg.tiers, [{ tier: "cpu", bytes: 1000, budget: 4000 }, { tier: "device", bytes: 185, budget: null }]);
+  assert.deepEqual(agg.tiers, [{ tier: "cpu", bytes: 1000, budget: 4000, off: null }, { tier: "device", bytes: 185, budget: null, off: null }]);
   assert.deepEqual(aggregate(undefined).groups, []);
   assert.equal(aggregate({ caches: "nope" }).count, 0);
   // the conditioning cache's shared tiers hold files and Redis values, not memory: shown, never summed in
@@ -134,7 +139,30 @@ test("tier totals add the budgets that caches declare", () => {
   assert.deepEqual(tierTotals([
     cache("a", "conditioning", { bytes: { cpu: 1 }, budgets: { cpu: 10 } }),
     cache("b", "step", { bytes: { cpu: 2, vram2: 3 }, budgets: { cpu: 5 } }),
-  ]), [{ tier: "cpu", bytes: 3, budget: 15 }, { tier: "vram2", bytes: 3, budget: null }]);
+  ]), [{ tier: "cpu", bytes: 3, budget: 15, off: null }, { tier: "vram2", bytes: 3, budget: null, off: null }]);
+});
+
+test("a tier whose every cache is off is off, with the line that turns it on; one cache on keeps it on", () => {
+  const how = 'turn on "conditioning disk enabled" in the panel\'s settings, or start ComfyUI with REUSEKIT_DISK_CACHE=<folder>';
+  const disk = cache("conditioning_disk", "conditioning", { bytes: { disk: 0 }, budgets: { disk: 0 }, off: how });
+  const redis = cache("conditioning_redis", "conditioning", { bytes: { redis: 0 }, off: "start ComfyUI with REUSEKIT_REDIS_URL=..." });
+  const totals = tierTotals([disk, redis, cache("c", "conditioning", { bytes: { cpu: 5 } })]);
+  assert.deepEqual(totals.map((t) => [t.tier, t.off]), [["cpu", null], ["disk", how], ["redis", "start ComfyUI with REUSEKIT_REDIS_URL=..."]]);
+  const mixed = tierTotals([disk, cache("other", "conditioning", { bytes: { disk: 7 }, off: null })]);
+  assert.deepEqual(mixed.map((t) => [t.tier, t.bytes, t.off]), [["disk", 7, null]]);
+  assert.deepEqual(tierTotals([cache("x", "pe", { bytes: { disk: 1 }, off: "" })]).map((t) => t.off), [null]);
+  assert.equal(offText("disk", how), `disk: off — ${how}`);
+  assert.equal(offHow(disk), how);
+  assert.equal(offHow(cache("y", "pe")), null);
+  assert.equal(offHow(cache("z", "pe", { off: 3 })), null);
+});
+
+test("the memory chart waits for its first entry until some point holds a byte", () => {
+  assert.equal(chartWaiting([]), true);
+  assert.equal(chartWaiting([{ t: 1, total: 0, tiers: { cpu: 0, disk: 0 } }]), true);
+  assert.equal(chartWaiting([{ t: 1, total: 0, tiers: { disk: 4 } }]), false); // only a storage tier holds
+  assert.equal(chartWaiting([{ t: 1, total: 0, tiers: {} }, { t: 2, total: 9, tiers: { cpu: 9 } }, { t: 3, total: 0, tiers: {} }]), false);
+  assert.match(CHART_WAITING, /^Waiting for the first entry/);
 });
 
 test("memory history keeps the window (plus the point before it) and ignores time going back", () => {
@@ -168,12 +196,12 @@ test("chart path is a step line scaled into the box, extended to now", () => {
 });
 
 test("reasonRows: the top bypass reasons with their counts, kind and encoder; none without any", () => {
-  const info = { bypass_reasons: [
+  const info = { info: { bypass_reasons: [
     { kind: "text", encoder: "z_image.ZImageTEModel_", reason: "hooks on encoder module 'x'", count: 1200 },
     { kind: "vae", encoder: "", reason: "random", count: 3 },
     { kind: "text", encoder: "a.B", reason: "c", count: 2 },
     { kind: "text", encoder: "a.B", reason: "d", count: 1 },
-  ] };
+  ] } };
   assert.deepEqual(reasonRows(info), [
     ["1,200×", "text (z_image.ZImageTEModel_): hooks on encoder module 'x'"],
     ["3×", "vae: random"],
@@ -182,4 +210,25 @@ test("reasonRows: the top bypass reasons with their counts, kind and encoder; no
   assert.deepEqual(reasonRows(info, 1).length, 1);
   assert.deepEqual(reasonRows({}), []);
   assert.deepEqual(reasonRows(undefined), []);
+  assert.deepEqual(reasonRows({ info: { bypass_reasons: { "a dict of the PE cache's": 4 } } }), []); // by reason only: not rows
+});
+
+test("reasonRows: the stats' common form (event, source, reason), merged with the conditioning cache's, by count", () => {
+  const c = {
+    reasons: [
+      { event: "bypass", source: "partial_load", reason: "weights are partially loaded (lowvram)", count: 5 },
+      { event: "disabled", source: "flux", reason: "another node replaced the patch", count: 2 },
+      { event: "refused", source: "", reason: "model: the step cache does not support X models", count: 1 },
+    ],
+    info: { bypass_reasons: [{ kind: "text", encoder: "a.B", reason: "hooks", count: 3 }] },
+  };
+  assert.deepEqual(reasonRows(c), [
+    ["5×", "bypass (partial_load): weights are partially loaded (lowvram)"],
+    ["3×", "text (a.B): hooks"],
+    ["2×", "disabled (flux): another node replaced the patch"],
+  ]);
+  assert.deepEqual(reasonRows(c, 5).at(-1), ["1×", "refused: model: the step cache does not support X models"]);
+  assert.equal(reasonText({ reason: "r" }), ": r");
+  assert.equal(reasonText({ event: "fallback", reason: "no CUDA device" }), "fallback: no CUDA device");
+  assert.deepEqual(reasonRows({ reasons: [{ event: "bypass", reason: "x" }] }), [["0×", "bypass: x"]]); // no count: 0
 });

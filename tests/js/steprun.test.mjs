@@ -2,7 +2,7 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
-import { runFlag, runThreshold, stepRun, stepRuns, stripCells, traceBars } from "../../web/panel/format.mjs";
+import { lastRule, runFlag, runThreshold, stepRun, stepRuns, stripCells, traceBars } from "../../web/panel/format.mjs";
 
 // A summary as patches/step_cache.py's _finish reports it (H1's newer keys; older ones in the tests below).
 function summary(extra = {}) {
@@ -96,7 +96,7 @@ test("a run that skipped nothing, or was disabled, is flagged with its reasons",
 test("a run's view model: settings, calls, conds in order, the rest for details", () => {
   const run = stepRun(summary({ variant: "kontext" }));
   assert.equal(run.model, "flux 1a2b3c4d");
-  assert.deepEqual(run.settings, ["magcache", "threshold 0.25", "reuse", "flux · kontext"]);
+  assert.deepEqual(run.settings, ["rule magcache", "threshold 0.25", "reuse", "flux · kontext"]);
   assert.equal(run.calls_text, "3 of 5 calls computed (1.67x fewer)");
   assert.equal(run.threshold, 0.25);
   assert.deepEqual(run.conds.map((c) => [c.label, c.pattern, c.cells.length]), [["cond", "CCSSC", 5], ["uncond", "CCSSC", 5]]);
@@ -122,6 +122,16 @@ test("an older summary reads rel_l1_thresh as TeaCache's threshold; missing fiel
   assert.equal(bare.calls_text, "0 of 0 calls computed");
   assert.deepEqual(bare.conds[0].trace, []);
   assert.deepEqual(stepRun({ conds: "nope" }).conds, []);
+});
+
+test("the step card names the last run's rule and threshold (and its model); nothing without either", () => {
+  assert.equal(lastRule({ last_run: summary() }), "Last run: rule magcache, threshold 0.25 (flux 1a2b3c4d)");
+  assert.equal(lastRule({ last_run: { rel_l1_thresh: 0.4 } }), "Last run: rule teacache, threshold 0.4");
+  assert.equal(lastRule({ last_run: { rule: "first_block" } }), "Last run: rule first_block, threshold –");
+  assert.equal(lastRule({ last_run: { threshold: 0 } }), "Last run: rule –, threshold 0");
+  assert.equal(lastRule({ last_run: { steps_computed: 3 } }), null); // the test-only probe's report
+  assert.equal(lastRule({ last_run: "eager" }), null);
+  assert.equal(lastRule(undefined), null);
 });
 
 test("the runs shown: one per model, most recent first; else the last run; nothing for other reports", () => {

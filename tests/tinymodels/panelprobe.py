@@ -10,6 +10,11 @@ numbers from real work before the pack's own caches exist:
 - ``RKTestStepProbe`` (kind ``step``): counts the diffusion model's calls in each sampling run and
   keeps the last output (like a step cache's residual) on tier ``device``; ``info["last_run"]``.
 - ``RKTestBlockReplace``: replaces one DiT block's patch with a pass-through, as other packs do.
+- ``RKTestOddTheta``: object-patches the diffusion model's position embedder with a copy whose rotary
+  base is an object no key can describe (as a custom node's scheduled theta would be): the PE cache
+  runs it uncached and counts why.
+- ``RKTestUndescribedEncode``: encodes a prompt with a fresh tiny CLIP holding an encoder setting no
+  key can describe: the conditioning cache runs the encode uncached and counts why.
 
 Both register lazily, on first use, in the pack that the loader imported (found by file path: this
 folder is a separate package and must not import a second copy of the pack).
@@ -17,6 +22,7 @@ folder is a separate package and must not import a second copy of the pack).
 
 from __future__ import annotations
 
+import copy
 import importlib
 import sys
 import threading
@@ -213,8 +219,54 @@ class RKTestBlockReplace:
         return (model,)
 
 
+class OddTheta:
+    """A rotary base that computes as its value does (``theta ** scale``) but that no key can describe."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __pow__(self, other):
+        return self.value ** other
+
+
+class RKTestOddTheta:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",)}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    CATEGORY = "ReuseKit tests"
+
+    def patch(self, model):
+        embedder = copy.copy(model.model.diffusion_model.pe_embedder)  # the model itself stays as it is
+        embedder.theta = OddTheta(embedder.theta)
+        model = model.clone()
+        model.add_object_patch("diffusion_model.pe_embedder", embedder)
+        return (model,)
+
+
+class RKTestUndescribedEncode:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"text": ("STRING", {"default": "a red square"}), "seed": ("INT", {"default": 0, "min": 0})}}
+
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "encode"
+    OUTPUT_NODE = True
+    CATEGORY = "ReuseKit tests"
+
+    def encode(self, text, seed):
+        from . import tiny_clip
+
+        clip = tiny_clip(seed)  # its own encoder: no other workflow's encodes change
+        clip.cond_stage_model.clip_l.transformer.reusekit_test_setting = object()
+        return (clip.encode_from_tokens_scheduled(clip.tokenize(text)),)
+
+
 NODE_CLASS_MAPPINGS = {"RKTestDecodeMemo": RKTestDecodeMemo, "RKTestStepProbe": RKTestStepProbe,
-                       "RKTestBlockReplace": RKTestBlockReplace}
+                       "RKTestBlockReplace": RKTestBlockReplace, "RKTestOddTheta": RKTestOddTheta,
+                       "RKTestUndescribedEncode": RKTestUndescribedEncode}
 
 
 def probe_prompt(seed: int = 1, steps: int = 2, text: str = "a red square") -> dict:

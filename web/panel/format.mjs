@@ -98,13 +98,33 @@ export function lastRunRows(lastRun) {
   return Object.entries(lastRun).map(([k, v]) => [humanize(k), formatValue(v, k)]);
 }
 
-/** The top bypass reasons of a cache (info.bypass_reasons, most frequent first) as rows [count, text]. */
-export function reasonRows(info, n = 3) {
-  const rows = Array.isArray(info?.bypass_reasons) ? info.bypass_reasons : [];
-  return rows.slice(0, n).map((r) => [
-    `${formatCount(r.count ?? 0)}×`,
-    `${r.kind ? `${r.kind}` : ""}${r.encoder ? ` (${r.encoder})` : ""}: ${r.reason ?? "?"}`,
-  ]);
+/** A reason row as "event (source): reason": the stats' common form ({event, source, reason, count}) or the
+ * conditioning cache's own ({kind, encoder, reason, count}). */
+export function reasonText(r) {
+  const what = r?.event ?? r?.kind ?? "";
+  const where = r?.source ?? r?.encoder ?? "";
+  return `${what}${where ? ` (${where})` : ""}: ${r?.reason ?? "?"}`;
+}
+
+/** A cache's top `n` reasons (why it bypassed, refused, fell back or was disabled), most frequent first, as
+ * rows [count, text]: its `reasons` and, from the conditioning cache, its info.bypass_reasons. */
+export function reasonRows(cache, n = 3) {
+  const rows = [cache?.reasons, cache?.info?.bypass_reasons].flatMap((list) => (Array.isArray(list) ? list : []));
+  return rows
+    .map((r, i) => ({ r, i, count: finite(r?.count) ? r.count : 0 }))
+    .sort((a, b) => b.count - a.count || a.i - b.i)
+    .slice(0, n)
+    .map(({ r, count }) => [`${formatCount(count)}×`, reasonText(r)]);
+}
+
+/** What a tier or cache that is off shows: "disk: off — <the line that turns it on>". */
+export function offText(label, how) {
+  return `${label}: off — ${how}`;
+}
+
+/** The line that turns a cache on, where it is off (its `off`); null while it is on. */
+export function offHow(cache) {
+  return typeof cache?.off === "string" && cache.off ? cache.off : null;
 }
 
 function rank(order, value) {
@@ -150,19 +170,24 @@ export function memoryRows(caches) {
   return rows;
 }
 
-/** Per-tier totals with the sum of the budgets that caches declare in that tier. */
+/**
+ * Per-tier totals with the sum of the budgets that caches declare in that tier, and `off`: where every
+ * cache in the tier is off, the line that turns the first on (else null).
+ */
 export function tierTotals(caches) {
   const tiers = new Map();
+  const tier = (name, c) => {
+    const t = tiers.get(name) ?? { tier: name, bytes: 0, budget: null, off: undefined };
+    const how = offHow(c);
+    if (t.off === undefined || (t.off !== null && how === null)) t.off = how;
+    tiers.set(name, t);
+    return t;
+  };
   for (const c of caches) {
-    for (const [tier, bytes] of Object.entries(c.bytes ?? {})) {
-      const t = tiers.get(tier) ?? { tier, bytes: 0, budget: null };
-      t.bytes += bytes;
-      tiers.set(tier, t);
-    }
-    for (const [tier, budget] of Object.entries(c.budgets ?? {})) {
-      const t = tiers.get(tier) ?? { tier, bytes: 0, budget: null };
+    for (const [name, bytes] of Object.entries(c.bytes ?? {})) tier(name, c).bytes += bytes;
+    for (const [name, budget] of Object.entries(c.budgets ?? {})) {
+      const t = tier(name, c);
       t.budget = (t.budget ?? 0) + budget;
-      tiers.set(tier, t);
     }
   }
   return [...tiers.values()].sort((a, b) => rank(TIER_ORDER, a.tier) - rank(TIER_ORDER, b.tier) || a.tier.localeCompare(b.tier));
@@ -229,6 +254,13 @@ export class MemoryHistory {
     for (const p of this.points) for (const k of Object.keys(p.tiers)) names.add(k);
     return [...names].sort((a, b) => rank(TIER_ORDER, a) - rank(TIER_ORDER, b) || a.localeCompare(b));
   }
+}
+
+export const CHART_WAITING = "Waiting for the first entry: the chart starts when a cache holds memory.";
+
+/** True while no point of the memory history holds a byte in any tier: the chart has nothing to draw yet. */
+export function chartWaiting(points) {
+  return !points.some((p) => p.total > 0 || Object.values(p.tiers ?? {}).some((v) => v > 0));
 }
 
 /**
@@ -359,7 +391,7 @@ export function stepRun(summary, maxCells = STRIP_MAX_CELLS) {
         skipped: finite(c?.skipped) ? c.skipped : null, trace: Array.isArray(c?.trace) ? c.trace : [] };
     });
   const settings = [
-    rule ?? "rule –",
+    `rule ${rule ?? "–"}`,
     `threshold ${threshold === null ? "–" : formatValue(threshold)}`,
     summary?.residual_mode,
     [...new Set([summary?.model_type, summary?.variant])].filter((v) => typeof v === "string" && v).join(" · ") || null,
@@ -375,6 +407,16 @@ export function stepRun(summary, maxCells = STRIP_MAX_CELLS) {
       (speedup === null ? "" : ` (${speedup.toFixed(2)}x fewer)`),
     flag: runFlag(summary), conds, rest,
   };
+}
+
+/** The rule and threshold of a step cache's last run (info.last_run) as one line; null without either. */
+export function lastRule(info) {
+  const last = info?.last_run;
+  if (!last || typeof last !== "object" || Array.isArray(last)) return null;
+  const run = stepRun(last);
+  if (run.rule === null && run.threshold === null) return null;
+  return `Last run: rule ${run.rule ?? "–"}, threshold ${run.threshold === null ? "–" : formatValue(run.threshold)}` +
+    (typeof last.model === "string" ? ` (${last.model})` : "");
 }
 
 /** The step cache's runs to show, most recent first: its per-model reports, else its last run. */

@@ -2,7 +2,9 @@
 // facts come from the server); numbers are formatted by format.mjs.
 import {
   aggregate,
+  CHART_WAITING,
   chartPath,
+  chartWaiting,
   counterRows,
   formatBytes,
   formatCount,
@@ -11,9 +13,12 @@ import {
   formatSeconds,
   formatValue,
   humanize,
+  lastRule,
   lastRunRows,
   memoryRows,
   niceMax,
+  offHow,
+  offText,
   reasonRows,
   runFlag,
   stepRun,
@@ -26,6 +31,13 @@ const BUDGET_KEY = "conditioning.budget_mib";
 const CHART = { width: 300, height: 70 };
 const TIER_COLORS = { total: "var(--p-primary-color, #4f9dff)", cpu: "#e0a83a", device: "#5ec27a" };
 const RUN_CHART = { width: 1000, height: 36 };
+// the heading over a card's top reasons, by kind
+const REASONS_TITLE = {
+  conditioning: "Why encodes ran uncached or unshared",
+  pe: "Why PE tables were built uncached",
+  step: "Why steps were computed or runs refused",
+  graph: "Why forwards ran eagerly",
+};
 
 const CSS = `
 .rk-panel { padding: 8px 10px 16px; font-size: 12px; color: var(--fg-color, #ddd); overflow-y: auto; height: 100%; box-sizing: border-box; }
@@ -61,6 +73,8 @@ const CSS = `
 .rk-setting input, .rk-setting select { width: 90px; background: var(--comfy-input-bg, #222); color: inherit; border: 1px solid var(--border-color, #444); border-radius: 4px; padding: 1px 4px; }
 .rk-setting .rk-error { grid-column: 1 / span 2; color: #e06c6c; }
 .rk-empty { opacity: .75; margin: 8px 0; }
+.rk-off { margin: 3px 0; opacity: .85; }
+.rk-chart-wait { display: flex; align-items: center; justify-content: center; text-align: center; height: 70px; margin: 0; padding: 0 8px; background: var(--comfy-input-bg, #222); border-radius: 4px; }
 .rk-run { border-left: 3px solid var(--border-color, #444); padding: 2px 0 4px 6px; margin: 6px 0; }
 .rk-run.rk-run-warn { border-left-color: #f0b400; background: rgba(240, 180, 0, .07); }
 .rk-run-head { display: flex; justify-content: space-between; gap: 6px; font-weight: 600; }
@@ -248,6 +262,10 @@ export function createPanel(root, { actions, history }) {
   }
 
   function renderChart() {
+    if (chartWaiting(history.points)) {
+      chartBox.replaceChildren(el("div", { class: "rk-empty rk-chart-wait", "data-rk": "chart-waiting", text: CHART_WAITING }));
+      return;
+    }
     const now = Date.now() / 1000;
     // the x axis spans the history it has, up to the window: a fresh page's chart is not a sliver
     const first = history.points.length ? history.points[0].t : now;
@@ -351,7 +369,17 @@ export function createPanel(root, { actions, history }) {
     }
     card.append(head);
     if (c.description) card.append(el("div", { class: "rk-desc", text: c.description }));
-    for (const r of memoryRows([c])) {
+    const rule = c.kind === "step" ? lastRule(c.info) : null;
+    if (rule) card.append(el("div", { class: "rk-sub", "data-rk": "step-rule", text: rule }));
+    const off = offHow(c);
+    const memory = memoryRows([c]);
+    if (off) {
+      for (const tier of memory.length ? memory.map((r) => r.tier) : [null]) {
+        card.append(el("div", { class: "rk-off", "data-rk": "cache-off", "data-tier": tier,
+          text: tier === null ? `off — ${off}` : offText(tier, off) }));
+      }
+    }
+    for (const r of off ? [] : memory) {
       card.append(bar(`${r.tier}`, r.bytes, r.budget, r.fraction, r.over, { "data-rk": "cache-bytes", "data-tier": r.tier }));
     }
     const grid = el("div", { class: "rk-grid" });
@@ -361,11 +389,11 @@ export function createPanel(root, { actions, history }) {
       grid.append(el("div", { "data-rk-counter": k }, el("small", { text: k, title: k }), el("span", { text: v })));
     }
     card.append(grid);
-    const reasons = reasonRows(c.info);
+    const reasons = reasonRows(c);
     if (reasons.length) {
       const rows = el("div", { class: "rk-rows", "data-rk": "bypass-reasons" });
       for (const [count, text] of reasons) rows.append(el("small", { text: count }), el("span", { text, title: text }));
-      card.append(el("h3", { text: "Why encodes ran uncached or unshared" }), rows);
+      card.append(el("h3", { text: REASONS_TITLE[c.kind] ?? "Why it bypassed, refused or fell back" }), rows);
     }
     if (runs.length) {
       card.append(el("h3", { text: runs.length === 1 ? "Last run" : "Last run per model" }), runLegend(),
@@ -402,6 +430,7 @@ export function createPanel(root, { actions, history }) {
       el("div", { class: "rk-kpi", "data-rk": "time-saved" }, el("small", { text: "time saved" }), el("b", { text: formatSeconds(agg.timeSaved) })));
     const largest = Math.max(1, ...agg.tiers.filter((t) => t.budget === null).map((t) => t.bytes));
     tiers.replaceChildren(...agg.tiers.map((t) => {
+      if (t.off) return el("div", { class: "rk-off", "data-rk": "tier-off", "data-tier": t.tier, text: offText(t.tier, t.off) });
       const scale = t.budget === null ? largest : t.budget;
       return bar(`${t.tier} total`, t.bytes, t.budget, scale > 0 ? Math.min(1, t.bytes / scale) : 0,
         t.budget !== null && t.bytes > t.budget, { "data-rk": "tier-bytes", "data-tier": t.tier });
