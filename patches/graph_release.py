@@ -64,7 +64,7 @@ def graph_set(base_model, max_graphs: int) -> gr.GraphSet:
         if sets is None:
             # Its graphs go with the model; the stats say so at the next settle(). The finalizer may
             # run inside the garbage collector, on any thread, with any lock held (this module's,
-            # the stats'): it only records (README "Rules for contributors").
+            # the stats'): it only records (docs/development.md, "Rules for contributors").
             weakref.finalize(base_model, _died.append, True)
             sets = _SETS[base_model] = {}
         gs = sets.get(max_graphs)

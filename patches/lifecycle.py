@@ -102,7 +102,7 @@ def _wrap(event: str, original: Callable) -> Callable:
         key = (event, id(self))
         if key in running:  # an override's super() call: its listeners already ran
             return original(self, *args, **kwargs)
-        if _in_finalizer():  # record only (README "Rules for contributors"); settle() notifies
+        if _in_finalizer():  # record only (docs/development.md, "Rules for contributors"); settle() notifies
             model = getattr(self, "model", None)
             if model is not None and _listeners[event]:
                 try:

@@ -1,5 +1,5 @@
 """What the garbage collector runs never takes a lock, nor calls the stats or ComfyUI: it only records
-(README "Rules for contributors"). The collector runs finalizers on whatever thread allocates, at any
+(docs/development.md, "Rules for contributors"). The collector runs finalizers on whatever thread allocates, at any
 point, so it may run one on a thread that holds any lock of the pack: a finalizer that takes that lock
 deadlocks the thread on itself (issue 21: a stats snapshot froze the prompt worker that way).
 

@@ -177,7 +177,7 @@ def test_stats_register_per_owner_clear_and_release_with_the_owner(pc):
     assert registry.clear(name) == [name] and cache.names() == []
     assert registry.get(name).snapshot()["bytes"]["cpu"] == 0
     del owner, cache
-    gc.collect()  # the owner's finalizer only records (README "Rules for contributors")...
+    gc.collect()  # the owner's finalizer only records (docs/development.md, "Rules for contributors")...
     registry.snapshot()  # ...and the cache is closed at the next snapshot (or cache_for)
     assert registry.get(name) is None
 
