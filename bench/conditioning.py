@@ -3,7 +3,7 @@
 tiny CLIP vision, ComfyUI's Z-Image Qwen3-4B encoder at its real width with 4 of its layers, and its
 Qwen-Image Qwen2.5-VL encoder with an image in the prompt (its vision tower at real width, 4 of 32 layers); weights as ComfyUI's loaders
 leave them: inference tensors), whether every text encoder this host's loaders build hits (built at a
-test size, ``encoder_types_hit``), hits after ComfyUI
+test size, ``encoder_types_hit``; VAE and CLIP-vision classes, ``vae_types_hit``, ``vision_types_hit``), hits after ComfyUI
 unloads and reloads an encoder, full fingerprints in a Prompt Batch of 16; then five workflow
 scenarios through the real executor in each ComfyUI cache mode, with and without ReuseKit, counting
 encoder forwards, and their wall time on a CLIP-L-size encoder (three passes, each scenario without and
@@ -16,6 +16,7 @@ CLIP-G file; --quick: a 246 MB CLIP-L) on a restarted server against ComfyUI's C
 Qwen2.5-VL-class encoder answering an image prompt it saw before (weight bytes read: ``lazy_*weight_bytes_read``).
 
     .venv/bin/python bench/conditioning.py [--quick]
+    .venv/bin/python bench/conditioning.py --encoder-types   # only vae_types_hit and vision_types_hit
 
 Ratios are measured side by side in this one run. The last line is the RESULT line.
 The scenario definitions are also used by tests/test_conditioning_workflows.py.
@@ -180,6 +181,24 @@ def encoder_types_hit(rkharness) -> tuple[int, int]:
     print(f"\n== text encoders of this host's loaders: {built.count('hit')} of {len(built)} built hit "
           f"({len(states) - len(built)} not built here) ==")
     return built.count("hit"), len(built)
+
+
+def vae_vision_types_hit(rkharness) -> dict[str, tuple[int, int]]:
+    """{"vae": (hit, built), "vision": (hit, built)}: the VAE classes this host's VAE loaders build and the
+    CLIP-vision models its loader picks (tests/tinymodels/vaes.py), each built at a test size and encoded
+    twice: a hit bit-identical to the pack being off counts; one not built or not encodable here is left out."""
+    vaes = __import__(f"{rkharness.TINY.__name__}.vaes", fromlist=["hit_status"])
+    out = {}
+    for kind, names in (("vae", vaes.vae_classes()), ("vision", vaes.vision_classes())):
+        states = {name: vaes.hit_status(kind, name) for name in names}
+        built = {name: s for name, s in states.items() if not s.startswith(("not built", "not encodable"))}
+        hits = sum(s == "hit" for s in built.values())
+        print(f"\n== {kind} classes of this host's loaders: {hits} of {len(built)} built hit "
+              f"({len(states) - len(built)} not built or not encodable here) ==")
+        for name, state in states.items():
+            print(f"{name:28} {state}")
+        out[kind] = (hits, len(built))
+    return out
 
 
 def _weights(module) -> tuple[int, int]:
@@ -717,6 +736,13 @@ def main() -> None:
     rkharness.load_extra_nodes()  # the loaders of every text-encoder type (QuadrupleCLIPLoader...)
     import torch
 
+    if "--encoder-types" in sys.argv:  # only the per-class rows (a minute, where the whole run takes twelve)
+        with torch.inference_mode():
+            types = vae_vision_types_hit(rkharness)
+        print(f"RESULT vae_types_hit={types['vae'][0]}/{types['vae'][1]} "
+              f"vision_types_hit={types['vision'][0]}/{types['vision'][1]}")
+        return
+
     loras = __import__(f"{rkharness.TINY.__name__}.conditioning", fromlist=["write_lora"])
     with torch.inference_mode():
         print("== hit vs miss, per kind and check_weight_edits (median of repeats) ==")
@@ -725,6 +751,7 @@ def main() -> None:
         batch = batch_table(rkharness)
         sampler_side_table(rkharness)
         types_hit = encoder_types_hit(rkharness)
+        types = vae_vision_types_hit(rkharness)
 
         lora_name = loras.write_lora("rk_bench_tiny.safetensors", seed=3, width=32)
         table = scenarios(lora_name, text="tiny")
@@ -797,7 +824,8 @@ def main() -> None:
           f"eager_load_encode_s={lazy['eager_s']:.2f} lazy_hit_over_eager={lazy['lazy_s'] / lazy['eager_s']:.4f} "
           f"lazy_file_gib={lazy['file_gib']:.2f} "
           f"llm_text_hit_over_miss={ratio('LLM text ('):.4f} llm_image_prompt_hit_over_miss={ratio('LLM text+image'):.4f} "
-          f"encoder_types_hit={types_hit[0]}/{types_hit[1]} lazy_weight_bytes_read={lazy['weight_bytes_read']} "
+          f"encoder_types_hit={types_hit[0]}/{types_hit[1]} vae_types_hit={types['vae'][0]}/{types['vae'][1]} "
+          f"vision_types_hit={types['vision'][0]}/{types['vision'][1]} lazy_weight_bytes_read={lazy['weight_bytes_read']} "
           f"lazy_llm_weight_bytes_read={lazy_llm}")
 
 

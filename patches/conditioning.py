@@ -211,14 +211,29 @@ def _numerics() -> tuple:
 
 def _config(obj, skip: tuple[str, ...]) -> tuple:
     """The encoder wrapper's own settings (numbers, strings, dtypes, code by where it is defined), by
-    name; its closures (VAE memory estimators) by their code."""
-    return tuple((name, _setting(name, value, closures=True)) for name, value in sorted(vars(obj).items())
+    name; its closures (VAE memory estimators) by their code; methods of its own model (SeedVR2's
+    ``format_encoded``) by where they are defined (the model is keyed by its weights and settings)."""
+    own = tuple(getattr(obj, name, None) for name in skip)
+    return tuple((name, _own_method(value) if _is_own_method(value, own) else _setting(name, value, closures=True))
+                 for name, value in sorted(vars(obj).items())
                  if name not in skip and not name.startswith("_") and not isinstance(value, (torch.Tensor, torch.nn.Module)))
 
 
-def _setting(name: str, value, closures: bool = False):
+def _is_own_method(value, own: tuple) -> bool:
+    return isinstance(value, types.MethodType) and any(value.__self__ is o for o in own if isinstance(o, torch.nn.Module))
+
+
+def _own_method(value) -> tuple:
+    code = value.__func__.__code__
+    return ("method", value.__func__.__module__, value.__func__.__qualname__, code.co_filename, code.co_firstlineno)
+
+
+def _setting(name: str, value, closures: bool = False, modules: dict | None = None, depth: int = 0):
     """A setting as a key field: plain values whole, classes and functions by where they are defined;
-    Uncacheable for objects and (unless ``closures``) for functions that capture values."""
+    with ``modules`` (the encoder's modules by id: their path), a plain object of ComfyUI's own code (the
+    LTX-2 audio VAE's normalizer and preprocessor) by its class and attributes, a module it refers to by
+    its path in the encoder (its weights are the encoder's). Uncacheable for other objects, for modules
+    outside the encoder and (unless ``closures``) for functions that capture values."""
     if isinstance(value, type):
         return ("class", value.__module__, value.__qualname__)
     if isinstance(value, types.BuiltinFunctionType):
@@ -227,11 +242,31 @@ def _setting(name: str, value, closures: bool = False):
         code = value.__code__
         return ("function", value.__module__, value.__qualname__, code.co_filename, code.co_firstlineno)
     if type(value) in (list, tuple):
-        return ("L" if type(value) is list else "U", tuple(_setting(name, v, closures) for v in value))
+        return ("L" if type(value) is list else "U",
+                tuple(_setting(name, v, closures, modules, depth + 1) for v in value))
+    if modules is not None and depth < _OBJECT_DEPTH:
+        if isinstance(value, torch.nn.Module) and id(value) in modules:
+            return ("module", modules[id(value)])
+        if _host_object(value):  # compared by value on every use: never a tensor, whose bytes that would read
+            attrs = sorted(vars(value).items())
+            if any(isinstance(v, torch.Tensor) for _, v in attrs):
+                raise Uncacheable(f"encoder setting {name!r} holds a {type(value).__name__} holding a tensor")
+            return ("object", type(value).__module__, type(value).__qualname__,
+                    tuple((k, _setting(f"{name}.{k}", v, closures, modules, depth + 1)) for k, v in attrs))
     try:
         return encode(value)
     except Uncacheable:
         raise Uncacheable(f"encoder setting {name!r} holds a {type(value).__name__}") from None
+
+
+_OBJECT_DEPTH = 4  # how deep plain objects are followed inside a setting
+
+
+def _host_object(value) -> bool:
+    """A plain instance of a class of ComfyUI's own code (``comfy.*``): data its modules hold beside them."""
+    cls = type(value)
+    return (cls.__module__.startswith("comfy.") and type(getattr(value, "__dict__", None)) is dict
+            and not isinstance(value, (torch.nn.Module, torch.Tensor)) and not callable(value))
 
 
 def _module_state(model: torch.nn.Module, patcher) -> tuple:
@@ -249,16 +284,17 @@ def _module_state(model: torch.nn.Module, patcher) -> tuple:
     if tree.hooked is not None:
         raise Uncacheable(f"hooks on encoder module {tree.hooked!r}")
     found = tree.memo.get("settings")
-    if found is not None and all(_setting(path, value) == field for path, value, field in found[1]):
+    if found is not None and all(_setting(path, value, modules=found[2]) == field for path, value, field in found[1]):
         return found[0]
+    modules = {id(m): path for path, m in model.named_modules()}
     out, mutables = [], []
     for path, name, value in tree.settings:
         full = f"{path}.{name}" if path else name
-        field = _setting(full, value)
-        if isinstance(value, (list, dict, set)) or dataclasses.is_dataclass(value):  # may change in place: compared by value on every use
-            mutables.append((full, value, field))
+        field = _setting(full, value, modules=modules)
+        if isinstance(value, (list, dict, set)) or dataclasses.is_dataclass(value) or _host_object(value):
+            mutables.append((full, value, field))  # may change in place: compared by value on every use
         out.append((path, name, field))
-    found = tree.memo["settings"] = (digest(tuple(out)), mutables)  # thousands of settings in a VAE: a digest
+    found = tree.memo["settings"] = (digest(tuple(out)), mutables, modules)  # thousands of settings in a VAE: a digest
     return found[0]
 
 

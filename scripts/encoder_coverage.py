@@ -1,4 +1,4 @@
-"""The conditioning cache's text-encoder coverage table, generated from a host (never kept by hand).
+"""The conditioning cache's encoder coverage tables (text, VAE, vision), generated from a host (never kept by hand).
 
     COMFYUI_PATH=.host/ComfyUI-0.33.0 .venv-0.33/bin/python scripts/encoder_coverage.py --host 0.33 --write
     .venv/bin/python scripts/encoder_coverage.py --host 0.3.75 --write
@@ -7,8 +7,9 @@ Asks the host's own loaders (CLIPLoader, DualCLIPLoader, TripleCLIPLoader, Quadr
 text encoder each of their types builds from files of each text-encoder model (tests/tinymodels/
 text_encoders.py), builds each at a test size from the host's classes with its real tokenizers, and
 encodes a prompt twice with the cache on: "hit" when the repeat is a hit bit-identical to the pack being
-off; otherwise why it bypassed, or why it could not be built here. Prints the table; ``--write`` puts it
-into docs/conditioning.md between the markers for that host.
+off; otherwise why it bypassed, or why it could not be built here. Then the same for every VAE class the
+host's VAE loaders build and every CLIP-vision model its loader picks (tests/tinymodels/vaes.py). Prints the
+tables; ``--write`` puts them into docs/conditioning.md between the markers for that host.
 """
 
 from __future__ import annotations
@@ -59,7 +60,23 @@ def table(harness, host: str) -> str:
            f"model files tried ({', '.join(sorted(te.probes()))}); {hit} of the {len(built)} built here hit.",
            "", "| loader type | encoders that hit | otherwise |", "|---|---|---|"]
     out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
-    return "\n".join(out + ["", *templates(te, host)])
+    return "\n".join(out + ["", *templates(te, host), *vae_vision(harness, host)])
+
+
+def vae_vision(harness, host: str) -> list[str]:
+    """One row per VAE and CLIP-vision model whose files the host's loaders detect (tests/tinymodels/vaes.py):
+    the class ComfyUI builds, and how a repeat of its encode fares at a test size."""
+    vaes = importlib.import_module(f"{harness.TINY.__name__}.vaes")
+    out = []
+    for kind, title, found in (("vae", "VAE", {n: c for n, (c, _) in vaes.vae_classes().items()}),
+                               ("vision", "CLIP-vision", vaes.vision_classes())):
+        rows = [(name, made, vaes.hit_status(kind, name)) for name, made in found.items()]
+        built = [state for _, _, state in rows if not state.startswith(("not built", "not encodable"))]
+        out += ["", f"ComfyUI {host}: {len(rows)} {title} models its loaders detect from the files tried; "
+                f"{built.count('hit')} of the {len(built)} built and encodable here hit.",
+                "", f"| {title} model | what ComfyUI builds | here |", "|---|---|---|"]
+        out += [f"| {name} | `{made}` | {state} |" for name, made, state in rows]
+    return out
 
 
 def templates(te, host: str) -> list[str]:

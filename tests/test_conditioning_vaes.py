@@ -1,0 +1,130 @@
+"""Conditioning cache on every VAE class the host's VAE loaders build (Flux, Flux.2, SD, Wan 2.1/2.2, Hunyuan,
+LTXV/LTX-2 video and audio, SeedVR2, Stable Audio...) and every CLIP-vision model its CLIP-vision loader picks
+(ViT-L, ViT-H, ViT-bigG, SigLIP, DINO), each built from the host's own classes at a test size
+(tests/tinymodels/vaes.py). A repeat is a hit bit-identical to the pack being off, or a bypass counted with
+its reason; other pixels miss; tiled encodes are keyed apart from plain ones."""
+
+import copy
+import importlib
+
+import pytest
+import rkharness
+import torch
+from test_conditioning import cc, same, uncached  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.conditioning
+
+
+def _vaes():
+    return importlib.import_module(f"{rkharness.TINY.__name__}.vaes")
+
+
+# Classes whose encode the cache cannot store, and the reason the stats give
+BYPASSED = {
+    "Stable Audio (Oobleck)": "random",  # its bottleneck samples: the noise must be drawn on every request
+}
+
+
+def _vae(name):
+    v = _vaes()
+    try:
+        return v.build_vae(name)
+    except NotImplementedError as exc:
+        pytest.skip(f"{name}: {exc}")
+
+
+@pytest.mark.parametrize("name", [p.name for p in _vaes().VAE_PROBES])
+def test_every_vae_class_repeats_as_a_hit_equal_to_comfyui_or_names_why(cc, uncached, name):  # noqa: F811
+    v = _vaes()
+    vae = _vae(name)
+
+    def encode(seed=0):
+        torch.manual_seed(0)  # the same noise for an encode that samples
+        return vae.encode(v.media(name, seed))
+
+    reference = uncached(encode)
+    first, second = encode(), encode()
+    assert same(first, reference) and same(second, reference)
+    if name in BYPASSED:
+        assert [(r["kind"], r["reason"], r["count"]) for r in cc.CACHE.bypass_reasons()] == [("vae", BYPASSED[name], 2)]
+        return
+    assert cc.CACHE.bypass_reasons() == [], f"{name} bypassed the cache"
+    assert (cc.CACHE.count("misses"), cc.CACHE.count("hits")) == (1, 1)
+    other = encode(seed=1)
+    assert cc.CACHE.count("misses") == 2
+    assert same(other, uncached(encode, 1)) and not same(other, reference)
+
+
+@pytest.mark.parametrize("name", ["Flux/SD3", "Wan 2.1/Qwen-Image", "Wan 2.2", "HunyuanVideo 1.5"])
+def test_tiled_and_temporal_tiled_encodes_hit_and_are_keyed_apart_from_plain_ones(cc, uncached, name):  # noqa: F811
+    v = _vaes()
+    vae = _vae(name)
+    pixels = v.media(name)
+    video = v.probe(name).media == "video"
+    options = {"tile_x": 32, "tile_y": 32, "overlap": 8, **({"tile_t": 9, "overlap_t": 4} if video else {})}
+
+    def tiled():
+        return vae.encode_tiled(pixels, **options)
+
+    reference = uncached(tiled)
+    assert same(tiled(), reference) and same(tiled(), reference)
+    assert (cc.CACHE.count("misses"), cc.CACHE.count("hits")) == (1, 1)
+    plain = vae.encode(pixels)
+    assert cc.CACHE.count("misses") == 2 and same(plain, uncached(vae.encode, pixels))
+    assert cc.CACHE.bypass_reasons() == []
+
+
+@pytest.mark.parametrize("name", [p.name for p in _vaes().VISION_PROBES])
+def test_every_clip_vision_model_repeats_as_a_hit_equal_to_comfyui(cc, uncached, name):  # noqa: F811
+    v = _vaes()
+    try:
+        model = v.build_vision(name)
+    except NotImplementedError as exc:
+        pytest.skip(f"{name}: {exc}")
+    why = uncached(v.host_encode_fails, model, name, "vision")
+    if why is not None:
+        pytest.skip(f"{name}: {why}")
+    image = v.media_image()
+    reference = uncached(model.encode_image, image)
+    first, second = model.encode_image(image), model.encode_image(image.clone())
+    assert cc.CACHE.bypass_reasons() == [], f"{name} bypassed the cache"
+    assert (cc.CACHE.count("misses"), cc.CACHE.count("hits")) == (1, 1)
+    assert same(first, reference) and same(second, reference)
+    uncropped = model.encode_image(image, crop=False)
+    other = model.encode_image(v.media_image(1))
+    assert cc.CACHE.count("misses") == 3
+    assert same(uncropped, uncached(model.encode_image, image, crop=False))
+    assert same(other, uncached(model.encode_image, v.media_image(1))) and not same(other, reference)
+
+
+def test_the_seedvr2_vaes_own_method_is_keyed_by_where_it_is_defined(cc):  # noqa: F811
+    """SeedVR2's VAE keeps a method of its own model (``format_encoded``): keyed, not a bypass; a method of
+    another object still is one."""
+    vae = _vae("SeedVR2")
+    pixels = _vaes().media("SeedVR2")
+    vae.encode(pixels)
+    assert cc.CACHE.bypass_reasons() == []
+    vae.format_encoded = torch.nn.Identity().forward  # a method of a module the key does not describe
+    vae.encode(pixels)
+    assert [r["reason"] for r in cc.CACHE.bypass_reasons()] == ["encoder setting 'format_encoded' holds a method"]
+
+
+def test_the_ltx2_audio_vaes_helper_objects_are_keyed_by_value_and_their_module_by_its_path(cc, uncached):  # noqa: F811
+    """The LTX-2 audio VAE holds plain objects of ComfyUI's code beside its modules (its normalizer, holding
+    a patchifier and the autoencoder's statistics module; its preprocessor): keyed by class and attributes,
+    compared on every use, so one changed in place misses and gives ComfyUI's output; a module they hold
+    from outside the encoder, whose weights the key does not see, is a bypass."""
+    vae = _vae("LTX-2 audio")
+    audio = _vaes().media("LTX-2 audio")
+    model = vae.first_stage_model
+    reference = uncached(vae.encode, audio)
+    assert same(vae.encode(audio), reference) and same(vae.encode(audio), reference)
+    assert (cc.CACHE.count("misses"), cc.CACHE.count("hits")) == (1, 1) and cc.CACHE.bypass_reasons() == []
+    model.preprocessor.mel_hop_length = model.preprocessor.mel_hop_length // 2  # a setting changed in place
+    changed = vae.encode(audio)
+    assert cc.CACHE.count("misses") == 2 and same(changed, uncached(vae.encode, audio))
+    assert not same(changed, reference)
+    model.normalizer.statistics = copy.deepcopy(model.normalizer.statistics)  # the same values, outside the encoder
+    assert same(vae.encode(audio), uncached(vae.encode, audio))
+    assert [r["reason"] for r in cc.CACHE.bypass_reasons()] == [
+        "encoder setting 'normalizer.statistics' holds a " + type(model.normalizer.statistics).__name__]
