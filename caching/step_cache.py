@@ -11,13 +11,35 @@ residual (stack output minus stack input) of the last computed call added instea
   always runs; the relative L1 change of its residual against the last computed call's. A skip adds
   the stored residual of the remaining blocks to the first block's output.
 
-A skip stays while the rule's distance is under ``threshold``; a computed call resets it. What a
-skip adds (``residual_mode``): the stored residual (``reuse``), or it continued in sigma to first
-(``extrapolate``) or second (``taylor2``) order from the last computed residuals.
+A skip stays while the rule's distance is under ``threshold``; a computed call resets it.
 
 A fourth rule, ``schedule``, decides nothing during the run: it follows a plan made at the run's start
 from a table of the model's residuals (:mod:`.step_schedule`), which may also compute the cond branch
-alone and rebuild the uncond one from the last measured cond-minus-uncond difference.
+alone and rebuild the uncond one from the last measured cond-minus-uncond difference. A fifth,
+``interval``, skips on a fixed beat: a computed call, then ``threshold - 1`` skipped ones, per cond (the
+schedule TaylorSeer and FoCa are defined with); its distance is the count of calls since the last
+computed one.
+
+What a skip adds (``residual_mode``): the stored residual (``reuse``), or it continued in sigma to first
+(``extrapolate``) or second (``taylor2``) order from the last computed residuals (Newton's divided
+differences, clamped to the last sigma gap); or forecast in call index (steps) as the forecasting
+caches define it:
+
+- ``taylorseer1``/``taylorseer2`` (Liu et al., "From Reusing to Forecasting: Accelerating Diffusion
+  Models with TaylorSeers", ICCV 2025): a Taylor series of order 1/2 around the last computed call k,
+  ``F_k + D1 d + D2 d^2 / 2`` at d calls after it, with derivatives estimated by backward differences
+  between successive computed calls: ``D1 = (F_k - F_prev) / gap``, ``D2 = (D1_k - D1_prev) / gap``
+  (gap: the calls between them). Not clamped; a lower order until enough computed calls exist.
+- ``foca`` (Zheng et al., "Forecast then Calibrate: Feature Caching as ODE for Efficient Diffusion
+  Transformers", arXiv 2508.16211): a BDF2-style predictor from the two most recent values, computed or
+  forecast (recursive), ``P = F_k + d (F_k - F_k-1) / gap``, then a Heun-style corrector toward the
+  per-call slope of the last two computed calls, ``+ d (D_full - D_curr) / 2``; the forecast then
+  becomes the newest value of the rolling pair.
+
+Both papers forecast each module's output (attention, MLP) of every block. Here they forecast the
+block stack's residual: in a pre-norm residual-stream transformer that residual is the sum of every
+module's output, and finite differences, Taylor terms and the FoCa update are linear in the values,
+so forecasting the sum equals summing the modules' forecasts.
 
 This module holds the per-cond state (:class:`CondState`), the joint skip decision for one model
 call (:meth:`RunState.decide`, :meth:`RunState.decide_scheduled`), the per-run report, the published
@@ -139,14 +161,17 @@ FALLBACK_DEFAULTS: tuple[str, float, str] = _FLUX
 CALIBRATED_RULES: dict[str, str] = {"flux": "schedule", "wan": "schedule"}
 TABLE_FIELDS = {"teacache": "coefficients", "magcache": "magnitudes", "schedule": "table"}
 """Where each rule's table lives in a stored calibration."""
-_FLUX_THRESHOLDS = {"teacache": 0.4, "magcache": 0.06, "first_block": 0.2, "schedule": 0.0131}
-_WAN_THRESHOLDS = {"teacache": 0.3, "magcache": 0.06, "first_block": 0.2, "schedule": 0.0131}
+# interval: 3 (one call computed in three), a round middle value, not tuned by the benchmark
+_FLUX_THRESHOLDS = {"teacache": 0.4, "magcache": 0.06, "first_block": 0.2, "schedule": 0.0131, "interval": 3.0}
+_WAN_THRESHOLDS = {"teacache": 0.3, "magcache": 0.06, "first_block": 0.2, "schedule": 0.0131, "interval": 3.0}
 RULE_THRESHOLDS: dict[str, dict[str, float]] = {"flux": _FLUX_THRESHOLDS, "wan": _WAN_THRESHOLDS,
                                                 "wan22": _WAN_THRESHOLDS}
 FALLBACK_THRESHOLDS: dict[str, float] = _FLUX_THRESHOLDS
 
-RULES = ("teacache", "magcache", "first_block", "schedule")
-RESIDUAL_MODES = ("reuse", "extrapolate", "taylor2")
+RULES = ("teacache", "magcache", "first_block", "schedule", "interval")
+RESIDUAL_MODES = ("reuse", "extrapolate", "taylor2", "taylorseer1", "taylorseer2", "foca")
+STEP_ORDERS = {"taylorseer1": 1, "taylorseer2": 2, "foca": 1}
+"""The modes that forecast in call index, and how many backward-difference derivatives each keeps."""
 MIN_CALIBRATION_POINTS = 4  # a calibration run with fewer fitted points is discarded
 
 EXTRAPOLATE_SPAN = step_schedule.EXTRAPOLATE_SPAN
@@ -159,12 +184,18 @@ def rel_l1(cur: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
     return (cur - prev).abs().mean() / prev.abs().mean().clamp_min(1e-12)
 
 
-def rescale(coefficients: tuple[float, ...] | list[float], x: torch.Tensor) -> torch.Tensor:
-    """``|poly(x)|`` by Horner's rule (highest power first); stays on x's device."""
+def polynomial(coefficients: tuple[float, ...] | list[float], x: torch.Tensor) -> torch.Tensor:
+    """``poly(x)`` by Horner's rule (highest power first), signed; stays on x's device."""
     out = torch.zeros_like(x, dtype=torch.float32)
     for c in coefficients:
         out = out * x + float(c)
-    return out.abs()
+    return out
+
+
+def rescale(coefficients: tuple[float, ...] | list[float], x: torch.Tensor) -> torch.Tensor:
+    """``|poly(x)|``: ReuseKit's TeaCache accumulates the polynomial's size (the reference accumulates it
+    signed, so a negative value there lowers the sum; bench/step_cache.py runs that form as the baseline)."""
+    return polynomial(coefficients, x).abs()
 
 
 def fit_polynomial(xs: list[float], ys: list[float], degree: int = 4) -> tuple[float, ...]:
@@ -273,6 +304,11 @@ class CondState:
     slope_span: torch.Tensor | None = None
     gap: torch.Tensor | None = None  # signed sigma gap of the last two computed calls (taylor2)
     curvature: torch.Tensor | None = None  # second divided difference of the last three (taylor2)
+    step_index: int | None = None  # the call index (per cond) of ``residual`` (taylorseer, foca)
+    derivatives: list = field(default_factory=list)  # taylorseer, foca: D1 (, D2) per call at ``residual``
+    rolling: torch.Tensor | None = None  # foca: the newest value when it is a forecast (else ``residual``)
+    rolling_index: int | None = None  # foca: the call index of ``rolling``
+    rolling_slope: torch.Tensor | None = None  # foca: per call, from the value before the newest to it
     accumulated: torch.Tensor | float = 0.0
     ratio: torch.Tensor | float = 1.0  # magcache: the magnitude ratio since the last computed call
     consecutive: int = 0
@@ -294,6 +330,8 @@ class CondState:
     def clear(self) -> None:
         self.prev_signal = self.residual = self.slope = self.sigma = None
         self.residual_sigma = self.slope_span = self.gap = self.curvature = None
+        self.step_index = self.rolling = self.rolling_index = self.rolling_slope = None
+        self.derivatives = []
         self.accumulated, self.ratio, self.consecutive, self.meta = 0.0, 1.0, 0, None
         self.residual_step, self.estimated = None, False
 
@@ -347,6 +385,8 @@ class RunState:
     def _distance(self, state: CondState, signal: torch.Tensor, sigma) -> tuple[Any, Any]:
         """(the rule's accumulated distance if this call skips, the magcache ratio with it)."""
         rule = self.config.rule
+        if rule == "interval":  # the calls since the last computed one, this one included
+            return float(state.consecutive + 1), None
         if rule == "magcache":
             curve = self._curve(state.label)
             if curve is None or sigma is None or state.sigma is None:
@@ -367,7 +407,8 @@ class RunState:
                sigma: torch.Tensor | float | None = None) -> bool:
         """Update each cond's distance from the rule's input (teacache: the modulated input;
         first_block: the first block's residual; magcache: only its shape is read, the distance
-        comes from ``sigma``); True when the whole call skips.
+        comes from ``sigma``; interval: only its shape is read, the distance is the count of calls
+        since the last computed one); True when the whole call skips.
 
         A call skips only when every cond in it has a residual for the same shape, stays under the
         threshold and under ``max_consecutive_skips``, inside the window (``may_skip``, a bool or a
@@ -398,8 +439,8 @@ class RunState:
             ok = torch.logical_and(worst < cfg.threshold, torch.as_tensor(may_skip, device=worst.device))
             skip = bool(ok)  # the one sync per call
         for state, sig, (cand, ratio) in zip(states, signals, candidates, strict=True):
-            if cfg.rule == "teacache" or not skip:  # first_block compares against the last computed call
-                state.prev_signal = sig
+            if cfg.rule == "teacache" or not (skip or cfg.rule == "interval"):
+                state.prev_signal = sig  # first_block compares against the last computed call; interval reads none
             state.sigma = None if sigma is None else torch.as_tensor(sigma)
             if skip:
                 state.accumulated = cand
@@ -511,9 +552,10 @@ class RunState:
 
     def store_residual(self, key: Any, residual: torch.Tensor, sigma: torch.Tensor | float | None = None,
                        estimated: bool = False, gain: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Keep a computed call's residual (and, to forecast, its divided differences in sigma). No
-        host sync. ``estimated``: an H step's uncond residual, rebuilt rather than computed (schedule);
-        ``gain``: a calibration call's output error over residual error and its output's norm.
+        """Keep a computed call's residual (and, to forecast, its divided differences in sigma, or its
+        backward differences in call index: :meth:`_step_differences`). No host sync. ``estimated``: an
+        H step's uncond residual, rebuilt rather than computed (schedule); ``gain``: a calibration call's
+        output error over residual error and its output's norm.
 
         Every computation runs on the residual's device; with ``cache_device`` "cpu" the results are
         then copied to the CPU without waiting, so a CPU-held tensor is never read on the CPU: it only
@@ -526,8 +568,8 @@ class RunState:
         mode = self.config.residual_mode
         forecast = mode in ("extrapolate", "taylor2")
         dev = residual.device
-        prev = (state.residual.to(dev, non_blocking=True)
-                if state.residual is not None and (forecast or self.config.calibrate) else None)
+        prev = (state.residual.to(dev, non_blocking=True) if state.residual is not None
+                and (forecast or mode in STEP_ORDERS or self.config.calibrate) else None)
         if prev is not None and prev.shape != residual.shape:
             prev = None
         sigma = None if sigma is None else torch.as_tensor(sigma, dtype=torch.float32)
@@ -553,13 +595,41 @@ class RunState:
                 safe = torch.where(whole == 0, torch.ones_like(whole), whole)
                 old = state.slope.to(dev, non_blocking=True)
                 curvature = torch.where(whole == 0, 0.0, 1.0) * (slope - old) / safe
-        if self.config.cache_device == "cpu":
-            residual = residual.to("cpu", non_blocking=True)
-            slope = None if slope is None else slope.to("cpu", non_blocking=True)
-            curvature = None if curvature is None else curvature.to("cpu", non_blocking=True)
-        state.residual, state.residual_sigma, state.slope, state.slope_span = residual, sigma, slope, span
-        state.gap, state.curvature = gap, curvature
+        index = len(state.pattern) - 1
+        derivatives, rolling_slope = self._step_differences(state, residual, prev, index)
+        keep = self._keep
+        state.residual, state.residual_sigma, state.slope, state.slope_span = keep(residual), sigma, keep(slope), span
+        state.gap, state.curvature = gap, keep(curvature)
+        state.step_index, state.derivatives = index, [keep(d) for d in derivatives]
+        state.rolling = state.rolling_index = None  # the newest value is this computed one
+        state.rolling_slope = keep(rolling_slope)
         self._measure_delta(key)
+
+    def _keep(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """``t`` where the cache keeps it: as it is, or (``cache_device`` "cpu") a copy queued to the CPU."""
+        return t.to("cpu", non_blocking=True) if t is not None and self.config.cache_device == "cpu" else t
+
+    def _step_differences(self, state: CondState, residual: torch.Tensor, prev: torch.Tensor | None,
+                          index: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The call-index modes at a computed call ``index``: the backward-difference derivatives per call
+        at it (D1 from the last computed residual ``prev``; taylorseer2: D2 from D1's change, over the
+        same gap) and foca's rolling slope, per call from the newest value (the last forecast, else
+        ``prev``) to this one; ([], None) until two computed residuals of one shape exist. On the
+        residual's device."""
+        mode = self.config.residual_mode
+        if mode not in STEP_ORDERS or prev is None or state.step_index is None or index <= state.step_index:
+            return [], None
+        dev = residual.device
+        gap = index - state.step_index
+        derivatives = [(residual - prev) / gap]
+        if STEP_ORDERS[mode] > 1 and state.derivatives:
+            derivatives.append((derivatives[0] - state.derivatives[0].to(dev, non_blocking=True)) / gap)
+        if mode != "foca":
+            return derivatives, None
+        if state.rolling is None:
+            return derivatives, derivatives[0]
+        newest = state.rolling.to(dev, residual.dtype, non_blocking=True)
+        return derivatives, (residual - newest) / (index - state.rolling_index)
 
     def _measure_delta(self, key: Any) -> None:
         """After both of a cond/uncond pair stored computed residuals at the same step: their difference."""
@@ -575,10 +645,13 @@ class RunState:
 
     def residual(self, key: Any, like: torch.Tensor, sigma: torch.Tensor | float | None = None) -> torch.Tensor:
         """The residual to add on a skipped call: the stored one, or (``extrapolate``/``taylor2``)
-        its Newton forecast to ``sigma`` from the last two/three computed residuals, computed on
-        ``like``'s device (no host sync)."""
+        its Newton forecast to ``sigma`` from the last two/three computed residuals, or (taylorseer,
+        foca) its forecast at this call (:meth:`_step_forecast`), computed on ``like``'s device (no
+        host sync)."""
         state = self.conds[key]
         res = state.residual.to(like.device, like.dtype, non_blocking=True)
+        if self.config.residual_mode in STEP_ORDERS:
+            return self._step_forecast(state, res, like)
         if state.slope is not None and sigma is not None:
             # never further than the span the slope was measured over: a longer line overshoots
             span = state.slope_span.to(like.device)
@@ -589,6 +662,40 @@ class RunState:
                 bend = step * (step + state.gap.to(like.device))  # (s - s2)(s - s1)
                 res = res + state.curvature.to(like.device, like.dtype, non_blocking=True) * bend.to(like.dtype)
         return res
+
+    def _step_forecast(self, state: CondState, res: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """The call-index forecast at the cond's current call (the last of its ``pattern``), ``d`` calls
+        after the value it starts from; ``res`` is the stored residual on ``like``'s device.
+
+        taylorseer: ``F_k + D1 d + D2 d^2 / 2`` around the last computed call, with the derivatives it
+        has (none: reuse). foca: from the newest value ``F`` (the last forecast since the last computed
+        call, else the computed one), ``F + d (R + (D1 - R) / 2)`` with ``R`` the rolling slope into
+        ``F`` and D1 the slope between the last two computed calls (predictor ``F + d R``, corrector
+        ``d (D1 - R) / 2``; only ``F`` known: reuse). On a call that skips this cond, foca's forecast
+        becomes the newest value, its per-call rate the rolling slope (the schedule rule's check at a
+        computed call reads the forecast without moving anything)."""
+        index = len(state.pattern) - 1
+
+        def on(t):
+            return t.to(like.device, like.dtype, non_blocking=True)
+
+        if self.config.residual_mode != "foca":
+            d, term = index - state.step_index, 1.0
+            for order, derivative in enumerate(state.derivatives, 1):
+                term = term * d / order  # d^n / n!
+                res = res + on(derivative) * term
+            return res
+        newest = res if state.rolling is None else on(state.rolling)
+        d = index - (state.step_index if state.rolling is None else state.rolling_index)
+        out, rate = newest, None
+        if state.rolling_slope is not None:  # made with D1, at the second computed call
+            slope = on(state.rolling_slope)
+            rate = slope + 0.5 * (on(state.derivatives[0]) - slope)
+            out = newest + rate * d
+        if state.pattern[-1] == "S":
+            # a forecast after only one known value stays it: its rolling slope stays unknown (zero)
+            state.rolling, state.rolling_index, state.rolling_slope = self._keep(out), index, self._keep(rate)
+        return out
 
     def release(self) -> None:
         """Drop every tensor kept between calls (the counts and traces stay for the report)."""
@@ -601,10 +708,10 @@ class RunState:
     def residual_bytes(self) -> dict[str, int]:
         out = {"cpu": 0, "device": 0}
         held = [t for state in self.conds.values()
-                for t in (state.residual, state.slope, state.curvature, state.prev_signal)] + [self.delta]
-        for t in held:
-            if t is not None:
-                out["cpu" if t.device.type == "cpu" else "device"] += t.numel() * t.element_size()
+                for t in (state.residual, state.slope, state.curvature, state.prev_signal, state.rolling,
+                          state.rolling_slope, *state.derivatives)] + [self.delta]
+        for t in {id(t): t for t in held if t is not None}.values():  # foca's newest value may be the residual
+            out["cpu" if t.device.type == "cpu" else "device"] += t.numel() * t.element_size()
         return out
 
     def calibration_points(self) -> tuple[list[float], list[float]]:

@@ -36,16 +36,20 @@ def _cache_inputs() -> list:
                                "schedule: a plan made when sampling starts, from the model's residual table, that "
                                "keeps every skipped stretch's error under the threshold; under CFG some steps "
                                "compute the cond alone and rebuild the uncond from the last measured difference "
-                               "(half the work). auto: TeaCache with its published polynomial; on a Flux or Wan model "
-                               "calibrated by ReuseKit TeaCache Calibrate, with threshold -1, the schedule rule "
+                               "(half the work). interval: a fixed beat, one call computed, then threshold - 1 "
+                               "skipped, per cond (TaylorSeer's and FoCa's schedule; pair it with residual_mode "
+                               "taylorseer1, taylorseer2 or foca). auto: TeaCache with its published polynomial; "
+                               "on a Flux or Wan model calibrated by ReuseKit TeaCache Calibrate, with threshold -1, "
+                               "the schedule rule "
                                "(first_block while the rule has no published or calibrated table for this model)."),
         io.Float.Input("threshold", default=-1.0, min=-1.0, max=10.0, step=0.01, optional=True,
                        tooltip="Skip while the rule's accumulated distance stays under this (teacache: rescaled "
                                "relative L1 of the modulated input; magcache: accumulated |1 - magnitude ratio|; "
                                "first_block: relative L1 change of the first block's residual; schedule: each "
                                "skipped stretch's estimated error in the result, relative). 0 computes every "
-                               "step (exact); higher skips more. -1 takes the family's benchmarked default for "
-                               "the rule."),
+                               "step (exact); higher skips more. interval: the interval N, a whole number >= 1 "
+                               "(one call computed in N; 1 computes every step, exact). -1 takes the family's "
+                               "default for the rule (interval: 3)."),
         io.Combo.Input("model_type", options=list(patch.MODEL_TYPES), default="auto", optional=True,
                        tooltip="Which table the rule uses (teacache: rescale polynomial; magcache: magnitude "
                                "ratios; schedule: residual table; first_block needs none). auto: this model's "
@@ -65,8 +69,12 @@ def _cache_inputs() -> list:
         io.Combo.Input("residual_mode", options=list(patch.RESIDUAL_MODES), default="auto", optional=True,
                        tooltip="What a skipped step adds. reuse: the last residual (classic). extrapolate: the "
                                "last residual continued in sigma along its change between the last two computed "
-                               "steps. taylor2: a second-order forecast in sigma from the last three. auto: the "
-                               "family's benchmarked mode."),
+                               "steps. taylor2: a second-order forecast in sigma from the last three. taylorseer1, "
+                               "taylorseer2: TaylorSeer (ICCV 2025), a first/second-order Taylor series in steps "
+                               "around the last computed step, derivatives from backward differences between "
+                               "computed steps. foca: FoCa (arXiv 2508.16211), a forecast from the two newest values "
+                               "(computed or forecast) corrected toward the slope of the last two computed steps. "
+                               "auto: the family's benchmarked mode."),
     ]
 
 
@@ -83,6 +91,8 @@ def make_config(node: str, model_type: str, threshold: float, start_percent: flo
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) \
             or not (threshold >= 0.0 or threshold == -1.0) or threshold == float("inf"):
         raise bad("threshold", f"must be a finite number >= 0, or -1 for the family's default, got {threshold!r}")
+    if rule == "interval" and threshold != -1.0 and not (threshold >= 1 and float(threshold).is_integer()):
+        raise bad("threshold", f"is the interval with rule interval: a whole number >= 1 (or -1), got {threshold!r}")
     for name, v in (("start_percent", start_percent), ("end_percent", end_percent)):
         if not (0.0 <= v <= 1.0):
             raise bad(name, f"must be within 0..1, got {v!r}")

@@ -7,9 +7,10 @@ wrappers and the block-replace patches. No core forward is copied.
 - DIFFUSION_MODEL wrapper: one model call; knows the conds in the batch (``uuids``) and whether
   the current sigma is inside the start/end window.
 - ``patches_replace["dit"]`` block patches on the first and every later block: the first block
-  decides (teacache: from the modulated input, magcache: from sigma, before it runs; first_block:
-  from its own residual, after it runs); on a skip every later block passes its input through and
-  the last one adds the stored residual; on a computed call the last one makes the new residual.
+  decides (teacache: from the modulated input, magcache: from sigma, interval: from the count of
+  calls, before it runs; first_block: from its own residual, after it runs); on a skip every later
+  block passes its input through and the last one adds the stored residual (or its forecast); on a
+  computed call the last one makes the new residual.
 
 The per-family code is in :mod:`.step_families`: where the modulated input is and which blocks make
 up the stack.
@@ -273,7 +274,7 @@ class _Call:
         try:
             if rule == "first_block":
                 signal = self.first
-            elif rule in ("magcache", "schedule"):  # decide from sigma; the stack input only tells a shape change
+            elif rule in ("magcache", "schedule", "interval"):  # the stack input only tells a shape change
                 signal = img
             else:
                 signal = self.family.modulated(self.dm, args)
@@ -576,7 +577,7 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None) -> Pla
 
     if cfg.calibrate:
         return plan("calibrating", tc.COEFFICIENTS.get(family.default_type, (0, 0, 0, 1.0, 0)))
-    if cfg.rule == "first_block":  # needs no table
+    if cfg.rule in ("first_block", "interval"):  # need no table
         return plan("none")
 
     def published(name):
