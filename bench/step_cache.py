@@ -1,54 +1,58 @@
-"""Step cache benchmark on the papers' protocol, able to rank: ReuseKit's step cache against the
-published skip rules (TeaCache, MagCache, First-Block-Cache) and ComfyUI core's EasyCache and LazyCache.
+"""Step cache benchmark: an honest ranking of ReuseKit's step cache against the published methods, each
+at its best, every setting fixed before it is scored.
 
-    .venv/bin/python bench/step_cache.py [--quick] [--png-dir docs] [--json FILE]
+    .venv/bin/python bench/step_cache.py [--quick] [--png-dir DIR] [--json FILE]
     .venv/bin/python bench/step_cache.py --write-tables     # the schedule rule's shipped tables
-    .venv/bin/python bench/step_cache.py --pick-defaults    # each family's default, on the tuning prompts
+    .venv/bin/python bench/step_cache.py --pick-defaults    # each family's calibrated default, on the tuning prompts
 
-Models: the stand-in Flux and Wan 2.1 of ``tests/tinymodels/standins.py`` (real ComfyUI classes,
-trained at the 16x16 latent the bench runs), 20, 28 and 50 euler/simple steps, CFG 3.5, through the
-real KSampler. One worker process per model (one torch thread each: the CPU time of a run is steady
-on a shared machine).
+Setups: the stand-in Flux at CFG 3.5 with an empty negative and at CFG 1 with none (FLUX.1-dev is
+guidance-distilled and runs at CFG 1: no uncond branch), the stand-in Wan 2.1 at CFG 3.5; real ComfyUI
+classes trained at the 16x16 latent the bench runs (``tests/tinymodels/standins.py``), euler/simple through
+the real KSampler. Scored at 20, 28 and 50 steps; the RESULT line reads 28 and 50. One worker process per
+setup, one torch thread each.
 
-Prompts. Calibrations (TeaCache's degree-4 polynomial, MagCache's ratios, the schedule rule's residual
-table) come from one ReuseKit TeaCache Calibrate run on a calibration prompt at each step count; every
-method's setting is picked on 4 tuning prompts (seed 7); the evaluation is 8 other prompts x 2 seeds.
-No prompt is in two of these sets, and none was drawn for training.
+Prompts, never shared between sets and none drawn for training: calibration (one prompt), tuning (4
+prompts, seed 7), evaluation (8 prompts x 4 seeds).
 
-Methods. Baselines are the published rules with their published residual reuse: TeaCache (published and
-calibrated polynomials), MagCache (published and calibrated ratios), First-Block-Cache, run by
-ReuseKit's node with ``residual_mode="reuse"``, and the host's EasyCache and LazyCache nodes.
-ReuseKit's own: the ``schedule`` rule (a plan made at the run's start from the model's residual table,
-with cond-only steps; calibrated, or with the table shipped for the family; reusing or extrapolating
-residuals), and the node's defaults. The baseline rules pick their skip limit and window on the tuning
-prompts from: none (K 0, window 0-1), TeaCache's published (at most 3 skips in a row, the last step
-computed), MagCache's published (K and retention: Flux K5 R0.1, Wan K4 R0.2); core's nodes their
-window 0-1 or their own 0.15-0.95. The schedule rule runs with none: it plans within any limits it is
-given, so they could only restrict its plan (the node's inputs take them alike). The published
-configurations are rows of their own: MagCache E0.24 K5 R0.1 (Flux) / E0.12 K4 R0.2 (Wan), and
-ComfyUI-TeaCache's recommended thresholds (Flux 0.4, Wan 1.3B 0.08) with max_skip 3 and the last step
-computed.
+Protocol, the same for every method, ReuseKit's and the baselines alike:
+- **Calibration.** Every calibrated method reads the same calibration: one ReuseKit TeaCache Calibrate run
+  on the calibration prompt at a step count that is never scored (24 for 20 and 28 scored steps, 40 for
+  50), which fits TeaCache's polynomial, MagCache's ratios and the schedule rule's residual table at once.
+- **Tuning.** Each method sweeps its settings on the tuning prompts: every combination of skip limit and
+  window (none; TeaCache's published "at most 3 in a row, last step computed"; MagCache's published K and
+  retention) with its threshold grid (a log grid, walked upwards to the first that misses the floors, then
+  refined at the crossing; an interval's grid its integers); core EasyCache and LazyCache their threshold
+  grid with their window 0-1 or 0.15-0.95. The pick is the fastest setting whose tuning mean PSNR is at
+  least 30 dB and whose worst run is at least 25 dB.
+- **Scoring.** That one setting runs once on the evaluation prompts: its speedup (model calls per branch,
+  uncached over cached; a cond-only step costs half a step under CFG) with a 95% bootstrap interval over
+  the evaluation runs, its mean and worst PSNR. Nothing is interpolated, nothing decided on evaluation
+  runs. A method whose tuning kept no setting scores 1.00x (it computes every step).
 
-Protocol per method and step count. Its thresholds (a log grid, upwards to the first that misses the
-floors, then refined where the tuning runs cross them) run on the tuning prompts; the fastest setting
-(skip limit, window, threshold) whose tuning mean PSNR is >= 30 dB and worst run >= 25 dB is picked,
-and then evaluated once, with the tuned thresholds next to it until the floors are bracketed (the next
-one up where the pick keeps them, else down until one does), on the evaluation prompts. Each method's
-speedup at equal quality is read off its evaluated Pareto curve (speedup against mean and worst PSNR)
-by linear interpolation at 30 dB mean and 25 dB worst between measured points (1x, uncached, where none
-keeps them).
+Methods:
+- baselines, as their papers define them: TeaCache (the signed polynomial accumulated, calibrated),
+  MagCache (calibrated), First-Block-Cache, core EasyCache and LazyCache (each given an input it may
+  modify: EasyCache adds its residual to the diffusion model's input in place, which on a float32 model is
+  the sampler's own latent; on a real bf16 model it is a cast copy), TaylorSeer of order 1 and 2 and FoCa
+  (a full step every N, forecasts between; ReuseKit's ``interval`` rule with those residual modes);
+- ReuseKit's rules at the same calibration: the schedule rule (reuse, extrapolate), TeaCache and
+  First-Block with extrapolated residuals; and the node defaults as set (no calibration, no tuning: what a
+  user gets), scored once;
+- information, never ranked: the published configurations as published (TeaCache's recommended threshold
+  and skip limit with its polynomial, MagCache's E/K/R with its ratios: constants fitted on the real
+  models) and the schedule rule with its shipped table (measured with a larger budget, on the tuning
+  prompts).
 
 Quality of each run against the uncached run of the same prompt and seed: PSNR and SSIM of the picture
-(the stand-ins' latent is an exact picture code, no VAE) by scikit-image, and the final latent's
-relative L2. Cost: model calls counted per branch from the blocks that ran (a cond-only step costs half
-of a step under CFG; a call whose first block alone ran, as First-Block-Cache does on a skip, costs
-1/blocks of a call), and the CPU time of the whole sampling.
+(the stand-ins' latent is an exact picture code, no VAE) by scikit-image, and the final latent's relative
+L2.
 
 The last line:
-``RESULT default_speedup_min=<x> vs_best_baseline_min=<y> default_worst_psnr_min=<z> curve_match=<c>``:
-x the node defaults' curve's speedup at the floors, y the best ReuseKit method's over the best
-baseline's, both the minimum over both models at 28 and 50 steps; z the node defaults' worst
-evaluation run there; c the stand-ins' magnitude-curve match (``curve_match``, lower is closer).
+``RESULT default_speedup_min=<a> default_worst_psnr_min=<b> default_vs_best_baseline_min=<c>
+vs_best_baseline_min=<d> baselines=<n>``, minima over the setups at 28 and 50 steps: a the node
+defaults' evaluation speedup, b their worst evaluation run, c their speedup over the best baseline's, d
+the best ReuseKit rule's (among those keeping the floors on evaluation) over the best baseline's (any
+baseline, whatever its evaluation quality), n the number of baseline methods.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ import importlib
 import json
 import logging
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -74,11 +79,13 @@ import rkharness  # noqa: E402
 import step_cache_curves as curves  # noqa: E402
 
 FAMILIES = ("flux", "wan")
-STEP_COUNTS = (20, 28, 50)
+SETUPS = {"flux": ("flux", 3.5), "flux-cfg1": ("flux", 1.0), "wan": ("wan", 3.5)}  # name: (stand-in, CFG)
+STEP_COUNTS = (20, 28, 50)  # scored
+CALIBRATION_STEPS = (24, 40)  # calibrated at, never scored
 RESULT_STEPS = (28, 50)
-CFG = 3.5
+CFG = 3.5  # the tables' and the defaults' CFG (--write-tables, --pick-defaults)
 MEAN_FLOOR, WORST_FLOOR = 30.0, 25.0
-DEFAULT_FLOORS = (32.0, 27.0)  # what a family's default must keep on the tuning prompts (a margin over the goal)
+DEFAULT_FLOORS = (32.0, 27.0)  # what a family's calibrated default must keep on the tuning prompts
 CALIBRATION = ("a white square on a black background", 101)
 TUNING_PROMPTS = ["a green circle on a black background", "a red triangle on a white background",
                   "a yellow cross on a black background", "a blue circle on a gray background"]
@@ -87,16 +94,23 @@ EVAL_PROMPTS = ["a red circle on a black background", "a yellow square on a gray
                 "a blue triangle on a white background", "a green cross on a white background",
                 "a purple circle on a gray background", "a white triangle on a gray background",
                 "a red cross on a gray background", "a blue square on a black background"]
-SEEDS = (1, 2)
+SEEDS = (1, 2, 3, 4)
+BOOTSTRAP = 2000  # resamples of the evaluation runs for a speedup's interval
 DEEP_BLOCKS = {"flux": 57, "wan": 30}  # Flux.1-dev's 19 + 38 blocks, Wan 2.1 1.3B's 30
 PUBLISHED = {"flux": "flux", "wan": "wan2.1_t2v_1.3B_ret_mode"}  # the variants whose tables they are held to
 MAGCACHE_PUBLISHED = {"flux": (0.24, 5, 0.1), "wan": (0.12, 4, 0.2)}  # E, K, R
 TEACACHE_PUBLISHED = {"flux": 0.4, "wan": 0.08}  # ComfyUI-TeaCache's recommended rel_l1_thresh (max_skip 3)
 GRIDS = {"teacache": (0.05, 1.6), "magcache": (0.02, 1.0), "first_block": (0.02, 0.6), "schedule": (0.002, 0.3),
          "core": (0.02, 0.6)}
+INTERVALS = (2, 3, 4, 5, 6, 8)  # TaylorSeer's and FoCa's N (a full step every N)
 COARSE, REFINE = 7, 2  # grid points, then refinements at the floors' crossing (quick: 5, 1)
 TABLE_STEPS = 50  # the step count the shipped schedule tables are measured at (finest grid)
 SENSITIVITY_STEPS = 20  # ... and their sensitivity (coarsest: conservative near the end at finer counts)
+
+
+def calibration_steps(steps: int) -> int:
+    """The unscored step count whose calibration a scored step count reads (the nearest)."""
+    return min(CALIBRATION_STEPS, key=lambda c: (abs(c - steps), c))
 
 
 # ---- methods and settings ------------------------------------------------------------------------------
@@ -109,46 +123,82 @@ def combos(family: str) -> dict[str, dict]:
 
 
 def methods(family: str) -> list[dict]:
-    """Every method the bench ranks: name, kind, how to build it, the combos it may pick from."""
-    pub = PUBLISHED[family]
+    """Every method the bench runs: name, kind (baseline, reusekit, information), how to build it, the
+    combos and grid it sweeps."""
     every = list(combos(family))
-    out = []
-    for rule, source in (("teacache", pub), ("teacache", "calibrated"), ("magcache", pub), ("magcache", "calibrated"),
-                         ("first_block", "auto")):
-        table = {"auto": "", "calibrated": " calibrated"}.get(source, " published")
-        out.append(dict(name=f"{rule}{table} reuse", kind="baseline", rule=rule, model_type=source, mode="reuse",
-                        combos=every, grid=rule))
-    for node in ("easycache", "lazycache"):
-        out.append(dict(name=f"core {node}", kind="baseline", core=node, combos=["0-1", ".15-.95"], grid="core"))
-    # the schedule rule plans within whatever limits it is given (they can only restrict its plan): it runs free
-    for source, label in (("calibrated", "calibrated"), ("auto", "shipped table")):
-        for mode in ("reuse", "extrapolate"):
-            out.append(dict(name=f"schedule {label} {mode}", kind="reusekit", rule="schedule", model_type=source,
-                            mode=mode, combos=["free"], grid="schedule"))
-    out.append(dict(name="node defaults", kind="reusekit", defaults=True, combos=["free"], grid=None))
-    return out
+
+    def rule(name, kind, rule, model_type, mode, grid=None, **extra):
+        return dict(name=name, kind=kind, rule=rule, model_type=model_type, mode=mode, combos=every,
+                    grid=grid or rule, **extra)
+
+    return [
+        rule("TeaCache", "baseline", "teacache", "calibrated", "reuse", signed=True),
+        rule("MagCache", "baseline", "magcache", "calibrated", "reuse"),
+        rule("First-Block", "baseline", "first_block", "auto", "reuse"),
+        dict(name="EasyCache (core)", kind="baseline", core="easycache", combos=["0-1", ".15-.95"], grid="core"),
+        dict(name="LazyCache (core)", kind="baseline", core="lazycache", combos=["0-1", ".15-.95"], grid="core"),
+        rule("TaylorSeer order 1", "baseline", "interval", "auto", "taylorseer1", grid="interval"),
+        rule("TaylorSeer order 2", "baseline", "interval", "auto", "taylorseer2", grid="interval"),
+        rule("FoCa", "baseline", "interval", "auto", "foca", grid="interval"),
+        rule("ReuseKit schedule, reuse", "reusekit", "schedule", "calibrated", "reuse"),
+        rule("ReuseKit schedule, extrapolate", "reusekit", "schedule", "calibrated", "extrapolate"),
+        rule("ReuseKit TeaCache, extrapolate", "reusekit", "teacache", "calibrated", "extrapolate"),
+        rule("ReuseKit First-Block, extrapolate", "reusekit", "first_block", "auto", "extrapolate"),
+        dict(name="ReuseKit node defaults", kind="reusekit", defaults=True, combos=["as set"], grid=None),
+        rule("ReuseKit schedule, shipped table", "information", "schedule", "auto", "extrapolate"),
+    ]
 
 
 def published_rows(family: str) -> list[dict]:
-    """The published configurations, evaluated as published (no tuning)."""
+    """The published configurations, scored as published (no tuning): information."""
     e, k, r = MAGCACHE_PUBLISHED[family]
     t = TEACACHE_PUBLISHED[family]
-    return [dict(name=f"MagCache published E{e:g} K{k} R{r:g}", kind="baseline", rule="magcache", model_type="calibrated",
-                 mode="reuse", combo=dict(K=k, start=r, last=False), threshold=e),
-            dict(name=f"TeaCache published {t:g} max_skip 3, last step", kind="baseline", rule="teacache",
-                 model_type=PUBLISHED[family], mode="reuse", combo=dict(K=3, start=0.0, last=True), threshold=t)]
+    return [dict(name=f"MagCache published E{e:g} K{k} R{r:g}", kind="information", rule="magcache",
+                 model_type=PUBLISHED[family], mode="reuse", combo=dict(K=k, start=r, last=False), threshold=e),
+            dict(name=f"TeaCache published {t:g} max_skip 3, last step", kind="information", rule="teacache",
+                 model_type=PUBLISHED[family], mode="reuse", combo=dict(K=3, start=0.0, last=True), threshold=t,
+                 signed=True)]
 
 
-# ---- one model ---------------------------------------------------------------------------------------
+def grid(method: dict, quick: bool) -> list[float]:
+    """The thresholds a method's sweep starts from: an interval's integers, else a log grid."""
+    if method["grid"] == "interval":
+        return [float(n) for n in (INTERVALS[::2] if quick else INTERVALS)]
+    lo, hi = GRIDS[method["grid"]]
+    return curves.log_grid(lo, hi, 5 if quick else COARSE)
+
+
+@contextmanager
+def as_published(tc, setting: dict):
+    """While a TeaCache reference row runs (``signed``): the rescale polynomial accumulated as the reference
+    does, signed, in place of ReuseKit's absolute value (``tc``: caching.step_cache)."""
+    if not setting.get("signed"):
+        yield
+        return
+    own = tc.rescale
+    tc.rescale = tc.polynomial
+    try:
+        yield
+    finally:
+        tc.rescale = own
+
+
+def clone_input(executor, x, *args, **kwargs):
+    """A DIFFUSION_MODEL wrapper outside the core nodes' own: the model gets a copy of its input, as a real
+    bf16 model gets a cast copy, so EasyCache's in-place add never reaches the sampler's latent."""
+    return executor(x.clone(), *args, **kwargs)
+
+
+# ---- one setup ---------------------------------------------------------------------------------------
 
 class Bench:
-    """One stand-in model: builds settings, runs them through the real KSampler, counts what ran."""
+    """One stand-in model at one CFG: builds settings, runs them through the real KSampler, counts what ran."""
 
-    def __init__(self, family: str, quick: bool):
+    def __init__(self, family: str, quick: bool, cfg: float = CFG):
         import comfy.utils
 
         comfy.utils.PROGRESS_BAR_ENABLED = False
-        self.family, self.quick = family, quick
+        self.family, self.quick, self.cfg = family, quick, cfg
         self.S = importlib.import_module(rkharness.TINY.__name__ + ".standins")
         self.N = rkharness.pack("nodes.step_cache")
         self.P = rkharness.pack("patches.step_cache")
@@ -198,20 +248,22 @@ class Bench:
 
     def build(self, setting: dict, steps: int):
         """The model a setting samples with: ``setting`` has the method's fields, ``combo`` and ``threshold``."""
+        import comfy.patcher_extension
         from comfy_extras.nodes_easycache import EasyCacheNode, LazyCacheNode
 
         if setting.get("uncached"):
             return self.model
         if setting.get("defaults"):
             inputs = {i.id: i.default for i in self.N.TeaCacheNode.define_schema().inputs if i.id != "model"}
-            if setting.get("threshold") is not None:
-                inputs["threshold"] = setting["threshold"]
             return self.N.TeaCacheNode.execute(model=self.model, **inputs).args[0]
         combo = setting["combo"]
         if "core" in setting:
             node = EasyCacheNode if setting["core"] == "easycache" else LazyCacheNode
             start, end = (0.0, 1.0) if combo == "0-1" else (0.15, 0.95)
-            return node.execute(self.model, setting["threshold"], start, end, False).args[0]
+            model = self.model.clone()
+            model.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "rk_bench_clone_input",
+                                       clone_input)
+            return node.execute(model, setting["threshold"], start, end, False).args[0]
         end = self.end_for_last(steps) if combo["last"] else 1.0
         return self.N.TeaCacheNode.execute(
             model=self.model, rule=setting["rule"], threshold=setting["threshold"], model_type=setting["model_type"],
@@ -226,21 +278,22 @@ class Bench:
         self.P.STORE = store
         self.counts[:] = [0] * len(self.blocks)
         t0 = time.process_time()
-        (out,) = nodes.common_ksampler(model, seed, steps, CFG, "euler", "simple", self.cond(prompt), self.cond(""),
-                                       {"samples": self.S.empty_latent(self.family)})
+        (out,) = nodes.common_ksampler(model, seed, steps, self.cfg, "euler", "simple", self.cond(prompt),
+                                       self.cond(""), {"samples": self.S.empty_latent(self.family)})
         cpu = time.process_time() - t0
         calls = sum(self.counts) / len(self.blocks)
         deep = self.counts[-1] + (self.counts[0] - self.counts[-1]) / DEEP_BLOCKS[self.family]
         return out["samples"], calls, deep, cpu
 
     def calibrate(self, steps: int) -> dict:
-        """One Calibrate run on the calibration prompt (its own store per step count); what it fitted."""
+        """One Calibrate run on the calibration prompt at ``steps`` (never a scored count), its own store."""
         store = self.stores[steps] = self.tc.CalibrationStore(None)
         self.run(self.N.TeaCacheCalibrateNode.execute(model=self.model).args[0], *CALIBRATION, steps, store)
         return self.P.stats().snapshot()["info"]["last_calibration"]
 
     def store_for(self, setting: dict, steps: int):
-        return self.stores[steps] if setting.get("model_type") == "calibrated" else self.empty
+        """A calibrated method's store: the calibration made at the unscored count nearest ``steps``."""
+        return self.stores[calibration_steps(steps)] if setting.get("model_type") == "calibrated" else self.empty
 
     def metrics(self, out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
         return picture_metrics(out, ref, lambda x: self.S.latent_to_picture(x, self.family))
@@ -267,25 +320,37 @@ def picture_metrics(out: torch.Tensor, ref: torch.Tensor, to_picture) -> tuple[f
 
 # ---- the protocol ------------------------------------------------------------------------------------
 
+def interval(base: float, calls: list[float], seed: int = 0) -> tuple[float, float]:
+    """The 95% bootstrap interval of the speedup ``base / mean(calls)`` over the runs (resampled with
+    replacement, a fixed seed: the same runs give the same interval)."""
+    rng = random.Random(seed)
+    n = len(calls)
+    xs = sorted(base / (sum(rng.choice(calls) for _ in range(n)) / n) for _ in range(BOOTSTRAP))
+    return xs[int(0.025 * (BOOTSTRAP - 1))], xs[int(0.975 * (BOOTSTRAP - 1))]
+
+
 def measure(bench: Bench, setting: dict, steps: int, runs: list[tuple[str, int]], refs: dict) -> dict:
-    """A setting on ``runs`` (prompt, seed): the point (speedup per branch, mean and worst PSNR...)."""
+    """A setting on ``runs`` (prompt, seed): speedup per branch with its interval, mean and worst PSNR..."""
     model = bench.build(setting, steps)
     store = bench.store_for(setting, steps)
     calls, deep, cpu, psnr, ssim, err = [], [], [], [], [], []
-    for prompt, seed in runs:
-        ref, ref_calls, ref_cpu = refs[(prompt, seed)]
-        out, c, d, t = bench.run(model, prompt, seed, steps, store)
-        p, s, e = bench.metrics(out, ref)
-        calls.append(c)
-        deep.append(d)
-        cpu.append(t / ref_cpu)
-        psnr.append(p)
-        ssim.append(s)
-        err.append(e)
+    with as_published(bench.tc, setting):
+        for prompt, seed in runs:
+            ref, ref_calls, ref_cpu = refs[(prompt, seed)]
+            out, c, d, t = bench.run(model, prompt, seed, steps, store)
+            p, s, e = bench.metrics(out, ref)
+            calls.append(c)
+            deep.append(d)
+            cpu.append(t / ref_cpu)
+            psnr.append(p)
+            ssim.append(s)
+            err.append(e)
     base = sum(refs[r][1] for r in runs) / len(runs)
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    return {"x": base / mean(calls), "deep_x": base / mean(deep), "cpu_x": 1.0 / mean(cpu), "psnr": mean(psnr),
-            "worst": min(psnr), "ssim": mean(ssim), "err": mean(err), "threshold": setting.get("threshold")}
+    lo, hi = interval(base, calls)
+    return {"x": base / mean(calls), "x_lo": lo, "x_hi": hi, "deep_x": base / mean(deep), "cpu_x": 1.0 / mean(cpu),
+            "psnr": mean(psnr), "worst": min(psnr), "ssim": mean(ssim), "err": mean(err),
+            "threshold": setting.get("threshold")}
 
 
 def references(bench: Bench, steps: int, runs: list[tuple[str, int]]) -> dict:
@@ -297,27 +362,29 @@ def references(bench: Bench, steps: int, runs: list[tuple[str, int]]) -> dict:
     return refs
 
 
+def keeps(point: dict, floors: tuple[float, float] = (MEAN_FLOOR, WORST_FLOOR)) -> bool:
+    return point["psnr"] >= floors[0] and point["worst"] >= floors[1]
+
+
 def tune(bench: Bench, method: dict, steps: int, tuning: list, refs: dict,
          floors: tuple[float, float] = (MEAN_FLOOR, WORST_FLOOR)) -> tuple[list[dict], dict | None]:
-    """Every combo's thresholds on the tuning prompts (a log grid, refined at the ``floors``' crossing):
-    the tuning points, and the pick (the fastest keeping the floors)."""
-    points = []
+    """Every combo's thresholds on the tuning runs (walked upwards to the first that misses the ``floors``,
+    then refined at the crossing): the tuning points, and the pick (the fastest keeping the floors), from
+    these points alone. The defaults are not tuned: they are what a user gets."""
     if method.get("defaults"):
-        point = measure(bench, dict(method, threshold=None), steps, tuning, refs)
-        return [dict(point, combo="free", threshold=-1.0)], dict(point, combo="free", threshold=-1.0)
-    lo, hi = GRIDS[method["grid"]]
-    coarse, refine = (5, 1) if bench.quick else (COARSE, REFINE)
+        return [], {"combo": "as set", "threshold": None}
+    points = []
     for combo_name in method["combos"][:1] if bench.quick else method["combos"]:
         combo = combo_name if "core" in method else combos(bench.family)[combo_name]
         mine = []
         tried: set[float] = set()
-        todo = curves.log_grid(lo, hi, coarse)
-        for _ in range(refine + 1):
+        todo = grid(method, bench.quick)
+        for _ in range(1 if method["grid"] == "interval" else (1 if bench.quick else REFINE) + 1):
             for th in todo:  # upwards; past the first threshold that misses the floors, higher ones miss them too
                 tried.add(th)
                 mine.append(dict(measure(bench, dict(method, combo=combo, threshold=th), steps, tuning, refs),
                                  combo=combo_name))
-                if len(todo) > 1 and not (mine[-1]["psnr"] >= floors[0] and mine[-1]["worst"] >= floors[1]):
+                if len(todo) > 1 and not keeps(mine[-1], floors):
                     break
             nxt = curves.refine(mine, *floors, tried)
             if nxt is None:
@@ -327,78 +394,54 @@ def tune(bench: Bench, method: dict, steps: int, tuning: list, refs: dict,
     return points, curves.pick(points, *floors)
 
 
-def evaluate(bench: Bench, method: dict, steps: int, picked: dict | None, tune_points: list, evals: list,
-             refs: dict) -> list[dict]:
-    """The pick on the evaluation runs, then along its combo's tuned thresholds until the floors are
-    bracketed: the next one up where the pick keeps them, else down until one does (or none is left).
-    The method's evaluated curve (the pick marked)."""
+def score(bench: Bench, method: dict, steps: int, picked: dict | None, evals: list, refs: dict) -> dict:
+    """The pick, fixed on tuning, run once on the evaluation runs; 1.00x (every step computed) when tuning
+    kept no setting."""
+    if picked is None:
+        return {"x": 1.0, "x_lo": 1.0, "x_hi": 1.0, "deep_x": 1.0, "cpu_x": 1.0, "psnr": curves.PSNR_CAP,
+                "worst": curves.PSNR_CAP, "ssim": 1.0, "err": 0.0, "threshold": None, "combo": None}
     if method.get("defaults"):
-        return [dict(measure(bench, dict(method, threshold=None), steps, evals, refs), combo="free", threshold=-1.0,
-                     picked=True)]
-    if picked is None:  # nothing kept the floors on tuning: its gentlest setting shows how far off it is
-        picked = min(tune_points, key=lambda p: p["threshold"])
-    same = sorted({p["threshold"] for p in tune_points if p["combo"] == picked["combo"]})
+        return dict(measure(bench, method, steps, evals, refs), combo="as set")
     combo = picked["combo"] if "core" in method else combos(bench.family)[picked["combo"]]
-
-    def at(i):
-        return dict(measure(bench, dict(method, combo=combo, threshold=same[i]), steps, evals, refs),
-                    combo=picked["combo"], picked=same[i] == picked["threshold"])
-
-    def keeps(point):
-        return point["psnr"] >= MEAN_FLOOR and point["worst"] >= WORST_FLOOR
-
-    i = same.index(picked["threshold"])
-    out = [at(i)]
-    step = 1 if keeps(out[0]) else -1
-    j = i + step
-    while 0 <= j < len(same):
-        out.append(at(j))
-        if keeps(out[-1]) != keeps(out[0]) or step == 1:
-            break
-        j += step
-    return out
+    setting = dict(method, combo=combo, threshold=picked["threshold"])
+    return dict(measure(bench, setting, steps, evals, refs), combo=picked["combo"])
 
 
-def default_curve(bench: Bench, steps: int, evals: list, refs: dict, threshold: float) -> list[dict]:
-    """The node defaults' curve on the evaluation runs: its threshold scaled around the family default."""
-    return [dict(measure(bench, {"defaults": True, "threshold": threshold * f}, steps, evals, refs), combo="free")
-            for f in (0.5, 0.75, 1.5, 2.0)]
-
-
-def sweep(family: str, quick: bool) -> dict:
-    """One model, every step count: calibration, references, tuning, evaluation."""
-    bench = Bench(family, quick)
+def sweep(setup: str, quick: bool) -> dict:
+    """One setup, every step count: calibrations, references, tuning, scoring."""
+    family, cfg = SETUPS[setup]
+    bench = Bench(family, quick, cfg)
     tuning = [(p, TUNING_SEED) for p in (TUNING_PROMPTS[:2] if quick else TUNING_PROMPTS)]
     evals = [(p, s) for p in (EVAL_PROMPTS[:2] if quick else EVAL_PROMPTS) for s in (SEEDS[:1] if quick else SEEDS)]
-    out = {"family": family, "steps": {}}
+    out = {"setup": setup, "family": family, "cfg": cfg, "steps": {}, "calibrated_at": {}}
     t0, cpu0 = time.perf_counter(), time.process_time()
     with torch.inference_mode():
         mags = bench.S.calibrated_magnitudes(bench.model, family, bench.S.PUBLISHED_STEPS[family])
         out["curve_match"] = bench.S.curve_match(family, mags)
-        for steps in ((28,) if quick else STEP_COUNTS):
-            calibration = bench.calibrate(steps)
+        scored = (28,) if quick else STEP_COUNTS
+        for steps in sorted({calibration_steps(s) for s in scored}):
+            bench.calibrate(steps)
+        for steps in scored:
+            out["calibrated_at"][steps] = calibration_steps(steps)
             refs = references(bench, steps, tuning + evals)
             rows = []
             for method in methods(family):
                 if method.get("model_type") == "auto" and method.get("rule") == "schedule" \
                         and bench.schedule.shipped_table(family) is None:
-                    print(f"[{family} {steps}] {method['name']}: no shipped table yet (--write-tables)", flush=True)
+                    print(f"[{setup} {steps}] {method['name']}: no shipped table yet (--write-tables)", flush=True)
                     continue
                 tune_points, picked = tune(bench, method, steps, tuning, refs)
-                evaluated = evaluate(bench, method, steps, picked, tune_points, evals, refs)
-                if method.get("defaults"):
-                    config = bench.tc.StepCacheConfig(None, "auto", -1.0, rule="auto", residual_mode="auto")
-                    threshold = bench.P.resolved_config(config, bench.P.detect_family(bench.model)).threshold
-                    evaluated += default_curve(bench, steps, evals, refs, threshold)
-                rows.append({"name": method["name"], "kind": method["kind"], "tune": tune_points, "eval": evaluated,
-                             "picked": picked})
-                print(f"[{family} {steps}] {method['name']}: tuned {len(tune_points)} settings, picked "
-                      f"{_said(picked)}; evaluated {len(evaluated)} ({time.perf_counter() - t0:.0f} s)", flush=True)
+                scored_point = score(bench, method, steps, picked, evals, refs)
+                rows.append({"name": method["name"], "kind": method["kind"], "tune": tune_points,
+                             "picked": picked, "eval": scored_point})
+                print(f"[{setup} {steps}] {method['name']}: tuned {len(tune_points)} settings, picked "
+                      f"{_said(picked)}; scored {scored_point['x']:.2f}x at {scored_point['psnr']:.1f} dB "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
             for row in published_rows(family):
                 point = measure(bench, row, steps, evals, refs)
-                rows.append({"name": row["name"], "kind": "baseline", "tune": [], "picked": None,
-                             "eval": [dict(point, combo="published", picked=True)]})
-            out["steps"][steps] = {"rows": rows, "calibration": {k: calibration.get(k) for k in ("coefficients", "points")},
+                rows.append({"name": row["name"], "kind": row["kind"], "tune": [], "picked": None,
+                             "eval": dict(point, combo="published")})
+            out["steps"][steps] = {"rows": rows,
                                    "uncached_cpu_s": sum(r[2] for r in refs.values()) / len(refs)}
     out["seconds"] = time.perf_counter() - t0
     out["cpu_seconds"] = time.process_time() - cpu0
@@ -408,24 +451,33 @@ def sweep(family: str, quick: bool) -> dict:
 def _said(p: dict | None) -> str:
     if p is None:
         return "none (no setting kept the floors)"
+    if p.get("threshold") is None:
+        return str(p["combo"])
     return f"{p['combo']} {p['threshold']:g}: {p['x']:.2f}x at {p['psnr']:.1f} dB (worst {p['worst']:.1f})"
 
 
+def _setting(p: dict | None) -> str:
+    if p is None:
+        return "none kept the floors"
+    return str(p["combo"]) if p.get("threshold") is None else f"{p['combo']} {p['threshold']:g}"
+
+
 def pick_defaults(family: str) -> dict:
-    """The family's default for the node, on the tuning prompts only: the schedule rule with the shipped
-    table (no calibration), each residual mode's fastest threshold keeping DEFAULT_FLOORS at every step
-    count; the default is the mode whose slowest step count is fastest, at the smallest of its picks."""
+    """The family's calibrated default for the node, on the tuning prompts only: the schedule rule with the
+    shipped table, each residual mode's fastest threshold keeping DEFAULT_FLOORS at every step count; the
+    default is the mode whose slowest step count is fastest, at the smallest of its picks."""
     bench = Bench(family, quick=False)
     tuning = [(p, TUNING_SEED) for p in TUNING_PROMPTS]
     picks: dict[str, dict[int, dict | None]] = {}
     with torch.inference_mode():
         for steps in STEP_COUNTS:
             refs = references(bench, steps, tuning)
-            for method in methods(family):
-                if method.get("rule") == "schedule" and method["model_type"] == "auto":
-                    _, picked = tune(bench, method, steps, tuning, refs, DEFAULT_FLOORS)
-                    picks.setdefault(method["mode"], {})[steps] = picked
-                    print(f"[{family} {steps}] {method['name']}: {_said(picked)}", flush=True)
+            for mode in ("reuse", "extrapolate"):
+                method = dict(name=f"schedule shipped table {mode}", kind="reusekit", rule="schedule",
+                              model_type="auto", mode=mode, combos=["free"], grid="schedule")
+                _, picked = tune(bench, method, steps, tuning, refs, DEFAULT_FLOORS)
+                picks.setdefault(mode, {})[steps] = picked
+                print(f"[{family} {steps}] {method['name']}: {_said(picked)}", flush=True)
     usable = {mode: p for mode, p in picks.items() if all(v is not None for v in p.values())}
     if not usable:
         return {"family": family, "picks": picks, "default": None}
@@ -504,73 +556,72 @@ def write_tables(family: str) -> dict:
 # ---- reporting ---------------------------------------------------------------------------------------
 
 def summarize(results: dict[str, dict]) -> dict:
-    """Per model and step count: each method's speedup at the floors, the bests, the defaults."""
+    """Per setup and scored step count: each method's scored point, the best baseline (any), the best
+    ReuseKit rule (among those keeping the floors on evaluation), the defaults."""
     out = {}
-    for family, res in results.items():
+    for setup, res in results.items():
         for steps, data in res["steps"].items():
-            steps = int(steps)
-            best = {"baseline": (1.0, "uncached"), "reusekit": (1.0, "uncached")}
-            per = {}
-            for row in data["rows"]:
-                x = curves.speedup_at(row["eval"], MEAN_FLOOR, WORST_FLOOR)
-                per[row["name"]] = x
-                kind = row["kind"]
-                if x > best[kind][0]:
-                    best[kind] = (x, row["name"])
-            defaults = next(r for r in data["rows"] if r["name"] == "node defaults")
-            own = next(p for p in defaults["eval"] if p.get("picked"))
-            out[(family, steps)] = {"per": per, "best": best, "default_x": per["node defaults"],
-                                    "default_point": own, "rows": data["rows"]}
+            rows = data["rows"]
+            base = max((r for r in rows if r["kind"] == "baseline"), key=lambda r: r["eval"]["x"])
+            ours = [r for r in rows if r["kind"] == "reusekit" and r["name"] != "ReuseKit node defaults"
+                    and keeps(r["eval"])]
+            best = max(ours, key=lambda r: r["eval"]["x"], default=None)
+            defaults = next(r for r in rows if r["name"] == "ReuseKit node defaults")
+            out[(setup, int(steps))] = {"rows": rows, "baseline": base, "reusekit": best, "defaults": defaults,
+                                        "baselines": sum(r["kind"] == "baseline" for r in rows)}
     return out
 
 
 def report(results: dict[str, dict], args) -> str:
     summary = summarize(results)
     lines = []
-    for (family, steps), s in sorted(summary.items()):
-        lines.append(f"\n{family} stand-in, {steps} steps (evaluation: {'2x1' if args.quick else '8x2'} runs); "
-                     f"speedup at >= {MEAN_FLOOR:g} dB mean and >= {WORST_FLOOR:g} dB worst, read off the curve:")
-        lines.append(f"  {'method':<42}{'kind':<10}{'at floor':>9}  {'pick (tuning)':<34}{'pick on eval':>30}")
-        for row in sorted(s["rows"], key=lambda r: -s["per"][r["name"]]):
-            own = next((p for p in row["eval"] if p.get("picked")), None)
-            ev = "" if own is None else f"{own['x']:.2f}x {own['psnr']:.1f}/{own['worst']:.1f} dB"
-            lines.append(f"  {row['name']:<42}{row['kind']:<10}{s['per'][row['name']]:>8.2f}x  "
-                         f"{_said(row['picked'])[:34]:<34}{ev:>30}")
-        (bx, bn), (rx, rn) = s["best"]["baseline"], s["best"]["reusekit"]
-        dp = s["default_point"]
-        lines.append(f"  best baseline {bx:.2f}x ({bn}); best ReuseKit {rx:.2f}x ({rn}): {rx / bx:.2f}; node defaults "
-                     f"{s['default_x']:.2f}x on their curve, their own setting {dp['x']:.2f}x at {dp['psnr']:.1f} dB "
-                     f"(worst {dp['worst']:.1f})")
-    at = [s for (f, steps), s in summary.items() if steps in RESULT_STEPS] or list(summary.values())
-    x = min(s["default_x"] for s in at)
-    y = min(s["best"]["reusekit"][0] / s["best"]["baseline"][0] for s in at)
-    z = min(s["default_point"]["worst"] for s in at)
-    c = max(r["curve_match"] for r in results.values())
-    lines.append(f"\nran {max(r['seconds'] for r in results.values()):.0f} s (the slower model's worker; its CPU time "
-                 f"{max(r.get('cpu_seconds', 0.0) for r in results.values()):.0f} s: the wall time on two idle cores)")
-    lines.append(f"RESULT default_speedup_min={x:.2f} vs_best_baseline_min={y:.2f} default_worst_psnr_min={z:.1f} "
-                 f"curve_match={c:.4f}")
+    for (setup, steps), s in sorted(summary.items()):
+        n = "2x1" if args.quick else f"{len(EVAL_PROMPTS)}x{len(SEEDS)}"
+        lines.append(f"\n{setup} stand-in, {steps} steps (calibrated at {calibration_steps(steps)}; scored on {n} "
+                     f"evaluation runs at the setting picked on tuning):")
+        lines.append(f"  {'method':<46}{'kind':<12}{'setting picked on tuning':<26}{'speedup [95% interval]':>24}"
+                     f"{'mean / worst dB':>18}")
+        for row in sorted(s["rows"], key=lambda r: (r["kind"] == "information", -r["eval"]["x"])):
+            e = row["eval"]
+            said = "as published" if e.get("combo") == "published" else _setting(row["picked"])
+            lines.append(f"  {row['name']:<46}{row['kind']:<12}{said:<26}"
+                         f"{e['x']:>6.2f}x [{e['x_lo']:.2f}, {e['x_hi']:.2f}]{'':>5}"
+                         f"{e['psnr']:>9.1f} / {e['worst']:.1f}{'' if keeps(e) else ' (below the floors)'}")
+        b, d = s["baseline"], s["defaults"]["eval"]
+        ours = s["reusekit"]
+        lines.append(f"  best baseline {b['eval']['x']:.2f}x ({b['name']}); best ReuseKit rule "
+                     + (f"{ours['eval']['x']:.2f}x ({ours['name']})" if ours else "none keeping the floors")
+                     + f"; node defaults {d['x']:.2f}x at {d['psnr']:.1f} / {d['worst']:.1f} dB")
+    at = [s for (_, steps), s in summary.items() if steps in RESULT_STEPS] or list(summary.values())
+    a = min(s["defaults"]["eval"]["x"] for s in at)
+    b = min(s["defaults"]["eval"]["worst"] for s in at)
+    c = min(s["defaults"]["eval"]["x"] / s["baseline"]["eval"]["x"] for s in at)
+    d = min((s["reusekit"]["eval"]["x"] if s["reusekit"] else 1.0) / s["baseline"]["eval"]["x"] for s in at)
+    n = min(s["baselines"] for s in at)
+    lines.append(f"\nran {max(r['seconds'] for r in results.values()):.0f} s (the slowest setup's worker; its CPU "
+                 f"time {max(r.get('cpu_seconds', 0.0) for r in results.values()):.0f} s)")
+    lines.append(f"stand-ins' magnitude curves against the published ones (their training target, not a validation): "
+                 f"curve_match={max(r['curve_match'] for r in results.values()):.4f}")
+    lines.append(f"RESULT default_speedup_min={a:.2f} default_worst_psnr_min={b:.1f} default_vs_best_baseline_min={c:.2f} "
+                 f"vs_best_baseline_min={d:.2f} baselines={n}")
     return "\n".join(lines)
 
 
-COLORS = {"teacache published reuse": (120, 120, 120), "teacache calibrated reuse": (60, 60, 60),
-          "magcache published reuse": (170, 140, 90), "magcache calibrated reuse": (130, 90, 30),
-          "first_block reuse": (150, 90, 160), "core easycache": (90, 160, 160), "core lazycache": (40, 120, 120),
-          "schedule calibrated reuse": (40, 160, 60), "schedule calibrated extrapolate": (0, 110, 20),
-          "schedule shipped table reuse": (220, 80, 80), "schedule shipped table extrapolate": (170, 0, 0),
-          "node defaults": (20, 40, 220)}
-
-
 def plots(results: dict[str, dict], png_dir: Path) -> list[Path]:
-    """One picture per model: a panel per step count, speedup against mean PSNR on the evaluation runs."""
+    """One picture per setup, a panel per step count: each ranked method's tuning points (speedup against
+    mean PSNR; information only, the ranking is the scored table)."""
     paths = []
-    for family, res in results.items():
+    names = [m["name"] for m in methods("flux") if m["kind"] != "information"]
+    palette = [(120, 120, 120), (170, 140, 90), (150, 90, 160), (90, 160, 160), (40, 120, 120), (200, 120, 0),
+               (140, 60, 0), (90, 90, 200), (40, 160, 60), (0, 110, 20), (220, 80, 80), (170, 0, 0), (20, 40, 220)]
+    colors = dict(zip(names, palette, strict=False))
+    for setup, res in results.items():
         panels = []
         for steps, data in sorted(res["steps"].items(), key=lambda kv: int(kv[0])):
-            panels.append((f"{family} stand-in, {steps} steps: mean PSNR (dB) of each evaluated setting",
-                           {r["name"]: r["eval"] for r in data["rows"] if r["name"] in COLORS}))
-        path = png_dir / f"step_cache_{family}.png"
-        curves.plot(panels, path, COLORS)
+            panels.append((f"{setup} stand-in, {steps} steps: tuning points, mean PSNR (dB)",
+                           {r["name"]: r["tune"] or [r["eval"]] for r in data["rows"] if r["name"] in colors}))
+        path = png_dir / f"step_cache_{setup}.png"
+        curves.plot(panels, path, colors)
         paths.append(path)
     return paths
 
@@ -578,34 +629,37 @@ def plots(results: dict[str, dict], png_dir: Path) -> list[Path]:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="28 steps only, 2 tuning and 2 evaluation runs, a coarse grid")
-    ap.add_argument("--family", choices=FAMILIES, help="(worker) one model, results to --out")
+    ap.add_argument("--worker", help="(internal) one setup, or with --write-tables / --pick-defaults one family; "
+                                     "results to --out")
     ap.add_argument("--out")
-    ap.add_argument("--png-dir", help="write docs-style plots step_cache_<model>.png here")
+    ap.add_argument("--png-dir", help="write plots step_cache_<setup>.png here")
     ap.add_argument("--json", help="keep every measured point here")
     ap.add_argument("--write-tables", action="store_true", help="measure the schedule rule's shipped tables")
-    ap.add_argument("--pick-defaults", action="store_true", help="pick each family's default on the tuning prompts")
+    ap.add_argument("--pick-defaults", action="store_true", help="pick each family's calibrated default on the "
+                                                                 "tuning prompts")
     args = ap.parse_args()
-    if args.family:  # a worker
+    if args.worker:
         rkharness.bootstrap()
         torch.set_num_threads(1)
         logging.getLogger("reusekit").setLevel(logging.WARNING)
         logging.getLogger().setLevel(logging.WARNING)
-        data = (write_tables(args.family) if args.write_tables else pick_defaults(args.family) if args.pick_defaults
-                else sweep(args.family, args.quick))
+        data = (write_tables(args.worker) if args.write_tables else pick_defaults(args.worker) if args.pick_defaults
+                else sweep(args.worker, args.quick))
         Path(args.out).write_text(json.dumps(data))
         return
     tmp = Path(tempfile.mkdtemp(prefix="rk-step-bench-"))
+    workers = FAMILIES if args.write_tables or args.pick_defaults else tuple(SETUPS)
     procs = {}
-    for family in FAMILIES:  # one worker per model, side by side (the machine's two cores)
-        cmd = [sys.executable, __file__, "--family", family, "--out", str(tmp / f"{family}.json")]
+    for name in workers:  # one worker each, side by side
+        cmd = [sys.executable, __file__, "--worker", name, "--out", str(tmp / f"{name}.json")]
         cmd += ["--quick"] if args.quick else []
         cmd += ["--write-tables"] if args.write_tables else []
         cmd += ["--pick-defaults"] if args.pick_defaults else []
-        procs[family] = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        procs[name] = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     failed = [f for f, p in procs.items() if p.wait() != 0]
     if failed:
         raise SystemExit(f"the {', '.join(failed)} worker failed")
-    results = {f: json.loads((tmp / f"{f}.json").read_text()) for f in FAMILIES}
+    results = {f: json.loads((tmp / f"{f}.json").read_text()) for f in workers}
     if args.write_tables:
         target = rkharness.ROOT / "caching" / "schedule_tables.json"
         target.write_text(json.dumps({

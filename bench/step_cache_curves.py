@@ -1,12 +1,9 @@
-"""The step-cache benchmark's arithmetic: a method's Pareto curve of speedup against PSNR, the speedup
-read off it at a quality floor by interpolation, the setting picked on the tuning prompts, and the plots
-(pure Python + PIL; bench/step_cache.py runs the models).
+"""The step-cache benchmark's arithmetic: the setting picked on the tuning prompts, the threshold grid
+and its refinement, and the plots (pure Python + PIL; bench/step_cache.py runs the models).
 
 A point is a dict with ``x`` (speedup in calls per branch, uncached / cached), ``psnr`` (mean dB over the
-runs) and ``worst`` (the worst run's dB). A method's curve is its measured points thinned to their Pareto
-front; between two of them it is read linearly. The uncached run (1x, exact) is what a method falls back
-to where none of its points keeps the floors: never a point to interpolate from (PSNR is far from linear
-in speedup that close to exact).
+runs), ``worst`` (the worst run's dB) and the ``threshold`` that gave it. Nothing here reads a speedup off
+a curve: a method is scored only at the one setting its tuning points picked.
 """
 
 from __future__ import annotations
@@ -15,47 +12,6 @@ import math
 from pathlib import Path
 
 PSNR_CAP = 100.0  # dB for a picture equal to the reference (PSNR is infinite there)
-
-
-def front(points: list[dict]) -> list[dict]:
-    """The points no other beats on speedup and on both mean and worst PSNR, by increasing speedup."""
-    pts = [p for p in points if p["x"] >= 1.0]
-    keep = [p for p in pts if not any(
-        o is not p and o["x"] >= p["x"] and o["psnr"] >= p["psnr"] and o["worst"] >= p["worst"]
-        and (o["x"] > p["x"] or o["psnr"] > p["psnr"] or o["worst"] > p["worst"]) for o in pts)]
-    out, seen = [], set()
-    for p in sorted(keep, key=lambda p: (p["x"], -p["psnr"])):
-        key = (p["x"], p["psnr"], p["worst"])
-        if key not in seen:
-            seen.add(key)
-            out.append(p)
-    return out
-
-
-def speedup_at(points: list[dict], mean_floor: float, worst_floor: float) -> float:
-    """The highest speedup at which the method's curve keeps its mean PSNR >= ``mean_floor`` and its
-    worst run >= ``worst_floor``: on the front, linear in speedup between neighbouring measured points
-    (both PSNRs interpolated), never beyond the fastest measured point. 1.0 (uncached) when no measured
-    point reaches the floors."""
-    curve = front(points)
-    ok = [p["x"] for p in curve if p["psnr"] >= mean_floor and p["worst"] >= worst_floor]
-    if not ok:
-        return 1.0
-    best = max(ok)
-    for a, b in zip(curve, curve[1:], strict=False):
-        lo, hi = 0.0, 1.0  # the part of the segment a -> b that keeps both floors
-        for key, floor in (("psnr", mean_floor), ("worst", worst_floor)):
-            fa, fb = a[key], b[key]
-            if fa == fb:
-                if fa < floor:
-                    lo, hi = 1.0, 0.0
-            elif fb > fa:
-                lo = max(lo, (floor - fa) / (fb - fa))
-            else:
-                hi = min(hi, (fa - floor) / (fa - fb))
-        if lo <= hi:
-            best = max(best, a["x"] + hi * (b["x"] - a["x"]))
-    return best
 
 
 def pick(points: list[dict], mean_floor: float, worst_floor: float) -> dict | None:

@@ -77,30 +77,7 @@ def test_a_video_latent_scores_like_its_frames_side_by_side(bench, to_picture):
     assert video == pytest.approx(flat)
 
 
-# ---- curves ------------------------------------------------------------------------------------------
-
-def test_the_front_keeps_only_points_no_other_beats_on_speed_mean_and_worst(curves):
-    a, b, c, d = pt(2.0, 40.0, 35.0), pt(2.0, 38.0, 30.0), pt(3.0, 31.0, 20.0), pt(3.0, 30.0, 26.0)
-    assert curves.front([a, b, c, d, pt(0.9, 60.0)]) == [a, c, d]  # b beaten by a; x < 1 dropped
-
-
-def test_the_speedup_is_read_off_the_curve_by_interpolation_at_both_floors(curves):
-    points = [pt(2.0, 40.0, 35.0), pt(4.0, 20.0, 15.0)]
-    # mean falls 10 dB per 1x: 30 dB at 3.0x; worst falls 10 dB per 1x: 25 dB at 3.0x as well
-    assert curves.speedup_at(points, 30.0, 25.0) == pytest.approx(3.0)
-    assert curves.speedup_at(points, 30.0, 30.0) == pytest.approx(2.5)  # the worst run binds first
-    assert curves.speedup_at(points, 35.0, 0.0) == pytest.approx(2.5)
-    assert curves.speedup_at([pt(2.0, 40.0)], 30.0, 25.0) == 2.0  # never beyond the fastest measured point
-    assert curves.speedup_at([pt(2.0, 20.0)], 30.0, 25.0) == 1.0  # never read between the uncached run and a point
-    assert curves.speedup_at([], 30.0, 25.0) == 1.0
-
-
-def test_a_point_whose_worst_run_misses_the_floor_does_not_lift_the_speedup(curves):
-    points = [pt(2.0, 40.0, 35.0), pt(3.0, 36.0, 20.0), pt(3.5, 31.0, 26.0)]
-    x = curves.speedup_at(points, 30.0, 25.0)
-    assert x == pytest.approx(3.5)  # 3.0 is beaten by nothing but fails; 3.5 keeps both floors
-    assert curves.speedup_at(points[:2], 30.0, 25.0) == pytest.approx(2.0 + (35 - 25) / 15)
-
+# ---- tuning arithmetic ---------------------------------------------------------------------------------
 
 def test_the_tuning_pick_is_the_fastest_setting_keeping_both_floors(curves):
     points = [pt(2.0, 40.0, 35.0, threshold=0.1), pt(3.0, 33.0, 24.0, threshold=0.2),
@@ -116,49 +93,150 @@ def test_refinement_halves_the_gap_at_the_crossing_in_log(curves):
     assert curves.log_grid(0.01, 1.0, 3) == [0.01, 0.1, 1.0]
 
 
-# ---- methods and the result -----------------------------------------------------------------------
-
-def test_baselines_are_the_published_rules_with_their_reuse_and_pick_among_the_published_limits(bench):
-    rows = bench.methods("flux")
-    for r in rows:
-        assert (r["kind"] == "baseline") == (r.get("core") is not None or r.get("rule") in (
-            "teacache", "magcache", "first_block")), r
-    rules = [r for r in rows if r.get("rule") and r["kind"] == "baseline"]
-    assert {r["rule"] for r in rules} == {"teacache", "magcache", "first_block"} and {r["mode"] for r in rules} == {
-        "reuse"}
-    assert all(r["combos"] == list(bench.combos("flux")) for r in rules)  # none, TeaCache's and MagCache's limits
-    assert [r["combos"] for r in rows if r["kind"] == "reusekit"] == [["free"]] * 5
-    published = bench.published_rows("flux")
-    assert [(p["threshold"], p["combo"]["K"], p["combo"]["start"]) for p in published][0] == (0.24, 5, 0.1)
-    assert published[1]["combo"] == {"K": 3, "start": 0.0, "last": True}
+def test_the_bootstrap_interval_holds_the_speedup_and_is_the_same_for_the_same_runs(bench):
+    calls = [10.0, 12.0, 14.0, 20.0]
+    lo, hi = bench.interval(40.0, calls)
+    assert lo < 40.0 / (sum(calls) / 4) < hi and (lo, hi) == bench.interval(40.0, calls)
+    assert bench.interval(40.0, [10.0] * 4) == (4.0, 4.0)
 
 
-def row(name, kind, points):
-    return {"name": name, "kind": kind, "eval": points, "tune": [], "picked": None}
+# ---- the protocol -----------------------------------------------------------------------------------
+
+class FakeBench:
+    """What the protocol functions read of a Bench; every run goes through ``measure``, replaced below."""
+    quick, family = False, "flux"
 
 
-def results(flux_default, wan_default, ours, base):
-    """Two models at 28 and 50 steps (and 20, not counted): defaults, one ReuseKit row, one baseline."""
+@pytest.fixture
+def measured(bench, monkeypatch):
+    """``measure`` replaced by a quality that falls as the threshold rises along the method's grid (the floors
+    are missed past 3/4 of it); every call recorded with its runs."""
+    calls = []
+
+    def measure(_bench, setting, steps, runs, refs):
+        th = setting.get("threshold") or 0.0
+        calls.append((setting["name"], setting.get("combo"), th, tuple(runs)))
+        lo, *_, hi = bench.grid(setting, quick=False)
+        r = (th - lo) / (hi - lo)
+        return {"x": 1.0 + 4 * r, "x_lo": 1.0, "x_hi": 1.0, "psnr": 45.0 - 20 * r, "worst": 40.0 - 20 * r,
+                "threshold": setting.get("threshold")}
+
+    monkeypatch.setattr(bench, "measure", measure)
+    return calls
+
+
+TUNING = [("tune a", 7), ("tune b", 7)]
+EVAL = [("eval a", 1), ("eval a", 2), ("eval b", 1)]
+
+
+def test_a_setting_is_chosen_on_tuning_runs_alone_and_scored_once_on_evaluation_runs(bench, measured):
+    method = next(m for m in bench.methods("flux") if m["name"] == "MagCache")
+    points, picked = bench.tune(FakeBench(), method, 28, TUNING, {})
+    assert measured and all(runs == tuple(TUNING) for *_, runs in measured)  # tuning never sees an evaluation run
+    assert picked is not None and bench.keeps(picked) and picked["x"] == max(p["x"] for p in points if bench.keeps(p))
+    measured.clear()
+    scored = bench.score(FakeBench(), method, 28, picked, EVAL, {})
+    assert [(th, runs) for _, _, th, runs in measured] == [(picked["threshold"], tuple(EVAL))]  # once, at the pick
+    assert scored["combo"] == picked["combo"]
+
+
+def test_a_method_whose_tuning_kept_nothing_scores_as_uncached(bench, measured):
+    method = next(m for m in bench.methods("flux") if m["name"] == "MagCache")
+    scored = bench.score(FakeBench(), method, 28, None, EVAL, {})
+    assert (scored["x"], measured) == (1.0, [])
+
+
+def test_every_baseline_sweeps_every_combo_over_its_grid(bench, measured):
+    baselines = [m for m in bench.methods("flux") if m["kind"] == "baseline"]
+    for method in baselines:
+        measured.clear()
+        bench.tune(FakeBench(), method, 28, TUNING, {})
+        tried = {(str(combo), th) for _, combo, th, _ in measured}
+        combos = {str(c if "core" in method else bench.combos("flux")[c]) for c in method["combos"]}
+        assert {c for c, _ in tried} == combos, method["name"]
+        first = bench.grid(method, quick=False)
+        for combo in combos:  # walked upwards from the grid's start to the first that misses the floors
+            mine = sorted(th for c, th in tried if c == combo)
+            assert mine[0] == first[0] and len(mine) >= 2, method["name"]
+
+
+def test_calibration_step_counts_are_never_scored(bench):
+    assert not set(bench.CALIBRATION_STEPS) & set(bench.STEP_COUNTS)
+    assert {bench.calibration_steps(s) for s in bench.STEP_COUNTS} <= set(bench.CALIBRATION_STEPS)
+    assert set(bench.RESULT_STEPS) <= set(bench.STEP_COUNTS)
+    assert not {p for p, _ in [bench.CALIBRATION]} & set(bench.TUNING_PROMPTS + bench.EVAL_PROMPTS)
+    assert not set(bench.TUNING_PROMPTS) & set(bench.EVAL_PROMPTS)
+
+
+# ---- methods -----------------------------------------------------------------------------------------
+
+def test_the_field_holds_the_published_methods_as_their_papers_define_them(bench):
+    rows = {m["name"]: m for m in bench.methods("flux")}
+    baselines = [m for m in rows.values() if m["kind"] == "baseline"]
+    assert len(baselines) >= 8
+    assert rows["TeaCache"]["signed"] and rows["TeaCache"]["mode"] == "reuse"
+    assert {m["mode"] for m in baselines if m.get("rule") == "interval"} == {"taylorseer1", "taylorseer2", "foca"}
+    assert all(m["mode"] == "reuse" for m in baselines if m.get("rule") in ("teacache", "magcache", "first_block"))
+    # constants fitted on the real models are never ranked
+    assert all(m["model_type"] in ("calibrated", "auto") for m in baselines if "rule" in m)
+    assert all(r["kind"] == "information" for r in bench.published_rows("flux"))
+    assert rows["ReuseKit schedule, shipped table"]["kind"] == "information"
+
+
+def test_the_teacache_reference_accumulates_the_signed_polynomial(bench):
+    tc = rkharness.pack("caching.step_cache")
+    coefficients, x = (1.0, -2.0), torch.tensor(0.25)  # poly(x) = x - 2 < 0
+    assert float(tc.rescale(coefficients, x)) == pytest.approx(1.75)
+    with bench.as_published(tc, {"signed": True}):
+        assert float(tc.rescale(coefficients, x)) == pytest.approx(-1.75)
+    assert float(tc.rescale(coefficients, x)) == pytest.approx(1.75)
+
+
+def test_easycache_gets_a_copy_of_its_input_it_may_change_in_place(bench):
+    x = torch.ones(2, 3)
+
+    def model(got, *args, **kwargs):
+        got += 1.0  # what EasyCache does on a skipped step
+        return got
+
+    out = bench.clone_input(model, x, "t")
+    assert torch.equal(x, torch.ones(2, 3)) and torch.equal(out, torch.full((2, 3), 2.0))
+
+
+# ---- the result --------------------------------------------------------------------------------------
+
+def row(name, kind, x, psnr, worst=None):
+    return {"name": name, "kind": kind, "tune": [], "picked": {"combo": "free", "threshold": 0.1},
+            "eval": pt(x, psnr, worst, x_lo=x, x_hi=x, combo="free")}
+
+
+def results(defaults, ours, base, info=(9.0, 20.0)):
+    """Three setups at 20 (not counted), 28 and 50 steps: defaults, one ReuseKit rule, a baseline, information."""
     def steps(d, o, b):
-        return {"rows": [row("node defaults", "reusekit", [pt(*d, picked=True)]), row("schedule x", "reusekit", [pt(*o)]),
-                         row("teacache published reuse", "baseline", [pt(*b)])]}
+        return {"rows": [row("ReuseKit node defaults", "reusekit", *d), row("ReuseKit schedule, reuse", "reusekit", *o),
+                         row("TeaCache", "baseline", *b), row("MagCache published", "information", *info)]}
 
-    return {"flux": {"curve_match": 0.02, "seconds": 1.0,
-                     "steps": {"20": steps((1.5, 35.0), (9.0, 35.0), (1.5, 31.0)),
-                               "28": steps(flux_default, ours, base), "50": steps(flux_default, ours, base)}},
-            "wan": {"curve_match": 0.05, "seconds": 1.0,
-                    "steps": {"28": steps(wan_default, ours, base), "50": steps(wan_default, (3.0, 31.0), base)}}}
+    def setup(d, o, b):
+        return {"curve_match": 0.02, "seconds": 1.0,
+                "steps": {"20": steps((1.5, 35.0), (9.0, 35.0), (1.5, 31.0)), "28": steps(d, o, b), "50": steps(d, o, b)}}
+
+    return {"flux": setup(defaults[0], ours[0], base[0]),
+            "flux-cfg1": setup(defaults[1], ours[1], base[1]), "wan": setup(defaults[2], ours[2], base[2])}
 
 
-def test_the_result_is_the_minimum_over_both_models_at_28_and_50_steps(bench):
+def test_the_result_is_the_minimum_over_the_setups_at_28_and_50_steps(bench):
     class Args:
         quick = False
 
-    text = bench.report(results((3.0, 40.0, 38.0), (2.6, 36.0, 26.0), (4.0, 35.0), (2.5, 31.0)), Args())
+    text = bench.report(results(defaults=[(3.0, 40.0, 38.0), (2.6, 36.0, 26.0), (3.5, 40.0)],
+                                ours=[(4.0, 35.0), (3.9, 31.0), (6.0, 29.0)],  # wan's own pick misses the floors
+                                base=[(2.5, 31.0), (2.0, 32.0), (3.0, 33.0)]), Args())
     last = text.splitlines()[-1]
     assert last.startswith("RESULT ")
-    got = dict(kv.split("=") for kv in last.split()[1:])
-    assert float(got["default_speedup_min"]) == pytest.approx(2.6)  # wan's defaults, on their own point
-    assert float(got["vs_best_baseline_min"]) == pytest.approx(3.0 / 2.5, abs=0.01)  # wan at 50 steps
-    assert float(got["default_worst_psnr_min"]) == pytest.approx(26.0)
-    assert float(got["curve_match"]) == pytest.approx(0.05)  # the farther stand-in
+    got = {k: float(v) for k, v in (kv.split("=") for kv in last.split()[1:])}
+    assert got["default_speedup_min"] == pytest.approx(2.6)  # flux at CFG 1
+    assert got["default_worst_psnr_min"] == pytest.approx(26.0)
+    assert got["default_vs_best_baseline_min"] == pytest.approx(1.17, abs=0.01)  # wan: 3.5 / 3.0
+    assert got["vs_best_baseline_min"] == pytest.approx(1.0 / 3.0, abs=0.01)  # wan: no ReuseKit rule kept the floors
+    assert got["baselines"] == 1
+    assert "information" in text and "9.00x" in text  # shown, never ranked
