@@ -186,18 +186,25 @@ def encoder_types_hit(rkharness) -> tuple[int, int]:
 def vae_vision_types_hit(rkharness) -> dict[str, tuple[int, int]]:
     """{"vae": (hit, built), "vision": (hit, built)}: the VAE classes this host's VAE loaders build and the
     CLIP-vision models its loader picks (tests/tinymodels/vaes.py), each built at a test size and encoded
-    twice: a hit bit-identical to the pack being off counts; one not built or not encodable here is left out."""
+    twice: a hit bit-identical to the pack being off counts; one not built or not encodable here is left out.
+    VAEs count by the class ComfyUI builds (several files' kinds build one class: it hits when each does);
+    CLIP-vision models by their config."""
     vaes = __import__(f"{rkharness.TINY.__name__}.vaes", fromlist=["hit_status"])
     out = {}
-    for kind, names in (("vae", vaes.vae_classes()), ("vision", vaes.vision_classes())):
+    made = {name: label for name, (label, _) in vaes.vae_classes().items()}
+    for kind, names in (("vae", list(made)), ("vision", vaes.vision_classes())):
         states = {name: vaes.hit_status(kind, name) for name in names}
-        built = {name: s for name, s in states.items() if not s.startswith(("not built", "not encodable"))}
-        hits = sum(s == "hit" for s in built.values())
-        print(f"\n== {kind} classes of this host's loaders: {hits} of {len(built)} built hit "
-              f"({len(states) - len(built)} not built or not encodable here) ==")
+        built = {name: s for name, s in states.items() if not s.startswith(("not built", "not encodable", "no encode"))}
+        groups: dict[str, list[str]] = {}
+        for name, state in built.items():
+            groups.setdefault(made[name] if kind == "vae" else name, []).append(state)
+        hits = sum(all(s == "hit" for s in group) for group in groups.values())
+        print(f"\n== {kind} {'classes' if kind == 'vae' else 'models'} of this host's loaders: {hits} of "
+              f"{len(groups)} built hit ({len(built)} kinds of file built, {len(states) - len(built)} not built "
+              f"or not encodable here) ==")
         for name, state in states.items():
-            print(f"{name:28} {state}")
-        out[kind] = (hits, len(built))
+            print(f"{name:28} {state}" + (f"   [{made[name]}]" if kind == "vae" else ""))
+        out[kind] = (hits, len(groups))
     return out
 
 

@@ -1,5 +1,6 @@
 """Conditioning cache on every VAE class the host's VAE loaders build (Flux, Flux.2, SD, Wan 2.1/2.2, Hunyuan,
-LTXV/LTX-2 video and audio, SeedVR2, Stable Audio...) and every CLIP-vision model its CLIP-vision loader picks
+LTXV/LTX-2/LTX 2.4 video and audio, SeedVR2, CogVideoX, Stable Cascade, the TAE families, Stable Audio 1 and 3,
+MiniMax H3 audio...) and every CLIP-vision model its CLIP-vision loader picks
 (ViT-L, ViT-H, ViT-bigG, SigLIP, DINO), each built from the host's own classes at a test size
 (tests/tinymodels/vaes.py). A repeat is a hit bit-identical to the pack being off, or a bypass counted with
 its reason; other pixels miss; tiled encodes are keyed apart from plain ones."""
@@ -22,6 +23,7 @@ def _vaes():
 # Classes whose encode the cache cannot store, and the reason the stats give
 BYPASSED = {
     "Stable Audio (Oobleck)": "random",  # its bottleneck samples: the noise must be drawn on every request
+    "Stable Audio 48k (Oobleck)": "random",  # the same bottleneck
 }
 
 
@@ -37,6 +39,9 @@ def _vae(name):
 def test_every_vae_class_repeats_as_a_hit_equal_to_comfyui_or_names_why(cc, uncached, name):  # noqa: F811
     v = _vaes()
     vae = _vae(name)
+    why = uncached(v.host_encode_fails, vae, name, "vae")
+    if why is not None:  # 0.3.75's light TAEs
+        pytest.skip(f"{name}: {why}")
 
     def encode(seed=0):
         torch.manual_seed(0)  # the same noise for an encode that samples

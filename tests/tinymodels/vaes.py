@@ -37,14 +37,16 @@ def _meta(*shape, dtype=torch.float32):
 @dataclasses.dataclass(frozen=True)
 class VAEProbe:
     """One VAE model as a file ComfyUI detects: the keys its detection reads, the config its file carries
-    (``metadata``; ``ltxv``: the host's LTXV config of that version, as LTX-2 files carry theirs), and what
-    it encodes (``image``, ``video`` or ``audio``)."""
+    (``metadata``; ``ltxv``: the host's LTXV config of that version, as LTX-2 files carry theirs), what
+    it encodes (``image``, ``video`` or ``audio``), and why ComfyUI's encode has nothing to do with it
+    (``no_encode``: a decoder-only file, a model whose latents ComfyUI only decodes)."""
 
     name: str
     keys: dict
     media: str = "image"
     metadata: dict | None = None
     ltxv: int | None = None
+    no_encode: str | None = None
 
     def sd(self) -> dict:
         return {k: _meta(*shape) for k, shape in self.keys.items()}
@@ -90,6 +92,40 @@ VAE_PROBES = (
     VAEProbe("Stable Audio (Oobleck)", {"decoder.layers.1.layers.0.beta": (1, 2048, 1)}, "audio"),
     VAEProbe("LTX-2 audio", {"vocoder.resblocks.0.convs1.0.weight": (512, 512, 3)}, "audio",
              {"config": json.dumps({"audio_vae": {}, "vocoder": {}})}),  # the host's defaults (at test sizes)
+    VAEProbe("SD x4 upscaler", {"decoder.conv_in.weight": (512, 4, 3, 3), "post_quant_conv.weight": (4, 4, 1, 1)}),
+    VAEProbe("Stable Audio 48k (Oobleck)", {"decoder.layers.1.layers.0.beta": (1, 2048, 1),
+                                            "decoder.layers.2.layers.1.weight_v": (1024, 2048, 12)}, "audio"),
+    VAEProbe("MiniMax Music3 DAV", {"dec_in_proj.weight": (1, 1, 1), "decoder.model.0.weight_g": (1, 1, 1)}, "audio",
+             no_encode="ComfyUI's VAE refuses to encode with it (a decoder: 'cannot encode audio')"),
+    VAEProbe("Stable Cascade StageA", {"vquantizer.codebook.weight": (8192, 4)}),
+    VAEProbe("Stable Cascade StageC effnet", {"backbone.1.0.block.0.1.num_batches_tracked": ()}),
+    VAEProbe("Stable Cascade StageC previewer", {"blocks.11.num_batches_tracked": ()},
+             no_encode="a previewer file holds only the decoder of Stage C's latents"),
+    VAEProbe("Stable Cascade StageC (effnet+previewer)", {"encoder.backbone.1.0.block.0.1.num_batches_tracked": ()}),
+    VAEProbe("Trellis2 shape", {"shape_dec.blocks.1.16.to_subdiv.weight": (1, 1)}),
+    VAEProbe("Trellis2 texture", {"txt_dec.blocks.3.4.conv2.weight": (1, 1)}),
+    VAEProbe("Mage-VAE", {"student.dconv_encoder.proj_out.weight": (1, 1)}),
+    VAEProbe("LTX 2.4 (diffusion decoder)", {"decoder.conv_in_x_t.weight": (1, 1),
+                                             "decoder.conv_in.weight": (2048, 128, 1, 1, 1)}, "video"),
+    VAEProbe("CogVideoX", {"decoder.conv_in.conv.weight": (512, 16, 3, 3, 3), "encoder.conv_out.conv.weight": (32, 512, 3, 3, 3),
+                           "decoder.mid_block.resnets.0.norm1.norm_layer.weight": (512,)}, "video"),
+    VAEProbe("Hunyuan3D 2.0/2.1 ShapeVAE", {"geo_decoder.cross_attn_decoder.ln_1.bias": (1024,)},
+             no_encode="ComfyUI only decodes its latents (its encode takes point clouds, no image or video)"),
+    VAEProbe("ACE-Step MusicDCAE", {"vocoder.backbone.channel_layers.0.0.bias": (1,)}, "audio"),
+    VAEProbe("pixel space", {"pixel_space_vae": ()}),
+    VAEProbe("MMAudio", {"vocoder.activation_post.downsample.lowpass.filter": (1, 1, 12)}, "audio"),
+    VAEProbe("LightTAE Wan 2.1 (taew)", {"decoder.22.bias": (3,), "decoder.1.weight": (64, 16, 3, 3)}, "video"),
+    VAEProbe("TAE Wan 2.2/LTX-2", {"decoder.22.bias": (3,), "decoder.1.weight": (64, 48, 3, 3)}, "video"),
+    VAEProbe("LightTAE HunyuanVideo 1.5", {"decoder.22.bias": (12,), "decoder.1.weight": (64, 32, 3, 3)}, "video"),
+    VAEProbe("TAE MiniMax H3", {"decoder.22.bias": (12,), "decoder.1.weight": (64, 24, 3, 3)}, "video"),
+    VAEProbe("Stable Audio 3", {"decoder.layers.3.transformers.0.pre_norm.alpha": (1,)}, "audio"),
+    VAEProbe("Stable Audio 3 large", {"decoder.layers.3.transformers.0.pre_norm.alpha": (1,),
+                                      "decoder.layers.3.transformers.11.self_attn.to_out.weight": (1, 1)}, "audio"),
+    VAEProbe("MiniMax H3 video", {"decoder.transformer_blocks.0.scale1": (1,), "encoder.down.5.block.0.conv1.weight": (1, 1, 1, 1)},
+             "video"),
+    VAEProbe("MiniMax H3 audio", {"pre_block.attn.zero_k_bias": (1,)}, "audio"),
+    VAEProbe("TripoSplat", {"gs.base_offset_scale": (1,), "octree.out_proj.weight": (1, 1)},
+             no_encode="ComfyUI gives it no encode (its own decode node reads its gaussians)"),
 )
 
 
@@ -138,6 +174,18 @@ def _vocoder(a):
     a["config"] = {**(a["config"] or {}), "upsample_initial_channel": 64}
 
 
+def _ltx24(a):
+    """LTX 2.4's VAE: one layer per encoder stage, its diffusion decoder at a 16th of its widths, one block a stage."""
+    from comfy.ldm.lightricks.vae.na_diffusion_decoder import LTX_24_VAE_CONFIG
+
+    config = json.loads(json.dumps(a["config"] or LTX_24_VAE_CONFIG))
+    config["encoder"]["blocks"] = _fewer_blocks(config["encoder"]["blocks"])
+    decoder = config["decoder"]
+    decoder.update(head_dim=16, stage_channels=[c // 16 for c in decoder["stage_channels"]],
+                   stage_depths=[1] * len(decoder["stage_depths"]), t_emb_dim=32)
+    a["config"] = config
+
+
 # (module, class, how its constructor's bound arguments shrink): ComfyUI's VAE model classes at test sizes
 SIZES = (
     ("comfy.ldm.modules.diffusionmodules.model", "Encoder", lambda a: a.update(ch=32, num_res_blocks=1)),
@@ -155,6 +203,13 @@ SIZES = (
     ("comfy.ldm.audio.autoencoder", "AudioOobleckVAE", lambda a: a.update(channels=16)),
     ("comfy.ldm.lightricks.vae.causal_audio_autoencoder", "CausalAudioAutoencoder", _ltx_audio),
     ("comfy.ldm.lightricks.vocoders.vocoder", "Vocoder", _vocoder),
+    ("comfy.ldm.lightricks.vae.na_diffusion_decoder", "CausalDiffusionVAE", _ltx24),
+    ("comfy.ldm.cascade.stage_a", "StageA", lambda a: a.update(c_hidden=32, bottleneck_blocks=1)),
+    ("comfy.ldm.cascade.stage_c_coder", "Previewer", lambda a: a.update(c_hidden=32)),
+    ("comfy.ldm.cogvideo.vae", "AutoencoderKLCogVideoX",
+     lambda a: a.update(block_out_channels=(16, 32, 32, 64), layers_per_block=1, groups=8)),
+    ("comfy.ldm.audio.vae_sa3", "SA3AudioVAE", lambda a: a.update(channels=32)),  # its depth tells its sizes apart
+    ("comfy.ldm.minimax.audio_vae", "MiniMaxH3AudioVAE", lambda a: a.update(encoder_dim=8, latent_dim=64, decoder_dim=128)),
 )
 # Module constants a class reads while it builds, at test sizes
 CONSTANTS = (("comfy.ldm.seedvr.vae", "BYTEDANCE_BLOCK_OUT_CHANNELS", (32, 32, 64, 64)),)
@@ -254,6 +309,8 @@ def vae_classes() -> dict[str, tuple[str, str | None]]:
             continue
         total = sum(p.numel() for p in vae.first_stage_model.parameters())
         why = None if total <= MAX_PARAMETERS else f"{total / 1e6:.0f}M parameters at the test size (no test size for it)"
+        if probe.no_encode is not None:
+            why = f"no encode: {probe.no_encode}"
         out[probe.name] = (_made(vae), why)
     return out
 
@@ -277,9 +334,9 @@ def build_vae(name: str, seed: int = 0):
         asked = ask_vae(probe(name), device="cpu")
         model = fill_weights(asked.first_stage_model, seed)
         gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():  # latent statistics: buffers ComfyUI makes empty (a file holds them)
+        with torch.no_grad():  # latent statistics, rotary frequencies: buffers ComfyUI makes empty (a file holds them)
             for key, buf in sorted(model.named_buffers()):
-                if "per_channel_statistics." in key and buf.is_floating_point():
+                if ("per_channel_statistics." in key or key.endswith(".inv_freq")) and buf.is_floating_point():
                     buf.copy_(1.0 + torch.randn(buf.shape, generator=gen) * 0.02)
         sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
         vae = comfy.sd.VAE(sd=sd, metadata=probe(name).file_metadata())
