@@ -108,15 +108,11 @@ def tiny_vae(seed: int = 0, latent_channels: int = 16, ch: int = 32, ch_mult=(1,
     return vae
 
 
-def tiny_clip_vision(seed: int = 0):
-    """A real ``comfy.clip_vision.ClipVisionModel`` (ViT, 32 px, width 32, 2 layers)."""
+def clip_vision_from_config(config: dict, seed: int = 0):
+    """A real ``comfy.clip_vision.ClipVisionModel`` built from ``config`` (the JSON its loader reads, written
+    to a temporary file), weights filled from ``seed``."""
     import comfy.clip_vision
 
-    config = {"attention_dropout": 0.0, "dropout": 0.0, "hidden_act": "quick_gelu", "hidden_size": 32,
-              "image_size": 32, "initializer_factor": 1.0, "initializer_range": 0.02,
-              "intermediate_size": 64, "layer_norm_eps": 1e-05, "model_type": "clip_vision_model",
-              "num_attention_heads": 2, "num_channels": 3, "num_hidden_layers": 2, "patch_size": 8,
-              "projection_dim": 32, "torch_dtype": "float32"}
     fd, path = tempfile.mkstemp(suffix=".json", prefix="rk_clip_vision_")
     with os.fdopen(fd, "w") as f:
         json.dump(config, f)
@@ -126,6 +122,32 @@ def tiny_clip_vision(seed: int = 0):
         os.unlink(path)
     fill_weights(model.model, seed)
     return model
+
+
+def tiny_clip_vision(seed: int = 0):
+    """A real ``comfy.clip_vision.ClipVisionModel`` (ViT, 32 px, width 32, 2 layers)."""
+    return clip_vision_from_config(
+        {"attention_dropout": 0.0, "dropout": 0.0, "hidden_act": "quick_gelu", "hidden_size": 32,
+         "image_size": 32, "initializer_factor": 1.0, "initializer_range": 0.02,
+         "intermediate_size": 64, "layer_norm_eps": 1e-05, "model_type": "clip_vision_model",
+         "num_attention_heads": 2, "num_channels": 3, "num_hidden_layers": 2, "patch_size": 8,
+         "projection_dim": 32, "torch_dtype": "float32"}, seed)
+
+
+def same_output(a, b) -> bool:
+    """Whether two encoder outputs are equal bit for bit: tensors (and their dtypes), containers and
+    output objects (CLIP vision's ``Output``) compared all the way down."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_output(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_output(x, y) for x, y in zip(a, b, strict=True))
+    if hasattr(a, "__dict__") and not isinstance(a, type):
+        return same_output(vars(a), vars(b))
+    return a == b
 
 
 def trained_flux(seed: int = 0):

@@ -178,7 +178,9 @@ class RKTestDecodeMemo:
         return (memo().decode(vae, samples["samples"]),)
 
 
-class RKTestStepProbe:
+class _ModelPatch:
+    """A test node taking a MODEL and returning its patched clone (``patch``)."""
+
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {"model": ("MODEL",)}}
@@ -187,6 +189,8 @@ class RKTestStepProbe:
     FUNCTION = "patch"
     CATEGORY = "ReuseKit tests"
 
+
+class RKTestStepProbe(_ModelPatch):
     def patch(self, model):
         import comfy.patcher_extension as patcher_extension
 
@@ -229,15 +233,7 @@ class OddTheta:
         return self.value ** other
 
 
-class RKTestOddTheta:
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"model": ("MODEL",)}}
-
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "patch"
-    CATEGORY = "ReuseKit tests"
-
+class RKTestOddTheta(_ModelPatch):
     def patch(self, model):
         embedder = copy.copy(model.model.diffusion_model.pe_embedder)  # the model itself stays as it is
         embedder.theta = OddTheta(embedder.theta)

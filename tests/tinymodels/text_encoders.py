@@ -23,7 +23,7 @@ import itertools
 
 import torch
 
-from . import _SHAPES, fill_weights
+from . import _SHAPES, fill_weights, same_output
 from .lazy_clip import T5_CONFIG, RKTestLazyCLIPFile, load
 
 TINY_LLM = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 2,
@@ -554,18 +554,6 @@ NODE_CLASS_MAPPINGS = {"RKTestQwenImageTEFile": RKTestQwenImageTEFile, "RKTestZI
 COVERAGE_TEXT = "a photo of a cat sitting on a red chair"
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
-
-
 def hit_status(target: Target) -> str:
     """Builds ``target`` and encodes a prompt twice with the conditioning cache on (global mode; the
     cache emptied first): "hit" when the repeat is a hit bit-identical to encoding with the pack off;
@@ -597,9 +585,9 @@ def hit_status(target: Target) -> str:
     reasons = cache.bypass_reasons()
     if reasons:
         return "bypass: " + "; ".join(r["reason"] for r in reasons)
-    if cache.count("hits") == 1 and _same(second, reference):
+    if cache.count("hits") == 1 and same_output(second, reference):
         return "hit"
-    return f"no hit ({cache.count('hits')} hits, equal to ComfyUI: {_same(second, reference)})"
+    return f"no hit ({cache.count('hits')} hits, equal to ComfyUI: {same_output(second, reference)})"
 
 
 # ---- ComfyUI's own workflow templates: what people run ----------------------------------------------

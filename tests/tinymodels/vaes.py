@@ -21,11 +21,10 @@ import functools
 import inspect
 import json
 import os
-import tempfile
 
 import torch
 
-from . import fill_weights
+from . import clip_vision_from_config, fill_weights, same_output
 
 MAX_PARAMETERS = 20_000_000  # what a VAE may hold at the test size (its convolutions run on two CPUs)
 
@@ -432,22 +431,12 @@ def vision_classes() -> dict[str, str]:
 def build_vision(name: str, seed: int = 0):
     """The host's ``ClipVisionModel`` of the config its loader picks for probe ``name``, at :data:`TINY_VISION`
     sizes (the fields the config has), weights from ``seed``."""
-    import comfy.clip_vision
-
     config = ask_vision(next(p for p in VISION_PROBES if p.name == name))
     if config is None:
         raise NotImplementedError("this host detects no CLIP-vision model in its files")
     config.pop("_file", None)
     config.update({k: v for k, v in TINY_VISION.items() if k != "projection_dim" or k in config})  # no projection added
-    fd, path = tempfile.mkstemp(suffix=".json", prefix="rk_vision_")
-    with os.fdopen(fd, "w") as f:
-        json.dump(config, f)
-    try:
-        model = comfy.clip_vision.ClipVisionModel(path)
-    finally:
-        os.unlink(path)
-    fill_weights(model.model, seed)
-    return model
+    return clip_vision_from_config(config, seed)
 
 
 # ---- coverage: does a repeat hit? ------------------------------------------------------------------
@@ -473,20 +462,6 @@ def host_encode_fails(model, name: str, kind: str) -> str | None:
     except Exception as exc:
         return f"ComfyUI's own encode fails: {type(exc).__name__}: {exc}"
     return None
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    if hasattr(a, "__dict__") and not isinstance(a, type):  # CLIP vision's Output
-        return _same(vars(a), vars(b))
-    return a == b
 
 
 def hit_status(kind: str, name: str) -> str:
@@ -520,6 +495,6 @@ def hit_status(kind: str, name: str) -> str:
     reasons = cache.bypass_reasons()
     if reasons:
         return "bypass: " + "; ".join(r["reason"] for r in reasons)
-    if cache.count("hits") == 1 and _same(second, reference):
+    if cache.count("hits") == 1 and same_output(second, reference):
         return "hit"
-    return f"no hit ({cache.count('hits')} hits, equal to ComfyUI: {_same(second, reference)})"
+    return f"no hit ({cache.count('hits')} hits, equal to ComfyUI: {same_output(second, reference)})"
