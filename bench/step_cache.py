@@ -1,15 +1,17 @@
 """Step cache benchmark: an honest ranking of ReuseKit's step cache against the published methods, each
 at its best, every setting fixed before it is scored.
 
-    .venv/bin/python bench/step_cache.py [--quick] [--png-dir DIR] [--json FILE]
+    .venv/bin/python bench/step_cache.py [--quick] [--steps 20 28 50] [--jobs N] [--png-dir DIR] [--json FILE]
+    .venv/bin/python bench/step_cache.py --pick-defaults    # each family's node default (no calibration)
     .venv/bin/python bench/step_cache.py --write-tables     # the schedule rule's shipped tables
-    .venv/bin/python bench/step_cache.py --pick-defaults    # each family's calibrated default, on the tuning prompts
+    .venv/bin/python bench/step_cache.py --pick-calibrated  # each family's calibrated default (schedule rule)
 
 Setups: the stand-in Flux at CFG 3.5 with an empty negative and at CFG 1 with none (FLUX.1-dev is
 guidance-distilled and runs at CFG 1: no uncond branch), the stand-in Wan 2.1 at CFG 3.5; real ComfyUI
 classes trained at the 16x16 latent the bench runs (``tests/tinymodels/standins.py``), euler/simple through
-the real KSampler. Scored at 20, 28 and 50 steps; the RESULT line reads 28 and 50. One worker process per
-setup, one torch thread each.
+the real KSampler. Scored at 20, 28 and 50 steps; the RESULT line reads 28 and 50. The work is split by
+setup and step count, each piece a worker process with one torch thread, ``--jobs`` at a time (one per
+CPU), the costliest first.
 
 Prompts, never shared between sets and none drawn for training: calibration (one prompt), tuning (4
 prompts, seed 7), evaluation (8 prompts x 4 seeds).
@@ -22,8 +24,9 @@ Protocol, the same for every method, ReuseKit's and the baselines alike:
   window (none; TeaCache's published "at most 3 in a row, last step computed"; MagCache's published K and
   retention) with its threshold grid (a log grid, walked upwards to the first that misses the floors, then
   refined at the crossing; an interval's grid its integers); core EasyCache and LazyCache their threshold
-  grid with their window 0-1 or 0.15-0.95. The pick is the fastest setting whose tuning mean PSNR is at
-  least 30 dB and whose worst run is at least 25 dB.
+  grid with their window 0-1 or 0.15-0.95. A skip limit or a window only adds computed steps, so a
+  restricted combo's walk starts at the unrestricted combo's pick: below it, it is never faster. The pick
+  is the fastest setting whose tuning mean PSNR is at least 30 dB and whose worst run is at least 25 dB.
 - **Scoring.** That one setting runs once on the evaluation prompts: its speedup (model calls per branch,
   uncached over cached; a cond-only step costs half a step under CFG) with a 95% bootstrap interval over
   the evaluation runs, its mean and worst PSNR. Nothing is interpolated, nothing decided on evaluation
@@ -35,13 +38,18 @@ Methods:
   modify: EasyCache adds its residual to the diffusion model's input in place, which on a float32 model is
   the sampler's own latent; on a real bf16 model it is a cast copy), TaylorSeer of order 1 and 2 and FoCa
   (a full step every N, forecasts between; ReuseKit's ``interval`` rule with those residual modes);
-- ReuseKit's rules at the same calibration: the schedule rule (reuse, extrapolate), TeaCache and
-  First-Block with extrapolated residuals; and the node defaults as set (no calibration, no tuning: what a
-  user gets), scored once;
+- ReuseKit's rules at the same calibration: the schedule rule and TeaCache with extrapolated residuals,
+  TeaCache deciding when and TaylorSeer's order-2 series forecasting what, First-Block with extrapolated
+  residuals; and the node defaults as set (no calibration, no tuning: what a
+  user gets), scored once. The defaults are picked by ``--pick-defaults`` on the tuning prompts alone:
+  each candidate with no calibration and no shipped table (DEFAULT_CANDIDATES) walks one threshold grid
+  at every setup and scored step count; its value is its slowest speedup at the largest threshold keeping
+  32 dB mean and 27 dB worst at all of them (a margin over the floors); the default is the candidate
+  worth most;
 - information, never ranked: the published configurations as published (TeaCache's recommended threshold
   and skip limit with its polynomial, MagCache's E/K/R with its ratios: constants fitted on the real
-  models) and the schedule rule with its shipped table (measured with a larger budget, on the tuning
-  prompts).
+  models) and the schedule rule with its shipped table at the rule's default threshold (the table was
+  measured with a larger budget, on the tuning prompts).
 
 Quality of each run against the uncached run of the same prompt and seed: PSNR and SSIM of the picture
 (the stand-ins' latent is an exact picture code, no VAE) by scikit-image, and the final latent's relative
@@ -85,7 +93,13 @@ CALIBRATION_STEPS = (24, 40)  # calibrated at, never scored
 RESULT_STEPS = (28, 50)
 CFG = 3.5  # the tables' and the defaults' CFG (--write-tables, --pick-defaults)
 MEAN_FLOOR, WORST_FLOOR = 30.0, 25.0
-DEFAULT_FLOORS = (32.0, 27.0)  # what a family's calibrated default must keep on the tuning prompts
+DEFAULT_FLOORS = (32.0, 27.0)  # what a family's default must keep on the tuning prompts (a margin over the floors)
+DEFAULT_CANDIDATES = [("teacache", m) for m in ("extrapolate", "taylor2", "taylorseer1", "taylorseer2", "foca")]
+"""The node defaults a user may get with no calibration: auto runs TeaCache with its published polynomials (no
+shipped table), and a threshold set by hand with rule auto keeps TeaCache's meaning, so the rule stays; the
+pick is its residual mode and its thresholds by step count."""
+DEFAULT_GRID_POINTS = 10
+COST = {"flux": 1.4, "wan": 1.0, "flux-cfg1": 0.75}  # a setup's relative cost per step: the workers' order
 CALIBRATION = ("a white square on a black background", 101)
 TUNING_PROMPTS = ["a green circle on a black background", "a red triangle on a white background",
                   "a yellow cross on a black background", "a blue circle on a gray background"]
@@ -103,7 +117,7 @@ TEACACHE_PUBLISHED = {"flux": 0.4, "wan": 0.08}  # ComfyUI-TeaCache's recommende
 GRIDS = {"teacache": (0.05, 1.6), "magcache": (0.02, 1.0), "first_block": (0.02, 0.6), "schedule": (0.002, 0.3),
          "core": (0.02, 0.6)}
 INTERVALS = (2, 3, 4, 5, 6, 8)  # TaylorSeer's and FoCa's N (a full step every N)
-COARSE, REFINE = 7, 2  # grid points, then refinements at the floors' crossing (quick: 5, 1)
+COARSE, REFINE = 7, 1  # grid points, then refinements at the floors' crossing (quick: 5, 1)
 TABLE_STEPS = 50  # the step count the shipped schedule tables are measured at (finest grid)
 SENSITIVITY_STEPS = 20  # ... and their sensitivity (coarsest: conservative near the end at finer counts)
 
@@ -140,20 +154,24 @@ def methods(family: str) -> list[dict]:
         rule("TaylorSeer order 1", "baseline", "interval", "auto", "taylorseer1", grid="interval"),
         rule("TaylorSeer order 2", "baseline", "interval", "auto", "taylorseer2", grid="interval"),
         rule("FoCa", "baseline", "interval", "auto", "foca", grid="interval"),
-        rule("ReuseKit schedule, reuse", "reusekit", "schedule", "calibrated", "reuse"),
         rule("ReuseKit schedule, extrapolate", "reusekit", "schedule", "calibrated", "extrapolate"),
         rule("ReuseKit TeaCache, extrapolate", "reusekit", "teacache", "calibrated", "extrapolate"),
+        rule("ReuseKit TeaCache, TaylorSeer 2", "reusekit", "teacache", "calibrated", "taylorseer2"),
         rule("ReuseKit First-Block, extrapolate", "reusekit", "first_block", "auto", "extrapolate"),
         dict(name="ReuseKit node defaults", kind="reusekit", defaults=True, combos=["as set"], grid=None),
-        rule("ReuseKit schedule, shipped table", "information", "schedule", "auto", "extrapolate"),
     ]
 
 
 def published_rows(family: str) -> list[dict]:
-    """The published configurations, scored as published (no tuning): information."""
+    """The published configurations, scored as published (no tuning): information. With them the schedule
+    rule with its shipped table at the rule's own default threshold (the table was measured on the tuning
+    prompts with a larger budget than the common one)."""
     e, k, r = MAGCACHE_PUBLISHED[family]
     t = TEACACHE_PUBLISHED[family]
-    return [dict(name=f"MagCache published E{e:g} K{k} R{r:g}", kind="information", rule="magcache",
+    shipped = rkharness.pack("caching.step_cache").RULE_THRESHOLDS[family]["schedule"]
+    return [dict(name=f"ReuseKit schedule, shipped table {shipped:g}", kind="information", rule="schedule",
+                 model_type="auto", mode="extrapolate", combo=dict(K=0, start=0.0, last=False), threshold=shipped),
+            dict(name=f"MagCache published E{e:g} K{k} R{r:g}", kind="information", rule="magcache",
                  model_type=PUBLISHED[family], mode="reuse", combo=dict(K=k, start=r, last=False), threshold=e),
             dict(name=f"TeaCache published {t:g} max_skip 3, last step", kind="information", rule="teacache",
                  model_type=PUBLISHED[family], mode="reuse", combo=dict(K=3, start=0.0, last=True), threshold=t,
@@ -357,7 +375,6 @@ def references(bench: Bench, steps: int, runs: list[tuple[str, int]]) -> dict:
     refs = {}
     for prompt, seed in runs:
         out, calls, _, cpu = bench.run(bench.model, prompt, seed, steps, bench.empty)
-        cpu = min(cpu, bench.run(bench.model, prompt, seed, steps, bench.empty)[3])  # the better of two
         refs[(prompt, seed)] = (out, calls, cpu)
     return refs
 
@@ -369,16 +386,21 @@ def keeps(point: dict, floors: tuple[float, float] = (MEAN_FLOOR, WORST_FLOOR)) 
 def tune(bench: Bench, method: dict, steps: int, tuning: list, refs: dict,
          floors: tuple[float, float] = (MEAN_FLOOR, WORST_FLOOR)) -> tuple[list[dict], dict | None]:
     """Every combo's thresholds on the tuning runs (walked upwards to the first that misses the ``floors``,
-    then refined at the crossing): the tuning points, and the pick (the fastest keeping the floors), from
-    these points alone. The defaults are not tuned: they are what a user gets."""
+    then refined at the crossing; a combo after the first, which restricts the first by a skip limit or a
+    window, from the first combo's pick upwards: below it, it computes at least as much, so it is never
+    faster): the tuning points, and the pick (the fastest keeping the floors), from these points alone. The
+    defaults are not tuned: they are what a user gets."""
     if method.get("defaults"):
         return [], {"combo": "as set", "threshold": None}
     points = []
+    free = None  # the first combo's pick: a restricted combo's walk starts there
     for combo_name in method["combos"][:1] if bench.quick else method["combos"]:
         combo = combo_name if "core" in method else combos(bench.family)[combo_name]
         mine = []
         tried: set[float] = set()
         todo = grid(method, bench.quick)
+        if free is not None:  # below the free pick a skip limit or a window only computes more: never faster
+            todo = [free["threshold"]] + [th for th in todo if th > free["threshold"]]
         for _ in range(1 if method["grid"] == "interval" else (1 if bench.quick else REFINE) + 1):
             for th in todo:  # upwards; past the first threshold that misses the floors, higher ones miss them too
                 tried.add(th)
@@ -391,6 +413,8 @@ def tune(bench: Bench, method: dict, steps: int, tuning: list, refs: dict,
                 break
             todo = [nxt]
         points += mine
+        if free is None and combo_name == method["combos"][0]:
+            free = curves.pick(mine, *floors)
     return points, curves.pick(points, *floors)
 
 
@@ -407,8 +431,8 @@ def score(bench: Bench, method: dict, steps: int, picked: dict | None, evals: li
     return dict(measure(bench, setting, steps, evals, refs), combo=picked["combo"])
 
 
-def sweep(setup: str, quick: bool) -> dict:
-    """One setup, every step count: calibrations, references, tuning, scoring."""
+def sweep(setup: str, steps: int, quick: bool) -> dict:
+    """One setup at one scored step count: its calibration, references, every method tuned and scored."""
     family, cfg = SETUPS[setup]
     bench = Bench(family, quick, cfg)
     tuning = [(p, TUNING_SEED) for p in (TUNING_PROMPTS[:2] if quick else TUNING_PROMPTS)]
@@ -418,33 +442,91 @@ def sweep(setup: str, quick: bool) -> dict:
     with torch.inference_mode():
         mags = bench.S.calibrated_magnitudes(bench.model, family, bench.S.PUBLISHED_STEPS[family])
         out["curve_match"] = bench.S.curve_match(family, mags)
-        scored = (28,) if quick else STEP_COUNTS
-        for steps in sorted({calibration_steps(s) for s in scored}):
-            bench.calibrate(steps)
-        for steps in scored:
-            out["calibrated_at"][steps] = calibration_steps(steps)
-            refs = references(bench, steps, tuning + evals)
-            rows = []
-            for method in methods(family):
-                if method.get("model_type") == "auto" and method.get("rule") == "schedule" \
-                        and bench.schedule.shipped_table(family) is None:
-                    print(f"[{setup} {steps}] {method['name']}: no shipped table yet (--write-tables)", flush=True)
-                    continue
-                tune_points, picked = tune(bench, method, steps, tuning, refs)
-                scored_point = score(bench, method, steps, picked, evals, refs)
-                rows.append({"name": method["name"], "kind": method["kind"], "tune": tune_points,
-                             "picked": picked, "eval": scored_point})
-                print(f"[{setup} {steps}] {method['name']}: tuned {len(tune_points)} settings, picked "
-                      f"{_said(picked)}; scored {scored_point['x']:.2f}x at {scored_point['psnr']:.1f} dB "
-                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
-            for row in published_rows(family):
-                point = measure(bench, row, steps, evals, refs)
-                rows.append({"name": row["name"], "kind": row["kind"], "tune": [], "picked": None,
-                             "eval": dict(point, combo="published")})
-            out["steps"][steps] = {"rows": rows,
-                                   "uncached_cpu_s": sum(r[2] for r in refs.values()) / len(refs)}
+        bench.calibrate(calibration_steps(steps))
+        out["calibrated_at"][steps] = calibration_steps(steps)
+        refs = references(bench, steps, tuning + evals)
+        rows = []
+        for method in methods(family):
+            tune_points, picked = tune(bench, method, steps, tuning, refs)
+            scored_point = score(bench, method, steps, picked, evals, refs)
+            rows.append({"name": method["name"], "kind": method["kind"], "tune": tune_points,
+                         "picked": picked, "eval": scored_point})
+            print(f"[{setup} {steps}] {method['name']}: tuned {len(tune_points)} settings, picked "
+                  f"{_said(picked)}; scored {scored_point['x']:.2f}x at {scored_point['psnr']:.1f} dB "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        for row in published_rows(family):
+            if row["rule"] == "schedule" and bench.schedule.shipped_table(family) is None:
+                print(f"[{setup} {steps}] {row['name']}: no shipped table yet (--write-tables)", flush=True)
+                continue
+            point = measure(bench, row, steps, evals, refs)
+            rows.append({"name": row["name"], "kind": row["kind"], "tune": [], "picked": None,
+                         "eval": dict(point, combo="published")})
+        out["steps"][steps] = {"rows": rows, "uncached_cpu_s": sum(r[2] for r in refs.values()) / len(refs)}
     out["seconds"] = time.perf_counter() - t0
     out["cpu_seconds"] = time.process_time() - cpu0
+    return out
+
+
+def default_points(setup: str, steps: int) -> dict:
+    """Each candidate default (DEFAULT_CANDIDATES: no calibration, no shipped table) on the tuning prompts at
+    one setup and step count: its grid walked upwards to the first threshold that misses DEFAULT_FLOORS."""
+    family, cfg = SETUPS[setup]
+    bench = Bench(family, False, cfg)
+    tuning = [(p, TUNING_SEED) for p in TUNING_PROMPTS]
+    out = {}
+    with torch.inference_mode():
+        refs = references(bench, steps, tuning)
+        for rule, mode in DEFAULT_CANDIDATES:
+            method = dict(name=f"{rule} {mode}", rule=rule, model_type="auto", mode=mode, grid=rule)
+            points = []
+            for th in default_grid(rule):
+                points.append(measure(bench, dict(method, combo=combos(family)["free"], threshold=th), steps, tuning,
+                                      refs))
+                if not keeps(points[-1], DEFAULT_FLOORS):
+                    break
+            out[method["name"]] = points
+            best = curves.pick(points, *DEFAULT_FLOORS)
+            print(f"[{setup} {steps}] default candidate {method['name']}: {len(points)} thresholds, fastest keeping "
+                  f"the floors " + (f"{best['threshold']:g}: {best['x']:.2f}x" if best else "none"), flush=True)
+    return {"setup": setup, "family": family, "steps": steps, "points": out}
+
+
+def default_grid(rule: str) -> list[float]:
+    """The thresholds a candidate default walks: one grid for every setup and step count (so they compare at
+    the same thresholds), finer than the tuning grid."""
+    return [float(n) for n in INTERVALS] if rule == "interval" else curves.log_grid(*GRIDS[rule], DEFAULT_GRID_POINTS)
+
+
+def pick_defaults(units: list[dict]) -> dict:
+    """Each family's default from ``units`` (default_points of its setups and step counts). Per candidate
+    and step count, the largest threshold that keeps DEFAULT_FLOORS at every setup of the family, lowered
+    where a larger step count's is lower (more steps never get a lower threshold): the candidate's anchors,
+    each worth its slowest speedup over the family's setups. A candidate is worth the least, over the step
+    counts, of its speedup over the best candidate's there; the default is the candidate worth most (ties:
+    the better worst run)."""
+    out = {}
+    for family in FAMILIES:
+        mine = [u for u in units if u["family"] == family]
+        counts = sorted({u["steps"] for u in mine})
+        rows = []
+        for name in mine[0]["points"]:
+            per = {n: [{p["threshold"]: p for p in u["points"][name]} for u in mine if u["steps"] == n] for n in counts}
+            picks = {}
+            for n in counts:
+                common = [th for th in per[n][0] if all(th in q and keeps(q[th], DEFAULT_FLOORS) for q in per[n])]
+                picks[n] = max(common, default=None)
+            if None in picks.values():
+                continue
+            anchors = [(n, min(picks[m] for m in counts if m >= n)) for n in counts]
+            x = {n: min(q[th]["x"] for q in per[n]) for n, th in anchors}
+            rows.append({"candidate": name, "anchors": anchors, "x": x,
+                         "worst_min": min(q[th]["worst"] for n, th in anchors for q in per[n])})
+        best = {n: max(r["x"][n] for r in rows) for n in counts} if rows else {}
+        for r in rows:
+            r["worth"] = min(r["x"][n] / best[n] for n in counts)
+        rows.sort(key=lambda r: (-r["worth"], -r["worst_min"]))
+        out[family] = {"ranked": rows, "default": rows[0] if rows else None,
+                       "units": [f"{u['setup']} {u['steps']}" for u in mine]}
     return out
 
 
@@ -462,7 +544,7 @@ def _setting(p: dict | None) -> str:
     return str(p["combo"]) if p.get("threshold") is None else f"{p['combo']} {p['threshold']:g}"
 
 
-def pick_defaults(family: str) -> dict:
+def pick_calibrated(family: str) -> dict:
     """The family's calibrated default for the node, on the tuning prompts only: the schedule rule with the
     shipped table, each residual mode's fastest threshold keeping DEFAULT_FLOORS at every step count; the
     default is the mode whose slowest step count is fastest, at the smallest of its picks."""
@@ -572,7 +654,7 @@ def summarize(results: dict[str, dict]) -> dict:
     return out
 
 
-def report(results: dict[str, dict], args) -> str:
+def report(results: dict[str, dict], args, wall: float | None = None) -> str:
     summary = summarize(results)
     lines = []
     for (setup, steps), s in sorted(summary.items()):
@@ -598,8 +680,9 @@ def report(results: dict[str, dict], args) -> str:
     c = min(s["defaults"]["eval"]["x"] / s["baseline"]["eval"]["x"] for s in at)
     d = min((s["reusekit"]["eval"]["x"] if s["reusekit"] else 1.0) / s["baseline"]["eval"]["x"] for s in at)
     n = min(s["baselines"] for s in at)
-    lines.append(f"\nran {max(r['seconds'] for r in results.values()):.0f} s (the slowest setup's worker; its CPU "
-                 f"time {max(r.get('cpu_seconds', 0.0) for r in results.values()):.0f} s)")
+    if wall is not None:
+        lines.append(f"\nran {wall:.0f} s ({args.jobs} workers; CPU time of all "
+                     f"{sum(r.get('cpu_seconds', 0.0) for r in results.values()):.0f} s)")
     lines.append(f"stand-ins' magnitude curves against the published ones (their training target, not a validation): "
                  f"curve_match={max(r['curve_match'] for r in results.values()):.4f}")
     lines.append(f"RESULT default_speedup_min={a:.2f} default_worst_psnr_min={b:.1f} default_vs_best_baseline_min={c:.2f} "
@@ -626,40 +709,82 @@ def plots(results: dict[str, dict], png_dir: Path) -> list[Path]:
     return paths
 
 
+def units(steps: tuple[int, ...]) -> list[tuple[str, int]]:
+    """(setup, step count) for every setup: the work the workers share, the costliest first."""
+    return sorted(((setup, n) for setup in SETUPS for n in steps), key=lambda u: -COST[u[0]] * u[1])
+
+
+def pool(jobs: list[tuple[str, list[str]]], n: int, tmp: Path) -> dict[str, dict]:
+    """Run worker processes (name, extra args) at most ``n`` at a time, in order; their results by name."""
+    todo, running, failed = list(jobs), {}, []
+    while todo or running:
+        while todo and len(running) < n:
+            name, extra = todo.pop(0)
+            cmd = [sys.executable, __file__, "--worker", name, "--out", str(tmp / f"{name}.json"), *extra]
+            running[name] = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        time.sleep(0.5)
+        for name, proc in list(running.items()):
+            if proc.poll() is not None:
+                del running[name]
+                if proc.returncode != 0:
+                    failed.append(name)
+    if failed:
+        raise SystemExit(f"the {', '.join(failed)} worker failed")
+    return {name: json.loads((tmp / f"{name}.json").read_text()) for name, _ in jobs}
+
+
+def merge(parts: list[dict]) -> dict[str, dict]:
+    """Per-unit results (sweep) merged per setup."""
+    results: dict[str, dict] = {}
+    for part in parts:
+        res = results.setdefault(part["setup"], {**part, "steps": {}, "calibrated_at": {}, "seconds": 0.0,
+                                                  "cpu_seconds": 0.0})
+        res["steps"].update(part["steps"])
+        res["calibrated_at"].update(part["calibrated_at"])
+        res["seconds"] += part["seconds"]
+        res["cpu_seconds"] += part["cpu_seconds"]
+    return results
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="28 steps only, 2 tuning and 2 evaluation runs, a coarse grid")
-    ap.add_argument("--worker", help="(internal) one setup, or with --write-tables / --pick-defaults one family; "
+    ap.add_argument("--steps", type=int, nargs="+", default=list(STEP_COUNTS), choices=STEP_COUNTS,
+                    help="the step counts to score (default: all)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes at a time (default: one "
+                                                                         "per CPU)")
+    ap.add_argument("--worker", help="(internal) setup:steps, or with --write-tables / --pick-calibrated one family; "
                                      "results to --out")
     ap.add_argument("--out")
     ap.add_argument("--png-dir", help="write plots step_cache_<setup>.png here")
     ap.add_argument("--json", help="keep every measured point here")
     ap.add_argument("--write-tables", action="store_true", help="measure the schedule rule's shipped tables")
-    ap.add_argument("--pick-defaults", action="store_true", help="pick each family's calibrated default on the "
-                                                                 "tuning prompts")
+    ap.add_argument("--pick-defaults", action="store_true", help="pick each family's node default (no calibration) "
+                                                                 "on the tuning prompts")
+    ap.add_argument("--pick-calibrated", action="store_true", help="pick each family's calibrated default on the "
+                                                                   "tuning prompts")
     args = ap.parse_args()
     if args.worker:
         rkharness.bootstrap()
         torch.set_num_threads(1)
         logging.getLogger("reusekit").setLevel(logging.WARNING)
         logging.getLogger().setLevel(logging.WARNING)
-        data = (write_tables(args.worker) if args.write_tables else pick_defaults(args.worker) if args.pick_defaults
-                else sweep(args.worker, args.quick))
+        if args.write_tables or args.pick_calibrated:
+            data = write_tables(args.worker) if args.write_tables else pick_calibrated(args.worker)
+        else:
+            setup, steps = args.worker.split(":")
+            data = default_points(setup, int(steps)) if args.pick_defaults else sweep(setup, int(steps), args.quick)
         Path(args.out).write_text(json.dumps(data))
         return
     tmp = Path(tempfile.mkdtemp(prefix="rk-step-bench-"))
-    workers = FAMILIES if args.write_tables or args.pick_defaults else tuple(SETUPS)
-    procs = {}
-    for name in workers:  # one worker each, side by side
-        cmd = [sys.executable, __file__, "--worker", name, "--out", str(tmp / f"{name}.json")]
-        cmd += ["--quick"] if args.quick else []
-        cmd += ["--write-tables"] if args.write_tables else []
-        cmd += ["--pick-defaults"] if args.pick_defaults else []
-        procs[name] = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    failed = [f for f, p in procs.items() if p.wait() != 0]
-    if failed:
-        raise SystemExit(f"the {', '.join(failed)} worker failed")
-    results = {f: json.loads((tmp / f"{f}.json").read_text()) for f in workers}
+    t0 = time.perf_counter()
+    if args.write_tables or args.pick_calibrated:
+        flag = ["--write-tables"] if args.write_tables else ["--pick-calibrated"]
+        results = pool([(f, flag) for f in FAMILIES], args.jobs, tmp)
+    else:
+        flag = ["--pick-defaults"] if args.pick_defaults else ["--quick"] if args.quick else []
+        work = units((28,) if args.quick else tuple(args.steps))
+        results = pool([(f"{setup}:{n}", flag) for setup, n in work], args.jobs, tmp)
     if args.write_tables:
         target = rkharness.ROOT / "caching" / "schedule_tables.json"
         target.write_text(json.dumps({
@@ -668,18 +793,31 @@ def main():
             "tables": results}, indent=None, separators=(",", ":")) + "\n")
         print(f"wrote {target}")
         return
-    if args.pick_defaults:
+    if args.pick_calibrated:
         for family, res in results.items():
             d = res["default"]
-            print(f"{family}: default " + ("none keeps the floors" if d is None else
-                                           f"schedule {d['mode']} threshold {d['threshold']:g}"))
+            print(f"{family}: calibrated default " + ("none keeps the floors" if d is None else
+                                                      f"schedule {d['mode']} threshold {d['threshold']:g}"))
         return
+    if args.pick_defaults:
+        for family, res in pick_defaults(list(results.values())).items():
+            print(f"\n{family} ({', '.join(res['units'])}; tuning prompts, floors {DEFAULT_FLOORS[0]:g} / "
+                  f"{DEFAULT_FLOORS[1]:g} dB at every setup; threshold by step count):")
+            for r in res["ranked"]:
+                said = ", ".join(f"{n} steps {th:g} ({r['x'][n]:.2f}x)" for n, th in r["anchors"])
+                print(f"  {r['candidate']:<22} {said}; worth {r['worth']:.2f}, worst {r['worst_min']:.1f} dB")
+            d = res["default"]
+            print(f"{family}: default " + ("none keeps the floors" if d is None else
+                                           f"{d['candidate']} at {tuple(tuple(a) for a in d['anchors'])}"))
+        print(f"ran {time.perf_counter() - t0:.0f} s")
+        return
+    results = merge(list(results.values()))
     if args.json:
         Path(args.json).write_text(json.dumps(results))
     if args.png_dir:
         for path in plots(results, Path(args.png_dir)):
             print(f"wrote {path}")
-    print(report(results, args))
+    print(report(results, args, time.perf_counter() - t0))
 
 
 if __name__ == "__main__":

@@ -144,9 +144,12 @@ MAG_RATIOS: dict[str, tuple[tuple[float, ...], int, float]] = {
                                       0.93397, 0.93414, 0.91636, 0.9165, 0.89088, 0.89109, 0.8679, 0.86768), 40, 5.0),
 }
 
-# The defaults of rule="auto" / residual_mode="auto" / threshold=-1 per family: (rule, threshold,
-# residual_mode), and each rule's own default threshold per family. Picked by bench/step_cache.py on its
-# tuning prompts (never the evaluation ones) on the stand-in models. The schedule rule plans from a table
+# The defaults of rule="auto" / residual_mode="auto" / threshold=-1 per family: (rule, thresholds by step
+# count, residual_mode), and each rule's own default threshold per family. Picked by bench/step_cache.py
+# --pick-defaults on its tuning prompts (never the evaluation ones) on the stand-in models: TeaCache's
+# threshold, the largest keeping 32 dB mean and 27 dB worst at every setup of the family at 20, 28 and 50
+# steps (more steps bear a larger one: each skipped stretch is shorter in sigma), and the residual mode
+# worth most at it. The schedule rule plans from a table
 # of residuals measured on one model; the tables shipped in caching/schedule_tables.json were measured on
 # the stand-ins (docs/step_cache.md, "Stand-in models for the benchmark"): a table is one model's, and on another one
 # it can plan far more skips than that model bears, so auto uses them on no model: it runs TeaCache
@@ -154,11 +157,26 @@ MAG_RATIOS: dict[str, tuple[tuple[float, ...], int, float]] = {
 # rule of CALIBRATED_RULES at its threshold once the model has its own calibration of that rule (ReuseKit
 # TeaCache Calibrate) and the threshold is left at -1. rule="schedule" picked by hand uses the shipped
 # table. Wan 2.2 takes Wan's; every other family (modulated-input DiTs like Flux) takes Flux's.
-_FLUX = ("teacache", 0.4, "extrapolate")
-_WAN = ("teacache", 0.3, "extrapolate")
-FAMILY_DEFAULTS: dict[str, tuple[str, float, str]] = {"flux": _FLUX, "wan": _WAN, "wan22": _WAN}
-FALLBACK_DEFAULTS: tuple[str, float, str] = _FLUX
-CALIBRATED_RULES: dict[str, str] = {"flux": "schedule", "wan": "schedule"}
+_FLUX = ("teacache", ((20, 0.343), (28, 0.504), (50, 0.741)), "taylorseer1")
+_WAN = ("teacache", ((20, 0.343), (28, 0.343), (50, 0.504)), "foca")
+FAMILY_DEFAULTS: dict[str, tuple[str, tuple[tuple[int, float], ...], str]] = {"flux": _FLUX, "wan": _WAN,
+                                                                             "wan22": _WAN}
+FALLBACK_DEFAULTS: tuple[str, tuple[tuple[int, float], ...], str] = _FLUX
+
+
+def default_threshold(anchors: tuple[tuple[int, float], ...], steps: int | None) -> float:
+    """The default threshold of a run of ``steps``: linear between the ``anchors`` (step count, threshold),
+    the nearest one's beyond them; the fewest steps' (the smallest) when the count is unknown."""
+    if steps is None or steps <= anchors[0][0]:
+        return anchors[0][1]
+    for (n0, t0), (n1, t1) in zip(anchors, anchors[1:], strict=False):
+        if steps <= n1:
+            return round(t0 + (t1 - t0) * (steps - n0) / (n1 - n0), 4)
+    return anchors[-1][1]
+
+
+CALIBRATED_RULES: dict[str, tuple[str, str]] = {"flux": ("schedule", "extrapolate"), "wan": ("schedule", "extrapolate")}
+"""(rule, residual mode) auto runs on a model with its own calibration (bench/step_cache.py --pick-calibrated)."""
 TABLE_FIELDS = {"teacache": "coefficients", "magcache": "magnitudes", "schedule": "table"}
 """Where each rule's table lives in a stored calibration."""
 # interval: 3 (one call computed in three), a round middle value, not tuned by the benchmark

@@ -537,9 +537,11 @@ def _rule(config: tc.StepCacheConfig, family: Family) -> str:
     return tc.FAMILY_DEFAULTS.get(family.name, tc.FALLBACK_DEFAULTS)[0] if config.rule == "auto" else config.rule
 
 
-def resolved_config(config: tc.StepCacheConfig, family: Family) -> tc.StepCacheConfig:
-    """``config`` with rule, threshold (-1) and residual mode "auto" replaced by the family's defaults."""
-    rule0, threshold0, mode0 = tc.FAMILY_DEFAULTS.get(family.name, tc.FALLBACK_DEFAULTS)
+def resolved_config(config: tc.StepCacheConfig, family: Family, steps: int | None = None) -> tc.StepCacheConfig:
+    """``config`` with rule, threshold (-1) and residual mode "auto" replaced by the family's defaults for a
+    run of ``steps`` (None: not known)."""
+    rule0, anchors, mode0 = tc.FAMILY_DEFAULTS.get(family.name, tc.FALLBACK_DEFAULTS)
+    threshold0 = tc.default_threshold(anchors, steps)
     rule = "teacache" if config.calibrate else _rule(config, family)
     threshold = config.threshold
     if threshold < 0:
@@ -563,12 +565,12 @@ class Plan:
         self.table = table if rule == "schedule" else None  # a ResidualTable
 
 
-def resolve(settings: Settings, model_patcher, conds: dict | None = None) -> Plan:
-    """This run's rule, threshold, residual mode and table: the model's calibration, else the published
+def resolve(settings: Settings, model_patcher, conds: dict | None = None, steps: int | None = None) -> Plan:
+    """This run's (of ``steps`` steps) rule, threshold, residual mode and table: the model's calibration, else the published
     one for its variant (read from the model and the run's ``conds``); ValueError where the rule needs a
     calibration it lacks."""
     family = settings.family
-    cfg = resolved_config(settings.config, family)
+    cfg = resolved_config(settings.config, family, steps)
     key, ident = model_identity(model_patcher, family)
     variant = step_families.model_variant(family, model_patcher, conds or {})
 
@@ -588,11 +590,13 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None) -> Pla
     if cfg.model_type not in ("auto", "calibrated"):
         return plan(cfg.model_type, published(cfg.model_type))
     stored = STORE.get(key, ident)
-    upgrade = tc.CALIBRATED_RULES.get(family.name)
+    upgrade, upgrade_mode = tc.CALIBRATED_RULES.get(family.name, (None, None))
     if (upgrade is not None and stored is not None and getattr(stored, tc.TABLE_FIELDS[upgrade]) is not None
             and settings.config.rule == "auto" and settings.config.threshold < 0 and cfg.model_type == "auto"):
-        # this model's own calibration holds the table the family's better rule plans from
-        cfg = dataclasses.replace(cfg, rule=upgrade, threshold=float(
+        # this model's own calibration holds the table the family's better rule plans from, in the mode it
+        # was picked with (its planner models that mode's forecasts) unless one was set by hand
+        mode = upgrade_mode if settings.config.residual_mode == "auto" else cfg.residual_mode
+        cfg = dataclasses.replace(cfg, rule=upgrade, residual_mode=mode, threshold=float(
             tc.RULE_THRESHOLDS.get(family.name, tc.FALLBACK_THRESHOLDS)[upgrade]))
     table = None if stored is None else getattr(stored, tc.TABLE_FIELDS[cfg.rule], None)
     if cfg.rule == "schedule" and table is not None and table.sensitivity is None:
@@ -628,7 +632,9 @@ def _outer_sample(executor, *args, **kwargs):
     settings: Settings | None = orig.get("transformer_options", {}).get(KEY)
     if settings is None:
         return executor(*args, **kwargs)
-    plan = resolve(settings, guider.model_patcher, getattr(guider, "conds", None))
+    sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
+    steps = len(sigmas) - 1 if sigmas is not None else None
+    plan = resolve(settings, guider.model_patcher, getattr(guider, "conds", None), steps)
     cfg = plan.config
     ms = guider.model_patcher.model.model_sampling
     run = tc.RunState(cfg, plan.coefficients, float(ms.percent_to_sigma(cfg.start_percent)),
@@ -638,8 +644,6 @@ def _outer_sample(executor, *args, **kwargs):
         stats().count_reason("disabled", run.disabled_reason, source=settings.family.name)
     guider.model_options = comfy.model_patcher.create_model_options_clone(orig)
     guider.model_options["transformer_options"][RUN_KEY] = run
-    sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
-    steps = len(sigmas) - 1 if sigmas is not None else None
     if plan.table is not None and sigmas is not None:
         _plan_schedule(run, plan.table, guider, [float(s) for s in sigmas])
     outcome = "failed"

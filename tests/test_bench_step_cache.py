@@ -146,18 +146,25 @@ def test_a_method_whose_tuning_kept_nothing_scores_as_uncached(bench, measured):
     assert (scored["x"], measured) == (1.0, [])
 
 
-def test_every_baseline_sweeps_every_combo_over_its_grid(bench, measured):
-    baselines = [m for m in bench.methods("flux") if m["kind"] == "baseline"]
-    for method in baselines:
+def test_every_method_sweeps_every_combo_over_its_grid(bench, measured):
+    """The first combo (no skip limit, no window) walks from the grid's start; each restricted combo from the
+    first one's pick (below it a restriction only computes more), each past the pick to a setting that
+    misses the floors. Baselines and ReuseKit's rules alike."""
+    for method in [m for m in bench.methods("flux") if not m.get("defaults")]:
         measured.clear()
-        bench.tune(FakeBench(), method, 28, TUNING, {})
-        tried = {(str(combo), th) for _, combo, th, _ in measured}
-        combos = {str(c if "core" in method else bench.combos("flux")[c]) for c in method["combos"]}
-        assert {c for c, _ in tried} == combos, method["name"]
+        points, picked = bench.tune(FakeBench(), method, 28, TUNING, {})
+        combo = lambda c: str(c if "core" in method else bench.combos("flux")[c])  # noqa: E731
+        tried = {(str(c), th) for _, c, th, _ in measured}
+        assert {c for c, _ in tried} == {combo(c) for c in method["combos"]}, method["name"]
         first = bench.grid(method, quick=False)
-        for combo in combos:  # walked upwards from the grid's start to the first that misses the floors
-            mine = sorted(th for c, th in tried if c == combo)
-            assert mine[0] == first[0] and len(mine) >= 2, method["name"]
+        free = [th for c, th in tried if c == combo(method["combos"][0])]
+        assert min(free) == first[0], method["name"]
+        free_pick = bench.curves.pick([p for p in points if p["combo"] == method["combos"][0]], 30.0, 25.0)
+        for name in method["combos"]:
+            mine = sorted(th for c, th in tried if c == combo(name))
+            assert mine[0] == (first[0] if name == method["combos"][0] else free_pick["threshold"]), method["name"]
+            assert len(mine) >= 2 and not all(bench.keeps(p) for p in points if p["combo"] == name), method["name"]
+        assert picked == bench.curves.pick(points, 30.0, 25.0)
 
 
 def test_calibration_step_counts_are_never_scored(bench):
@@ -166,6 +173,41 @@ def test_calibration_step_counts_are_never_scored(bench):
     assert set(bench.RESULT_STEPS) <= set(bench.STEP_COUNTS)
     assert not {p for p, _ in [bench.CALIBRATION]} & set(bench.TUNING_PROMPTS + bench.EVAL_PROMPTS)
     assert not set(bench.TUNING_PROMPTS) & set(bench.EVAL_PROMPTS)
+
+
+def test_a_defaults_thresholds_by_step_count_keep_the_floors_at_every_setup(bench):
+    def unit(setup, steps, points):
+        return {"setup": setup, "family": bench.SETUPS[setup][0], "steps": steps, "points": points}
+
+    def walk(*xs_worst):  # thresholds 0.1, 0.2, ...: (speedup, worst dB)
+        return [pt(x, 40.0, w, threshold=round(0.1 * (i + 1), 1)) for i, (x, w) in enumerate(xs_worst)]
+
+    units = [unit("flux", 28, {"a": walk((2, 35), (3, 30), (4, 20)), "b": walk((2.5, 33), (5, 26))}),
+             unit("flux-cfg1", 28, {"a": walk((2, 35), (3.5, 29), (4.5, 28)), "b": walk((3, 30), (6, 29))}),
+             unit("flux", 50, {"a": walk((3, 35), (4, 33), (5, 30)), "b": walk((4, 30), (6, 20))}),
+             unit("flux-cfg1", 50, {"a": walk((3, 35), (4, 33), (6, 30)), "b": walk((4, 30), (4, 29))}),
+             unit("wan", 28, {"a": walk((3, 30), (4, 28)), "b": walk((2, 30), (3, 20))}),
+             unit("wan", 50, {"a": walk((4, 30), (5, 20)), "b": walk((5, 30))})]
+    got = bench.pick_defaults(units)
+    flux = {r["candidate"]: r for r in got["flux"]["ranked"]}
+    # a: 0.3 misses at flux 28 (20 dB): 0.2 there (slowest 3x); at 50 every setup keeps 0.3 (slowest 5x)
+    assert flux["a"]["anchors"] == [(28, 0.2), (50, 0.3)] and flux["a"]["x"] == {28: 3, 50: 5}
+    # b: 0.2 misses at flux 28 (26 < 27 dB): 0.1 (2.5x); at 50 flux misses 0.2 too: 0.1 (4x)
+    assert flux["b"]["anchors"] == [(28, 0.1), (50, 0.1)] and flux["b"]["x"] == {28: 2.5, 50: 4}
+    assert got["flux"]["default"]["candidate"] == "a" and flux["b"]["worth"] == pytest.approx(min(2.5 / 3, 4 / 5))
+    # wan a keeps 0.2 at 28 but only 0.1 at 50: more steps never get a lower threshold, so 0.1 at both
+    wan = {r["candidate"]: r for r in got["wan"]["ranked"]}
+    assert wan["a"]["anchors"] == [(28, 0.1), (50, 0.1)] and wan["a"]["x"] == {28: 3, 50: 4}
+    assert wan["b"]["anchors"] == [(28, 0.1), (50, 0.1)] and got["wan"]["default"]["candidate"] == "a"
+
+
+def test_the_workers_take_the_costliest_units_first_and_merge_per_setup(bench):
+    work = bench.units((20, 50))
+    assert work[0] == ("flux", 50) and work[-1] == ("flux-cfg1", 20) and len(work) == 6
+    parts = [{"setup": "wan", "steps": {n: {"rows": []}}, "calibrated_at": {n: 24}, "seconds": 1.0, "cpu_seconds": 2.0,
+              "curve_match": 0.1} for n in (20, 28)]
+    merged = bench.merge(parts)
+    assert set(merged) == {"wan"} and set(merged["wan"]["steps"]) == {20, 28} and merged["wan"]["cpu_seconds"] == 4.0
 
 
 # ---- methods -----------------------------------------------------------------------------------------
@@ -180,7 +222,9 @@ def test_the_field_holds_the_published_methods_as_their_papers_define_them(bench
     # constants fitted on the real models are never ranked
     assert all(m["model_type"] in ("calibrated", "auto") for m in baselines if "rule" in m)
     assert all(r["kind"] == "information" for r in bench.published_rows("flux"))
-    assert rows["ReuseKit schedule, shipped table"]["kind"] == "information"
+    assert any(r["rule"] == "schedule" and r["model_type"] == "auto" for r in bench.published_rows("flux"))
+    assert not any(m.get("model_type") not in (None, "calibrated") and m.get("rule") == "schedule"
+                   for m in rows.values())  # the shipped table is never ranked
 
 
 def test_the_teacache_reference_accumulates_the_signed_polynomial(bench):

@@ -483,13 +483,25 @@ def test_auto_takes_the_familys_rule_threshold_and_mode(flux, conds):
                                     end_percent=1.0, max_consecutive_skips=0, cache_device="device",
                                     residual_mode="auto").args
     sample(m, conds)
-    rule, threshold, mode = tc().FAMILY_DEFAULTS["flux"]
+    rule, anchors, mode = tc().FAMILY_DEFAULTS["flux"]
     run = last_run()
-    assert (run["rule"], run["threshold"], run["residual_mode"]) == (rule, threshold, mode)
+    assert (run["rule"], run["threshold"], run["residual_mode"]) == (rule, tc().default_threshold(anchors, STEPS), mode)
+    sample(m, conds, steps=50)  # more steps bear a larger threshold: the run's own count picks it
+    assert last_run()["threshold"] == anchors[-1][1] > run["threshold"]
     assert "rel_l1_thresh" not in run
     sample(teacache(flux, -1.0, rule="first_block", mode="auto"), conds)  # -1 with a rule: that rule's default
     run = last_run()
     assert run["threshold"] == tc().RULE_THRESHOLDS["flux"]["first_block"] and run["residual_mode"] == mode
+
+
+def test_the_default_threshold_follows_the_step_count_between_its_anchors():
+    anchors = ((20, 0.3), (28, 0.5), (50, 0.7))
+    got = [tc().default_threshold(anchors, n) for n in (None, 4, 20, 24, 28, 39, 50, 80)]
+    assert got == [0.3, 0.3, 0.3, 0.4, 0.5, 0.6, 0.7, 0.7]
+    for rule, family_anchors, mode in tc().FAMILY_DEFAULTS.values():  # ascending, never lower with more steps
+        assert rule == "teacache" and mode in tc().RESIDUAL_MODES
+        assert [n for n, _ in family_anchors] == sorted({n for n, _ in family_anchors})
+        assert [t for _, t in family_anchors] == sorted(t for _, t in family_anchors)
 
 
 def test_a_high_threshold_skips_steps_and_reports_them(flux, conds, caplog):

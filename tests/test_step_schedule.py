@@ -416,8 +416,9 @@ def test_the_node_defaults_run_teacache_until_the_model_has_its_own_schedule_tab
     (m,) = N().TeaCacheNode.execute(model=flux, **defaults).args
     sample(m, conds)
     run = last_run()
-    assert (run["rule"], run["threshold"], run["residual_mode"]) == tc().FAMILY_DEFAULTS["flux"] == (
-        "teacache", 0.4, "extrapolate")
+    rule, anchors, mode = tc().FAMILY_DEFAULTS["flux"]
+    assert (run["rule"], run["threshold"], run["residual_mode"]) == (
+        "teacache", tc().default_threshold(anchors, run["steps"]), mode)
     calibrated(flux, conds)
     out = sample(m, conds)
     run = last_run()
