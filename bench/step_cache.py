@@ -22,9 +22,10 @@ Protocol, the same for every method, ReuseKit's and the baselines alike:
   50), which fits TeaCache's polynomial, MagCache's ratios and the schedule rule's residual table at once.
 - **Tuning.** Each method sweeps its settings on the tuning prompts: every combination of skip limit and
   window (none; TeaCache's published "at most 3 in a row, last step computed"; MagCache's published K and
-  retention) with its threshold grid (a log grid, walked upwards to the first that misses the floors, then
-  refined at the crossing; an interval's grid its integers); core EasyCache and LazyCache their threshold
-  grid with their window 0-1 or 0.15-0.95. A skip limit or a window only adds computed steps, so a
+  retention) with its threshold grid (a log grid, walked upwards to the first that misses the floors, on
+  past the grid's top while they keep them, then refined at the crossing; an interval's grid its integers,
+  on past its top one by one); core EasyCache and LazyCache their threshold grid with their window 0-1 or
+  0.15-0.95. A skip limit or a window only adds computed steps, so a
   restricted combo's walk starts at the unrestricted combo's pick: below it, it is never faster. The pick
   is the fastest setting whose tuning mean PSNR is at least 30 dB and whose worst run is at least 25 dB.
 - **Scoring.** That one setting runs once on the evaluation prompts: its speedup (model calls per branch,
@@ -118,6 +119,7 @@ GRIDS = {"teacache": (0.05, 1.6), "magcache": (0.02, 1.0), "first_block": (0.02,
          "core": (0.02, 0.6)}
 INTERVALS = (2, 3, 4, 5, 6, 8)  # TaylorSeer's and FoCa's N (a full step every N)
 COARSE, REFINE = 7, 1  # grid points, then refinements at the floors' crossing (quick: 5, 1)
+BEYOND = 8  # settings past a grid's top while they keep the floors: no sweep is cut short by its grid
 TABLE_STEPS = 50  # the step count the shipped schedule tables are measured at (finest grid)
 SENSITIVITY_STEPS = 20  # ... and their sensitivity (coarsest: conservative near the end at finer counts)
 
@@ -184,6 +186,15 @@ def grid(method: dict, quick: bool) -> list[float]:
         return [float(n) for n in (INTERVALS[::2] if quick else INTERVALS)]
     lo, hi = GRIDS[method["grid"]]
     return curves.log_grid(lo, hi, 5 if quick else COARSE)
+
+
+def beyond(method: dict, th: float, steps: int, quick: bool) -> float | None:
+    """The setting after ``th``, past the top of the method's grid: one grid step on (an interval's next
+    integer, below the step count; None past it)."""
+    if method["grid"] == "interval":
+        return float(int(th) + 1) if int(th) + 1 < steps else None
+    *_, below, top = grid(method, quick)
+    return float(f"{th * top / below:.3g}")
 
 
 @contextmanager
@@ -386,7 +397,7 @@ def keeps(point: dict, floors: tuple[float, float] = (MEAN_FLOOR, WORST_FLOOR)) 
 def tune(bench: Bench, method: dict, steps: int, tuning: list, refs: dict,
          floors: tuple[float, float] = (MEAN_FLOOR, WORST_FLOOR)) -> tuple[list[dict], dict | None]:
     """Every combo's thresholds on the tuning runs (walked upwards to the first that misses the ``floors``,
-    then refined at the crossing; a combo after the first, which restricts the first by a skip limit or a
+    past the grid's top while they keep them, then refined at the crossing; a combo after the first, which restricts the first by a skip limit or a
     window, from the first combo's pick upwards: below it, it computes at least as much, so it is never
     faster): the tuning points, and the pick (the fastest keeping the floors), from these points alone. The
     defaults are not tuned: they are what a user gets."""
@@ -401,13 +412,22 @@ def tune(bench: Bench, method: dict, steps: int, tuning: list, refs: dict,
         todo = grid(method, bench.quick)
         if free is not None:  # below the free pick a skip limit or a window only computes more: never faster
             todo = [free["threshold"]] + [th for th in todo if th > free["threshold"]]
-        for _ in range(1 if method["grid"] == "interval" else (1 if bench.quick else REFINE) + 1):
+
+        def run(th, tried=tried, mine=mine, combo=combo, combo_name=combo_name):
+            tried.add(th)
+            mine.append(dict(measure(bench, dict(method, combo=combo, threshold=th), steps, tuning, refs),
+                             combo=combo_name))
+
+        for rnd in range(1 if method["grid"] == "interval" else (1 if bench.quick else REFINE) + 1):
             for th in todo:  # upwards; past the first threshold that misses the floors, higher ones miss them too
-                tried.add(th)
-                mine.append(dict(measure(bench, dict(method, combo=combo, threshold=th), steps, tuning, refs),
-                                 combo=combo_name))
+                run(th)
                 if len(todo) > 1 and not keeps(mine[-1], floors):
                     break
+            for _ in range(BEYOND if rnd == 0 else 0):  # the grid's top kept the floors: walk on past it
+                nxt = beyond(method, mine[-1]["threshold"], steps, bench.quick) if keeps(mine[-1], floors) else None
+                if nxt is None:
+                    break
+                run(nxt)
             nxt = curves.refine(mine, *floors, tried)
             if nxt is None:
                 break
@@ -415,7 +435,10 @@ def tune(bench: Bench, method: dict, steps: int, tuning: list, refs: dict,
         points += mine
         if free is None and combo_name == method["combos"][0]:
             free = curves.pick(mine, *floors)
-    return points, curves.pick(points, *floors)
+    picked = curves.pick(points, *floors)
+    if picked and not any(p["combo"] == picked["combo"] and p["threshold"] > picked["threshold"] for p in points):
+        picked = dict(picked, end=True)  # nothing above it was tried (BEYOND spent, or an interval at the steps)
+    return points, picked
 
 
 def score(bench: Bench, method: dict, steps: int, picked: dict | None, evals: list, refs: dict) -> dict:
@@ -535,13 +558,15 @@ def _said(p: dict | None) -> str:
         return "none (no setting kept the floors)"
     if p.get("threshold") is None:
         return str(p["combo"])
-    return f"{p['combo']} {p['threshold']:g}: {p['x']:.2f}x at {p['psnr']:.1f} dB (worst {p['worst']:.1f})"
+    return f"{_setting(p)}: {p['x']:.2f}x at {p['psnr']:.1f} dB (worst {p['worst']:.1f})"
 
 
 def _setting(p: dict | None) -> str:
     if p is None:
         return "none kept the floors"
-    return str(p["combo"]) if p.get("threshold") is None else f"{p['combo']} {p['threshold']:g}"
+    if p.get("threshold") is None:
+        return str(p["combo"])
+    return f"{p['combo']} {p['threshold']:g}" + (" (sweep's end)" if p.get("end") else "")
 
 
 def pick_calibrated(family: str) -> dict:

@@ -167,6 +167,32 @@ def test_every_method_sweeps_every_combo_over_its_grid(bench, measured):
         assert picked == bench.curves.pick(points, 30.0, 25.0)
 
 
+def test_a_sweep_walks_on_past_its_grids_top_while_the_floors_hold(bench, monkeypatch):
+    """No method is cut short by its grid: a threshold rule whose quality holds to twice its grid's top, and
+    an interval whose holds to 11, are picked there (the first setting past it misses), and a sweep that
+    never misses says its pick is the sweep's end."""
+    calls = []
+
+    def measure(_bench, setting, steps, runs, refs):
+        th = setting["threshold"]
+        calls.append((setting["name"], th))
+        holds = 11 if setting["grid"] == "interval" else 2 * bench.grid(setting, quick=False)[-1]
+        ok = th <= holds * (1 + 1e-9)
+        return {"x": 1.0 + th, "psnr": 40.0 if ok else 20.0, "worst": 35.0 if ok else 15.0, "threshold": th}
+
+    monkeypatch.setattr(bench, "measure", measure)
+    teacache = next(m for m in bench.methods("flux") if m["name"] == "TeaCache")
+    top = bench.grid(teacache, quick=False)[-1]
+    points, picked = bench.tune(FakeBench(), dict(teacache, combos=["free"]), 50, TUNING, {})
+    assert top < picked["threshold"] <= 2 * top and not picked.get("end")
+    assert any(p["threshold"] > picked["threshold"] and not bench.keeps(p) for p in points)
+    seer = next(m for m in bench.methods("flux") if m["name"] == "TaylorSeer order 1")
+    points, picked = bench.tune(FakeBench(), dict(seer, combos=["free"]), 50, TUNING, {})
+    assert picked["threshold"] == 11.0 and max(p["threshold"] for p in points) == 12.0
+    points, picked = bench.tune(FakeBench(), dict(seer, combos=["free"]), 12, TUNING, {})  # at most N = 11
+    assert picked["threshold"] == 11.0 and picked["end"] and "sweep's end" in bench._setting(picked)
+
+
 def test_calibration_step_counts_are_never_scored(bench):
     assert not set(bench.CALIBRATION_STEPS) & set(bench.STEP_COUNTS)
     assert {bench.calibration_steps(s) for s in bench.STEP_COUNTS} <= set(bench.CALIBRATION_STEPS)
