@@ -176,6 +176,12 @@ test("memory history keeps the window (plus the point before it) and ignores tim
   assert.deepEqual(h.points.map((p) => [p.t, p.total]), [[30, 26], [100, 31]]);
   assert.deepEqual(h.points[1].tiers, { cpu: 30, device: 1 });
   assert.deepEqual(h.tierNames(), ["cpu", "device"]);
+  const off = "set REUSEKIT_DISK_DIR=...";
+  const withOff = new MemoryHistory(60);
+  withOff.add(0, { caches: [cache("c", "conditioning", { bytes: { cpu: 5 } }),
+    cache("d", "conditioning", { bytes: { disk: 0 }, off }), cache("e", "conditioning", { bytes: { redis: 2 }, off })] });
+  assert.deepEqual(withOff.tierNames(), ["cpu", "redis"]); // an off tier with nothing in it is no series
+  assert.deepEqual(withOff.points[0].tiers, { cpu: 5, redis: 2 }); // what an off tier still holds stays drawn
   const capped = new MemoryHistory(1e9, 3);
   for (let t = 0; t < 10; t += 1) capped.add(t, snap(t));
   assert.deepEqual(capped.points.map((p) => p.t), [7, 8, 9]);

@@ -222,7 +222,8 @@ export function aggregate(snapshot) {
   };
 }
 
-/** Memory over time: points {t (s), total, tiers}, kept for the last `windowSeconds`. */
+/** Memory over time: points {t (s), total, tiers}, kept for the last `windowSeconds`. A tier that is off and
+ * holds nothing (disk, Redis not configured) is no series: the settings card says how to turn it on. */
 export class MemoryHistory {
   constructor(windowSeconds = 300, maxPoints = 2000) {
     this.windowSeconds = windowSeconds;
@@ -232,7 +233,7 @@ export class MemoryHistory {
 
   add(t, snapshot) {
     const agg = aggregate(snapshot);
-    const tiers = Object.fromEntries(agg.tiers.map((x) => [x.tier, x.bytes]));
+    const tiers = Object.fromEntries(agg.tiers.filter((x) => !x.off || x.bytes > 0).map((x) => [x.tier, x.bytes]));
     const last = this.points[this.points.length - 1];
     if (last && t < last.t) return; // out of order: ignore
     if (last && t === last.t) this.points.pop();
