@@ -398,9 +398,9 @@ def keeps(point: dict, floors: tuple[float, float] = (MEAN_FLOOR, WORST_FLOOR)) 
 def tune(bench: Bench, method: dict, steps: int, tuning: list, refs: dict,
          floors: tuple[float, float] = (MEAN_FLOOR, WORST_FLOOR)) -> tuple[list[dict], dict | None]:
     """Every combo's thresholds on the tuning runs (walked upwards to the first that misses the ``floors``,
-    past the grid's top while they keep them, then refined at the crossing; a combo after the first, which restricts the first by a skip limit or a
-    window, from the first combo's pick upwards: below it, it computes at least as much, so it is never
-    faster): the tuning points, and the pick (the fastest keeping the floors), from these points alone. The
+    past the grid's top while they keep them, then refined at the crossing; a combo after the first, which
+    restricts the first by a skip limit or a window, from the first combo's pick upwards: below it, it
+    computes at least as much, so it is never faster): the tuning points, and the pick (the fastest keeping the floors), from these points alone. The
     defaults are not tuned: they are what a user gets."""
     if method.get("defaults"):
         return [], {"combo": "as set", "threshold": None}
@@ -516,9 +516,9 @@ def default_points(setup: str, steps: int) -> dict:
 
 
 def default_grid(rule: str) -> list[float]:
-    """The thresholds a candidate default walks: one grid for every setup and step count (so they compare at
-    the same thresholds), finer than the tuning grid."""
-    return [float(n) for n in INTERVALS] if rule == "interval" else curves.log_grid(*GRIDS[rule], DEFAULT_GRID_POINTS)
+    """The thresholds a candidate default (a threshold rule) walks: one grid for every setup and step count
+    (so they compare at the same thresholds), finer than the tuning grid."""
+    return curves.log_grid(*GRIDS[rule], DEFAULT_GRID_POINTS)
 
 
 def pick_defaults(units: list[dict]) -> dict:

@@ -566,9 +566,9 @@ class Plan:
 
 
 def resolve(settings: Settings, model_patcher, conds: dict | None = None, steps: int | None = None) -> Plan:
-    """This run's (of ``steps`` steps) rule, threshold, residual mode and table: the model's calibration, else the published
-    one for its variant (read from the model and the run's ``conds``); ValueError where the rule needs a
-    calibration it lacks."""
+    """The rule, threshold, residual mode and table of a run of ``steps`` steps: the model's calibration, else
+    the published one for its variant (read from the model and the run's ``conds``); ValueError where the
+    rule needs a calibration it lacks."""
     family = settings.family
     cfg = resolved_config(settings.config, family, steps)
     key, ident = model_identity(model_patcher, family)
