@@ -14,7 +14,7 @@ setup and step count, each piece a worker process with one torch thread, ``--job
 CPU), the costliest first.
 
 Prompts, never shared between sets and none drawn for training: calibration (one prompt), tuning (4
-prompts, seed 7), evaluation (8 prompts x 4 seeds).
+prompts x seeds 7 and 8), evaluation (8 prompts x 4 seeds 1-4).
 
 Protocol, the same for every method, ReuseKit's and the baselines alike:
 - **Calibration.** Every calibrated method reads the same calibration: one ReuseKit TeaCache Calibrate run
@@ -105,7 +105,8 @@ COST = {"flux": 1.4, "wan": 1.0, "flux-cfg1": 0.75}  # a setup's relative cost p
 CALIBRATION = ("a white square on a black background", 101)
 TUNING_PROMPTS = ["a green circle on a black background", "a red triangle on a white background",
                   "a yellow cross on a black background", "a blue circle on a gray background"]
-TUNING_SEED = 7
+TUNING_SEEDS = (7, 8)  # two pictures of each tuning prompt: a pick on one seed of 4 prompts missed the floors
+# on the 32 evaluation runs for most methods (docs/step_cache.md, 2026-12-03)
 EVAL_PROMPTS = ["a red circle on a black background", "a yellow square on a gray background",
                 "a blue triangle on a white background", "a green cross on a white background",
                 "a purple circle on a gray background", "a white triangle on a gray background",
@@ -123,6 +124,12 @@ COARSE, REFINE = 7, 1  # grid points, then refinements at the floors' crossing (
 BEYOND = 8  # settings past a grid's top while they keep the floors: no sweep is cut short by its grid
 TABLE_STEPS = 50  # the step count the shipped schedule tables are measured at (finest grid)
 SENSITIVITY_STEPS = 20  # ... and their sensitivity (coarsest: conservative near the end at finer counts)
+
+
+def tuning_runs(quick: bool) -> list[tuple[str, int]]:
+    """(prompt, seed) of every tuning run: each tuning prompt at each tuning seed."""
+    prompts, seeds = (TUNING_PROMPTS[:2], TUNING_SEEDS[:1]) if quick else (TUNING_PROMPTS, TUNING_SEEDS)
+    return [(p, s) for p in prompts for s in seeds]
 
 
 def calibration_steps(steps: int) -> int:
@@ -380,7 +387,8 @@ def measure(bench: Bench, setting: dict, steps: int, runs: list[tuple[str, int]]
     lo, hi = interval(base, calls)
     return {"x": base / mean(calls), "x_lo": lo, "x_hi": hi, "deep_x": base / mean(deep), "cpu_x": 1.0 / mean(cpu),
             "psnr": mean(psnr), "worst": min(psnr), "ssim": mean(ssim), "err": mean(err),
-            "threshold": setting.get("threshold")}
+            "threshold": setting.get("threshold"),
+            "runs": [[prompt, seed, round(p, 2)] for (prompt, seed), p in zip(runs, psnr, strict=True)]}
 
 
 def references(bench: Bench, steps: int, runs: list[tuple[str, int]]) -> dict:
@@ -459,7 +467,7 @@ def sweep(setup: str, steps: int, quick: bool) -> dict:
     """One setup at one scored step count: its calibration, references, every method tuned and scored."""
     family, cfg = SETUPS[setup]
     bench = Bench(family, quick, cfg)
-    tuning = [(p, TUNING_SEED) for p in (TUNING_PROMPTS[:2] if quick else TUNING_PROMPTS)]
+    tuning = tuning_runs(quick)
     evals = [(p, s) for p in (EVAL_PROMPTS[:2] if quick else EVAL_PROMPTS) for s in (SEEDS[:1] if quick else SEEDS)]
     out = {"setup": setup, "family": family, "cfg": cfg, "steps": {}, "calibrated_at": {}}
     t0, cpu0 = time.perf_counter(), time.process_time()
@@ -496,7 +504,7 @@ def default_points(setup: str, steps: int) -> dict:
     one setup and step count: its grid walked upwards to the first threshold that misses DEFAULT_FLOORS."""
     family, cfg = SETUPS[setup]
     bench = Bench(family, False, cfg)
-    tuning = [(p, TUNING_SEED) for p in TUNING_PROMPTS]
+    tuning = tuning_runs(False)
     out = {}
     with torch.inference_mode():
         refs = references(bench, steps, tuning)
@@ -575,7 +583,7 @@ def pick_calibrated(family: str) -> dict:
     shipped table, each residual mode's fastest threshold keeping DEFAULT_FLOORS at every step count; the
     default is the mode whose slowest step count is fastest, at the smallest of its picks."""
     bench = Bench(family, quick=False)
-    tuning = [(p, TUNING_SEED) for p in TUNING_PROMPTS]
+    tuning = tuning_runs(False)
     picks: dict[str, dict[int, dict | None]] = {}
     with torch.inference_mode():
         for steps in STEP_COUNTS:
@@ -617,7 +625,7 @@ def write_tables(family: str) -> dict:
     with torch.inference_mode():
         for prompt in TUNING_PROMPTS:
             store = bench.tc.CalibrationStore(None)
-            bench.run(bench.N.TeaCacheCalibrateNode.execute(model=bench.model).args[0], prompt, TUNING_SEED,
+            bench.run(bench.N.TeaCacheCalibrateNode.execute(model=bench.model).args[0], prompt, TUNING_SEEDS[0],
                       TABLE_STEPS, store)
             (entries,) = store._memory.values()
             table = bench.tc.Calibration.from_json(entries[0]).table
@@ -637,12 +645,12 @@ def write_tables(family: str) -> dict:
                                  combo=dict(K=0, start=0.0, last=False)), steps)
         measured = [0.0] * steps
         for prompt in TUNING_PROMPTS[:2]:
-            ref = bench.run(bench.model, prompt, TUNING_SEED, steps, bench.empty)[0]
+            ref = bench.run(bench.model, prompt, TUNING_SEEDS[0], steps, bench.empty)[0]
             for k in range(1, steps):
                 actions = ["C"] * steps
                 actions[k] = "S"
                 with forced_plan(sched, actions):
-                    out = bench.run(model, prompt, TUNING_SEED, steps, store)[0]
+                    out = bench.run(model, prompt, TUNING_SEEDS[0], steps, store)[0]
                 measured[k] += float((out - ref).norm() / ref.norm()) / 2
         ratio = [measured[k] / max(errors[k], 1e-12) for k in range(1, steps)]
         ratio = [ratio[0]] + ratio
@@ -685,6 +693,18 @@ def summarize(results: dict[str, dict]) -> dict:
     return out
 
 
+def worst_runs(rows: list[dict]) -> list[tuple[tuple[str, int], int]]:
+    """The evaluation runs that were some row's worst, each with how many rows, most often first (rows
+    scored on per-run PSNRs; a row that computed every step has none)."""
+    counts: dict[tuple[str, int], int] = {}
+    for row in rows:
+        runs = row["eval"].get("runs")
+        if runs:
+            prompt, seed, _ = min(runs, key=lambda r: r[2])
+            counts[(prompt, seed)] = counts.get((prompt, seed), 0) + 1
+    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
 def report(results: dict[str, dict], args, wall: float | None = None) -> str:
     summary = summarize(results)
     lines = []
@@ -707,6 +727,11 @@ def report(results: dict[str, dict], args, wall: float | None = None) -> str:
                      f"{d['x']:.2f}x at {d['psnr']:.1f} / {d['worst']:.1f} dB")
         lines.append(f"  keeping the floors on evaluation: best baseline {said(s['kept']['baseline'])}; best ReuseKit "
                      f"rule {said(s['kept']['reusekit'])}")
+        worst = worst_runs(s["rows"])
+        if worst:
+            (prompt, seed), n = worst[0]
+            lines.append(f"  the evaluation run most often a row's worst: '{prompt}', seed {seed} (for {n} of "
+                         f"{sum(k for _, k in worst)} rows)")
     at = [s for (_, steps), s in summary.items() if steps in RESULT_STEPS] or list(summary.values())
     a = min(s["defaults"]["eval"]["x"] for s in at)
     b = min(s["defaults"]["eval"]["worst"] for s in at)

@@ -201,6 +201,14 @@ def test_calibration_step_counts_are_never_scored(bench):
     assert not set(bench.TUNING_PROMPTS) & set(bench.EVAL_PROMPTS)
 
 
+def test_the_tuning_runs_are_every_tuning_prompt_at_several_seeds_none_an_evaluation_seed(bench):
+    runs = bench.tuning_runs(quick=False)
+    assert len(bench.TUNING_SEEDS) >= 2 and not set(bench.TUNING_SEEDS) & set(bench.SEEDS)
+    assert sorted(runs) == sorted((p, s) for p in bench.TUNING_PROMPTS for s in bench.TUNING_SEEDS)
+    assert len(set(runs)) == len(runs)
+    assert set(bench.tuning_runs(quick=True)) < set(runs)
+
+
 def test_a_defaults_thresholds_by_step_count_keep_the_floors_at_every_setup(bench):
     def unit(setup, steps, points):
         return {"setup": setup, "family": bench.SETUPS[setup][0], "steps": steps, "points": points}
@@ -312,3 +320,15 @@ def test_the_result_is_the_minimum_over_the_setups_at_28_and_50_steps(bench):
     assert "best ReuseKit rule none" in text
     assert got["baselines"] == 1
     assert "information" in text and "9.00x" in text  # shown, never ranked
+
+
+def test_the_report_names_the_evaluation_run_most_often_a_rows_worst(bench):
+    def row(name, runs):
+        return {"name": name, "eval": {"runs": runs}}
+
+    fragile = ("a blue triangle", 3)
+    rows = [row("a", [["a red circle", 1, 40.0], [*fragile, 21.0]]),
+            row("b", [["a red circle", 1, 30.0], [*fragile, 31.0]]),
+            row("c", [["a red circle", 1, 44.0], [*fragile, 20.5]]),
+            row("uncached", None)]  # computed every step: no runs
+    assert bench.worst_runs(rows) == [(fragile, 2), (("a red circle", 1), 1)]

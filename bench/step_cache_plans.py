@@ -1,0 +1,73 @@
+"""Where a step cache's computed steps go: fixed plans scored on the step-cache bench's tuning runs.
+
+    .venv/bin/python bench/step_cache_plans.py [--setup flux] [--steps 50] [--mode taylorseer1] [PLAN ...]
+
+A plan is one letter per step: C computes every branch, S adds each branch's forecast (``--mode``, as the
+step cache's residual modes), H computes the cond branch and rebuilds the uncond one from the last measured
+cond-minus-uncond difference (under CFG; costs half a step). Without plans it scores the ones behind the
+findings in docs/step_cache.md ("Where the computed steps go"): TaylorSeer's even beat against the same
+number of computed steps placed otherwise, and H steps in place of computed ones. Exploration on the tuning
+runs (4 prompts x seeds 7 and 8), never on the evaluation ones: nothing here picks a setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import step_cache as B  # noqa: E402  (the bench: its stand-ins, runs, metrics and tuning prompts)
+
+
+def beat(steps: int, computed: set[int], half: set[int] = frozenset()) -> str:
+    return "".join("C" if i in computed else "H" if i in half else "S" for i in range(steps))
+
+
+def findings(steps: int) -> list[str]:
+    """The plans behind the findings, at ``steps`` (50: TaylorSeer's pick at Flux CFG 3.5 is N=9)."""
+    n = 9 if steps >= 40 else 5
+    even = set(range(0, steps, n))
+    return [
+        beat(steps, even),  # TaylorSeer's beat
+        beat(steps, set(range(0, steps, n + 1))),  # one step fewer apart
+        beat(steps, even | set(range(n + 1))),  # the first stretch computed
+        beat(steps, even | {1}),  # a second computed step at the start (a slope for the first stretch)
+        beat(steps, even | {steps - 1}),  # the last step computed
+        beat(steps, {i for i in even if (i // n) % 2 == 0}, {i for i in even if (i // n) % 2}),  # every other C an H
+        beat(steps, even, set(range(n // 2, steps, n))),  # an H between computed steps
+    ]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--setup", default="flux", choices=sorted(B.SETUPS))
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--mode", default="taylorseer1", help="the residual mode the skipped steps add")
+    ap.add_argument("plans", nargs="*", help="plans of C/S/H, one letter per step (default: the findings' plans)")
+    args = ap.parse_args()
+    B.rkharness.bootstrap()
+    import torch
+
+    torch.set_num_threads(1)
+    plans = args.plans or findings(args.steps)
+    if any(len(p) != args.steps or set(p) - set("CSH") for p in plans):
+        ap.error(f"plans: one of C, S, H per step, {args.steps} letters each")
+    family, cfg = B.SETUPS[args.setup]
+    bench = B.Bench(family, False, cfg)
+    runs = B.tuning_runs(False)
+    print(f"{args.setup} stand-in at CFG {cfg:g}, {args.steps} steps, residual mode {args.mode}, on the {len(runs)} "
+          f"tuning runs: speedup, mean / worst PSNR dB")
+    with torch.inference_mode():
+        refs = B.references(bench, args.steps, runs)
+        for plan in plans:
+            setting = dict(rule="schedule", model_type="auto", mode=args.mode, threshold=0.01,
+                           combo=dict(K=0, start=0.0, last=False))
+            with B.forced_plan(bench.schedule, list(plan)):
+                p = B.measure(bench, setting, args.steps, runs, refs)
+            print(f"  {plan}  {p['x']:6.2f}x  {p['psnr']:5.1f} / {p['worst']:.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
