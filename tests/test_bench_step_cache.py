@@ -332,3 +332,36 @@ def test_the_report_names_the_evaluation_run_most_often_a_rows_worst(bench):
             row("c", [["a red circle", 1, 44.0], [*fragile, 20.5]]),
             row("uncached", None)]  # computed every step: no runs
     assert bench.worst_runs(rows) == [(fragile, 2), (("a red circle", 1), 1)]
+
+
+@pytest.fixture(scope="module")
+def plans(bench):
+    spec = importlib.util.spec_from_file_location("reusekit_bench_step_cache_plans", BENCH / "step_cache_plans.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_findings_plans_are_taylorseers_beat_and_its_variants(plans):
+    got = plans.findings(50)
+    assert all(len(p) == 50 and set(p) <= set("CSH") for p in got)
+    assert got[0] == "".join("C" if i % 9 == 0 else "S" for i in range(50))  # TaylorSeer's N = 9
+    assert [p.count("C") for p in got[:5]] == [6, 5, 14, 7, 7]
+    assert got[5].count("C") == 3 and got[5].count("H") == 3  # every other computed step an H step
+
+
+def test_a_forced_plan_computes_what_it_says_and_all_c_is_the_uncached_picture(bench, plans):
+    with torch.inference_mode():
+        stand_in = bench.Bench("flux", False, 3.5)
+        runs = [(bench.TUNING_PROMPTS[0], bench.TUNING_SEEDS[0])]
+        refs = bench.references(stand_in, 6, runs)
+        setting = dict(rule="schedule", model_type="auto", mode="taylorseer1", threshold=0.01,
+                       combo=dict(K=0, start=0.0, last=False))
+        scored = {}
+        for plan in ("CCCCCC", "CSCSCC", "CHCHCC"):
+            with bench.forced_plan(stand_in.schedule, list(plan)):
+                scored[plan] = bench.measure(stand_in, setting, 6, runs, refs)
+    assert scored["CCCCCC"]["x"] == 1.0 and scored["CCCCCC"]["psnr"] == bench.curves.PSNR_CAP
+    assert scored["CSCSCC"]["x"] == pytest.approx(6 / 4) and scored["CSCSCC"]["psnr"] < bench.curves.PSNR_CAP
+    assert scored["CHCHCC"]["x"] == pytest.approx(6 / 5)  # an H step computes the cond branch alone: half a step
+    assert scored["CHCHCC"]["psnr"] < bench.curves.PSNR_CAP
