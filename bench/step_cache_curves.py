@@ -38,6 +38,16 @@ def refine(points: list[dict], mean_floor: float, worst_floor: float, tried: set
     return None if mid in tried else mid
 
 
+X_TICKS = (1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24)
+
+
+def x_axis_end(xs: list[float]) -> float:
+    """The plots' speedup axis ends at the first of 8x, 12x, 16x, 24x that holds every point (a faster one
+    sits on the edge)."""
+    top = max(xs, default=1.0)
+    return next((t for t in X_TICKS if t >= 8 and t >= top), X_TICKS[-1])
+
+
 def plot(panels: list[tuple[str, dict[str, list[dict]]]], path: Path, colors: dict[str, tuple]) -> None:
     """Panels of speedup (x) against mean PSNR (y), a line per method through its points (PIL only)."""
     from PIL import Image, ImageDraw
@@ -46,7 +56,8 @@ def plot(panels: list[tuple[str, dict[str, list[dict]]]], path: Path, colors: di
     cols = 2 * len(panels)
     img = Image.new("RGB", (w * len(panels), h + 22 * math.ceil(len(colors) / cols)), "white")
     d = ImageDraw.Draw(img)
-    x_lo, x_hi, y_lo, y_hi = 1.0, 8.0, 15.0, 60.0
+    x_lo, y_lo, y_hi = 1.0, 15.0, 60.0
+    x_hi = x_axis_end([p["x"] for _, methods in panels for pts in methods.values() for p in pts])
     for k, (title, methods) in enumerate(panels):
         x0, x1, y0, y1 = k * w + pad, (k + 1) * w - 14, h - pad + 12, 34
 
@@ -60,7 +71,7 @@ def plot(panels: list[tuple[str, dict[str, list[dict]]]], path: Path, colors: di
             _, yy = xy(1, y)
             d.line((x0, yy, x1, yy), fill=(170, 170, 170) if y == 30 else (228, 228, 228))
             d.text((x0 - 26, yy - 6), f"{y}", fill="black")
-        for x in (1, 1.5, 2, 3, 4, 6, 8):
+        for x in (t for t in X_TICKS if t <= x_hi):
             xx, _ = xy(x, y_lo)
             d.text((xx - 8, y0 + 6), f"{x:g}x", fill="black")
         d.text(((x0 + x1) / 2 - 110, h - 26), "speedup (model calls per branch, uncached / cached)", fill="black")

@@ -86,6 +86,16 @@ def test_the_tuning_pick_is_the_fastest_setting_keeping_both_floors(curves):
     assert curves.pick(points[3:], 30.0, 25.0) is None
 
 
+def test_the_plots_speedup_axis_holds_every_point(curves, tmp_path):
+    assert curves.x_axis_end([2.0, 7.9]) == 8
+    assert curves.x_axis_end([8.33, 3.0]) == 12
+    assert curves.x_axis_end([12.5]) == 16
+    assert curves.x_axis_end([40.0]) == 24  # the last tick: a faster point sits on the edge
+    path = tmp_path / "p.png"
+    curves.plot([("t", {"a": [pt(8.33, 30.0), pt(2.0, 40.0)]})], path, {"a": (0, 0, 0)})
+    assert path.stat().st_size > 0
+
+
 def test_refinement_halves_the_gap_at_the_crossing_in_log(curves):
     points = [pt(2.0, 40.0, threshold=0.1), pt(3.0, 35.0, threshold=0.2), pt(5.0, 20.0, threshold=0.4)]
     assert curves.refine(points, 30.0, 25.0, {0.1, 0.2, 0.4}) == pytest.approx(0.283)
