@@ -408,8 +408,8 @@ def tune(bench: Bench, method: dict, steps: int, tuning: list, refs: dict,
     """Every combo's thresholds on the tuning runs (walked upwards to the first that misses the ``floors``,
     past the grid's top while they keep them, then refined at the crossing; a combo after the first, which
     restricts the first by a skip limit or a window, from the first combo's pick upwards: below it, it
-    computes at least as much, so it is never faster): the tuning points, and the pick (the fastest keeping the floors), from these points alone. The
-    defaults are not tuned: they are what a user gets."""
+    computes at least as much, so it is never faster): the tuning points, and the pick (the fastest keeping
+    the floors), from these points alone. The defaults are not tuned: they are what a user gets."""
     if method.get("defaults"):
         return [], {"combo": "as set", "threshold": None}
     points = []

@@ -25,6 +25,14 @@ def beat(steps: int, computed: set[int], half: set[int] = frozenset()) -> str:
     return "".join("C" if i in computed else "H" if i in half else "S" for i in range(steps))
 
 
+def score_plan(bench, plan: str, mode: str, runs: list[tuple[str, int]], refs: dict) -> dict:
+    """``plan`` (one letter per step) on ``runs`` through the schedule rule's forced plan, skipped steps
+    adding ``mode``'s forecasts: the bench's measure (speedup, mean and worst PSNR)."""
+    setting = dict(rule="schedule", model_type="auto", mode=mode, threshold=0.01, combo=dict(K=0, start=0.0, last=False))
+    with B.forced_plan(bench.schedule, list(plan)):
+        return B.measure(bench, setting, len(plan), runs, refs)
+
+
 def findings(steps: int) -> list[str]:
     """The plans behind the findings, at ``steps`` (50: TaylorSeer's pick at Flux CFG 3.5 is N=9)."""
     n = 9 if steps >= 40 else 5
@@ -62,10 +70,7 @@ def main():
     with torch.inference_mode():
         refs = B.references(bench, args.steps, runs)
         for plan in plans:
-            setting = dict(rule="schedule", model_type="auto", mode=args.mode, threshold=0.01,
-                           combo=dict(K=0, start=0.0, last=False))
-            with B.forced_plan(bench.schedule, list(plan)):
-                p = B.measure(bench, setting, args.steps, runs, refs)
+            p = score_plan(bench, plan, args.mode, runs, refs)
             print(f"  {plan}  {p['x']:6.2f}x  {p['psnr']:5.1f} / {p['worst']:.1f}", flush=True)
 
 

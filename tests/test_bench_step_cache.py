@@ -365,12 +365,8 @@ def test_a_forced_plan_computes_what_it_says_and_all_c_is_the_uncached_picture(b
         stand_in = bench.Bench("flux", False, 3.5)
         runs = [(bench.TUNING_PROMPTS[0], bench.TUNING_SEEDS[0])]
         refs = bench.references(stand_in, 6, runs)
-        setting = dict(rule="schedule", model_type="auto", mode="taylorseer1", threshold=0.01,
-                       combo=dict(K=0, start=0.0, last=False))
-        scored = {}
-        for plan in ("CCCCCC", "CSCSCC", "CHCHCC"):
-            with bench.forced_plan(stand_in.schedule, list(plan)):
-                scored[plan] = bench.measure(stand_in, setting, 6, runs, refs)
+        scored = {plan: plans.score_plan(stand_in, plan, "taylorseer1", runs, refs)
+                  for plan in ("CCCCCC", "CSCSCC", "CHCHCC")}
     assert scored["CCCCCC"]["x"] == 1.0 and scored["CCCCCC"]["psnr"] == bench.curves.PSNR_CAP
     assert scored["CSCSCC"]["x"] == pytest.approx(6 / 4) and scored["CSCSCC"]["psnr"] < bench.curves.PSNR_CAP
     assert scored["CHCHCC"]["x"] == pytest.approx(6 / 5)  # an H step computes the cond branch alone: half a step
