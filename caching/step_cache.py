@@ -36,6 +36,12 @@ caches define it:
   per-call slope of the last two computed calls, ``+ d (D_full - D_curr) / 2``; the forecast then
   becomes the newest value of the rolling pair.
 
+``output`` forecasts one level further out: the whole model's output (the block stack, the final layer and,
+where the family's seam is ``apply_model``, the conversion to the denoised latent) to first order in call
+index, as ``taylorseer1`` forecasts the residual; a skipped call's blocks pass through and its output is
+replaced by the forecast. The final layer is not linear (a modulated norm), so this is not the same forecast:
+on the benchmark's stand-ins it keeps about 1-4 dB more at the same computed steps (docs/step_cache.md).
+
 Both papers forecast each module's output (attention, MLP) of every block. Here they forecast the
 block stack's residual: in a pre-norm residual-stream transformer that residual is the sum of every
 module's output, and finite differences, Taylor terms and the FoCa update are linear in the values,
@@ -187,9 +193,11 @@ RULE_THRESHOLDS: dict[str, dict[str, float]] = {"flux": _FLUX_THRESHOLDS, "wan":
 FALLBACK_THRESHOLDS: dict[str, float] = _FLUX_THRESHOLDS
 
 RULES = ("teacache", "magcache", "first_block", "schedule", "interval")
-RESIDUAL_MODES = ("reuse", "extrapolate", "taylor2", "taylorseer1", "taylorseer2", "foca")
-STEP_ORDERS = {"taylorseer1": 1, "taylorseer2": 2, "foca": 1}
+RESIDUAL_MODES = ("reuse", "extrapolate", "taylor2", "taylorseer1", "taylorseer2", "foca", "output")
+STEP_ORDERS = {"taylorseer1": 1, "taylorseer2": 2, "foca": 1, "output": 1}
 """The modes that forecast in call index, and how many backward-difference derivatives each keeps."""
+OUTPUT_MODE = "output"
+"""The mode whose stored and forecast value is the model's output, not the block stack's residual."""
 MIN_CALIBRATION_POINTS = 4  # a calibration run with fewer fitted points is discarded
 
 EXTRAPOLATE_SPAN = step_schedule.EXTRAPOLATE_SPAN

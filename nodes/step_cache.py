@@ -38,7 +38,7 @@ def _cache_inputs() -> list:
                                "compute the cond alone and rebuild the uncond from the last measured difference "
                                "(half the work). interval: a fixed beat, one call computed, then threshold - 1 "
                                "skipped, per cond (TaylorSeer's and FoCa's schedule; pair it with residual_mode "
-                               "taylorseer1, taylorseer2 or foca). auto: TeaCache with its published polynomial; "
+                               "taylorseer1, taylorseer2, foca or output). auto: TeaCache with its published polynomial; "
                                "on a Flux or Wan model calibrated by ReuseKit TeaCache Calibrate, with threshold -1, "
                                "the schedule rule "
                                "(first_block while the rule has no published or calibrated table for this model)."),
@@ -75,6 +75,8 @@ def _cache_inputs() -> list:
                                "around the last computed step, derivatives from backward differences between "
                                "computed steps. foca: FoCa (arXiv 2508.16211), a forecast from the two newest values "
                                "(computed or forecast) corrected toward the slope of the last two computed steps. "
+                               "output: the whole model's output, not the blocks' residual, forecast as "
+                               "taylorseer1 does (a first-order series in steps); not with rule schedule. "
                                "auto: the family's benchmarked mode."),
     ]
 

@@ -138,6 +138,9 @@ def _attach(model_patcher, config: tc.StepCacheConfig):
         raise ValueError(f"rule: unknown {config.rule!r} (one of {', '.join(RULES)})")
     if config.residual_mode not in RESIDUAL_MODES:
         raise ValueError(f"residual_mode: unknown {config.residual_mode!r} (one of {', '.join(RESIDUAL_MODES)})")
+    if config.rule == "schedule" and config.residual_mode == tc.OUTPUT_MODE:
+        raise ValueError("residual_mode: output forecasts the model's output and the schedule rule plans from "
+                         "residuals; pick another rule, or another residual_mode")
     wanted = TYPE_FAMILY.get(config.model_type)
     if wanted is not None and wanted != family.name:
         raise ValueError(f"model_type: {config.model_type!r} is for {wanted} models, this is a {family.name} model")
@@ -241,6 +244,7 @@ class _Call:
         self.run, self.family, self.dm, self.sigma = run, family, dm, sigma
         self.keys, self.labels, self.may_skip = keys, labels, may_skip
         self.after_first = run.config.rule == "first_block"  # decides on the first block's output
+        self.on_output = run.config.residual_mode == tc.OUTPUT_MODE  # stores and forecasts the model's output
         self.skip: bool | None = None
         self.roles: list[str] | None = None  # schedule: per cond "C" computed, "S" forecast, "E" rebuilt
         self.half = False  # schedule: some conds computed, the others rebuilt from them (an H step)
@@ -261,10 +265,13 @@ class _Call:
             self.probing = False
 
     def graph_outputs(self) -> list[torch.Tensor]:
-        return [self.residual, self.first]
+        return [self.first] if self.on_output else [self.residual, self.first]  # output mode: the output is kept
 
     def take_graph_outputs(self, tensors: list[torch.Tensor]) -> None:
-        self.residual, self.first = tensors
+        if self.on_output:
+            (self.first,) = tensors
+        else:
+            self.residual, self.first = tensors
 
     def _decide(self, args: dict) -> None:
         img = _pack(args["img"])
@@ -295,7 +302,10 @@ class _Call:
             self.skip = "C" not in self.roles
             self.half = not self.skip and "E" in self.roles
             return
-        self.skip = self.run.decide(self.keys, self.labels, list(signals), self.may_skip, chunk, self.sigma)
+        # output mode: the stored output's shape is not the stack's; a change of the input's shape (and so of
+        # the output's) already clears the cond's state in decide
+        self.skip = self.run.decide(self.keys, self.labels, list(signals), self.may_skip,
+                                    None if self.on_output else chunk, self.sigma)
 
     def block(self, args: dict, run_block, first: bool, last: bool) -> dict:
         if first:
@@ -316,7 +326,9 @@ class _Call:
             return run_block(args)
         if self.skip:
             out = _passthrough(args)
-            if last:
+            if last and self.on_output:  # the blocks pass through; the wrapper replaces the whole output
+                self.stack_in = None
+            elif last:
                 img = _pack(out["img"])
                 start, end = self._image_tokens(args, img.shape[1])
                 base = self.stack_in + self.first if self.after_first else self.stack_in
@@ -348,7 +360,9 @@ class _Call:
         return out
 
     def _stack_residual(self, args: dict, out: dict) -> None:
-        if self.stack_in is not None:
+        if self.on_output:  # the output is kept after the forward (take_output), not the stack's residual
+            self.stack_in = None
+        elif self.stack_in is not None:
             img = _pack(out["img"])
             start, end = self._image_tokens(args, img.shape[1])
             self.residual = img[:, start:end] - self.stack_in
@@ -414,7 +428,8 @@ class _Call:
             self.run.store_residual(key, r, self.sigma, estimated=True)
         self.rebuilt = []
         if self.residual is not None:
-            residual = self.residual - self.first if self.after_first and self.first is not None else self.residual
+            residual = self.residual - self.first if (self.after_first and self.first is not None
+                                                      and not self.on_output) else self.residual
             roles = self.roles or ["C"] * len(self.keys)
             n = len(self.keys)
             outs = [None] * n if probe is None or probe[0].shape != probe[1].shape else list(
@@ -427,6 +442,26 @@ class _Call:
                             pair[1].float().norm())
                 self.run.store_residual(key, r, self.sigma, estimated=role == "E", gain=gain)
             self.residual = self.first = None
+
+
+    def take_output(self, out) -> None:
+        """Output mode, a computed call: its output is what store_residual keeps per cond. An output that is
+        not one tensor splitting per cond is not kept, and the conds' earlier ones are dropped: they never
+        skip (counted)."""
+        if torch.is_tensor(out) and out.ndim and out.shape[0] % len(self.keys) == 0:
+            self.residual = out
+            return
+        self.residual = None
+        for key in self.keys:
+            self.run.conds[key].clear()
+        stats().count_reason("fallback", "residual_mode output: this model's output does not split per cond, so "
+                             "every call was computed", source=self.family.name)
+
+    def forecast_output(self, out: torch.Tensor) -> torch.Tensor:
+        """Output mode, a skipped call: each cond's forecast output in place of ``out`` (what the blocks,
+        passed through, gave)."""
+        return torch.cat([self.run.residual(key, part, self.sigma)
+                          for key, part in zip(self.keys, out.chunk(len(self.keys)), strict=True)])
 
 
 def _labels(to: dict, n: int) -> list[str]:
@@ -521,8 +556,12 @@ def _diffusion_model(executor, *args, **kwargs):
     if call.skip:
         run.calls_skipped += 1
         run.time_skipped += dt
+        if call.on_output:
+            out = call.forecast_output(out)
         call.store_residual()  # schedule: an uncond rebuilt from its cond's call at this step
     elif call.skip is not None:
+        if call.on_output:
+            call.take_output(out)
         call.store_residual(None if probe is None else (probe, out))
         run.calls_computed += 1
         run.time_computed += dt
@@ -592,7 +631,8 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None, steps:
     stored = STORE.get(key, ident)
     upgrade, upgrade_mode = tc.CALIBRATED_RULES.get(family.name, (None, None))
     if (upgrade is not None and stored is not None and getattr(stored, tc.TABLE_FIELDS[upgrade]) is not None
-            and settings.config.rule == "auto" and settings.config.threshold < 0 and cfg.model_type == "auto"):
+            and settings.config.rule == "auto" and settings.config.threshold < 0 and cfg.model_type == "auto"
+            and settings.config.residual_mode != tc.OUTPUT_MODE):  # set by hand: the schedule rule plans residuals
         # this model's own calibration holds the table the family's better rule plans from, in the mode it
         # was picked with (its planner models that mode's forecasts) unless one was set by hand
         mode = upgrade_mode if settings.config.residual_mode == "auto" else cfg.residual_mode

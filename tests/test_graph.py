@@ -453,23 +453,25 @@ def trained_flux():
     return importlib.import_module(f"{rkharness.TINY.__name__}.trained_flux").build()
 
 
-def teacache(model, thresh=0.4, rule="auto"):
+def teacache(model, thresh=0.4, rule="auto", mode="extrapolate"):
     node = rkharness.pack("nodes.step_cache").TeaCacheNode
-    return node.execute(model, "flux", thresh, 0.0, 1.0, 0, "device", "extrapolate", rule).args[0]
+    return node.execute(model, "flux", thresh, 0.0, 1.0, 0, "device", mode, rule).args[0]
 
 
 @pytest.mark.parametrize("backend", ["emulate", "eager"])
 @pytest.mark.parametrize("capture_first", [True, False])
+@pytest.mark.parametrize("mode", ["extrapolate", "output"])
 def test_teacache_decides_outside_the_graph_and_its_skips_never_replay(gc, monkeypatch, trained_flux, conds,
-                                                                       backend, capture_first):
+                                                                       backend, capture_first, mode):
     """ReuseKit's TeaCache decides in a block patch, inside the forward: under capture it probes
     the forward eagerly up to that decision; a skip finishes there, a computed step replays and
-    the graph hands back the residual the next skips add. Same latent as TeaCache alone."""
+    the graph hands back the residual the next skips add (output mode: the replay's output is what the
+    next skips forecast from). Same latent as TeaCache alone."""
     stats = rkharness.pack("patches.step_cache").stats
     monkeypatch.setattr(gc, "FORCE_BACKEND", backend)
-    both = capture(teacache(trained_flux)) if capture_first else teacache(capture(trained_flux))
+    both = capture(teacache(trained_flux, mode=mode)) if capture_first else teacache(capture(trained_flux), mode=mode)
     for seed in (7, 11):  # the second run replays what the first one captured
-        alone = sample(teacache(trained_flux), conds, steps=10, seed=seed)
+        alone = sample(teacache(trained_flux, mode=mode), conds, steps=10, seed=seed)
         expected = stats().snapshot()["info"]["last_run"]
         assert torch.equal(sample(both, conds, steps=10, seed=seed), alone)
         tea, run = stats().snapshot()["info"]["last_run"], last_run(gc)

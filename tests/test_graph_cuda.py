@@ -78,9 +78,11 @@ def test_with_the_pe_cache_replay_matches_eager(gc, tiny, conds, family):
     assert counters(gc)["captures"] == 2 and last_run(gc)["replays"] == 4
 
 
-def test_with_teacache_computed_steps_replay_and_skips_do_not(gc, conds):
+@pytest.mark.parametrize("mode", ["extrapolate", "output"])
+def test_with_teacache_computed_steps_replay_and_skips_do_not(gc, conds, mode):
     """TeaCache decides outside the graph (an eager probe up to its first block); computed steps
-    replay and hand back the residual that the skipped steps add."""
+    replay and hand back the residual that the skipped steps add (output mode: the output they
+    forecast from)."""
     import importlib
 
     tea_node = rkharness.pack("nodes.step_cache").TeaCacheNode
@@ -88,7 +90,7 @@ def test_with_teacache_computed_steps_replay_and_skips_do_not(gc, conds):
     model = importlib.import_module(f"{rkharness.TINY.__name__}.trained_flux").build()
 
     def teacache(m):
-        return tea_node.execute(m, "flux", 0.4, 0.0, 1.0, 0, "device", "extrapolate").args[0]
+        return tea_node.execute(m, "flux", 0.4, 0.0, 1.0, 0, "device", mode).args[0]
 
     alone = sample(teacache(model), conds, steps=10)
     expected = stats().snapshot()["info"]["last_run"]

@@ -441,8 +441,9 @@ def test_calibration_store_round_trips_through_its_file(tmp_path):
 
 RULES = ("teacache", "magcache", "first_block", "interval")
 SAME_INPUT_RULES = (*RULES, "schedule")  # the schedule rule needs a table to plan with; these calls give it a plan
-MODES = ("reuse", "extrapolate", "taylor2", "taylorseer1", "taylorseer2", "foca")
-STEP_MODES = ("taylorseer1", "taylorseer2", "foca")  # forecast in call index, not sigma
+MODES = ("reuse", "extrapolate", "taylor2", "taylorseer1", "taylorseer2", "foca", "output")
+STEP_MODES = ("taylorseer1", "taylorseer2", "foca", "output")  # forecast in call index, not sigma
+SAME_INPUT = [(r, m) for r in SAME_INPUT_RULES for m in MODES if (r, m) != ("schedule", "output")]  # refused
 EXACT = {"interval": 1.0}  # the threshold that computes every call: 0, the interval 1
 SKIPPING = {"interval": 2.0}  # a threshold under which a call on the last one's input skips: 1, the interval 2
 
@@ -589,6 +590,35 @@ def test_interval_computes_every_nth_step_per_cond_in_the_window_and_a_cpu_cache
     assert last_run()["conds"]["cond"]["pattern"] == ("C" * first + "SSSC" * STEPS)[:STEPS]
     sample(teacache(flux, 4.0, rule="interval", mode=mode, max_skips=2), conds)
     assert last_run()["conds"]["cond"]["pattern"] == "CSSCSSCSSC"
+
+
+def test_output_mode_forecasts_the_models_own_output_whatever_the_skipped_calls_input(flux, conds):
+    """residual_mode output: after computed calls on two inputs, a skipped call on a third gives the model's
+    output (Flux: the velocity, before the host makes it a denoised latent) continued to first order in
+    calls, F_k + (F_k - F_k-1) d; TaylorSeer's residual forecast on the same calls gives another output
+    (the final layer is not linear)."""
+    xs = [torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    sigmas = (0.9, 0.7, 0.5)
+    got = {}
+    for mode in ("output", "taylorseer1"):
+        m = teacache(flux, 1.0, rule="interval", mode=mode)  # the interval 1: every call computed
+        to = flux_options(m)
+        run = to[P().RUN_KEY]
+        outs = [flux_call(m, x, to, conds, s) for x, s in zip(xs[:2], sigmas, strict=False)]
+        run.config = dataclasses.replace(run.config, threshold=3.0)  # the next call skips
+        outs.append(flux_call(m, xs[2], to, conds, sigmas[2]))
+        assert run.conds[("c", 0)].pattern == ["C", "C", "S"]
+        got[mode] = outs
+    velocity = [(x - out) / s for x, out, s in zip(xs, got["output"], sigmas, strict=True)]  # denoised = x - s v
+    assert torch.allclose(velocity[2], 2 * velocity[1] - velocity[0], atol=1e-4), rel_err(velocity[2],
+                                                                                         2 * velocity[1] - velocity[0])
+    assert torch.equal(got["taylorseer1"][1], got["output"][1])  # the computed calls are the model's
+    assert rel_err(got["taylorseer1"][2], got["output"][2]) > 1e-3
+
+
+def test_output_mode_is_refused_with_the_schedule_rule_by_name(flux):
+    with pytest.raises(ValueError, match=r"ReuseKit.*residual_mode: output .*schedule rule"):
+        teacache(flux, 0.01, rule="schedule", mode="output")
 
 
 def test_max_consecutive_skips_is_respected(flux, conds):
@@ -1108,8 +1138,7 @@ def flux_options(model):
     return to
 
 
-@pytest.mark.parametrize("rule", SAME_INPUT_RULES)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("rule,mode", SAME_INPUT)
 def test_on_the_same_input_every_rule_and_mode_returns_the_computed_output(flux, conds, rule, mode):
     """After three computed calls (so every forecast holds its differences), a skip at the last computed
     call's sigma, on its input, gives its output. The modes that forecast in call index go on one call
@@ -1185,15 +1214,17 @@ RESULT_FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("rule,second", [(r, "S") for r in SAME_INPUT_RULES] + [("schedule", "H")])
+@pytest.mark.parametrize("rule,second,mode", [(r, "S", "reuse") for r in SAME_INPUT_RULES]
+                         + [("schedule", "H", "reuse"), ("interval", "S", "output")])
 @pytest.mark.parametrize("name", list(RESULT_FAMILIES))
-def test_a_skipped_step_on_the_same_input_returns_the_computed_output(name, rule, second):
+def test_a_skipped_step_on_the_same_input_returns_the_computed_output(name, rule, second, mode):
     """Per family, cond and uncond batched: the second call on the same input skips and must give the
     first one's output, so the residual is taken from and added to the image tokens, wherever the
     host puts them (HunyuanVideo's single stream is text first from ComfyUI 0.14) and however the
     block is modulated (the doubled timestep-zero modulation of Flux.2 / Qwen-Image-Edit-2511). The
     schedule rule's cond-only step (H) too: the cond's rows run alone, the uncond's are rebuilt from
-    them and the difference measured at the first call."""
+    them and the difference measured at the first call. The output mode too: the model's output kept per
+    cond and given back in the batch's order."""
     spec_name = "flux2_klein" if name == "flux2_index_timestep_zero" else name  # the host doubles no guidance
     family, extra = RESULT_FAMILIES[name]
     spec = H().family_spec(spec_name)
@@ -1204,7 +1235,7 @@ def test_a_skipped_step_on_the_same_input_returns_the_computed_output(name, rule
         kwargs = dict(kwargs, ref_latents=[torch.randn((1, *spec.sizes[0][:-2], 4, 6),
                                                        generator=torch.Generator().manual_seed(7))], **extra)
     x, sigma, kwargs = H().batched(x, sigma, kwargs)
-    cached = teacache(model, SKIPPING.get(rule, 1.0), model_type="auto", mode="reuse", rule=rule)
+    cached = teacache(model, SKIPPING.get(rule, 1.0), model_type="auto", mode=mode, rule=rule)
     settings = cached.model_options["transformer_options"][P().KEY]
     assert settings.family.name == family
     first, again, run = H().two_calls(cached, x, sigma, kwargs, second=second)

@@ -410,7 +410,8 @@ def test_the_shipped_tables_plan_runs_of_step_counts_they_were_not_measured_at(f
 def test_the_node_defaults_run_teacache_until_the_model_has_its_own_schedule_table(flux, conds, monkeypatch):
     """The shipped table was measured on the bench's stand-in, not on this model: the node's defaults run
     TeaCache's published polynomial on it (never the shipped table), and the schedule rule at its own
-    default threshold once this model is calibrated; a threshold set by hand keeps TeaCache's meaning."""
+    default threshold once this model is calibrated; a threshold set by hand keeps TeaCache's meaning, and so
+    does the output forecast set by hand."""
     monkeypatch.setattr(S(), "shipped_table", shipped)
     defaults = {i.id: i.default for i in N().TeaCacheNode.define_schema().inputs if i.id != "model"}
     (m,) = N().TeaCacheNode.execute(model=flux, **defaults).args
@@ -428,3 +429,7 @@ def test_the_node_defaults_run_teacache_until_the_model_has_its_own_schedule_tab
     (by_hand,) = N().TeaCacheNode.execute(model=flux, **{**defaults, "threshold": 0.4}).args
     sample(by_hand, conds)
     assert (last_run()["rule"], last_run()["threshold"]) == ("teacache", 0.4)
+    (output,) = N().TeaCacheNode.execute(model=flux, **{**defaults, "residual_mode": "output"}).args
+    sample(output, conds)  # the output forecast set by hand: the schedule rule plans residuals, so TeaCache
+    assert (last_run()["rule"], last_run()["residual_mode"], last_run()["model_type"]) == (
+        "teacache", "output", "calibrated")
