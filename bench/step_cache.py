@@ -26,7 +26,8 @@ Protocol, the same for every method, ReuseKit's and the baselines alike:
   past the grid's top while they keep them, then refined at the crossing; an interval's grid its integers,
   on past its top one by one); core EasyCache and LazyCache their threshold grid with their window 0-1 or
   0.15-0.95. A skip limit or a window only adds computed steps, so a
-  restricted combo's walk starts at the unrestricted combo's pick: below it, it is never faster. The pick
+  restricted combo's walk starts at the unrestricted combo's pick: below it, it is never faster; under a
+  skip limit K every interval above K runs the same beat, so an interval's walk there ends at the first. The pick
   is the fastest setting whose tuning mean PSNR is at least 30 dB and whose worst run is at least 25 dB.
 - **Scoring.** That one setting runs once on the evaluation prompts: its speedup (model calls per branch,
   uncached over cached; a cond-only step costs half a step under CFG) with a 95% bootstrap interval over
@@ -40,8 +41,9 @@ Methods:
   the sampler's own latent; on a real bf16 model it is a cast copy), TaylorSeer of order 1 and 2 and FoCa
   (a full step every N, forecasts between; ReuseKit's ``interval`` rule with those residual modes);
 - ReuseKit's rules at the same calibration: the schedule rule and TeaCache with extrapolated residuals,
-  TeaCache deciding when and TaylorSeer's order-2 series forecasting what, First-Block with extrapolated
-  residuals; and the node defaults as set (no calibration, no tuning: what a
+  TeaCache deciding when and TaylorSeer's order-2 series forecasting what, TeaCache and the interval rule
+  forecasting the whole model's output (``output``) rather than the blocks' residual, First-Block with
+  extrapolated residuals; and the node defaults as set (no calibration, no tuning: what a
   user gets), scored once. The defaults are picked by ``--pick-defaults`` on the tuning prompts alone:
   each candidate with no calibration and no shipped table (DEFAULT_CANDIDATES) walks one threshold grid
   at every setup and scored step count; its value is its slowest speedup at the largest threshold keeping
@@ -96,7 +98,7 @@ RESULT_STEPS = (28, 50)
 CFG = 3.5  # the tables' and the defaults' CFG (--write-tables, --pick-defaults)
 MEAN_FLOOR, WORST_FLOOR = 30.0, 25.0
 DEFAULT_FLOORS = (32.0, 27.0)  # what a family's default must keep on the tuning prompts (a margin over the floors)
-DEFAULT_CANDIDATES = [("teacache", m) for m in ("extrapolate", "taylor2", "taylorseer1", "taylorseer2", "foca")]
+DEFAULT_CANDIDATES = [("teacache", m) for m in ("extrapolate", "taylor2", "taylorseer1", "taylorseer2", "foca", "output")]
 """The node defaults a user may get with no calibration: auto runs TeaCache with its published polynomials (no
 shipped table), and a threshold set by hand with rule auto keeps TeaCache's meaning, so the rule stays; the
 pick is its residual mode and its thresholds by step count."""
@@ -167,6 +169,8 @@ def methods(family: str) -> list[dict]:
         rule("ReuseKit schedule, extrapolate", "reusekit", "schedule", "calibrated", "extrapolate"),
         rule("ReuseKit TeaCache, extrapolate", "reusekit", "teacache", "calibrated", "extrapolate"),
         rule("ReuseKit TeaCache, TaylorSeer 2", "reusekit", "teacache", "calibrated", "taylorseer2"),
+        rule("ReuseKit TeaCache, output forecast", "reusekit", "teacache", "calibrated", "output"),
+        rule("ReuseKit interval, output forecast", "reusekit", "interval", "auto", "output", grid="interval"),
         rule("ReuseKit First-Block, extrapolate", "reusekit", "first_block", "auto", "extrapolate"),
         dict(name="ReuseKit node defaults", kind="reusekit", defaults=True, combos=["as set"], grid=None),
     ]
@@ -203,6 +207,12 @@ def beyond(method: dict, th: float, steps: int, quick: bool) -> float | None:
         return float(int(th) + 1) if int(th) + 1 < steps else None
     *_, below, top = grid(method, quick)
     return float(f"{th * top / below:.3g}")
+
+
+def same_beat(method: dict, combo, th: float) -> bool:
+    """Whether every interval above ``th`` runs what ``th`` runs: under a skip limit K an interval of K + 1 or
+    more is a computed call then K skipped ones."""
+    return method["grid"] == "interval" and isinstance(combo, dict) and 0 < combo["K"] < th
 
 
 @contextmanager
@@ -408,7 +418,8 @@ def tune(bench: Bench, method: dict, steps: int, tuning: list, refs: dict,
     """Every combo's thresholds on the tuning runs (walked upwards to the first that misses the ``floors``,
     past the grid's top while they keep them, then refined at the crossing; a combo after the first, which
     restricts the first by a skip limit or a window, from the first combo's pick upwards: below it, it
-    computes at least as much, so it is never faster): the tuning points, and the pick (the fastest keeping
+    computes at least as much, so it is never faster; an interval under a skip limit up to the first that
+    runs the limit's beat, as every larger one does): the tuning points, and the pick (the fastest keeping
     the floors), from these points alone. The defaults are not tuned: they are what a user gets."""
     if method.get("defaults"):
         return [], {"combo": "as set", "threshold": None}
@@ -421,6 +432,7 @@ def tune(bench: Bench, method: dict, steps: int, tuning: list, refs: dict,
         todo = grid(method, bench.quick)
         if free is not None:  # below the free pick a skip limit or a window only computes more: never faster
             todo = [free["threshold"]] + [th for th in todo if th > free["threshold"]]
+        todo = [th for i, th in enumerate(todo) if not (i and same_beat(method, combo, todo[i - 1]))]
 
         def run(th, tried=tried, mine=mine, combo=combo, combo_name=combo_name):
             tried.add(th)
@@ -433,7 +445,9 @@ def tune(bench: Bench, method: dict, steps: int, tuning: list, refs: dict,
                 if len(todo) > 1 and not keeps(mine[-1], floors):
                     break
             for _ in range(BEYOND if rnd == 0 else 0):  # the grid's top kept the floors: walk on past it
-                nxt = beyond(method, mine[-1]["threshold"], steps, bench.quick) if keeps(mine[-1], floors) else None
+                th = mine[-1]["threshold"]
+                nxt = beyond(method, th, steps, bench.quick) if keeps(mine[-1], floors) and not same_beat(
+                    method, combo, th) else None
                 if nxt is None:
                     break
                 run(nxt)
@@ -445,7 +459,9 @@ def tune(bench: Bench, method: dict, steps: int, tuning: list, refs: dict,
         if free is None and combo_name == method["combos"][0]:
             free = curves.pick(mine, *floors)
     picked = curves.pick(points, *floors)
-    if picked and not any(p["combo"] == picked["combo"] and p["threshold"] > picked["threshold"] for p in points):
+    if picked and not any(p["combo"] == picked["combo"] and p["threshold"] > picked["threshold"] for p in points) \
+            and not same_beat(method, None if "core" in method else combos(bench.family)[picked["combo"]],
+                              picked["threshold"]):
         picked = dict(picked, end=True)  # nothing above it was tried (BEYOND spent, or an interval at the steps)
     return points, picked
 

@@ -159,7 +159,8 @@ def test_a_method_whose_tuning_kept_nothing_scores_as_uncached(bench, measured):
 def test_every_method_sweeps_every_combo_over_its_grid(bench, measured):
     """The first combo (no skip limit, no window) walks from the grid's start; each restricted combo from the
     first one's pick (below it a restriction only computes more), each past the pick to a setting that
-    misses the floors. Baselines and ReuseKit's rules alike."""
+    misses the floors, or (an interval under a skip limit K) to the first interval above K, whose beat every
+    larger one runs. Baselines and ReuseKit's rules alike."""
     for method in [m for m in bench.methods("flux") if not m.get("defaults")]:
         measured.clear()
         points, picked = bench.tune(FakeBench(), method, 28, TUNING, {})
@@ -173,7 +174,10 @@ def test_every_method_sweeps_every_combo_over_its_grid(bench, measured):
         for name in method["combos"]:
             mine = sorted(th for c, th in tried if c == combo(name))
             assert mine[0] == (first[0] if name == method["combos"][0] else free_pick["threshold"]), method["name"]
-            assert len(mine) >= 2 and not all(bench.keeps(p) for p in points if p["combo"] == name), method["name"]
+            ok = [bench.keeps(p) for p in points if p["combo"] == name]
+            saturated = bench.same_beat(method, None if "core" in method else bench.combos("flux")[name], mine[-1])
+            assert (len(mine) >= 2 and not all(ok)) or (saturated and not any(
+                bench.same_beat(method, bench.combos("flux")[name], th) for th in mine[:-1])), method["name"]
         assert picked == bench.curves.pick(points, 30.0, 25.0)
 
 
@@ -371,3 +375,24 @@ def test_a_forced_plan_computes_what_it_says_and_all_c_is_the_uncached_picture(b
     assert scored["CSCSCC"]["x"] == pytest.approx(6 / 4) and scored["CSCSCC"]["psnr"] < bench.curves.PSNR_CAP
     assert scored["CHCHCC"]["x"] == pytest.approx(6 / 5)  # an H step computes the cond branch alone: half a step
     assert scored["CHCHCC"]["psnr"] < bench.curves.PSNR_CAP
+
+
+def test_an_interval_under_a_skip_limit_stops_at_the_limits_beat_and_picks_as_the_longer_walk(bench, monkeypatch):
+    """Under max_consecutive_skips K every interval above K runs one beat (a computed call, K skipped), so
+    a restricted combo's walk ends at the first of them: its pick is the one the walk on to the steps gave
+    (ties keep the smaller interval), and it is not called the sweep's end."""
+    def measure(_bench, setting, steps, runs, refs):
+        n = setting["threshold"]
+        beat = min(n, setting["combo"]["K"] + 1) if setting["combo"]["K"] else n
+        return {"x": beat, "psnr": 45.0 - beat, "worst": 40.0 - beat, "threshold": n}
+
+    monkeypatch.setattr(bench, "measure", measure)
+    seer = next(m for m in bench.methods("flux") if m["name"] == "TaylorSeer order 1")
+    points, picked = bench.tune(FakeBench(), seer, 50, TUNING, {})
+    free = [p["threshold"] for p in points if p["combo"] == "free"]
+    capped = [p["threshold"] for p in points if p["combo"] == "teacache K3 last"]
+    assert max(free) == 16.0 and capped == [15.0]  # free keeps the floors to 15; K3: 15 runs the beat 4
+    assert picked["threshold"] == 15.0 and picked["combo"] == "free" and not picked.get("end")
+    monkeypatch.setattr(bench, "same_beat", lambda *a: False)  # the long walk: every capped interval measured
+    long_points, long_pick = bench.tune(FakeBench(), seer, 50, TUNING, {})
+    assert len(long_points) > len(points) and long_pick == picked
