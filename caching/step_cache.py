@@ -40,7 +40,7 @@ caches define it:
 where the family's seam is ``apply_model``, the conversion to the denoised latent) to first order in call
 index, as ``taylorseer1`` forecasts the residual; a skipped call's blocks pass through and its output is
 replaced by the forecast. The final layer is not linear (a modulated norm), so this is not the same forecast:
-on the benchmark's stand-ins it keeps about 1-4 dB more at the same computed steps (docs/step_cache.md).
+on the benchmark's stand-ins it keeps 0.8-3 dB more mean PSNR at the same computed steps (docs/step_cache.md).
 
 Both papers forecast each module's output (attention, MLP) of every block. Here they forecast the
 block stack's residual: in a pre-norm residual-stream transformer that residual is the sum of every
