@@ -443,7 +443,6 @@ class _Call:
                 self.run.store_residual(key, r, self.sigma, estimated=role == "E", gain=gain)
             self.residual = self.first = None
 
-
     def take_output(self, out) -> None:
         """Output mode, a computed call: its output is what store_residual keeps per cond. An output that is
         not one tensor splitting per cond is not kept, and the conds' earlier ones are dropped: they never
@@ -560,7 +559,7 @@ def _diffusion_model(executor, *args, **kwargs):
             out = call.forecast_output(out)
         call.store_residual()  # schedule: an uncond rebuilt from its cond's call at this step
     elif call.skip is not None:
-        if call.on_output:
+        if call.on_output and not call.undecided:  # an undecided call keeps nothing, as in the other modes
             call.take_output(out)
         call.store_residual(None if probe is None else (probe, out))
         run.calls_computed += 1

@@ -1355,9 +1355,10 @@ def test_a_host_without_the_wrapper_kinds_passes_the_model_through(flux, monkeyp
     assert "DIFFUSION_MODEL" in rkharness.pack("patches.host").off_features()["TeaCache (flux)"]
 
 
-def test_a_step_whose_decision_cannot_run_is_computed_and_never_crashes(flux, conds, monkeypatch, caplog):
+@pytest.mark.parametrize("mode", ["extrapolate", "output"])
+def test_a_step_whose_decision_cannot_run_is_computed_and_never_crashes(flux, conds, monkeypatch, caplog, mode):
     """A model variant whose modulated input cannot be read: every step computed (the uncached
-    latent exactly), no residual kept for a decision that never ran, one warning."""
+    latent exactly), no residual (nor output) kept for a decision that never ran, one warning."""
     import dataclasses
 
     def unreadable(dm, args):
@@ -1367,11 +1368,12 @@ def test_a_step_whose_decision_cannot_run_is_computed_and_never_crashes(flux, co
     monkeypatch.setattr(SF(), "FAMILIES", families)
     ref = sample(flux, conds)
     with caplog.at_level(logging.WARNING, logger="reusekit"):
-        out = sample(teacache(flux, 5.0), conds)
-        again = sample(teacache(flux, 5.0), conds)
+        out = sample(teacache(flux, 5.0, mode=mode), conds)
+        again = sample(teacache(flux, 5.0, mode=mode), conds)
     assert torch.equal(out, ref) and torch.equal(again, ref)
     run = last_run()
     assert run["calls_skipped"] == 0 and run["calls_computed"] == STEPS
+    assert run["peak_residual_bytes"] == {"device": 0, "cpu": 0}
     warnings = [r for r in caplog.records if "cannot read the modulated input" in r.getMessage()]
     assert len(warnings) <= 1
 
