@@ -616,6 +616,23 @@ def test_output_mode_forecasts_the_models_own_output_whatever_the_skipped_calls_
     assert rel_err(got["taylorseer1"][2], got["output"][2]) > 1e-3
 
 
+def test_output_mode_keeps_no_output_it_cannot_split_per_cond_and_says_why(flux, conds):
+    """A computed call whose output is not one tensor splitting per cond keeps nothing and drops what the
+    conds held: they compute again (no forecast from another layout), and the stats count why."""
+    m = teacache(flux, 3.0, rule="interval", mode="output")
+    to = flux_options(m)
+    run = to[P().RUN_KEY]
+    flux_call(m, torch.randn(1, 16, 8, 8), to, conds)
+    state = run.conds[("c", 0)]
+    assert state.residual is not None
+    call = P()._Call(run, m.model_options["transformer_options"][P().KEY].family, None, [("c", 0)], ["cond"],
+                     True, None)
+    call.take_output((torch.zeros(1, 16, 8, 8),))  # a tuple, not a tensor
+    assert call.residual is None and state.residual is None and state.derivatives == []
+    reasons = P().stats().snapshot()["reasons"]
+    assert any(r["event"] == "fallback" and "does not split per cond" in r["reason"] for r in reasons), reasons
+
+
 def test_output_mode_is_refused_with_the_schedule_rule_by_name(flux):
     with pytest.raises(ValueError, match=r"ReuseKit.*residual_mode: output .*schedule rule"):
         teacache(flux, 0.01, rule="schedule", mode="output")
