@@ -23,8 +23,9 @@ Protocol, the same for every method, ReuseKit's and the baselines alike:
 - **Tuning.** Each method sweeps its settings on the tuning prompts: every combination of skip limit and
   window (none; TeaCache's published "at most 3 in a row, last step computed"; MagCache's published K and
   retention) with its threshold grid (a log grid, walked upwards to the first that misses the floors, on
-  past the grid's top while they keep them, then refined at the crossing; an interval's grid its integers,
-  on past its top one by one); core EasyCache and LazyCache their threshold grid with their window 0-1 or
+  past the grid's top while they keep them, then refined at the crossing; an interval's grid its integers 2
+  to 12 below the step count, every one tried, as its quality is not monotone in N, then on past its top one
+  by one); core EasyCache and LazyCache their threshold grid with their window 0-1 or
   0.15-0.95. A skip limit or a window only adds computed steps, so a
   restricted combo's walk starts at the unrestricted combo's pick: below it, it is never faster; under a
   skip limit K every interval above K runs the same beat, so an interval's walk there ends at the first. The pick
@@ -41,9 +42,8 @@ Methods:
   the sampler's own latent; on a real bf16 model it is a cast copy), TaylorSeer of order 1 and 2 and FoCa
   (a full step every N, forecasts between; ReuseKit's ``interval`` rule with those residual modes);
 - ReuseKit's rules at the same calibration: the schedule rule and TeaCache with extrapolated residuals,
-  TeaCache deciding when and TaylorSeer's order-2 series forecasting what, TeaCache and the interval rule
-  forecasting the whole model's output (``output``) rather than the blocks' residual, First-Block with
-  extrapolated residuals; and the node defaults as set (no calibration, no tuning: what a
+  TeaCache and the interval rule forecasting the whole model's output (``output``) rather than the blocks'
+  residual; and the node defaults as set (no calibration, no tuning: what a
   user gets), scored once. The defaults are picked by ``--pick-defaults`` on the tuning prompts alone:
   each candidate with no calibration and no shipped table (DEFAULT_CANDIDATES) walks one threshold grid
   at every setup and scored step count; its value is its slowest speedup at the largest threshold keeping
@@ -121,7 +121,8 @@ MAGCACHE_PUBLISHED = {"flux": (0.24, 5, 0.1), "wan": (0.12, 4, 0.2)}  # E, K, R
 TEACACHE_PUBLISHED = {"flux": 0.4, "wan": 0.08}  # ComfyUI-TeaCache's recommended rel_l1_thresh (max_skip 3)
 GRIDS = {"teacache": (0.05, 1.6), "magcache": (0.02, 1.0), "first_block": (0.02, 0.6), "schedule": (0.002, 0.3),
          "core": (0.02, 0.6)}
-INTERVALS = (2, 3, 4, 5, 6, 8)  # TaylorSeer's and FoCa's N (a full step every N)
+INTERVALS = tuple(range(2, 13))  # TaylorSeer's and FoCa's N (a full step every N), every one walked: an interval's
+# quality is not monotone in N (where its last computed step falls matters), so a miss does not end the walk
 COARSE, REFINE = 7, 1  # grid points, then refinements at the floors' crossing (quick: 5, 1)
 BEYOND = 8  # settings past a grid's top while they keep the floors: no sweep is cut short by its grid
 TABLE_STEPS = 50  # the step count the shipped schedule tables are measured at (finest grid)
@@ -168,10 +169,8 @@ def methods(family: str) -> list[dict]:
         rule("FoCa", "baseline", "interval", "auto", "foca", grid="interval"),
         rule("ReuseKit schedule, extrapolate", "reusekit", "schedule", "calibrated", "extrapolate"),
         rule("ReuseKit TeaCache, extrapolate", "reusekit", "teacache", "calibrated", "extrapolate"),
-        rule("ReuseKit TeaCache, TaylorSeer 2", "reusekit", "teacache", "calibrated", "taylorseer2"),
         rule("ReuseKit TeaCache, output forecast", "reusekit", "teacache", "calibrated", "output"),
         rule("ReuseKit interval, output forecast", "reusekit", "interval", "auto", "output", grid="interval"),
-        rule("ReuseKit First-Block, extrapolate", "reusekit", "first_block", "auto", "extrapolate"),
         dict(name="ReuseKit node defaults", kind="reusekit", defaults=True, combos=["as set"], grid=None),
     ]
 
@@ -432,7 +431,8 @@ def tune(bench: Bench, method: dict, steps: int, tuning: list, refs: dict,
         todo = grid(method, bench.quick)
         if free is not None:  # below the free pick a skip limit or a window only computes more: never faster
             todo = [free["threshold"]] + [th for th in todo if th > free["threshold"]]
-        todo = [th for i, th in enumerate(todo) if not (i and same_beat(method, combo, todo[i - 1]))]
+        todo = [th for i, th in enumerate(todo) if not (i and same_beat(method, combo, todo[i - 1]))
+                and (method["grid"] != "interval" or th < steps)]
 
         def run(th, tried=tried, mine=mine, combo=combo, combo_name=combo_name):
             tried.add(th)
@@ -441,8 +441,8 @@ def tune(bench: Bench, method: dict, steps: int, tuning: list, refs: dict,
 
         for rnd in range(1 if method["grid"] == "interval" else (1 if bench.quick else REFINE) + 1):
             for th in todo:  # upwards; past the first threshold that misses the floors, higher ones miss them too
-                run(th)
-                if len(todo) > 1 and not keeps(mine[-1], floors):
+                run(th)  # (an interval's grid is walked in full: its quality is not monotone in N)
+                if len(todo) > 1 and method["grid"] != "interval" and not keeps(mine[-1], floors):
                     break
             for _ in range(BEYOND if rnd == 0 else 0):  # the grid's top kept the floors: walk on past it
                 th = mine[-1]["threshold"]

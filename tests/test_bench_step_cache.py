@@ -183,14 +183,14 @@ def test_every_method_sweeps_every_combo_over_its_grid(bench, measured):
 
 def test_a_sweep_walks_on_past_its_grids_top_while_the_floors_hold(bench, monkeypatch):
     """No method is cut short by its grid: a threshold rule whose quality holds to twice its grid's top, and
-    an interval whose holds to 11, are picked there (the first setting past it misses), and a sweep that
+    an interval whose holds to 14, are picked there (the first setting past it misses), and a sweep that
     never misses says its pick is the sweep's end."""
     calls = []
 
     def measure(_bench, setting, steps, runs, refs):
         th = setting["threshold"]
         calls.append((setting["name"], th))
-        holds = 11 if setting["grid"] == "interval" else 2 * bench.grid(setting, quick=False)[-1]
+        holds = 14 if setting["grid"] == "interval" else 2 * bench.grid(setting, quick=False)[-1]
         ok = th <= holds * (1 + 1e-9)
         return {"x": 1.0 + th, "psnr": 40.0 if ok else 20.0, "worst": 35.0 if ok else 15.0, "threshold": th}
 
@@ -202,9 +202,36 @@ def test_a_sweep_walks_on_past_its_grids_top_while_the_floors_hold(bench, monkey
     assert any(p["threshold"] > picked["threshold"] and not bench.keeps(p) for p in points)
     seer = next(m for m in bench.methods("flux") if m["name"] == "TaylorSeer order 1")
     points, picked = bench.tune(FakeBench(), dict(seer, combos=["free"]), 50, TUNING, {})
-    assert picked["threshold"] == 11.0 and max(p["threshold"] for p in points) == 12.0
+    assert bench.INTERVALS[-1] < 14 and picked["threshold"] == 14.0 and max(p["threshold"] for p in points) == 15.0
     points, picked = bench.tune(FakeBench(), dict(seer, combos=["free"]), 12, TUNING, {})  # at most N = 11
     assert picked["threshold"] == 11.0 and picked["end"] and "sweep's end" in bench._setting(picked)
+
+
+def test_an_intervals_walk_goes_on_past_a_miss_as_its_quality_is_not_monotone_in_n(bench, monkeypatch):
+    """Where an interval's last computed step falls matters: N = 5 may miss where N = 8 keeps. Every interval
+    of the grid below the step count is tried, so the pick is the fastest that kept the floors, not the
+    last before the first miss; a threshold rule's walk still ends at its first miss."""
+    tried = []
+
+    def measure(_bench, setting, steps, runs, refs):
+        th = setting["threshold"]
+        tried.append(th)
+        ok = th in (2.0, 3.0, 4.0, 8.0)
+        return {"x": th, "psnr": 40.0 if ok else 20.0, "worst": 35.0 if ok else 15.0, "threshold": th}
+
+    monkeypatch.setattr(bench, "measure", measure)
+    seer = next(m for m in bench.methods("flux") if m["name"] == "TaylorSeer order 1")
+    points, picked = bench.tune(FakeBench(), dict(seer, combos=["free"]), 50, TUNING, {})
+    assert picked["threshold"] == 8.0 and tried == [float(n) for n in bench.INTERVALS]
+    tried.clear()
+    points, picked = bench.tune(FakeBench(), dict(seer, combos=["free"]), 7, TUNING, {})
+    assert tried == [2.0, 3.0, 4.0, 5.0, 6.0] and picked["threshold"] == 4.0  # N below the step count
+    tried.clear()
+    teacache = next(m for m in bench.methods("flux") if m["name"] == "TeaCache")
+    monkeypatch.setattr(bench, "measure", lambda _b, setting, *a: (tried.append(setting["threshold"]), {
+        "x": setting["threshold"], "psnr": 20.0, "worst": 15.0, "threshold": setting["threshold"]})[1])
+    bench.tune(FakeBench(), dict(teacache, combos=["free"]), 50, TUNING, {})
+    assert tried[0] == bench.grid(teacache, quick=False)[0] and len(tried) <= 2  # missed at once: refined, done
 
 
 def test_calibration_step_counts_are_never_scored(bench):
