@@ -118,7 +118,9 @@ BOOTSTRAP = 2000  # resamples of the evaluation runs for a speedup's interval
 DEEP_BLOCKS = {"flux": 57, "wan": 30}  # Flux.1-dev's 19 + 38 blocks, Wan 2.1 1.3B's 30
 PUBLISHED = {"flux": "flux", "wan": "wan2.1_t2v_1.3B_ret_mode"}  # the variants whose tables they are held to
 MAGCACHE_PUBLISHED = {"flux": (0.24, 5, 0.1), "wan": (0.12, 4, 0.2)}  # E, K, R
-TEACACHE_PUBLISHED = {"flux": 0.4, "wan": 0.08}  # ComfyUI-TeaCache's recommended rel_l1_thresh (max_skip 3)
+TEACACHE_PUBLISHED = {"flux": (0.4, 0.0), "wan": (0.15, 0.1)}  # ComfyUI-TeaCache's recommended rel_l1_thresh and
+# start_percent (max_skip 3) for the PUBLISHED variant: Wan's is the ret-mode polynomial, whose own threshold is 0.15
+# from 10% (0.08 is the other 1.3B polynomial's)
 GRIDS = {"teacache": (0.05, 1.6), "magcache": (0.02, 1.0), "first_block": (0.02, 0.6), "schedule": (0.002, 0.3),
          "core": (0.02, 0.6)}
 INTERVALS = tuple(range(2, 13))  # TaylorSeer's and FoCa's N (a full step every N), every one walked: an interval's
@@ -180,14 +182,15 @@ def published_rows(family: str) -> list[dict]:
     rule with its shipped table at the rule's own default threshold (the table was measured on the tuning
     prompts with a larger budget than the common one)."""
     e, k, r = MAGCACHE_PUBLISHED[family]
-    t = TEACACHE_PUBLISHED[family]
+    t, start = TEACACHE_PUBLISHED[family]
     shipped = rkharness.pack("caching.step_cache").RULE_THRESHOLDS[family]["schedule"]
     return [dict(name=f"ReuseKit schedule, shipped table {shipped:g}", kind="information", rule="schedule",
                  model_type="auto", mode="extrapolate", combo=dict(K=0, start=0.0, last=False), threshold=shipped),
             dict(name=f"MagCache published E{e:g} K{k} R{r:g}", kind="information", rule="magcache",
                  model_type=PUBLISHED[family], mode="reuse", combo=dict(K=k, start=r, last=False), threshold=e),
-            dict(name=f"TeaCache published {t:g} max_skip 3, last step", kind="information", rule="teacache",
-                 model_type=PUBLISHED[family], mode="reuse", combo=dict(K=3, start=0.0, last=True), threshold=t,
+            dict(name=f"TeaCache published {t:g}{f' from {start:g}' if start else ''} max_skip 3, last step",
+                 kind="information", rule="teacache", model_type=PUBLISHED[family], mode="reuse",
+                 combo=dict(K=3, start=start, last=True), threshold=t,
                  signed=True)]
 
 

@@ -298,6 +298,11 @@ def test_the_field_holds_the_published_methods_as_their_papers_define_them(bench
     assert all(m["model_type"] in ("calibrated", "auto") for m in baselines if "rule" in m)
     assert all(r["kind"] == "information" for r in bench.published_rows("flux"))
     assert any(r["rule"] == "schedule" and r["model_type"] == "auto" for r in bench.published_rows("flux"))
+    for family, (threshold, start) in (("flux", (0.4, 0.0)), ("wan", (0.15, 0.1))):  # each polynomial's own setting
+        tea = next(r for r in bench.published_rows(family) if r["rule"] == "teacache")
+        assert (tea["model_type"], tea["threshold"], tea["combo"]) == (
+            bench.PUBLISHED[family], threshold, dict(K=3, start=start, last=True)), family
+    assert bench.PUBLISHED["wan"].endswith("_ret_mode")  # ret mode: 0.15 from 10%, not the other polynomial's 0.08
     assert not any(m.get("model_type") not in (None, "calibrated") and m.get("rule") == "schedule"
                    for m in rows.values())  # the shipped table is never ranked
 
