@@ -123,7 +123,7 @@ TEACACHE_PUBLISHED = {"flux": (0.4, 0.0), "wan": (0.15, 0.1)}  # ComfyUI-TeaCach
 # from 10% (0.08 is the other 1.3B polynomial's)
 GRIDS = {"teacache": (0.05, 1.6), "magcache": (0.02, 1.0), "first_block": (0.02, 0.6), "schedule": (0.002, 0.3),
          "core": (0.02, 0.6)}
-INTERVALS = tuple(range(2, 13))  # TaylorSeer's and FoCa's N (a full step every N), every one walked: an interval's
+INTERVALS = tuple(range(2, 13))  # the interval rule's N (TaylorSeer, FoCa: a full step every N), every one tried: its
 # quality is not monotone in N (where its last computed step falls matters), so a miss does not end the walk
 COARSE, REFINE = 7, 1  # grid points, then refinements at the floors' crossing (quick: 5, 1)
 BEYOND = 8  # settings past a grid's top while they keep the floors: no sweep is cut short by its grid
@@ -418,7 +418,8 @@ def keeps(point: dict, floors: tuple[float, float] = (MEAN_FLOOR, WORST_FLOOR)) 
 def tune(bench: Bench, method: dict, steps: int, tuning: list, refs: dict,
          floors: tuple[float, float] = (MEAN_FLOOR, WORST_FLOOR)) -> tuple[list[dict], dict | None]:
     """Every combo's thresholds on the tuning runs (walked upwards to the first that misses the ``floors``,
-    past the grid's top while they keep them, then refined at the crossing; a combo after the first, which
+    an interval's grid whole as its quality is not monotone in N; past the grid's top while they keep them,
+    then refined at the crossing; a combo after the first, which
     restricts the first by a skip limit or a window, from the first combo's pick upwards: below it, it
     computes at least as much, so it is never faster; an interval under a skip limit up to the first that
     runs the limit's beat, as every larger one does): the tuning points, and the pick (the fastest keeping
