@@ -31,10 +31,14 @@ caches define it:
   between successive computed calls: ``D1 = (F_k - F_prev) / gap``, ``D2 = (D1_k - D1_prev) / gap``
   (gap: the calls between them). Not clamped; a lower order until enough computed calls exist.
 - ``foca`` (Zheng et al., "Forecast then Calibrate: Feature Caching as ODE for Efficient Diffusion
-  Transformers", arXiv 2508.16211): a BDF2-style predictor from the two most recent values, computed or
-  forecast (recursive), ``P = F_k + d (F_k - F_k-1) / gap``, then a Heun-style corrector toward the
-  per-call slope of the last two computed calls, ``+ d (D_full - D_curr) / 2``; the forecast then
-  becomes the newest value of the rolling pair.
+  Transformers", arXiv 2508.16211), one call at a time from the newest value F_k, computed or forecast
+  (recursive): the paper's explicit BDF2 predictor (its eq. 7), ``P = 4/3 F_k - 1/3 F_k-1 + 2/3 F'(k)``,
+  then its Heun corrector (eq. 8), ``F_k + (F'(full) + (P - F_k)) / 2``, with F'(full) the per-call slope
+  D1 between the last two computed calls. F'(k), the slope at the newest value: at a forecast the rate
+  that made it; at a computed call the only slope measured there, D1 (the backward difference to the
+  last forecast, ``F_k - F_k-1``, carries that forecast's error: taken as F'(k), up to the whole of a
+  stretch's final error passes into the next stretch's forecasts, and over long intervals the errors pile
+  up; taken as D1, at most a third).
 
 ``output`` forecasts one level further out: the whole model's output (the block stack, the final layer and,
 where the family's seam is ``apply_model``, the conversion to the denoised latent) to first order in call
@@ -639,9 +643,10 @@ class RunState:
                           index: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """The call-index modes at a computed call ``index``: the backward-difference derivatives per call
         at it (D1 from the last computed residual ``prev``; taylorseer2: D2 from D1's change, over the
-        same gap) and foca's rolling slope, per call from the newest value (the last forecast, else
-        ``prev``) to this one; ([], None) until two computed residuals of one shape exist. On the
-        residual's device."""
+        same gap) and foca's rolling slope, its BDF2 predictor's per-call rate here: a third of the
+        backward difference from the newest value (the last forecast, else ``prev``) to this one plus two
+        thirds of D1; ([], None) until two computed residuals of one shape exist. On the residual's
+        device."""
         mode = self.config.residual_mode
         if mode not in STEP_ORDERS or prev is None or state.step_index is None or index <= state.step_index:
             return [], None
@@ -655,7 +660,8 @@ class RunState:
         if state.rolling is None:
             return derivatives, derivatives[0]
         newest = state.rolling.to(dev, residual.dtype, non_blocking=True)
-        return derivatives, (residual - newest) / (index - state.rolling_index)
+        back = (residual - newest) / (index - state.rolling_index)
+        return derivatives, (back + 2 * derivatives[0]) / 3  # BDF2's predictor rate, F'(k) = D1 (module doc)
 
     def _measure_delta(self, key: Any) -> None:
         """After both of a cond/uncond pair stored computed residuals at the same step: their difference."""
@@ -695,11 +701,12 @@ class RunState:
 
         taylorseer: ``F_k + D1 d + D2 d^2 / 2`` around the last computed call, with the derivatives it
         has (none: reuse). foca: from the newest value ``F`` (the last forecast since the last computed
-        call, else the computed one), ``F + d (R + (D1 - R) / 2)`` with ``R`` the rolling slope into
-        ``F`` and D1 the slope between the last two computed calls (predictor ``F + d R``, corrector
-        ``d (D1 - R) / 2``; only ``F`` known: reuse). On a call that skips this cond, foca's forecast
-        becomes the newest value, its per-call rate the rolling slope (the schedule rule's check at a
-        computed call reads the forecast without moving anything)."""
+        call, else the computed one), ``F + d (R + (D1 - R) / 2)`` with ``R`` the predictor's per-call
+        rate (the rolling slope) and D1 the slope between the last two computed calls (predictor
+        ``F + d R``, corrector ``d (D1 - R) / 2``; only ``F`` known: reuse). On a call that skips this
+        cond, foca's forecast becomes the newest value and its per-call rate the rolling slope (at a
+        forecast, BDF2's rate is the rate into it) (the schedule rule's check at a computed call reads
+        the forecast without moving anything)."""
         index = len(state.pattern) - 1
 
         def on(t):

@@ -257,15 +257,23 @@ def test_foca_predicts_from_the_two_newest_values_and_corrects_toward_the_comput
     got, _ = drive("foca", line, "CCSSSCSSS")
     assert got == pytest.approx([line[i] for i in (2, 3, 4, 6, 7, 8)], abs=1e-6)
     # by hand, computed at 0, 2, 5 (values 0, 4, 25): call 1 knows one value: reuse 0, the rolling pair
-    # (0, 0). Call 2 computes 4: rolling slope 4 - 0 = 4 per call, computed slope (4 - 0) / 2 = 2. Call 3:
-    # 4 + 4 + (2 - 4) / 2 = 7, slope now 3. Call 4: 7 + 3 + (2 - 3) / 2 = 9.5, slope 2.5. Call 5 computes
-    # 25: rolling slope 25 - 9.5 = 15.5, computed (25 - 4) / 3 = 7. Call 6: 25 + 15.5 + (7 - 15.5) / 2
+    # (0, 0). Call 2 computes 4: backward slope 4 - 0 = 4 per call, computed slope D1 = (4 - 0) / 2 = 2,
+    # BDF2's predictor rate (4 + 2 * 2) / 3 = 8/3 (F'(k) = D1 at a computed call). Call 3: the Heun
+    # rate (8/3 + 2) / 2 = 7/3, 4 + 7/3 = 19/3. Call 4: rate (7/3 + 2) / 2 = 13/6, 19/3 + 13/6 = 8.5.
+    # Call 5 computes 25: backward slope 25 - 8.5 = 16.5, D1 = (25 - 4) / 3 = 7, predictor rate
+    # (16.5 + 14) / 3 = 61/6. Call 6: rate (61/6 + 7) / 2 = 103/12, 25 + 103/12 = 403/12
     values = [0.0, None, 4.0, None, None, 25.0, None]
     got, rs = drive("foca", values, "CSCSSCS")
-    assert got == pytest.approx([0.0, 7.0, 9.5, 36.25], abs=1e-5)
+    assert got == pytest.approx([0.0, 19 / 3, 8.5, 403 / 12], abs=1e-5)
     state = rs.conds["a"]
     assert (state.step_index, state.rolling_index) == (5, 6)
-    assert float(state.rolling_slope.flatten()[0]) == pytest.approx(11.25)  # 15.5 + (7 - 15.5) / 2
+    assert float(state.rolling_slope.flatten()[0]) == pytest.approx(103 / 12)
+    # the error a stretch ends with reaches the next one's forecasts by at most a third: a line whose
+    # first stretch is reused (the forecast at call 3 errs by 3) is forecast at calls 5-7 within 1 of it
+    line = [float(i) for i in range(8)]
+    got, _ = drive("foca", line, "CSSSCSSS")
+    assert max(abs(g - v) for g, v in zip(got[3:], line[5:], strict=True)) <= 1.0 + 1e-6
+    assert got[3:] != pytest.approx(line[5:])  # not exact: the reused stretch's error is still felt
     # the schedule rule's check at a computed call reads a forecast and moves nothing
     rs.decide(["a"], ["cond"], [torch.ones(1, 2, 2)], False)
     before = (state.rolling_index, float(state.rolling.flatten()[0]))
