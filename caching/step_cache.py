@@ -704,9 +704,9 @@ class RunState:
         call, else the computed one), ``F + d (R + (D1 - R) / 2)`` with ``R`` the predictor's per-call
         rate (the rolling slope) and D1 the slope between the last two computed calls (predictor
         ``F + d R``, corrector ``d (D1 - R) / 2``; only ``F`` known: reuse). On a call that skips this
-        cond, foca's forecast becomes the newest value and its per-call rate the rolling slope (at a
-        forecast, BDF2's rate is the rate into it) (the schedule rule's check at a computed call reads
-        the forecast without moving anything)."""
+        cond, foca's forecast becomes the newest value and its per-call rate the rolling slope, BDF2's
+        rate at a forecast; the schedule rule's check at a computed call reads the forecast without moving
+        anything."""
         index = len(state.pattern) - 1
 
         def on(t):
