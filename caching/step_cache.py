@@ -41,10 +41,9 @@ caches define it:
   up; taken as D1, at most a third).
 
 ``output`` forecasts one level further out: the whole model's output (the block stack, the final layer and,
-where the family's seam is ``apply_model``, the conversion to the denoised latent) to first order in call
-index, as ``taylorseer1`` forecasts the residual; a skipped call's blocks pass through and its output is
-replaced by the forecast. The final layer is not linear (a modulated norm), so this is not the same forecast:
-on the benchmark's stand-ins it keeps 0.8-3 dB more mean PSNR at the same computed steps (docs/step_cache.md).
+where the family's seam is ``apply_model``, the conversion to the denoised latent), as ``foca`` forecasts
+the residual; a skipped call's blocks pass through and its output is replaced by the forecast. The final
+layer is not linear (a modulated norm), so this is not the same forecast (docs/step_cache.md, "Rules").
 
 Both papers forecast each module's output (attention, MLP) of every block. Here they forecast the
 block stack's residual: in a pre-norm residual-stream transformer that residual is the sum of every
@@ -200,6 +199,8 @@ RULES = ("teacache", "magcache", "first_block", "schedule", "interval")
 RESIDUAL_MODES = ("reuse", "extrapolate", "taylor2", "taylorseer1", "taylorseer2", "foca", "output")
 STEP_ORDERS = {"taylorseer1": 1, "taylorseer2": 2, "foca": 1, "output": 1}
 """The modes that forecast in call index, and how many backward-difference derivatives each keeps."""
+FOCA_MODES = ("foca", "output")
+"""The call-index modes that forecast with FoCa's predictor-corrector (the rest: a Taylor series)."""
 OUTPUT_MODE = "output"
 """The mode whose stored and forecast value is the model's output, not the block stack's residual."""
 MIN_CALIBRATION_POINTS = 4  # a calibration run with fewer fitted points is discarded
@@ -655,7 +656,7 @@ class RunState:
         derivatives = [(residual - prev) / gap]
         if STEP_ORDERS[mode] > 1 and state.derivatives:
             derivatives.append((derivatives[0] - state.derivatives[0].to(dev, non_blocking=True)) / gap)
-        if mode != "foca":
+        if mode not in FOCA_MODES:
             return derivatives, None
         if state.rolling is None:
             return derivatives, derivatives[0]
@@ -712,7 +713,7 @@ class RunState:
         def on(t):
             return t.to(like.device, like.dtype, non_blocking=True)
 
-        if self.config.residual_mode != "foca":
+        if self.config.residual_mode not in FOCA_MODES:
             d, term = index - state.step_index, 1.0
             for order, derivative in enumerate(state.derivatives, 1):
                 term = term * d / order  # d^n / n!

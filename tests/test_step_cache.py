@@ -251,10 +251,11 @@ def test_taylorseer_is_a_taylor_series_in_steps_with_backward_difference_derivat
     assert got == pytest.approx([8.0, 14.0], abs=1e-5)
 
 
-def test_foca_predicts_from_the_two_newest_values_and_corrects_toward_the_computed_slope():
+@pytest.mark.parametrize("mode", ["foca", "output"])  # output: the same update on the model's output
+def test_foca_predicts_from_the_two_newest_values_and_corrects_toward_the_computed_slope(mode):
     # linear, two computed calls in a row: every later forecast (and the rolling pair it feeds) is exact
     line = [2.0 + 0.5 * i for i in range(9)]
-    got, _ = drive("foca", line, "CCSSSCSSS")
+    got, _ = drive(mode, line, "CCSSSCSSS")
     assert got == pytest.approx([line[i] for i in (2, 3, 4, 6, 7, 8)], abs=1e-6)
     # by hand, computed at 0, 2, 5 (values 0, 4, 25): call 1 knows one value: reuse 0, the rolling pair
     # (0, 0). Call 2 computes 4: backward slope 4 - 0 = 4 per call, computed slope D1 = (4 - 0) / 2 = 2,
@@ -263,7 +264,7 @@ def test_foca_predicts_from_the_two_newest_values_and_corrects_toward_the_comput
     # Call 5 computes 25: backward slope 25 - 8.5 = 16.5, D1 = (25 - 4) / 3 = 7, predictor rate
     # (16.5 + 14) / 3 = 61/6. Call 6: rate (61/6 + 7) / 2 = 103/12, 25 + 103/12 = 403/12
     values = [0.0, None, 4.0, None, None, 25.0, None]
-    got, rs = drive("foca", values, "CSCSSCS")
+    got, rs = drive(mode, values, "CSCSSCS")
     assert got == pytest.approx([0.0, 19 / 3, 8.5, 403 / 12], abs=1e-5)
     state = rs.conds["a"]
     assert (state.step_index, state.rolling_index) == (5, 6)
@@ -271,7 +272,7 @@ def test_foca_predicts_from_the_two_newest_values_and_corrects_toward_the_comput
     # the error a stretch ends with reaches the next one's forecasts by at most a third: a line whose
     # first stretch is reused (the forecast at call 3 errs by 3) is forecast at calls 5-7 within 1 of it
     line = [float(i) for i in range(8)]
-    got, _ = drive("foca", line, "CSSSCSSS")
+    got, _ = drive(mode, line, "CSSSCSSS")
     assert max(abs(g - v) for g, v in zip(got[3:], line[5:], strict=True)) <= 1.0 + 1e-6
     assert got[3:] != pytest.approx(line[5:])  # not exact: the reused stretch's error is still felt
     # the schedule rule's check at a computed call reads a forecast and moves nothing
@@ -281,7 +282,7 @@ def test_foca_predicts_from_the_two_newest_values_and_corrects_toward_the_comput
     assert (state.rolling_index, float(state.rolling.flatten()[0])) == before
 
 
-@pytest.mark.parametrize("mode", ["taylorseer2", "foca"])
+@pytest.mark.parametrize("mode", ["taylorseer2", "foca", "output"])
 def test_the_step_forecasts_keep_a_cpu_cache_bit_equal_and_report_their_bytes(mode):
     """cache_device cpu: the differences and foca's forecasts are made on the device and copied without
     waiting (a copy still in flight is never read); every tensor a forecast needs counts in
@@ -292,9 +293,9 @@ def test_the_step_forecasts_keep_a_cpu_cache_bit_equal_and_report_their_bytes(mo
         with InFlightCopies():
             got[device] = drive(mode, values, "CSSCSSCSS", interval=3.0, device=device)
     assert got["cpu"][0] == got["device"][0] and all(v == v for v in got["cpu"][0])
-    # taylorseer2: F, D1, D2; foca: F, D1, the newest forecast and its rolling slope (bytes of (1, 2, 2) floats)
+    # taylorseer2: F, D1, D2; foca, output: F, D1, the newest forecast and its rolling slope ((1, 2, 2) floats)
     for _, rs in got.values():
-        assert sum(rs.residual_bytes().values()) == (4 if mode == "foca" else 3) * 2 * 2 * 4
+        assert sum(rs.residual_bytes().values()) == (3 if mode == "taylorseer2" else 4) * 2 * 2 * 4
 
 
 def magcache_state(thresh, ratios, sigmas, max_skips=0):
@@ -601,27 +602,26 @@ def test_interval_computes_every_nth_step_per_cond_in_the_window_and_a_cpu_cache
 
 
 def test_output_mode_forecasts_the_models_own_output_whatever_the_skipped_calls_input(flux, conds):
-    """residual_mode output: after computed calls on two inputs, a skipped call on a third gives the model's
-    output (Flux: the velocity, before the host makes it a denoised latent) continued to first order in
-    calls, F_k + (F_k - F_k-1) d; TaylorSeer's residual forecast on the same calls gives another output
-    (the final layer is not linear)."""
-    xs = [torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
-    sigmas = (0.9, 0.7, 0.5)
+    """residual_mode output: the model's output (Flux: the velocity, before the host makes it a denoised
+    latent) forecast as FoCa forecasts, on inputs that change at every call. Computed at calls 0 and 2
+    (velocities v0, v2), call 1 knows one value (reuse v0); at call 2 the backward slope to that reuse is
+    v2 - v0, D1 = (v2 - v0) / 2, the predictor rate (back + 2 D1) / 3 = 2/3 (v2 - v0); call 3 takes the
+    Heun rate (2/3 + 1/2) / 2 (v2 - v0): v2 + 7/12 (v2 - v0). TaylorSeer's residual forecast on the same
+    calls gives another output (the final layer is not linear)."""
+    xs = [torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    sigmas = (0.9, 0.7, 0.5, 0.3)
     got = {}
     for mode in ("output", "taylorseer1"):
-        m = teacache(flux, 1.0, rule="interval", mode=mode)  # the interval 1: every call computed
+        m = teacache(flux, 2.0, rule="interval", mode=mode)  # a call in 2 computed
         to = flux_options(m)
         run = to[P().RUN_KEY]
-        outs = [flux_call(m, x, to, conds, s) for x, s in zip(xs[:2], sigmas, strict=False)]
-        run.config = dataclasses.replace(run.config, threshold=3.0)  # the next call skips
-        outs.append(flux_call(m, xs[2], to, conds, sigmas[2]))
-        assert run.conds[("c", 0)].pattern == ["C", "C", "S"]
-        got[mode] = outs
-    velocity = [(x - out) / s for x, out, s in zip(xs, got["output"], sigmas, strict=True)]  # denoised = x - s v
-    assert torch.allclose(velocity[2], 2 * velocity[1] - velocity[0], atol=1e-4), rel_err(velocity[2],
-                                                                                         2 * velocity[1] - velocity[0])
-    assert torch.equal(got["taylorseer1"][1], got["output"][1])  # the computed calls are the model's
-    assert rel_err(got["taylorseer1"][2], got["output"][2]) > 1e-3
+        got[mode] = [flux_call(m, x, to, conds, s) for x, s in zip(xs, sigmas, strict=True)]
+        assert run.conds[("c", 0)].pattern == ["C", "S", "C", "S"]
+    v = [(x - out) / s for x, out, s in zip(xs, got["output"], sigmas, strict=True)]  # denoised = x - s v
+    assert torch.allclose(v[1], v[0], atol=1e-5), rel_err(v[1], v[0])
+    assert torch.allclose(v[3], v[2] + 7 / 12 * (v[2] - v[0]), atol=1e-4), rel_err(v[3], v[2] + 7 / 12 * (v[2] - v[0]))
+    assert torch.equal(got["taylorseer1"][2], got["output"][2])  # the computed calls are the model's
+    assert rel_err(got["taylorseer1"][3], got["output"][3]) > 1e-3
 
 
 def test_output_mode_keeps_no_output_it_cannot_split_per_cond_and_says_why(flux, conds):
