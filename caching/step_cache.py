@@ -166,7 +166,7 @@ MAG_RATIOS: dict[str, tuple[tuple[float, ...], int, float]] = {
 # rule of CALIBRATED_RULES at its threshold once the model has its own calibration of that rule (ReuseKit
 # TeaCache Calibrate) and the threshold is left at -1. rule="schedule" picked by hand uses the shipped
 # table. Wan 2.2 takes Wan's; every other family (modulated-input DiTs like Flux) takes Flux's.
-_FLUX = ("teacache", ((20, 0.343), (28, 0.504), (50, 1.09)), "output")
+_FLUX = ("teacache", ((20, 0.504), (28, 0.504), (50, 1.09)), "output")
 _WAN = ("teacache", ((20, 0.343), (28, 0.343), (50, 0.504)), "extrapolate")
 FAMILY_DEFAULTS: dict[str, tuple[str, tuple[tuple[int, float], ...], str]] = {"flux": _FLUX, "wan": _WAN,
                                                                              "wan22": _WAN}

@@ -49,8 +49,8 @@ def _cache_inputs() -> list:
                                "skipped stretch's estimated error in the result, relative). 0 computes every "
                                "step (exact); higher skips more. interval: the interval N, a whole number >= 1 "
                                "(one call computed in N; 1 computes every step, exact). -1 takes the family's "
-                               "default for the rule (auto's TeaCache: larger for more steps, e.g. Flux 0.343 at 20 "
-                               "steps, 0.504 at 28, 1.09 at 50; interval: 3)."),
+                               "default for the rule (auto's TeaCache: larger for more steps, e.g. Wan 0.343 at 20 "
+                               "and 28 steps, 0.504 at 50; interval: 3)."),
         io.Combo.Input("model_type", options=list(patch.MODEL_TYPES), default="auto", optional=True,
                        tooltip="Which table the rule uses (teacache: rescale polynomial; magcache: magnitude "
                                "ratios; schedule: residual table; first_block needs none). auto: this model's "
@@ -76,7 +76,7 @@ def _cache_inputs() -> list:
                                "computed steps. foca: FoCa (arXiv 2508.16211), a forecast from the two newest values "
                                "(computed or forecast) corrected toward the slope of the last two computed steps. "
                                "output: the whole model's output, not the blocks' residual, forecast as "
-                               "taylorseer1 does (a first-order series in steps); not with rule schedule. "
+                               "foca forecasts; not with rule schedule. "
                                "auto: the family's benchmarked mode."),
     ]
 
