@@ -644,10 +644,10 @@ class RunState:
                           index: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """The call-index modes at a computed call ``index``: the backward-difference derivatives per call
         at it (D1 from the last computed residual ``prev``; taylorseer2: D2 from D1's change, over the
-        same gap) and foca's rolling slope, its BDF2 predictor's per-call rate here: a third of the
-        backward difference from the newest value (the last forecast, else ``prev``) to this one plus two
-        thirds of D1; ([], None) until two computed residuals of one shape exist. On the residual's
-        device."""
+        same gap) and (FOCA_MODES) the rolling slope, FoCa's BDF2 predictor's per-call rate here: a third
+        of the backward difference from the newest value (the last forecast, else ``prev``) to this one
+        plus two thirds of D1; ([], None) until two computed residuals of one shape exist. On the
+        residual's device."""
         mode = self.config.residual_mode
         if mode not in STEP_ORDERS or prev is None or state.step_index is None or index <= state.step_index:
             return [], None
@@ -701,13 +701,13 @@ class RunState:
         after the value it starts from; ``res`` is the stored residual on ``like``'s device.
 
         taylorseer: ``F_k + D1 d + D2 d^2 / 2`` around the last computed call, with the derivatives it
-        has (none: reuse). foca: from the newest value ``F`` (the last forecast since the last computed
-        call, else the computed one), ``F + d (R + (D1 - R) / 2)`` with ``R`` the predictor's per-call
-        rate (the rolling slope) and D1 the slope between the last two computed calls (predictor
-        ``F + d R``, corrector ``d (D1 - R) / 2``; only ``F`` known: reuse). On a call that skips this
-        cond, foca's forecast becomes the newest value and its per-call rate the rolling slope, BDF2's
-        rate at a forecast; the schedule rule's check at a computed call reads the forecast without moving
-        anything."""
+        has (none: reuse). foca and output (FOCA_MODES): from the newest value ``F`` (the last forecast
+        since the last computed call, else the computed one), ``F + d (R + (D1 - R) / 2)`` with ``R`` the
+        predictor's per-call rate (the rolling slope) and D1 the slope between the last two computed calls
+        (predictor ``F + d R``, corrector ``d (D1 - R) / 2``; only ``F`` known: reuse). On a call that
+        skips this cond, the forecast becomes the newest value and its per-call rate the rolling slope,
+        BDF2's rate at a forecast; the schedule rule's check at a computed call reads the forecast without
+        moving anything."""
         index = len(state.pattern) - 1
 
         def on(t):

@@ -619,7 +619,8 @@ def test_output_mode_forecasts_the_models_own_output_whatever_the_skipped_calls_
         assert run.conds[("c", 0)].pattern == ["C", "S", "C", "S"]
     v = [(x - out) / s for x, out, s in zip(xs, got["output"], sigmas, strict=True)]  # denoised = x - s v
     assert torch.allclose(v[1], v[0], atol=1e-5), rel_err(v[1], v[0])
-    assert torch.allclose(v[3], v[2] + 7 / 12 * (v[2] - v[0]), atol=1e-4), rel_err(v[3], v[2] + 7 / 12 * (v[2] - v[0]))
+    want = v[2] + 7 / 12 * (v[2] - v[0])
+    assert torch.allclose(v[3], want, atol=1e-4), rel_err(v[3], want)
     assert torch.equal(got["taylorseer1"][2], got["output"][2])  # the computed calls are the model's
     assert rel_err(got["taylorseer1"][3], got["output"][3]) > 1e-3
 
