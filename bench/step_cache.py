@@ -25,8 +25,9 @@ Protocol, the same for every method, ReuseKit's and the baselines alike:
   retention) with its threshold grid (a log grid, walked upwards to the first that misses the floors, on
   past the grid's top while they keep them, then refined at the crossing; an interval's grid its integers 2
   to 12 below the step count, every one tried, as its quality is not monotone in N, then on past its top one
-  by one); core EasyCache and LazyCache their threshold grid with their window 0-1 or
-  0.15-0.95. A skip limit or a window only adds computed steps, so a
+  by one), and ReuseKit's interval rule beside its fixed beat the same number of computed steps placed
+  closer toward the end (``interval_power`` 1.3: END_DENSE, walked as a combo after the first); core
+  EasyCache and LazyCache their threshold grid with their window 0-1 or 0.15-0.95. A skip limit or a window only adds computed steps, so a
   restricted combo's walk starts at the unrestricted combo's pick: below it, it is never faster; under a
   skip limit K every interval above K runs the same beat, so an interval's walk there ends at the first. The pick
   is the fastest setting whose tuning mean PSNR is at least 30 dB and whose worst run is at least 25 dB.
@@ -125,6 +126,8 @@ GRIDS = {"teacache": (0.05, 1.6), "magcache": (0.02, 1.0), "first_block": (0.02,
          "core": (0.02, 0.6)}
 INTERVALS = tuple(range(2, 13))  # the interval rule's N (TaylorSeer, FoCa: a full step every N), every one tried: its
 # quality is not monotone in N (where its last computed step falls matters), so a miss does not end the walk
+END_DENSE, END_POWER = "end-dense p1.3", 1.3  # ReuseKit's interval rule beside its fixed beat: interval_power 1.3,
+# picked on the tuning prompts at Wan 50 steps (1.2, 1.3, 1.4 tried with the output forecast; docs/step_cache.md)
 COARSE, REFINE = 7, 1  # grid points, then refinements at the floors' crossing (quick: 5, 1)
 BEYOND = 8  # settings past a grid's top while they keep the floors: no sweep is cut short by its grid
 TABLE_STEPS = 50  # the step count the shipped schedule tables are measured at (finest grid)
@@ -145,16 +148,17 @@ def calibration_steps(steps: int) -> int:
 # ---- methods and settings ------------------------------------------------------------------------------
 
 def combos(family: str) -> dict[str, dict]:
-    """The skip limits and windows every rule may pick from (both sides alike); ``last``: the last step computed."""
+    """The skip limits and windows every rule may pick from (both sides alike); ``last``: the last step computed;
+    and END_DENSE, the placed beat of ReuseKit's interval rule (``power``: its interval_power)."""
     _, k, r = MAGCACHE_PUBLISHED[family]
-    return {"free": dict(K=0, start=0.0, last=False), "teacache K3 last": dict(K=3, start=0.0, last=True),
-            f"magcache K{k} R{r:g}": dict(K=k, start=r, last=False)}
+    return {"free": dict(K=0, start=0.0, last=False), END_DENSE: dict(K=0, start=0.0, last=False, power=END_POWER),
+            "teacache K3 last": dict(K=3, start=0.0, last=True), f"magcache K{k} R{r:g}": dict(K=k, start=r, last=False)}
 
 
 def methods(family: str) -> list[dict]:
     """Every method the bench runs: name, kind (baseline, reusekit, information), how to build it, the
     combos and grid it sweeps."""
-    every = list(combos(family))
+    every = [c for c in combos(family) if c != END_DENSE]
 
     def rule(name, kind, rule, model_type, mode, grid=None, **extra):
         return dict(name=name, kind=kind, rule=rule, model_type=model_type, mode=mode, combos=every,
@@ -172,7 +176,8 @@ def methods(family: str) -> list[dict]:
         rule("ReuseKit schedule, extrapolate", "reusekit", "schedule", "calibrated", "extrapolate"),
         rule("ReuseKit TeaCache, extrapolate", "reusekit", "teacache", "calibrated", "extrapolate"),
         rule("ReuseKit TeaCache, output forecast", "reusekit", "teacache", "calibrated", "output"),
-        rule("ReuseKit interval, output forecast", "reusekit", "interval", "auto", "output", grid="interval"),
+        dict(rule("ReuseKit interval, output forecast", "reusekit", "interval", "auto", "output", grid="interval"),
+             combos=[every[0], END_DENSE, *every[1:]]),
         dict(name="ReuseKit node defaults", kind="reusekit", defaults=True, combos=["as set"], grid=None),
     ]
 
@@ -317,7 +322,7 @@ class Bench:
         return self.N.TeaCacheNode.execute(
             model=self.model, rule=setting["rule"], threshold=setting["threshold"], model_type=setting["model_type"],
             start_percent=combo["start"], end_percent=end, max_consecutive_skips=combo["K"], cache_device="device",
-            residual_mode=setting["mode"]).args[0]
+            residual_mode=setting["mode"], interval_power=combo.get("power", 1.0)).args[0]
 
     def run(self, model, prompt: str, seed: int, steps: int, store) -> tuple[torch.Tensor, float, float, float]:
         """(final latent, calls per branch, the same with a first-block call priced as on a full-size model,

@@ -18,7 +18,9 @@ from a table of the model's residuals (:mod:`.step_schedule`), which may also co
 alone and rebuild the uncond one from the last measured cond-minus-uncond difference. A fifth,
 ``interval``, skips on a fixed beat: a computed call, then ``threshold - 1`` skipped ones, per cond (the
 schedule TaylorSeer and FoCa are defined with); its distance is the count of calls since the last
-computed one.
+computed one. With ``interval_power`` p above 1 the run computes as many steps as that beat, placed
+closer together toward the end (:func:`end_dense_beat`), where a forecast errs most; the distance is
+then the threshold at a placed step and 0 elsewhere.
 
 What a skip adds (``residual_mode``): the stored residual (``reuse``), or it continued in sigma to first
 (``extrapolate``) or second (``taylor2``) order from the last computed residuals (Newton's divided
@@ -208,6 +210,23 @@ MIN_CALIBRATION_POINTS = 4  # a calibration run with fewer fitted points is disc
 EXTRAPOLATE_SPAN = step_schedule.EXTRAPOLATE_SPAN
 
 
+def end_dense_beat(steps: int, interval: int, power: float) -> list[int]:
+    """The steps an interval run of ``steps`` computes with ``interval_power`` ``power``: as many as the fixed
+    beat of ``interval`` computes (``ceil(steps / interval)``), the first and the last step among them, step
+    i of k at ``(steps - 1) (1 - (1 - i / (k - 1)) ** power)``, rounded, and moved apart by one where rounding
+    puts two on one step. Power 1 spreads them evenly; above it, the gaps shrink toward the end."""
+    k = min(steps, math.ceil(steps / interval))
+    if k <= 1:
+        return [0][:steps]
+    at = [round((steps - 1) * (1 - (1 - i / (k - 1)) ** power)) for i in range(k)]
+    for i in range(1, k):  # distinct and within the run: k <= steps leaves room for every one
+        at[i] = max(at[i], at[i - 1] + 1)
+    at[-1] = min(at[-1], steps - 1)
+    for i in range(k - 2, -1, -1):
+        at[i] = min(at[i], at[i + 1] - 1)
+    return at
+
+
 def rel_l1(cur: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
     """Relative L1 change ``mean|cur - prev| / mean|prev|`` as a 0-d tensor on their device
     (no host sync)."""
@@ -320,6 +339,7 @@ class StepCacheConfig:
     calibrate: bool = False
     residual_mode: str = "reuse"  # one of RESIDUAL_MODES
     rule: str = "teacache"  # one of RULES
+    interval_power: float = 1.0  # rule interval: 1 the fixed beat, above 1 denser toward the end (end_dense_beat)
 
 
 @dataclass
@@ -399,10 +419,33 @@ class RunState:
         self.replan: Any = None  # schedule: (from step, threshold) -> the plan of the rest of the run
         self.plan_threshold = config.threshold
         self.replans = 0
+        # interval with interval_power: the run's step sigmas and which steps compute, per device
+        self.beat: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._beat_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def in_window(self, sigma: torch.Tensor) -> torch.Tensor:
         """Whether skipping is allowed at ``sigma``, as a tensor on its device (no host sync)."""
         return (sigma > self.end_sigma) & (sigma <= self.start_sigma)
+
+    def set_beat(self, sigmas: list[float]) -> list[int]:
+        """The interval rule's placed steps for a run sampled at ``sigmas`` (:func:`end_dense_beat`); a call
+        belongs to the step whose sigma is nearest its own. Returns the steps."""
+        steps = len(sigmas) - 1
+        placed = end_dense_beat(steps, int(self.config.threshold), self.config.interval_power)
+        mask = torch.zeros(steps, dtype=torch.bool)
+        mask[placed] = True
+        self.beat = (torch.tensor(sigmas[:steps], dtype=torch.float32), mask)
+        self._beat_on.clear()
+        return placed
+
+    def _beat_distance(self, sigma) -> torch.Tensor:
+        """The interval rule's distance on a placed beat: the threshold at a placed step (computed), else 0;
+        on sigma's device (no host sync)."""
+        sigma = torch.as_tensor(sigma)
+        sigmas, mask = self._beat_on.get(sigma.device) or self._beat_on.setdefault(
+            sigma.device, tuple(t.to(sigma.device) for t in self.beat))
+        step = torch.argmin((sigmas - sigma.float().reshape(())).abs())
+        return torch.where(mask[step], float(self.config.threshold), 0.0)
 
     def cond(self, key: Any, label: str) -> CondState:
         state = self.conds.get(key)
@@ -416,7 +459,9 @@ class RunState:
     def _distance(self, state: CondState, signal: torch.Tensor, sigma) -> tuple[Any, Any]:
         """(the rule's accumulated distance if this call skips, the magcache ratio with it)."""
         rule = self.config.rule
-        if rule == "interval":  # the calls since the last computed one, this one included
+        if rule == "interval":  # the calls since the last computed one, this one included; or the placed beat
+            if self.beat is not None and sigma is not None:
+                return self._beat_distance(sigma), None
             return float(state.consecutive + 1), None
         if rule == "magcache":
             curve = self._curve(state.label)
@@ -820,6 +865,7 @@ class RunState:
             "end_percent": self.config.end_percent,
             "max_consecutive_skips": self.config.max_consecutive_skips,
             "cache_device": self.config.cache_device,
+            "interval_power": self.config.interval_power,
             "steps": total_steps,
             "calls_computed": self.calls_computed,
             "calls_skipped": self.calls_skipped,

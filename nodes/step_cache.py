@@ -78,12 +78,18 @@ def _cache_inputs() -> list:
                                "output: the whole model's output, not the blocks' residual, forecast as "
                                "foca forecasts; not with rule schedule. "
                                "auto: the family's benchmarked mode."),
+        io.Float.Input("interval_power", default=1.0, min=1.0, max=4.0, step=0.05, optional=True,
+                       tooltip="Rule interval only. 1: the fixed beat (one step computed in N). Above 1: as many "
+                               "computed steps as that beat, first and last included, placed closer together "
+                               "toward the end of the run, where a forecast errs most (step i of k at "
+                               "(steps - 1)(1 - (1 - i/(k - 1))^power)); the speed is the beat's "
+                               "(docs/step_cache.md, \"Rules\")."),
     ]
 
 
 def make_config(node: str, model_type: str, threshold: float, start_percent: float, end_percent: float,
                 max_consecutive_skips: int, cache_device: str, residual_mode: str = "auto",
-                calibrate: bool = False, rule: str = "auto") -> StepCacheConfig:
+                calibrate: bool = False, rule: str = "auto", interval_power: float = 1.0) -> StepCacheConfig:
     def bad(name, why):
         return ValueError(f"{node}: {name} {why}")
 
@@ -108,8 +114,15 @@ def make_config(node: str, model_type: str, threshold: float, start_percent: flo
         raise bad("cache_device", f"must be 'device' or 'cpu', got {cache_device!r}")
     if residual_mode not in patch.RESIDUAL_MODES:
         raise bad("residual_mode", f"must be one of {', '.join(patch.RESIDUAL_MODES)}, got {residual_mode!r}")
+    if isinstance(interval_power, bool) or not isinstance(interval_power, (int, float)) \
+            or not (1.0 <= interval_power <= 4.0):
+        raise bad("interval_power", f"must be a number within 1..4, got {interval_power!r}")
+    if interval_power != 1.0 and rule != "interval":
+        raise bad("interval_power", f"places the steps of rule interval only (rule is {rule}): set it to 1, or "
+                                    "pick rule interval")
     return StepCacheConfig(None, model_type, float(threshold), float(start_percent), float(end_percent),
-                           int(max_consecutive_skips), cache_device, calibrate, residual_mode, rule)
+                           int(max_consecutive_skips), cache_device, calibrate, residual_mode, rule,
+                           float(interval_power))
 
 
 def given_inputs(cls, node: str, threshold, rule, residual_mode, passed: dict) -> tuple[float, str, str]:
@@ -165,11 +178,12 @@ class TeaCacheNode(io.ComfyNode):
     @classmethod
     def execute(cls, model, model_type="auto", threshold=LEFT_OUT, start_percent=0.0, end_percent=1.0,
                 max_consecutive_skips=0, cache_device="device", residual_mode=LEFT_OUT, rule=LEFT_OUT,
-                **linked_old) -> io.NodeOutput:
+                interval_power=1.0, **linked_old) -> io.NodeOutput:
         node = "ReuseKit TeaCache"
         threshold, rule, residual_mode = given_inputs(cls, node, threshold, rule, residual_mode, linked_old)
         config = make_config(node, model_type, threshold, start_percent, end_percent,
-                             max_consecutive_skips, cache_device, residual_mode, rule=rule)
+                             max_consecutive_skips, cache_device, residual_mode, rule=rule,
+                             interval_power=interval_power)
         return io.NodeOutput(attach(node, model, config))
 
 
@@ -220,14 +234,16 @@ class CachedKSamplerNode(SamplerInputs, io.ComfyNode):
     @classmethod
     def execute(cls, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise,
                 model_type="auto", threshold=LEFT_OUT, start_percent=0.0, end_percent=1.0, max_consecutive_skips=0,
-                cache_device="device", residual_mode=LEFT_OUT, rule=LEFT_OUT, **linked_old) -> io.NodeOutput:
+                cache_device="device", residual_mode=LEFT_OUT, rule=LEFT_OUT, interval_power=1.0,
+                **linked_old) -> io.NodeOutput:
         import nodes
 
         node = cls.NODE
         cls.check_sampler(sampler_name, scheduler)
         threshold, rule, residual_mode = given_inputs(cls, node, threshold, rule, residual_mode, linked_old)
         config = make_config(node, model_type, threshold, start_percent, end_percent,
-                             max_consecutive_skips, cache_device, residual_mode, rule=rule)
+                             max_consecutive_skips, cache_device, residual_mode, rule=rule,
+                             interval_power=interval_power)
         cached = attach(node, model, config)
         (latent,) = nodes.common_ksampler(cached, seed, steps, cfg, sampler_name, scheduler, positive, negative,
                                           latent_image, denoise=denoise)

@@ -685,6 +685,12 @@ def _outer_sample(executor, *args, **kwargs):
     guider.model_options["transformer_options"][RUN_KEY] = run
     if plan.table is not None and sigmas is not None:
         _plan_schedule(run, plan.table, guider, [float(s) for s in sigmas])
+    if cfg.rule == "interval" and cfg.interval_power != 1.0:
+        if sigmas is not None and len(sigmas) > 1:
+            run.set_beat([float(s) for s in sigmas])
+        else:
+            stats().count_reason("fallback", "interval_power: the sampler gave no sigmas to place the beat on; "
+                                 "the fixed beat ran", source=settings.family.name)
     outcome = "failed"
     try:
         out = executor(*args, **kwargs)

@@ -292,6 +292,10 @@ def test_the_field_holds_the_published_methods_as_their_papers_define_them(bench
     assert len(baselines) >= 8
     assert rows["TeaCache"]["signed"] and rows["TeaCache"]["mode"] == "reuse"
     assert {m["mode"] for m in baselines if m.get("rule") == "interval"} == {"taylorseer1", "taylorseer2", "foca"}
+    # the papers' fixed beat for the baselines; the placed one is ReuseKit's interval rule's own setting
+    assert [m["name"] for m in rows.values() if bench.END_DENSE in m.get("combos", ())] == [
+        "ReuseKit interval, output forecast"]
+    assert bench.combos("flux")[bench.END_DENSE]["power"] > 1
     assert all(m["mode"] == "reuse" for m in baselines if m.get("rule") in ("teacache", "magcache", "first_block"))
     # constants fitted on the real models are never ranked
     assert all(m["model_type"] in ("calibrated", "auto") for m in baselines if "rule" in m)

@@ -67,10 +67,10 @@ def sample(model, conds, steps=STEPS, cfg=3.0, shape=(1, 16, 8, 8), seed=3, fill
 
 
 def teacache(model, thresh, model_type="flux", start=0.0, end=1.0, max_skips=0, device="device",
-             mode="extrapolate", rule="teacache"):
+             mode="extrapolate", rule="teacache", power=1.0):
     (m,) = N().TeaCacheNode.execute(model=model, rule=rule, threshold=thresh, model_type=model_type,
                                     start_percent=start, end_percent=end, max_consecutive_skips=max_skips,
-                                    cache_device=device, residual_mode=mode).args
+                                    cache_device=device, residual_mode=mode, interval_power=power).args
     return m
 
 
@@ -229,6 +229,46 @@ def test_interval_computes_one_call_in_n_per_cond_within_the_window_and_skip_lim
     assert [float(v) for v in rs.conds["a"].trace[:4]] == [1.0, 1.0, 2.0, 3.0]  # the calls since the last computed
     rs.decide(["a"], ["cond"], [torch.ones(1, 3, 2)], True)  # another shape: starts clean, computes
     assert rs.resets == 1 and rs.conds["a"].pattern[-1] == "C"
+
+
+def test_end_dense_beat_places_as_many_steps_as_the_fixed_beat_closer_toward_the_end():
+    m = tc()
+    assert m.end_dense_beat(50, 10, 1.0) == [0, 12, 24, 37, 49]  # even (24.5 rounds to even), first and last in
+    assert m.end_dense_beat(50, 10, 1.3) == [0, 15, 29, 41, 49]
+    assert m.end_dense_beat(10, 3, 2.0) == [0, 5, 8, 9]
+    for steps, n, power in ((20, 2, 3.0), (7, 1, 4.0), (28, 3, 1.5), (5, 2, 4.0)):
+        got = m.end_dense_beat(steps, n, power)
+        assert len(got) == -(-steps // n) and got == sorted(set(got)), (steps, n, power, got)  # rounding kept apart
+        assert got[0] == 0 and got[-1] == steps - 1
+        gaps = [b - a for a, b in zip(got, got[1:], strict=False)]
+        assert gaps == sorted(gaps, reverse=True), (steps, n, power, got)  # never wider toward the end
+    assert m.end_dense_beat(7, 1, 4.0) == list(range(7))  # interval 1: every step
+    assert m.end_dense_beat(10, 12, 1.3) == [0]  # an interval longer than the run: the first step only
+
+
+def test_a_placed_beat_computes_its_steps_per_cond_and_forecasts_across_its_uneven_gaps():
+    """interval_power above 1: each call belongs to the step of the nearest sigma, and computes there only
+    (per cond, cond and uncond alike); a first-order forecast of values linear in the call index is exact
+    across gaps of 5, 3 and 1 calls, so the forecasts count the calls in between right."""
+    m = tc()
+    sigmas = [1.0 - i / 10 for i in range(11)]
+    rs = m.RunState(m.StepCacheConfig(None, "test", 3.0, residual_mode="taylorseer1", rule="interval",
+                                      interval_power=2.0), None, 1.0, 0.0)
+    assert rs.set_beat(sigmas) == [0, 5, 8, 9]
+    line = [2.0 + 0.5 * i for i in range(10)]
+    got = []
+    for i, sigma in enumerate(sigmas[:-1]):
+        skip = rs.decide(["a", "b"], ["cond", "uncond"], [torch.ones(1, 2, 2)] * 2, True,
+                         sigma=torch.tensor(sigma + 0.01))  # off the step's sigma: the nearest one counts
+        if skip:
+            got.append(float(rs.residual("a", torch.zeros(1, 2, 2)).flatten()[0]))
+        else:
+            for key in ("a", "b"):
+                rs.store_residual(key, torch.full((1, 2, 2), line[i]))
+    assert "".join(rs.conds["a"].pattern) == "".join(rs.conds["b"].pattern) == "CSSSSCSSCC"
+    assert got[:4] == [2.0] * 4  # one computed value: reused
+    assert got[4:] == pytest.approx([line[6], line[7]], abs=1e-6)
+    assert rs.summary()["interval_power"] == 2.0
 
 
 def test_taylorseer_is_a_taylor_series_in_steps_with_backward_difference_derivatives():
@@ -601,6 +641,31 @@ def test_interval_computes_every_nth_step_per_cond_in_the_window_and_a_cpu_cache
     assert last_run()["conds"]["cond"]["pattern"] == "CSSCSSCSSC"
 
 
+@pytest.mark.parametrize("mode", ["taylorseer1", "output"])
+def test_interval_power_places_the_beat_on_the_runs_steps_through_the_sampler(flux, conds, mode):
+    """interval_power through the real KSampler: a power that places the steps where the fixed beat computes
+    (1.01 at 10 steps, interval 3: 0, 3, 6, 9) gives that beat's latent exactly, so the placed path forecasts
+    as the fixed one does; power 2 computes steps 0, 5, 8 and 9, cond and uncond, and a CPU cache agrees.
+    At 20 steps, power 1.3 computes as many steps as the fixed beat (7) and lands nearer the uncached latent
+    on the trained Flux."""
+    fixed = sample(teacache(flux, 3.0, rule="interval", mode=mode), conds)
+    placed = sample(teacache(flux, 3.0, rule="interval", mode=mode, power=1.01), conds)
+    run = last_run()
+    assert run["interval_power"] == 1.01 and run["conds"]["cond"]["pattern"] == "CSSCSSCSSC"
+    assert torch.equal(placed, fixed)
+    dense = sample(teacache(flux, 3.0, rule="interval", mode=mode, power=2.0), conds)
+    run = last_run()
+    assert {lab: c["pattern"] for lab, c in run["conds"].items()} == {"cond": "CSSSSCSSCC", "uncond": "CSSSSCSSCC"}
+    assert run["calls_computed"] == 4 and not torch.equal(dense, fixed)
+    assert torch.equal(sample(teacache(flux, 3.0, rule="interval", mode=mode, power=2.0, device="cpu"), conds), dense)
+    ref = sample(flux, conds, steps=20)
+    err = {}
+    for power in (1.0, 1.3):
+        err[power] = rel_err(sample(teacache(flux, 3.0, rule="interval", mode=mode, power=power), conds, steps=20), ref)
+        assert last_run()["conds"]["cond"]["pattern"].count("C") == 7
+    assert err[1.3] < 0.8 * err[1.0], err
+
+
 def test_output_mode_forecasts_the_models_own_output_whatever_the_skipped_calls_input(flux, conds):
     """residual_mode output: the model's output (Flux: the velocity, before the host makes it a denoised
     latent) forecast as FoCa forecasts, on inputs that change at every call. Computed at calls 0 and 2
@@ -773,6 +838,10 @@ def test_a_skipped_call_adds_controlnet_once_not_again_on_top_of_the_residual(fl
     ({"rule": "interval", "thresh": 2.5}, "threshold"),
     ({"rule": "interval", "thresh": 0.0}, "threshold"),
     ({"rule": "interval", "thresh": 0.5}, "threshold"),
+    ({"rule": "interval", "thresh": 3.0, "power": 0.5}, "interval_power"),
+    ({"rule": "interval", "thresh": 3.0, "power": float("nan")}, "interval_power"),
+    ({"rule": "interval", "thresh": 3.0, "power": "1.3"}, "interval_power"),
+    ({"power": 1.3}, "interval_power"),  # the TeaCache rule has no beat to place
     ({"model_type": "wan2.1_t2v_14B_ret_mode"}, "model_type"),
     ({"model_type": "nope"}, "model_type"),
 ])

@@ -3,7 +3,9 @@
 // inserted input shifts every value after it. OLD_LAYOUTS lists, per node id, the widget names a node had
 // before, from `start` (today's first widget of the changed part; the widgets before it are unchanged):
 // a saved list of exactly that length, whose values fit today's widgets' types, is put back by name.
-// `renamed` maps an old name to today's; `meant` gives what an input the layout lacked meant then.
+// `renamed` maps an old name to today's; `meant` gives what an input the layout lacked meant then; `added`,
+// the inputs added at the end since (a save from before one loads by position, the page giving it its
+// default), what they mean for every old layout.
 // Python keeps the same facts for API prompts (nodes/step_cache.py OLD_MEANING, nodes/compat.py).
 
 const STEP_CACHE_V1 = ["model_type", "rel_l1_thresh", "start_percent", "end_percent", "max_consecutive_skips",
@@ -11,6 +13,7 @@ const STEP_CACHE_V1 = ["model_type", "rel_l1_thresh", "start_percent", "end_perc
 const STEP_CACHE = {
   start: "rule",
   renamed: { rel_l1_thresh: "threshold" },  // a7ea1af (2026-12-01) renamed it and put `rule` first
+  added: { interval_power: 1.0 },  // 2026-12-04: 1 is the fixed beat every earlier save ran
   layouts: [
     { names: STEP_CACHE_V1, meant: { rule: "teacache", residual_mode: "reuse" } },
     { names: [...STEP_CACHE_V1, "residual_mode"], meant: { rule: "teacache" } },  // 95a72a3..a7ea1af
@@ -44,7 +47,7 @@ export function mapOldWidgets(spec, widgets, saved) {
   if (start < 0) return null;
   for (const layout of spec.layouts) {
     if (start + layout.names.length !== saved.length) continue;
-    const byName = { ...layout.meant };
+    const byName = { ...spec.added, ...layout.meant };
     layout.names.forEach((name, i) => { byName[spec.renamed[name] ?? name] = saved[start + i]; });
     const mapped = widgets.map((w, i) => (i < start ? saved[i] : byName[w.name]));
     if (widgets.every((w, i) => i < start || (w.name in byName && fits(w, mapped[i])))) return mapped;
