@@ -444,8 +444,9 @@ class RunState:
         sigma = torch.as_tensor(sigma)
         sigmas, mask = self._beat_on.get(sigma.device) or self._beat_on.setdefault(
             sigma.device, tuple(t.to(sigma.device) for t in self.beat))
-        step = torch.argmin((sigmas - sigma.float().reshape(())).abs())
-        return torch.where(mask[step], float(self.config.threshold), 0.0)
+        near = (sigmas - sigma.float().reshape(())).abs()
+        placed = (mask & (near <= near.min())).any()  # no tensor index: indexing by one would sync
+        return torch.where(placed, float(self.config.threshold), 0.0)
 
     def cond(self, key: Any, label: str) -> CondState:
         state = self.conds.get(key)
