@@ -27,10 +27,11 @@ Protocol, the same for every method, ReuseKit's and the baselines alike:
   to 12 below the step count, every one tried, as its quality is not monotone in N, then on past its top one
   by one), and ReuseKit's interval rule beside its fixed beat the same number of computed steps placed
   closer toward the end (``interval_power`` 1.3: END_DENSE, walked as a combo after the first); core
-  EasyCache and LazyCache their threshold grid with their window 0-1 or 0.15-0.95. A skip limit or a window only adds computed steps, so a
-  restricted combo's walk starts at the unrestricted combo's pick: below it, it is never faster; under a
-  skip limit K every interval above K runs the same beat, so an interval's walk there ends at the first. The pick
-  is the fastest setting whose tuning mean PSNR is at least 30 dB and whose worst run is at least 25 dB.
+  EasyCache and LazyCache their threshold grid with their window 0-1 or 0.15-0.95. A skip limit or a
+  window only adds computed steps, so a restricted combo's walk starts at the unrestricted combo's pick:
+  below it, it is never faster (the placed beat computes as many steps as the fixed one at each N); under
+  a skip limit K every interval above K runs the same beat, so an interval's walk there ends at the first.
+  The pick is the fastest setting whose tuning mean PSNR is at least 30 dB and whose worst run is at least 25 dB.
 - **Scoring.** That one setting runs once on the evaluation prompts: its speedup (model calls per branch,
   uncached over cached; a cond-only step costs half a step under CFG) with a 95% bootstrap interval over
   the evaluation runs, its mean and worst PSNR. Nothing is interpolated, nothing decided on evaluation
@@ -151,8 +152,10 @@ def combos(family: str) -> dict[str, dict]:
     """The skip limits and windows every rule may pick from (both sides alike); ``last``: the last step computed;
     and END_DENSE, the placed beat of ReuseKit's interval rule (``power``: its interval_power)."""
     _, k, r = MAGCACHE_PUBLISHED[family]
-    return {"free": dict(K=0, start=0.0, last=False), END_DENSE: dict(K=0, start=0.0, last=False, power=END_POWER),
-            "teacache K3 last": dict(K=3, start=0.0, last=True), f"magcache K{k} R{r:g}": dict(K=k, start=r, last=False)}
+    return {"free": dict(K=0, start=0.0, last=False),
+            END_DENSE: dict(K=0, start=0.0, last=False, power=END_POWER),
+            "teacache K3 last": dict(K=3, start=0.0, last=True),
+            f"magcache K{k} R{r:g}": dict(K=k, start=r, last=False)}
 
 
 def methods(family: str) -> list[dict]:
