@@ -127,8 +127,9 @@ GRIDS = {"teacache": (0.05, 1.6), "magcache": (0.02, 1.0), "first_block": (0.02,
          "core": (0.02, 0.6)}
 INTERVALS = tuple(range(2, 13))  # the interval rule's N (TaylorSeer, FoCa: a full step every N), every one tried: its
 # quality is not monotone in N (where its last computed step falls matters), so a miss does not end the walk
-END_DENSE, END_POWER = "end-dense p1.3", 1.3  # ReuseKit's interval rule beside its fixed beat: interval_power 1.3,
+END_POWER = 1.3  # ReuseKit's interval rule beside its fixed beat: interval_power 1.3,
 # picked on the tuning prompts at Wan 50 steps (1.2, 1.3, 1.4 tried with the output forecast; docs/step_cache.md)
+END_DENSE = f"end-dense p{END_POWER:g}"  # its combo's name
 COARSE, REFINE = 7, 1  # grid points, then refinements at the floors' crossing (quick: 5, 1)
 BEYOND = 8  # settings past a grid's top while they keep the floors: no sweep is cut short by its grid
 TABLE_STEPS = 50  # the step count the shipped schedule tables are measured at (finest grid)

@@ -215,7 +215,7 @@ def end_dense_beat(steps: int, interval: int, power: float) -> list[int]:
     beat of ``interval`` computes (``ceil(steps / interval)``), the first and the last step among them, step
     i of k at ``(steps - 1) (1 - (1 - i / (k - 1)) ** power)``, rounded, and moved apart by one where rounding
     puts two on one step. Power 1 spreads them evenly; above it, the gaps shrink toward the end."""
-    k = min(steps, math.ceil(steps / interval))
+    k = math.ceil(steps / interval)  # at most steps: interval >= 1
     if k <= 1:
         return [0][:steps]
     at = [round((steps - 1) * (1 - (1 - i / (k - 1)) ** power)) for i in range(k)]
@@ -435,7 +435,6 @@ class RunState:
         mask = torch.zeros(steps, dtype=torch.bool)
         mask[placed] = True
         self.beat = (torch.tensor(sigmas[:steps], dtype=torch.float32), mask)
-        self._beat_on.clear()
         return placed
 
     def _beat_distance(self, sigma) -> torch.Tensor:
