@@ -18,10 +18,12 @@ set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 CARRY=$ROOT/.devcarry
 HOSTS=(ComfyUI ComfyUI-0.33.0)
-# distributions the hosts import that the GPU machine's image lacks (pinned to the versions of .venv-0.33);
-# comfy-kitchen (58 MB: fp8/fp4 kernels, an optional import of ComfyUI 0.33) stays behind
+# distributions the hosts import that the GPU machine's image lacks (pinned to the versions of .venv-0.33)
 NEEDED=(av torchsde trampoline pydantic pydantic-core pydantic-settings annotated-types typing-inspection
         python-dotenv SQLAlchemy alembic Mako blake3 comfy-aimdo simpleeval)
+# ComfyUI 0.33 imports comfy_kitchen unconditionally (comfy/ldm/modules/attention.py): its pure-Python
+# wheel of the same version (0.2 MB, the eager backend) travels instead of the 58 MB one with CUDA kernels
+PURE=(comfy-kitchen)
 
 prepare() {
     local py=$ROOT/.venv-0.33/bin/python
@@ -33,6 +35,12 @@ prepare() {
             --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
             --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$CARRY/whl" "$dist==$version" \
             || { echo "gpu_check: no cp312 wheel of $dist==$version" >&2; exit 1; }
+    done
+    for dist in "${PURE[@]}"; do
+        local version
+        version=$("$py" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$dist") || exit 1
+        "$py" -m pip download -q --no-deps --only-binary=:all: --platform any -d "$CARRY/whl" "$dist==$version" \
+            || { echo "gpu_check: no pure-Python wheel of $dist==$version" >&2; exit 1; }
     done
     tar -C "$ROOT/.host" --exclude=__pycache__ --exclude='*/custom_nodes/reusekit' --exclude='*/tests' \
         --exclude='*/tests-unit' --exclude='*/blueprints' --exclude='*/.git' --exclude='*/.github' \
