@@ -198,8 +198,10 @@ def _why_not_captured(exc: BaseException, in_forward: bool) -> str:
 
 
 def _where(exc: BaseException) -> str:
-    """The innermost frame of ``exc`` outside torch: the line of the model that synced."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f"{os.sep}torch{os.sep}" not in f.filename]
+    """The innermost frame of ``exc`` outside torch and this module (whose torch function modes
+    see every op of a capture): the line of the model that synced."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if f"{os.sep}torch{os.sep}" not in f.filename and f.filename != __file__]
     if not frames:
         return "?"
     f = frames[-1]
@@ -260,7 +262,12 @@ class CudaGraphRunner(StaticRunner):
 
     def _capture(self, device, warmup: int):
         current = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device)
+        # one side stream per model and device, like the pool: the caching allocator hands a
+        # block only to the stream it was made on, so a capture on a new stream could not reuse
+        # the blocks an earlier graph's intermediates left in the shared pool
+        side = self.shared.get(("stream", device))
+        if side is None:
+            side = self.shared[("stream", device)] = torch.cuda.Stream(device)
         uploads = ConstantUploads()
         out = self._warm_up(current, side, uploads, warmup)
         eager_out = _clone_tree(out)

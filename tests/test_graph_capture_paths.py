@@ -6,6 +6,8 @@ that each path ends the capture, releases the pool, joins the warm-up stream, gi
 stream back and returns the eager result or raises the cancel."""
 
 import contextlib
+import os
+import sys
 import threading
 
 import pytest
@@ -29,6 +31,7 @@ class FakeCuda:
         self.sync_mode = 0
         self.current = "main"
         self.pools = 0
+        self.side_streams = 0
         self.capturing = None  # the thread capturing (thread_local mode: only its syncs fail)
         self.invalidated = False
         fake = self
@@ -37,7 +40,7 @@ class FakeCuda:
             name = "side"
 
             def __init__(self, device=None):
-                pass
+                fake.side_streams += self.name == "side"
 
             def wait_stream(self, other):
                 fake.calls.append(("wait", self.name, other.name))
@@ -157,6 +160,18 @@ def test_a_clean_capture_ends_replays_once_and_shares_the_models_pool(gc, tiny, 
         runner_for(gc, fn, named, shared).capture(1)
     pools = [c[1] for c in fake.calls if c[0] == "begin"]
     assert pools[0] == pools[1] and fake.pools == 1  # one pool for the model's graphs
+    # and one side stream: the allocator reuses a pool's free blocks only on the stream they were made on
+    assert fake.side_streams == 1
+
+
+def test_a_failed_captures_line_is_the_models_not_the_capture_modes(gc):
+    """On a GPU a sync raises inside torch's C++ (``.item()``), below the torch function modes a
+    capture runs in: the line named is the forward's own, not the mode's."""
+    gr = gc.graph_runners
+    with pytest.raises(RuntimeError) as info, gr.KeepExternal(), gr.ConstantUploads():
+        line = sys._getframe().f_lineno + 1
+        torch.ones(2) @ torch.ones(3)  # raises in C++, as a sync under capture does
+    assert gr._where(info.value).endswith(f"{os.sep}test_graph_capture_paths.py:{line}")
 
 
 def test_a_forward_that_syncs_fails_its_capture_and_runs_eagerly(gc, tiny, monkeypatch):
