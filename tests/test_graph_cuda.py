@@ -58,11 +58,20 @@ def test_replay_matches_eager_under_cuda_malloc_async():
     """ComfyUI's main.py turns on torch's cudaMallocAsync backend (cuda_malloc.py), whose graph
     memory lies outside the allocator's counters: the replay tests again, in a process with it."""
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
-    tests = [f"{__file__}::test_replay_matches_eager", f"{__file__}::test_a_forward_that_syncs_runs_eagerly_and_leaves_cuda_usable"]
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1]
+    for test in ("test_replay_matches_eager", "test_a_forward_that_syncs_runs_eagerly_and_leaves_cuda_usable"):
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::{test}"],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"{test} (exit {done.returncode}):\n{_report(done)}"
+        assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1]
+
+
+def _report(done: subprocess.CompletedProcess) -> str:
+    """What a failed test process says: a crash's Python stacks (faulthandler's, without its list
+    of extension modules), else the end of its output."""
+    err = done.stderr
+    if "Fatal Python error" in err:
+        return err[err.index("Fatal Python error"):].split("\nExtension modules:")[0][-6000:]
+    return done.stdout[-4000:] + err[-2000:]
 
 
 @pytest.mark.parametrize("family", ["flux", "wan"])
@@ -115,10 +124,11 @@ def _syncing_patch(gr, only_in_capture: bool):
 
 
 @pytest.mark.parametrize("only_in_capture", [False, True])
-def test_a_forward_that_syncs_runs_eagerly_and_leaves_cuda_usable(gc, tiny, conds, caplog, only_in_capture):
+def test_a_forward_that_syncs_runs_eagerly_and_leaves_cuda_usable(gc, tiny, conds, caplog, monkeypatch, only_in_capture):
     """The sync fails the capture itself (whether the warm-up synced too or not): the step runs
     eagerly, the log names the line, the caller's stream is current again, the failed pool is
     released and the next capture of another model works."""
+    monkeypatch.setattr(rkharness.pack("patches.host"), "_said", set())  # the warning is said once per process
     model = tiny.tiny_flux(0)
     syncing = capture(model)
     syncing.set_model_patch_replace(_syncing_patch(gc.gr, only_in_capture), "dit", "double_block", 0)
@@ -267,9 +277,13 @@ def test_unload_releases_graphs_and_their_pools(gc, tiny, conds):
     mm.unload_all_models()
     snap = gc.STATS.handle.snapshot()
     assert snap["entries"] == 0 and snap["bytes"]["device"] == 0
-    assert snap["counters"]["releases.unloaded"] >= 1
+    # unload_all_models is free_memory(1e30) on the GPU: the graph pools go first, as memory ComfyUI
+    # needs (patches/memory.py), before ComfyUI unloads the model (the CPU twin in test_graph.py
+    # counts "unloaded": free_memory asks no releaser there)
+    assert snap["counters"]["releases.memory"] >= 1
     close(sample(captured, conds), first)
-    assert last_run(gc)["captures"] == 1 and last_run(gc)["rebuilds"] == {"unloaded": 1}
+    run = last_run(gc)
+    assert run["captures"] == 1 and sum(run["rebuilds"].values()) == 1, run
 
 
 def test_comfyui_needing_memory_frees_the_graph_pools_on_the_device_first(gc, tiny, conds, monkeypatch):
