@@ -30,7 +30,8 @@ Protocol, the same for every method, ReuseKit's and the baselines alike:
   EasyCache and LazyCache their threshold grid with their window 0-1 or 0.15-0.95. A skip limit or a
   window only adds computed steps, so a restricted combo's walk starts at the unrestricted combo's pick:
   below it, it is never faster (the placed beat computes as many steps as the fixed one at each N); under
-  a skip limit K every interval above K runs the same beat, so an interval's walk there ends at the first.
+  a skip limit K every interval above K runs the same beat, so an interval's walk there ends at the first;
+  on the placed beat the intervals with the same ceil(steps / N) place the same steps: the first runs.
   The pick is the fastest setting whose tuning mean PSNR is at least 30 dB and whose worst run is at least 25 dB.
 - **Scoring.** That one setting runs once on the evaluation prompts: its speedup (model calls per branch,
   uncached over cached; a cond-only step costs half a step under CFG) with a 95% bootstrap interval over
@@ -224,6 +225,12 @@ def same_beat(method: dict, combo, th: float) -> bool:
     """Whether every interval above ``th`` runs what ``th`` runs: under a skip limit K an interval of K + 1 or
     more is a computed call then K skipped ones."""
     return method["grid"] == "interval" and isinstance(combo, dict) and 0 < combo["K"] < th
+
+
+def same_placement(combo, a: float, b: float, steps: int) -> bool:
+    """Whether intervals ``a`` and ``b`` run the same steps on a placed beat (``power``): it computes
+    ceil(steps / N) steps, at places that depend only on how many (caching/step_cache.py end_dense_beat)."""
+    return isinstance(combo, dict) and combo.get("power", 1.0) != 1.0 and -(-steps // a) == -(-steps // b)
 
 
 @contextmanager
@@ -445,6 +452,7 @@ def tune(bench: Bench, method: dict, steps: int, tuning: list, refs: dict,
         if free is not None:  # below the free pick a skip limit or a window only computes more: never faster
             todo = [free["threshold"]] + [th for th in todo if th > free["threshold"]]
         todo = [th for i, th in enumerate(todo) if not (i and same_beat(method, combo, todo[i - 1]))
+                and not (i and same_placement(combo, todo[i - 1], th, steps))
                 and (method["grid"] != "interval" or th < steps)]
 
         def run(th, tried=tried, mine=mine, combo=combo, combo_name=combo_name):
@@ -461,6 +469,8 @@ def tune(bench: Bench, method: dict, steps: int, tuning: list, refs: dict,
                 th = mine[-1]["threshold"]
                 nxt = beyond(method, th, steps, bench.quick) if keeps(mine[-1], floors) and not same_beat(
                     method, combo, th) else None
+                while nxt is not None and same_placement(combo, th, nxt, steps):
+                    nxt = beyond(method, nxt, steps, bench.quick)
                 if nxt is None:
                     break
                 run(nxt)

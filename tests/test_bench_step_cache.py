@@ -181,6 +181,33 @@ def test_every_method_sweeps_every_combo_over_its_grid(bench, measured):
         assert picked == bench.curves.pick(points, 30.0, 25.0)
 
 
+def test_a_placed_beat_runs_each_placement_once_and_picks_as_the_full_walk(bench, monkeypatch):
+    """On the placed beat intervals with the same ceil(steps / N) compute the same steps at the same places:
+    the walk runs the first of them only (in the grid and past its top) and picks what running all gives."""
+    placed = []
+
+    def measure(_bench, setting, steps, runs, refs):
+        n, power = setting["threshold"], setting["combo"].get("power", 1.0)
+        computed = math.ceil(steps / n)
+        if power != 1.0:
+            placed.append(n)
+        ok = computed >= 3 if power != 1.0 else n <= 6  # placed: the floors hold down to 3 computed steps
+        return {"x": steps / computed, "psnr": 40.0 if ok else 20.0, "worst": 35.0 if ok else 15.0, "threshold": n}
+
+    monkeypatch.setattr(bench, "measure", measure)
+    rule = next(m for m in bench.methods("flux") if m["name"] == "ReuseKit interval, output forecast")
+    rule = dict(rule, combos=rule["combos"][:2])  # the free beat, then the placed one
+    points, picked = bench.tune(FakeBench(), rule, 50, TUNING, {})
+    once = list(placed)
+    assert once == [6.0, 7.0, 8.0, 9.0, 10.0, 13.0, 17.0, 25.0]  # from the free pick; 11, 12, 14-16 place as 10, 13
+    placed.clear()
+    monkeypatch.setattr(bench, "same_placement", lambda *a: False)
+    _, full = bench.tune(FakeBench(), rule, 50, TUNING, {})
+    assert len(placed) > len(once) and {math.ceil(50 / n) for n in placed} <= {math.ceil(50 / n) for n in once}
+    assert (picked["combo"], picked["threshold"]) == (bench.END_DENSE, 17.0)
+    assert (picked["combo"], picked["threshold"], picked["x"]) == (full["combo"], full["threshold"], full["x"])
+
+
 def test_a_sweep_walks_on_past_its_grids_top_while_the_floors_hold(bench, monkeypatch):
     """No method is cut short by its grid: a threshold rule whose quality holds to twice its grid's top, and
     an interval whose holds to 14, are picked there (the first setting past it misses), and a sweep that
