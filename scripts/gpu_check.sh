@@ -66,7 +66,7 @@ run_checks() {
     pytest=$(dirname "$(command -v python3)")/pytest
     [ -x "$pytest" ] || pytest="python3 -m pytest"
     { nvidia-smi; python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"; } \
-        >"$out/device.txt" 2>&1
+        >>"$out/install.log" 2>&1  # one file with the install: the device tool brings back 8 files at most
     : >"$out/summary.txt"
     local selected=("$@")
     [ ${#selected[@]} -gt 0 ] || selected=("${HOSTS[@]}")
