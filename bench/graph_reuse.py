@@ -130,6 +130,34 @@ def check_cost(c) -> float:
     return best * 1e6
 
 
+def host_check_cost() -> tuple[float, float] | None:
+    """µs per forward for the check whether the host captures the model's blocks itself, while its
+    registries (comfy/model_prefetch.py, ComfyUI 0.33+) hold a text encoder's layers: on the tiny Flux
+    (1+1 blocks) and on one of FLUX.1's depth (19+38 blocks, tiny width); best of 5 x 2000, thread CPU
+    time. None where the host has no such registries."""
+    prefetch = sys.modules.get("comfy.model_prefetch")
+    if prefetch is None or not hasattr(prefetch, "GRAPH_WARMED_MODULES"):
+        return None
+    encoder = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(48)])  # a text encoder's layers
+    for layer in encoder:
+        prefetch.GRAPH_WARMED_MODULES.add(layer)
+    costs = []
+    try:
+        for model in (tiny.tiny_flux(0), tiny.tiny_flux(0, depth=19, depth_single_blocks=38)):
+            dm = model.model.diffusion_model
+            assert not gc.host_captures_graphs(dm)
+            n, best = 2000, float("inf")
+            for _ in range(5):
+                t0 = time.thread_time()
+                for _ in range(n):
+                    gc.host_captures_graphs(dm)
+                best = min(best, (time.thread_time() - t0) / n)
+            costs.append(best * 1e6)
+    finally:
+        prefetch.cleanup_prefetch_queues()
+    return costs[0], costs[1]
+
+
 def with_teacache(c) -> None:
     """ReuseKit TeaCache alone vs TeaCache + capture on the trained Flux (10 steps, threshold 0.4),
     whole runs interleaved, median of 5: on CUDA computed steps replay; on a CPU the capture runs
@@ -167,10 +195,15 @@ def main() -> None:
         c = conds()
     check_us = check_cost(c)
     print(f"reuse check (bind + signature + lookup) on a real Flux call: {check_us:.1f} us per step")
+    host = host_check_cost()
+    host_ratio = "n/a" if host is None else f"{host[1] / host[0]:.2f}"
+    print("host block-graph check with the host's registries in use: " + (
+        "n/a (this ComfyUI has no comfy.model_prefetch)" if host is None else
+        f"{host[0]:.1f} us per step on Flux 1+1 blocks, {host[1]:.1f} us on 19+38 (ratio {host_ratio})"))
     with_teacache(c)
     if not CUDA:
         print("no CUDA device: graphs are not captured here; the decision runs, the model runs eagerly")
-        print(f"RESULT step_replay_over_eager=n/a check_us={check_us:.1f}")
+        print(f"RESULT step_replay_over_eager=n/a check_us={check_us:.1f} host_check_deep_over_tiny={host_ratio}")
         return
 
     configs = [
@@ -212,7 +245,8 @@ def main() -> None:
     gc.graph_release.release_all("bench")
     print("ratio: replay / eager per step (a step = one apply_model call, cond and uncond batched); "
           "headline: the w3072 Flux at 256 px")
-    print(f"RESULT step_replay_over_eager={'n/a' if headline is None else f'{headline:.2f}'} check_us={check_us:.1f}")
+    print(f"RESULT step_replay_over_eager={'n/a' if headline is None else f'{headline:.2f}'} check_us={check_us:.1f} "
+          f"host_check_deep_over_tiny={host_ratio}")
 
 
 def compiled_cudagraphs(model, c, shape, steps, eager_ms) -> tuple[str, str]:

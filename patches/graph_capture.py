@@ -63,16 +63,25 @@ if "graph_reuse.enabled" not in SETTINGS.snapshot():
                     "Capture and replay CUDA graphs of the diffusion model (where a node asks for it).")
 
 
+_MODULE_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # diffusion model -> its modules' ids
+
+
 def host_captures_graphs(diffusion_model) -> bool:
     """True where the host captures blocks of this diffusion model as CUDA graphs itself: one of
     its modules is in the registries of blocks ``comfy/model_prefetch.py`` warmed up or captured
-    (ComfyUI 0.33 does so for text-encoder layers only). Never capture around them."""
+    (ComfyUI 0.33 does so for text-encoder layers only). Never capture around them.
+
+    Asked on every forward: it walks the host's registries (a text encoder's layers), never the
+    model's modules, whose ids are gathered once per model (a module tree is built at load)."""
     prefetch = sys.modules.get("comfy.model_prefetch")
     marked = [s for s in (getattr(prefetch, "GRAPH_WARMED_MODULES", None), getattr(prefetch, "GRAPH_MODULES", None))
               if s]
     if not marked or not isinstance(diffusion_model, torch.nn.Module):
         return False
-    return any(m in s for m in diffusion_model.modules() for s in marked)
+    ids = _MODULE_IDS.get(diffusion_model)
+    if ids is None:
+        ids = _MODULE_IDS[diffusion_model] = frozenset(id(m) for m in diffusion_model.modules())
+    return any(id(m) in ids for s in marked for m in list(s))
 
 
 def is_dynamic(patcher) -> bool:

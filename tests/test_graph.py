@@ -688,7 +688,14 @@ def test_a_model_whose_blocks_the_host_captures_runs_eagerly_with_the_reason(gc,
     prefetch.GRAPH_WARMED_MODULES.add(dm.double_blocks[0])  # what prefetch_queue_pop records
     try:
         assert gc.host_captures_graphs(dm) is True
-        assert gc.host_captures_graphs(tiny.tiny_flux(1).model.diffusion_model) is False  # another model
+        other = tiny.tiny_flux(1).model.diffusion_model
+        walks = []
+        monkeypatch.setattr(other, "modules", lambda: walks.append(1) or torch.nn.Module.modules(other))
+        prefetch.GRAPH_MODULES.add(other.double_blocks[0].img_attn)  # one of its modules, captured since
+        assert [gc.host_captures_graphs(other) for _ in range(3)] == [True] * 3
+        prefetch.GRAPH_MODULES.discard(other.double_blocks[0].img_attn)
+        assert gc.host_captures_graphs(other) is False  # another model
+        assert len(walks) == 1  # its modules gathered once: a forward's check walks the host's registries only
         assert torch.equal(sample(capture(model), conds), plain)
         run = last_run(gc)
         assert run["captures"] == 0 and run["bypasses"] == {"host_graphs": 3}
