@@ -42,10 +42,15 @@ prepare() {
         "$py" -m pip download -q --no-deps --only-binary=:all: --platform any -d "$CARRY/whl" "$dist==$version" \
             || { echo "gpu_check: no pure-Python wheel of $dist==$version" >&2; exit 1; }
     done
+    # a host's own folders of models, inputs, outputs and user data stay behind: named from the host's root,
+    # since a pattern such as */input/* would also drop packages of that name (comfy_api/input in 0.33)
+    local own=() host dir
+    for host in "${HOSTS[@]}"; do
+        for dir in models/*/* output/* input/* user/*; do own+=("--exclude=$host/$dir"); done
+    done
     tar -C "$ROOT/.host" --exclude=__pycache__ --exclude='*/custom_nodes/reusekit' --exclude='*/tests' \
         --exclude='*/tests-unit' --exclude='*/blueprints' --exclude='*/.git' --exclude='*/.github' \
-        --exclude='*/llama_tokenizer' --exclude='*/qwen*_tokenizer' --exclude='*/models/*/*' \
-        --exclude='*/output/*' --exclude='*/input/*' --exclude='*/user/*' \
+        --exclude='*/llama_tokenizer' --exclude='*/qwen*_tokenizer' "${own[@]}" \
         -cJf "$CARRY/hosts.tar.xz" "${HOSTS[@]}" || exit 1
     du -sh "$CARRY"/whl "$CARRY"/hosts.tar.xz; du -sh "$CARRY"
     local kb
