@@ -55,7 +55,7 @@ def small_flux():
                context_in_dim=tiny.TEXT_DIM, hidden_size=3072, mlp_ratio=4.0, num_heads=24, depth=1,
                depth_single_blocks=2, axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True,
                guidance_embed=True)
-    mc = comfy.supported_models.Flux(cfg)
+    mc = comfy.supported_models.Flux(tiny.with_host_fields(cfg, "comfy.ldm.flux.model:FluxParams"))
     mc.set_inference_dtype(torch.bfloat16, None)
     model = mc.get_model({})
     tiny.fill_weights(model.diffusion_model, 0)
