@@ -217,14 +217,118 @@ def _graph_memory(device) -> int:
     return total - free
 
 
-def _abandon_pool(device, pool) -> None:
-    """A capture that could not end leaves its pool open: route allocations back and release it
-    (as torch's own ``use_mem_pool`` does on exit)."""
+def _end_routing(device, pool) -> bool:
+    """Route allocations back from a failed capture's pool; False where torch's ``capture_end``
+    had done so before it raised (torch 2.12 on, pytorch#180395; earlier ones raised first)."""
     try:
         torch._C._cuda_endAllocateToPool(device.index, pool)
+    except RuntimeError:  # "not currently recording to mempool_id" / "capture_underway is false"
+        return False
+    return True
+
+
+_FAILED_RESET_KEEPS_POOL: dict = {}
+"""Per process: whether this torch's ``CUDAGraph.reset`` keeps the pool reference of a capture that
+failed (``None``: could not be told); see :func:`_failed_reset_keeps_pool`."""
+
+
+def _failed_reset_keeps_pool(device, side) -> bool | None:
+    """Whether a failed capture's ``reset`` leaves its pool's use count raised. Torch releases a
+    graph's pool in ``reset`` only after a capture that ended, up to pytorch#190348, which also
+    releases after one that failed; a pool whose count stays raised is never freed (about 35 MB on a
+    tiny Flux, an H200 run). Asked once per process of a capture failed on purpose into a pool whose
+    users torch counts (a ``MemPool``), under the native allocator only: under cudaMallocAsync a
+    pool is never released."""
+    if "answer" in _FAILED_RESET_KEEPS_POOL:
+        return _FAILED_RESET_KEEPS_POOL["answer"]
+    answer = None
+    try:
+        probe = torch.cuda.MemPool()
+        before = probe.use_count()
+        graph = torch.cuda.CUDAGraph()
+        failed = False
+        with torch.cuda.stream(side):
+            graph.capture_begin(pool=probe.id, capture_error_mode="thread_local")
+            try:
+                side.synchronize()  # never permitted while capturing: fails the capture
+            except Exception:
+                pass
+            try:
+                graph.capture_end()
+            except Exception:
+                failed = True
+        graph.reset()
+        _end_routing(device, probe.id)
+        left = probe.use_count() - before
+        if left > 0:
+            torch._C._cuda_releasePool(device.index, probe.id)
+        if failed:
+            answer = left > 0
+        del graph, probe  # the MemPool's own reference goes with it, and its cache
+    except Exception:  # a torch without MemPool's count: the pool is left to torch
+        log.debug("ReuseKit graph: could not tell whether a failed capture keeps its pool", exc_info=True)
+    if answer is None:
+        log.warning("ReuseKit graph: this torch cannot say whether a failed capture gives its memory pool "
+                    "back; such a pool may stay reserved until ComfyUI exits")
+    _FAILED_RESET_KEEPS_POOL["answer"] = answer
+    return answer
+
+
+def _drop_failed(graph, device, pool, side, ended: bool) -> None:
+    """Let go of a failed capture's graph and its share of the model's pool. Where ``capture_end``
+    raised, this torch may or may not have routed allocations back, and its ``reset`` may or may not
+    give the pool back: both are asked of torch, never assumed, since a share given back twice frees
+    the pool under the model's live graphs."""
+    if ended:  # the forward failed, the capture ended: reset gives the pool back
+        graph.reset()
+        return
+    tracker = getattr(graph, "_tracker", None)  # torch's liveness check (debug) ends with the capture
+    if tracker is not None:
+        tracker.stop()
+    graph.reset()  # first: a torch whose reset undoes a failed capture's routing itself finds it on
+    routed_here = _end_routing(device, pool)
+    if torch.cuda.get_allocator_backend() != "native":
+        return
+    # routing still on after capture_end and reset: a torch from before pytorch#180395, so before
+    # #190348 too (its reset keeps the pool); otherwise torch is asked
+    if routed_here or _failed_reset_keeps_pool(device, side):
         torch._C._cuda_releasePool(device.index, pool)
-    except Exception:  # a torch without these: the pool stays until the process ends
-        log.warning("ReuseKit graph: could not release the memory pool of a failed capture", exc_info=True)
+
+
+_PARKED: list = []
+"""Under cudaMallocAsync: tensors made in captures that failed, kept for the life of the process."""
+
+
+def _park(failure: BaseException | None, static_out, made: set, kept: dict) -> None:
+    """Under cudaMallocAsync a tensor made in a capture holds memory of the graph that capture was
+    building; where the capture failed, CUDA dropped that graph and torch's free of the tensor fails
+    inside a destructor, which aborts the process (an H200 run). Keeps every tensor made in the
+    capture that is still alive here, in the failure's frames or its output, for the life of the
+    process (said in the log once). Tensors that existed before the capture are let go as usual."""
+    found: dict = {}
+
+    def visit(v, depth: int) -> None:
+        if isinstance(v, torch.Tensor):
+            key = _keep_key(v)
+            if key in made and key not in kept:
+                found.setdefault(key, v)
+        elif depth and isinstance(v, (list, tuple)):
+            for x in v:
+                visit(x, depth - 1)
+        elif depth and isinstance(v, dict):
+            for x in v.values():
+                visit(x, depth - 1)
+
+    visit(static_out, 4)
+    for frame, _ in traceback.walk_tb(failure.__traceback__ if failure is not None else None):
+        for v in frame.f_locals.values():
+            visit(v, 4)
+    if found and not _PARKED:
+        log.warning("ReuseKit graph: under cudaMallocAsync the tensors made in a capture that failed cannot "
+                    "be freed (freeing one aborts the process): they are kept until ComfyUI exits, %.1f MiB "
+                    "this time (--disable-cuda-malloc frees them)",
+                    sum(t.untyped_storage().nbytes() for k, t in found.items() if isinstance(k, int)) / 2**20)
+    _PARKED.extend(found.values())
 
 
 class CudaGraphRunner(StaticRunner):
@@ -232,8 +336,9 @@ class CudaGraphRunner(StaticRunner):
     the static output (callers never see a buffer the next replay overwrites).
 
     A forward that syncs the host fails its own capture (``capture_error_mode="thread_local"``);
-    a capture that fails ends with its pool released and the caller's stream current again, and
-    the step runs eagerly. torch's sync debug mode is never set: it is process-wide, so while one
+    a capture that fails ends with its share of the pool given back (:func:`_drop_failed`), what
+    it made let go at once (under cudaMallocAsync kept instead, :func:`_park`) and the caller's
+    stream current again, and the step runs eagerly. torch's sync debug mode is never set: it is process-wide, so while one
     thread warmed up, a sync on any other thread (a VAE decode, a preview) would raise there."""
 
     graph = None
@@ -292,7 +397,8 @@ class CudaGraphRunner(StaticRunner):
         # CUDAGraph's own capture_begin/capture_end, not the ``torch.cuda.graph`` context manager:
         # where capture_end raises (a capture a sync invalidated) its __exit__ leaves the capture
         # stream current, and neither releases a failed capture's pool, which takes the allocator
-        # calls of _abandon_pool either way (torch's cudagraph trees make the same ones).
+        # calls of _drop_failed either way (torch's cudagraph trees make the same ones).
+        ended = True
         with torch.cuda.stream(side):
             try:
                 graph.capture_begin(pool=pool, **_capture_kwargs())
@@ -308,15 +414,15 @@ class CudaGraphRunner(StaticRunner):
             try:
                 graph.capture_end()
             except Exception as exc:  # the capture was invalidated (a sync, a CPU op...)
-                _abandon_pool(device, pool)
-                tracker = getattr(graph, "_tracker", None)  # torch's liveness check (debug) ends with the capture
-                if tracker is not None:
-                    tracker.stop()
-                graph = None
-                failure = failure or exc
+                ended, failure = False, failure or exc
         if failure is not None:
-            if graph is not None:
-                graph.reset()
+            _drop_failed(graph, device, pool, side, ended)
+            if torch.cuda.get_allocator_backend() != "native":
+                _park(failure, static_out, keep.made, keep.kept)
+            why = _why_not_captured(failure, forward_failed)
+            # the forward's frames let go of what the capture made now, not once a cycle through
+            # them is collected: a block of the pool still in use keeps the pool from being freed
+            traceback.clear_frames(failure.__traceback__)
             graph = keep = static_out = None
             try:
                 if not isinstance(failure, Exception) or isinstance(failure, self.raise_as_is):
@@ -325,7 +431,7 @@ class CudaGraphRunner(StaticRunner):
                     torch.cuda.synchronize(device)
                 except Exception:
                     log.debug("ReuseKit graph: synchronize after a failed capture", exc_info=True)
-                return eager_out, _why_not_captured(failure, forward_failed)
+                return eager_out, why
             finally:
                 failure = None  # no cycle through this frame: the capture's tensors go at once
         graph.replay()
