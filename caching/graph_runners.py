@@ -11,6 +11,7 @@ patches/graph_capture.py picks one per call; nothing here imports ComfyUI.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -184,6 +185,57 @@ class ConstantUploads(torch.overrides.TorchFunctionMode):
         return rec[1].clone()
 
 
+class HostSyncs(torch.overrides.TorchFunctionMode):
+    """Active on the last warm-up call: notes the first op that makes the host wait for a device
+    value (reads it into Python: ``.item()``, ``if tensor:``, ``int(tensor)``; copies it to the CPU;
+    sizes an output by the values: ``nonzero``, ``unique``, a boolean mask index), with the model's
+    line. Such a forward is not captured: the sync would fail the capture, and a failed capture costs
+    more than a miss (under cudaMallocAsync it keeps what it made until the process ends). A sync
+    not listed here still fails its own capture. A mode sees only its own thread's ops, so another
+    thread's sync (a VAE decode, a preview) is never taken for the forward's."""
+
+    DEVICES = frozenset({"cuda"})
+    READS = frozenset({
+        torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+        torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy,
+        torch.Tensor.nonzero, torch.nonzero, torch.Tensor.argwhere, torch.argwhere,
+        torch.Tensor.masked_select, torch.masked_select, torch.Tensor.unique, torch.unique,
+        torch.Tensor.unique_consecutive, torch.unique_consecutive, torch.Tensor.equal, torch.equal,
+    })
+
+    def __init__(self):
+        super().__init__()
+        self.found = ""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.found and self._syncs(func, args, kwargs):
+            name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+            self.found = f"{_stack_where(traceback.extract_stack())} ({name}, in the warm-up)"
+        return func(*args, **kwargs)
+
+    def _on_device(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and t.device.type in self.DEVICES
+
+    def _syncs(self, func, args, kwargs) -> bool:
+        src = args[0] if args else None
+        if func in self.READS:
+            return self._on_device(src)
+        if func is torch.Tensor.to:
+            to = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device, torch.Tensor))), None))
+            to = to.device if isinstance(to, torch.Tensor) else to
+            return self._on_device(src) and to is not None and torch.device(to).type == "cpu" != src.device.type
+        if func is torch.Tensor.copy_:  # into a CPU tensor from a device one
+            return len(args) > 1 and self._on_device(args[1]) and src.device.type == "cpu" != args[1].device.type
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):  # a boolean mask: its count sizes the op
+            index = args[1] if len(args) > 1 else None
+            return any(self._on_device(i) and i.dtype == torch.bool
+                       for i in (index if isinstance(index, tuple) else (index,)))
+        if func is torch.where:  # where(condition) alone is nonzero
+            return len(args) + len(kwargs) == 1 and self._on_device(src if args else kwargs.get("condition"))
+        return False
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:200]
@@ -200,8 +252,11 @@ def _why_not_captured(exc: BaseException, in_forward: bool) -> str:
 def _where(exc: BaseException) -> str:
     """The innermost frame of ``exc`` outside torch and this module (whose torch function modes
     see every op of a capture): the line of the model that synced."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if f"{os.sep}torch{os.sep}" not in f.filename and f.filename != __file__]
+    return _stack_where(traceback.extract_tb(exc.__traceback__))
+
+
+def _stack_where(stack) -> str:
+    frames = [f for f in stack if f"{os.sep}torch{os.sep}" not in f.filename and f.filename != __file__]
     if not frames:
         return "?"
     f = frames[-1]
@@ -335,11 +390,13 @@ class CudaGraphRunner(StaticRunner):
     """Warm-up on a side stream, capture into the model's private pool, replay, return a clone of
     the static output (callers never see a buffer the next replay overwrites).
 
-    A forward that syncs the host fails its own capture (``capture_error_mode="thread_local"``);
-    a capture that fails ends with its share of the pool given back (:func:`_drop_failed`), what
+    A forward whose last warm-up call syncs the host (:class:`HostSyncs`) is not captured; a sync
+    the watch does not know fails its own capture (``capture_error_mode="thread_local"``); a
+    capture that fails ends with its share of the pool given back (:func:`_drop_failed`), what
     it made let go at once (under cudaMallocAsync kept instead, :func:`_park`) and the caller's
-    stream current again, and the step runs eagerly. torch's sync debug mode is never set: it is process-wide, so while one
-    thread warmed up, a sync on any other thread (a VAE decode, a preview) would raise there."""
+    stream current again, and the step runs eagerly. torch's sync debug mode is never set: it is
+    process-wide, so while one thread warmed up, a sync on any other thread (a VAE decode, a
+    preview) would raise there."""
 
     graph = None
     static_out = None
@@ -352,16 +409,18 @@ class CudaGraphRunner(StaticRunner):
             return self._capture(device, warmup)
 
     def _warm_up(self, current, side, uploads: ConstantUploads, warmup: int):
-        """The forward run ``warmup`` times on a side stream, its uploads recorded; an error of the
-        model's own is raised as is, after the streams are joined."""
+        """The forward run ``warmup`` times on a side stream, its uploads recorded (the first call)
+        and its host syncs looked for (the last); returns its output and where it synced ("" if
+        nowhere). An error of the model's own is raised as is, after the streams are joined."""
+        syncs = HostSyncs()
         side.wait_stream(current)
         try:
             with torch.cuda.stream(side):
-                with uploads:
-                    out = self._call()
-                for _ in range(warmup - 1):
-                    out = self._call()
-                return out
+                for i in range(max(1, warmup)):
+                    with uploads if i == 0 else contextlib.nullcontext(), \
+                            syncs if i == max(1, warmup) - 1 else contextlib.nullcontext():
+                        out = self._call()
+                return out, syncs.found
         finally:
             current.wait_stream(side)  # also after an error: the buffers outlive nothing on `side`
 
@@ -374,9 +433,11 @@ class CudaGraphRunner(StaticRunner):
         if side is None:
             side = self.shared[("stream", device)] = torch.cuda.Stream(device)
         uploads = ConstantUploads()
-        out = self._warm_up(current, side, uploads, warmup)
+        out, synced_at = self._warm_up(current, side, uploads, warmup)
         eager_out = _clone_tree(out)
         del out
+        if synced_at:  # its capture would fail on the sync: not begun
+            return eager_out, f"the forward syncs the host at {synced_at}"
         # one pool for all live graphs of this model on this device: replays run one at a time on
         # one stream and each output is copied at once, so one graph's intermediates may reuse
         # another's (torch's "sharing memory across captures"); their outputs stay apart

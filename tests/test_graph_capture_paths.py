@@ -395,14 +395,17 @@ def test_under_the_native_allocator_nothing_is_kept(gc, tiny, monkeypatch):
 
 def test_another_threads_sync_never_raises_during_a_warm_up_or_capture(gc, tiny, monkeypatch):
     """torch's sync debug mode is process-wide: set during a warm-up, it made a sync on any other
-    thread (a VAE decode, a preview) raise there."""
+    thread (a VAE decode, a preview) raise there. Nor is another thread's sync taken for the
+    forward's by the warm-up's watch (here the CPU stands for the device)."""
     fake = FakeCuda(monkeypatch)
+    monkeypatch.setattr(gc.graph_runners.HostSyncs, "DEVICES", frozenset({"cpu"}))
     errors: list = []
 
     def sync_elsewhere(args, extra):
         def other():
             try:
                 fake.sync()
+                torch.ones(2).sum().item()
             except RuntimeError as exc:
                 errors.append(str(exc))
 
@@ -416,6 +419,101 @@ def test_another_threads_sync_never_raises_during_a_warm_up_or_capture(gc, tiny,
         out, failure = runner_for(gc, fn, named).capture(1)
     assert errors == [] and failure == "" and torch.equal(out, eager)
     assert fake.kinds() == ["wait", "wait", "begin", "end", "replay"]
+
+
+SYNCS = {  # ops that make the host wait for a device value, each on a device tensor t
+    "item": lambda t: t.sum().item(),
+    "if tensor": lambda t: bool(t.sum() > 0),
+    "int": lambda t: int(t.sum()),
+    "tolist": lambda t: t.tolist(),
+    "nonzero": lambda t: torch.nonzero(t),
+    "mask index": lambda t: t[t > 0],
+    "mask assign": lambda t: t.clone().__setitem__(t > 0, 0.0),
+    "where(condition)": lambda t: torch.where(t > 0),
+    "unique": lambda t: t.unique(),
+    "equal": lambda t: torch.equal(t, t),
+}
+NO_SYNCS = {
+    "arithmetic": lambda t: t * 2 + 1,
+    "where(c, a, b)": lambda t: torch.where(t > 0, t, -t),
+    "int index": lambda t: t[0],
+    "a shape": lambda t: torch.zeros(t.shape[0] * 2),
+    "a mask kept on the device": lambda t: (t > 0).float() * t,
+}
+
+
+@pytest.mark.parametrize("name", [*SYNCS, *NO_SYNCS])
+def test_the_warm_up_watch_finds_the_ops_that_sync_and_names_their_line(gc, monkeypatch, name):
+    """Here the CPU stands for the device: the watch judges ops by where their tensors live."""
+    gr = gc.graph_runners
+    monkeypatch.setattr(gr.HostSyncs, "DEVICES", frozenset({"cpu"}))
+    op = {**SYNCS, **NO_SYNCS}[name]
+    with gr.HostSyncs() as watch:
+        op(torch.randn(6))
+    if name in SYNCS:  # the op's own line
+        assert f"{os.sep}test_graph_capture_paths.py:{op.__code__.co_firstlineno} (" in watch.found, watch.found
+        assert watch.found.endswith(", in the warm-up)")
+    else:
+        assert watch.found == ""
+
+
+def test_the_warm_up_watch_finds_copies_to_the_host(gc, monkeypatch):
+    gr = gc.graph_runners
+    monkeypatch.setattr(gr.HostSyncs, "DEVICES", frozenset({"meta"}))
+    on_device, on_host = torch.empty(2, device="meta"), torch.empty(2)
+    watch = gr.HostSyncs()
+    assert watch._syncs(torch.Tensor.to, (on_device, "cpu"), {})
+    assert watch._syncs(torch.Tensor.to, (on_device,), {"device": torch.device("cpu")})
+    assert watch._syncs(torch.Tensor.to, (on_device, on_host), {})
+    assert watch._syncs(torch.Tensor.cpu, (on_device,), {})
+    assert watch._syncs(torch.Tensor.copy_, (on_host, on_device), {})
+    assert not watch._syncs(torch.Tensor.to, (on_device, torch.float16), {})
+    assert not watch._syncs(torch.Tensor.to, (on_host, "meta"), {})  # an upload: ConstantUploads' part
+    assert not watch._syncs(torch.Tensor.copy_, (on_device, on_host), {})
+
+
+def test_no_host_family_syncs_in_its_forward_but_hidreams_expert_routing(gc, monkeypatch):
+    """Every family of the host the tests build, one forward each under the watch (the CPU standing
+    for the device): only HiDream's mixture of experts syncs (it routes tokens by a boolean mask), so
+    its forward is never captured, and no other family's capture is refused by the watch."""
+    import importlib
+
+    families = importlib.import_module(rkharness.TINY.__name__ + ".families")
+    gr = gc.graph_runners
+    monkeypatch.setattr(gr.HostSyncs, "DEVICES", frozenset({"cpu"}))
+    found, ran = {}, []
+    for name, spec in families.FAMILY_SPECS.items():
+        if spec.missing():
+            continue
+        model = spec.build(0)
+        x, sigma, kwargs = spec.inputs(spec.sizes[0], 1)
+        with torch.inference_mode(), gr.HostSyncs() as watch:
+            model.model.apply_model(x, sigma, transformer_options={}, **kwargs)
+        ran.append(name)
+        if watch.found:
+            found[name] = watch.found
+    assert {"flux", "wan", "qwen_image", "hunyuan_video", "ltxv", "lumina2", "hidream"} <= set(ran)
+    assert list(found) == ["hidream"] and f"ldm{os.sep}hidream{os.sep}model.py:" in found["hidream"], found
+
+
+def test_a_forward_that_syncs_in_its_warm_up_is_never_captured(gc, tiny, monkeypatch):
+    """The capture would fail on the sync (and under cudaMallocAsync keep what it made): it is not
+    begun, the step runs eagerly and the reason names the model's line."""
+    fake = FakeCuda(monkeypatch)
+    monkeypatch.setattr(gc.graph_runners.HostSyncs, "DEVICES", frozenset({"cpu"}))
+    lines = []
+
+    def syncs(args, extra):
+        lines.append(sys._getframe().f_lineno + 1)
+        args["img"].sum().item()
+        return extra["original_block"](args)
+
+    fn, named, eager = flux_call(tiny, syncs)
+    with torch.inference_mode():
+        out, failure = runner_for(gc, fn, named).capture(1)
+    assert torch.equal(out, eager) and fake.kinds() == ["wait", "wait"] and fake.current == "main"
+    assert failure.startswith("the forward syncs the host at ") and f"test_graph_capture_paths.py:{lines[-1]} (" in failure
+    assert "item, in the warm-up)" in failure
 
 
 @pytest.mark.parametrize("torch_kind", TORCH_KINDS)
