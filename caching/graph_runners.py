@@ -12,10 +12,12 @@ patches/graph_capture.py picks one per call; nothing here imports ComfyUI.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import inspect
 import logging
 import os
 import traceback
+import weakref
 from typing import Any
 
 import torch
@@ -74,12 +76,14 @@ class KeepExternal(torch.overrides.TorchFunctionMode):
     """Active while a forward is captured: every tensor the forward reads that existed before the
     capture (weights, buffers, a PE cache's stored tensors) is kept alive with the graph, so the
     memory a replay reads is never freed and reused while the graph lives (a cache may drop its
-    own reference when its key changes). Tensors made during the capture are not kept."""
+    own reference when its key changes). Tensors made during the capture are not kept; with
+    ``track_made`` each is remembered weakly (see :func:`_park`)."""
 
-    def __init__(self):
+    def __init__(self, track_made: bool = False):
         super().__init__()
         self.made: set = set()  # keys (see _keep_key) of what the forward made
         self.kept: dict = {}  # key -> the storage (or wrapper tensor) kept alive
+        self.made_refs: list | None = [] if track_made else None  # weak references to what it made
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -90,6 +94,8 @@ class KeepExternal(torch.overrides.TorchFunctionMode):
         out = func(*args, **kwargs)
         for t in _tensors_in((out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (list, tuple)) else ()):
             self.made.add(_keep_key(t))
+            if self.made_refs is not None:
+                self.made_refs.append(weakref.ref(t))
         return out
 
     def _see(self, t: torch.Tensor) -> None:
@@ -187,21 +193,27 @@ class ConstantUploads(torch.overrides.TorchFunctionMode):
 
 class HostSyncs(torch.overrides.TorchFunctionMode):
     """Active on the last warm-up call: notes the first op that makes the host wait for a device
-    value (reads it into Python: ``.item()``, ``if tensor:``, ``int(tensor)``; copies it to the CPU;
-    sizes an output by the values: ``nonzero``, ``unique``, a boolean mask index), with the model's
-    line. Such a forward is not captured: the sync would fail the capture, and a failed capture costs
-    more than a miss (under cudaMallocAsync it keeps what it made until the process ends). A sync
-    not listed here still fails its own capture. A mode sees only its own thread's ops, so another
-    thread's sync (a VAE decode, a preview) is never taken for the forward's."""
+    value (reads it into Python: ``.item()``, ``if tensor:``, ``int(tensor)``, printing it; copies it
+    to the CPU without ``non_blocking``; sizes an output by the values: ``nonzero``, ``unique``,
+    ``bincount``, a boolean mask index), with the model's line. Such a forward is not captured: the
+    sync would fail the capture, and a failed capture costs more than a miss (under cudaMallocAsync
+    it keeps what it made until the process ends). A sync not listed here, or made inside a torch
+    function written in Python (the mode does not see into the ops it hands on), still fails its own
+    capture. A mode sees only its own thread's ops, so another thread's sync (a VAE decode, a
+    preview) is never taken for the forward's."""
 
     DEVICES = frozenset({"cuda"})
     READS = frozenset({
         torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
-        torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy,
+        torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.__repr__, torch.Tensor.__format__,
+        torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.is_nonzero, torch.is_nonzero,
         torch.Tensor.nonzero, torch.nonzero, torch.Tensor.argwhere, torch.argwhere,
         torch.Tensor.masked_select, torch.masked_select, torch.Tensor.unique, torch.unique,
-        torch.Tensor.unique_consecutive, torch.unique_consecutive, torch.Tensor.equal, torch.equal,
+        torch.Tensor.unique_consecutive, torch.unique_consecutive, torch.Tensor.bincount, torch.bincount,
+        torch.Tensor.equal, torch.equal, torch.Tensor.allclose, torch.allclose,
     })
+    MASKED = frozenset({torch.Tensor.__getitem__, torch.Tensor.__setitem__})
+    REPEATS = frozenset({torch.Tensor.repeat_interleave, torch.repeat_interleave})
 
     def __init__(self):
         super().__init__()
@@ -221,16 +233,28 @@ class HostSyncs(torch.overrides.TorchFunctionMode):
         src = args[0] if args else None
         if func in self.READS:
             return self._on_device(src)
-        if func is torch.Tensor.to:
+        if func is torch.Tensor.to:  # to the CPU, blocking
             to = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device, torch.Tensor))), None))
             to = to.device if isinstance(to, torch.Tensor) else to
-            return self._on_device(src) and to is not None and torch.device(to).type == "cpu" != src.device.type
-        if func is torch.Tensor.copy_:  # into a CPU tensor from a device one
-            return len(args) > 1 and self._on_device(args[1]) and src.device.type == "cpu" != args[1].device.type
-        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):  # a boolean mask: its count sizes the op
+            return (self._on_device(src) and to is not None and torch.device(to).type == "cpu" != src.device.type
+                    and not kwargs.get("non_blocking", False))
+        if func is torch.Tensor.copy_:  # into a CPU tensor from a device one, blocking
+            blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            return (len(args) > 1 and self._on_device(args[1]) and src.device.type == "cpu" != args[1].device.type
+                    and blocking)
+        if func in self.MASKED:  # a boolean mask: its count sizes the op
             index = args[1] if len(args) > 1 else None
-            return any(self._on_device(i) and i.dtype == torch.bool
-                       for i in (index if isinstance(index, tuple) else (index,)))
+            masked = any(self._on_device(i) and i.dtype == torch.bool
+                         for i in (index if isinstance(index, tuple) else (index,)))
+            if masked and func is torch.Tensor.__setitem__ and not (isinstance(index, tuple) and len(index) > 1):
+                value = args[2] if len(args) > 2 else None  # one host value for all: a masked_fill, no sync
+                return not (isinstance(value, (bool, int, float, complex)) or isinstance(value, torch.Tensor)
+                            and value.numel() == 1 and not self._on_device(value))
+            return masked
+        if func in self.REPEATS:  # repeats in a device tensor, the output's size not given
+            repeats = src if len(args) == 1 and func is torch.repeat_interleave else (
+                args[1] if len(args) > 1 else kwargs.get("repeats"))
+            return self._on_device(repeats) and kwargs.get("output_size") is None
         if func is torch.where:  # where(condition) alone is nonzero
             return len(args) + len(kwargs) == 1 and self._on_device(src if args else kwargs.get("condition"))
         return False
@@ -274,7 +298,7 @@ def _graph_memory(device) -> int:
 
 def _end_routing(device, pool) -> bool:
     """Route allocations back from a failed capture's pool; False where torch's ``capture_end``
-    had done so before it raised (torch 2.12 on, pytorch#180395; earlier ones raised first)."""
+    had done so before it raised (torches with pytorch#180395; earlier ones raised first)."""
     try:
         torch._C._cuda_endAllocateToPool(device.index, pool)
     except RuntimeError:  # "not currently recording to mempool_id" / "capture_underway is false"
@@ -290,10 +314,10 @@ failed (``None``: could not be told); see :func:`_failed_reset_keeps_pool`."""
 def _failed_reset_keeps_pool(device, side) -> bool | None:
     """Whether a failed capture's ``reset`` leaves its pool's use count raised. Torch releases a
     graph's pool in ``reset`` only after a capture that ended, up to pytorch#190348, which also
-    releases after one that failed; a pool whose count stays raised is never freed (about 35 MB on a
-    tiny Flux, an H200 run). Asked once per process of a capture failed on purpose into a pool whose
-    users torch counts (a ``MemPool``), under the native allocator only: under cudaMallocAsync a
-    pool is never released."""
+    releases after one that failed; a pool whose count stays raised is never freed (which fits the
+    35 MB a failed capture left on a tiny Flux in the H200 runs). Asked once per process of a
+    capture failed on purpose into a pool whose users torch counts (a ``MemPool``), under the native
+    allocator only: under cudaMallocAsync a pool is never released."""
     if "answer" in _FAILED_RESET_KEEPS_POOL:
         return _FAILED_RESET_KEEPS_POOL["answer"]
     answer = None
@@ -302,21 +326,23 @@ def _failed_reset_keeps_pool(device, side) -> bool | None:
         before = probe.use_count()
         graph = torch.cuda.CUDAGraph()
         failed = False
-        with torch.cuda.stream(side):
-            graph.capture_begin(pool=probe.id, capture_error_mode="thread_local")
-            try:
-                side.synchronize()  # never permitted while capturing: fails the capture
-            except Exception:
-                pass
-            try:
-                graph.capture_end()
-            except Exception:
-                failed = True
-        graph.reset()
-        _end_routing(device, probe.id)
-        left = probe.use_count() - before
-        if left > 0:
-            torch._C._cuda_releasePool(device.index, probe.id)
+        try:
+            with torch.cuda.stream(side):
+                graph.capture_begin(pool=probe.id, capture_error_mode="thread_local")
+                try:
+                    side.synchronize()  # never permitted while capturing: fails the capture
+                except Exception:
+                    pass
+                try:
+                    graph.capture_end()
+                except Exception:
+                    failed = True
+        finally:  # the probe's own pool is left as it was, however far it got
+            graph.reset()
+            _end_routing(device, probe.id)
+            left = probe.use_count() - before
+            if left > 0:
+                torch._C._cuda_releasePool(device.index, probe.id)
         if failed:
             answer = left > 0
         del graph, probe  # the MemPool's own reference goes with it, and its cache
@@ -329,12 +355,22 @@ def _failed_reset_keeps_pool(device, side) -> bool | None:
     return answer
 
 
-def _drop_failed(graph, device, pool, side, ended: bool) -> None:
-    """Let go of a failed capture's graph and its share of the model's pool. Where ``capture_end``
-    raised, this torch may or may not have routed allocations back, and its ``reset`` may or may not
-    give the pool back: both are asked of torch, never assumed, since a share given back twice frees
-    the pool under the model's live graphs."""
-    if ended:  # the forward failed, the capture ended: reset gives the pool back
+def _capture_ended(graph) -> bool:
+    """Whether torch ended this graph's capture, so that its ``reset`` gives the pool back: also
+    where ``capture_end`` raised after that (an instantiation out of memory)."""
+    try:
+        graph.pool()  # refused before a capture has ended
+    except Exception:
+        return False
+    return True
+
+
+def _drop_failed(graph, device, pool, side, began: bool = True) -> None:
+    """Let go of a failed capture's graph and its share of the model's pool (``began``: whether
+    ``capture_begin`` returned). This torch may or may not have routed allocations back, and its
+    ``reset`` may or may not give the pool back: both are asked of torch, never assumed, since a
+    share given back twice frees the pool under the model's live graphs."""
+    if _capture_ended(graph):
         graph.reset()
         return
     tracker = getattr(graph, "_tracker", None)  # torch's liveness check (debug) ends with the capture
@@ -344,45 +380,67 @@ def _drop_failed(graph, device, pool, side, ended: bool) -> None:
     routed_here = _end_routing(device, pool)
     if torch.cuda.get_allocator_backend() != "native":
         return
-    # routing still on after capture_end and reset: a torch from before pytorch#180395, so before
-    # #190348 too (its reset keeps the pool); otherwise torch is asked
-    if routed_here or _failed_reset_keeps_pool(device, side):
+    if began:  # routing still on after capture_end: a torch from before pytorch#180395 (and #190348)
+        release = routed_here or _failed_reset_keeps_pool(device, side)
+    else:  # capture_begin raised: the pool's count was raised only where its routing had begun
+        release = routed_here and _failed_reset_keeps_pool(device, side)
+    if release:
         torch._C._cuda_releasePool(device.index, pool)
 
 
+def _clear_frames(exc: BaseException | None, seen: set | None = None) -> None:
+    """Clear the locals of every frame ``exc`` passed through, and of the errors it chains."""
+    seen = set() if seen is None else seen
+    if exc is None or id(exc) in seen:
+        return
+    seen.add(id(exc))
+    traceback.clear_frames(exc.__traceback__)
+    _clear_frames(exc.__cause__, seen)
+    _clear_frames(exc.__context__, seen)
+
+
 _PARKED: list = []
-"""Under cudaMallocAsync: tensors made in captures that failed, kept for the life of the process."""
+"""Under cudaMallocAsync: storages made in captures that failed, kept for the life of the process.
+One reference more than the module's, never given back: at interpreter exit, where the module's
+globals are cleared, freeing them would abort the process as it ends."""
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_PARKED))
 
 
-def _park(failure: BaseException | None, static_out, made: set, kept: dict) -> None:
+def _inner(t: torch.Tensor) -> list:
+    """The plain tensors holding ``t``'s memory: itself, or a wrapper subclass's (a quantized
+    weight) inner tensors, as it flattens them."""
+    if _storage_ptr(t):
+        return [t]
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is None:
+        return []
+    try:
+        names = flatten()[0]
+    except Exception:  # a wrapper that cannot say: nothing of it is kept
+        return []
+    return [x for n in names if isinstance(getattr(t, n, None), torch.Tensor) for x in _inner(getattr(t, n))]
+
+
+def _park(keep: KeepExternal) -> None:
     """Under cudaMallocAsync a tensor made in a capture holds memory of the graph that capture was
-    building; where the capture failed, CUDA dropped that graph and torch's free of the tensor fails
-    inside a destructor, which aborts the process (an H200 run). Keeps every tensor made in the
-    capture that is still alive here, in the failure's frames or its output, for the life of the
-    process (said in the log once). Tensors that existed before the capture are let go as usual."""
+    building; where the capture failed, CUDA dropped that graph and torch's free of that memory
+    fails inside a destructor, which aborts the process (the H200 runs). Keeps the storage of every
+    tensor the capture made that is still alive, whoever holds it (the failure's frames, its output,
+    a patch's attribute), for the life of the process, said once in the log. Memory from before the
+    capture (a weight, also under a view or a wrapper made in the capture) is never kept."""
+    before = {k for k in keep.kept if isinstance(k, int)}
+    before.update(_storage_ptr(x) for k, w in keep.kept.items() if not isinstance(k, int) for x in _inner(w))
     found: dict = {}
-
-    def visit(v, depth: int) -> None:
-        if isinstance(v, torch.Tensor):
-            key = _keep_key(v)
-            if key in made and key not in kept:
-                found.setdefault(key, v)
-        elif depth and isinstance(v, (list, tuple)):
-            for x in v:
-                visit(x, depth - 1)
-        elif depth and isinstance(v, dict):
-            for x in v.values():
-                visit(x, depth - 1)
-
-    visit(static_out, 4)
-    for frame, _ in traceback.walk_tb(failure.__traceback__ if failure is not None else None):
-        for v in frame.f_locals.values():
-            visit(v, 4)
+    for ref in keep.made_refs or ():
+        t = ref()
+        for x in _inner(t) if t is not None else ():
+            ptr = _storage_ptr(x)
+            if ptr not in before:
+                found.setdefault(ptr, x.untyped_storage())
     if found and not _PARKED:
-        log.warning("ReuseKit graph: under cudaMallocAsync the tensors made in a capture that failed cannot "
-                    "be freed (freeing one aborts the process): they are kept until ComfyUI exits, %.1f MiB "
-                    "this time (--disable-cuda-malloc frees them)",
-                    sum(t.untyped_storage().nbytes() for k, t in found.items() if isinstance(k, int)) / 2**20)
+        log.warning("ReuseKit graph: under cudaMallocAsync the memory of a capture that failed cannot be "
+                    "freed (freeing it aborts the process): it is kept until ComfyUI exits, %.1f MiB this "
+                    "time (--disable-cuda-malloc frees it)", sum(st.nbytes() for st in found.values()) / 2**20)
     _PARKED.extend(found.values())
 
 
@@ -448,7 +506,7 @@ class CudaGraphRunner(StaticRunner):
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         before = _graph_memory(device)
-        keep = KeepExternal()
+        keep = KeepExternal(track_made=torch.cuda.get_allocator_backend() != "native")
         uploads.replaying = True
         failure = static_out = None
         forward_failed = False
@@ -459,11 +517,17 @@ class CudaGraphRunner(StaticRunner):
         # where capture_end raises (a capture a sync invalidated) its __exit__ leaves the capture
         # stream current, and neither releases a failed capture's pool, which takes the allocator
         # calls of _drop_failed either way (torch's cudagraph trees make the same ones).
-        ended = True
         with torch.cuda.stream(side):
             try:
                 graph.capture_begin(pool=pool, **_capture_kwargs())
-            except Exception as exc:  # nothing began: nothing to end
+            except Exception as exc:  # nothing captured
+                began = torch.cuda.is_current_stream_capturing()
+                if began:  # it raised once the capture was live (a capture-start hook): end it
+                    try:
+                        graph.capture_end()
+                    except Exception:
+                        log.debug("ReuseKit graph: ending a capture whose begin failed", exc_info=True)
+                _drop_failed(graph, device, pool, side, began)
                 return eager_out, _first_line(exc)
             try:
                 with keep, uploads:
@@ -475,15 +539,15 @@ class CudaGraphRunner(StaticRunner):
             try:
                 graph.capture_end()
             except Exception as exc:  # the capture was invalidated (a sync, a CPU op...)
-                ended, failure = False, failure or exc
+                failure = failure or exc
         if failure is not None:
-            _drop_failed(graph, device, pool, side, ended)
-            if torch.cuda.get_allocator_backend() != "native":
-                _park(failure, static_out, keep.made, keep.kept)
+            _drop_failed(graph, device, pool, side)
+            if keep.made_refs is not None:
+                _park(keep)
             why = _why_not_captured(failure, forward_failed)
             # the forward's frames let go of what the capture made now, not once a cycle through
             # them is collected: a block of the pool still in use keeps the pool from being freed
-            traceback.clear_frames(failure.__traceback__)
+            _clear_frames(failure)
             graph = keep = static_out = None
             try:
                 if not isinstance(failure, Exception) or isinstance(failure, self.raise_as_is):

@@ -33,7 +33,8 @@ class FakeCuda:
         self.end_fails = end_fails
         self.torch_kind = torch_kind
         self.backend = backend
-        self.begin_fails = False
+        self.begin_fails = ""  # "before routing" / "after routing"
+        self.instantiate_fails = False
         self.sync_mode = 0
         self.current = "main"
         self.pools = 0
@@ -65,17 +66,20 @@ class FakeCuda:
         class Graph:
             def __init__(self):
                 self._tracker = Tracker()
-                self.pool = None
+                self.pool_id = None
                 self.ended = False
 
             def capture_begin(self, pool=None, **kwargs):
-                if fake.begin_fails:
+                when, fake.begin_fails = fake.begin_fails, ""  # the model's capture fails, not the probe's
+                if when == "before routing":
                     raise RuntimeError("CUDA error: out of memory")
-                fake.calls.append(("begin", pool, fake.current, kwargs.get("capture_error_mode")))
-                fake.capturing = threading.get_ident()
-                self.pool = pool
+                self.pool_id = pool
                 fake.uses[pool] = fake.uses.get(pool, 0) + 1
                 fake.routing.add(pool)
+                if when == "after routing":  # cudaStreamBeginCapture failed
+                    raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+                fake.calls.append(("begin", pool, fake.current, kwargs.get("capture_error_mode")))
+                fake.capturing = threading.get_ident()
 
             def capture_end(self):
                 fake.calls.append(("end",))
@@ -83,21 +87,28 @@ class FakeCuda:
                 invalidated, fake.invalidated = fake.invalidated, False
                 if (fake.end_fails or invalidated) and fake.torch_kind == "old":
                     raise RuntimeError(CAPTURE_ERROR)
-                fake.routing.discard(self.pool)
+                fake.routing.discard(self.pool_id)
                 if fake.end_fails:
                     raise RuntimeError(CAPTURE_ERROR)
                 if invalidated:
                     raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
                 self.ended = True
+                if fake.instantiate_fails:  # after the capture ended (torch's Python capture_end)
+                    raise torch.OutOfMemoryError("CUDA out of memory (cudaGraphInstantiate)")
+
+            def pool(self):
+                if not self.ended:
+                    raise RuntimeError("Called CUDAGraph::pool() without a preceding successful capture.")
+                return self.pool_id
 
             def replay(self):
                 fake.calls.append(("replay",))
 
             def reset(self):
                 fake.calls.append(("reset",))
-                if self.pool is not None and (self.ended or fake.torch_kind == "190348"):
-                    fake.release(self.pool)
-                self.pool, self.ended = None, False
+                if self.pool_id is not None and (self.ended or fake.torch_kind == "190348"):
+                    fake.release(self.pool_id)
+                self.pool_id, self.ended = None, False
 
         class MemPool:
             def __init__(self):
@@ -147,6 +158,7 @@ class FakeCuda:
             "memory_reserved": lambda device=None: 1000 + 10 * len(self.calls),
             "mem_get_info": lambda device=None: (10**9 - 10 * len(self.calls), 10**9),
             "is_initialized": lambda: True, "get_sync_debug_mode": lambda: self.sync_mode,
+            "is_current_stream_capturing": lambda: self.capturing == threading.get_ident(),
             "set_sync_debug_mode": set_mode,
         }.items():
             monkeypatch.setattr(cuda, name, value)
@@ -244,7 +256,7 @@ TORCH_KINDS = ["old", "2.12", "190348"]
 def assert_pools_given_back(fake, pools, live=0):
     """Every pool the captures used is held by ``live`` graphs only, routes nothing, and was never
     released below zero; the caller's stream is current again."""
-    assert all(fake.uses[p] == live for p in pools), fake.uses
+    assert all(fake.uses.get(p, 0) == live for p in pools), fake.uses
     assert not fake.routing and fake.over_released == 0 and fake.current == "main"
 
 
@@ -317,25 +329,27 @@ def test_a_failed_capture_beside_a_live_graph_leaves_that_graphs_share(gc, tiny,
 
 @pytest.mark.parametrize("cancel", [False, True])
 def test_under_cuda_malloc_async_the_tensors_a_failed_capture_made_are_kept(gc, tiny, monkeypatch, cancel):
-    """Under cudaMallocAsync, freeing a tensor made in a capture that failed aborts the process (an
-    H200 run, as the failed capture's traceback went): each one still alive is kept for the life of
-    the process, with the cancel raised or the step run eagerly; tensors from before the capture
-    (the model's weights, the runner's buffers, the eager output) are not kept."""
+    """Under cudaMallocAsync, freeing memory made in a capture that failed aborts the process (the
+    H200 runs, as the failed capture's traceback went): what is still alive is kept for the life of
+    the process, whoever holds it (here an object's attribute, beside the forward's frames), with the
+    cancel raised or the step run eagerly. Memory from before the capture (the model's weights, also
+    under a view made in the capture; the runner's buffers; the eager output) is not kept."""
     import comfy.model_management as mm
 
     fake = FakeCuda(monkeypatch, backend="cudaMallocAsync")
-    made = []
+    holder, weights = type("Holder", (), {})(), []
 
     def makes_then_fails(args, extra):
         if fake.capturing is not None:
-            made.append(args["img"] * 2)
-            local = made[-1]  # noqa: F841  (alive in this frame when the capture fails)
+            holder.made = args["img"] * 2
+            view = weights[0].t()  # noqa: F841  (a view of a weight, in this frame when the capture fails)
             if cancel:
                 raise mm.InterruptProcessingException()
             fake.sync()
         return extra["original_block"](args)
 
     fn, named, eager = flux_call(tiny, makes_then_fails)
+    weights.append(next(p for p in fn.__self__.parameters() if p.dim() == 2))
     runner = runner_for(gc, fn, named)
     with torch.inference_mode():
         if cancel:
@@ -344,11 +358,10 @@ def test_under_cuda_malloc_async_the_tensors_a_failed_capture_made_are_kept(gc, 
         else:
             out, failure = runner.capture(1)
             assert torch.equal(out, eager) and failure.startswith("the forward syncs the host at")
-    parked = gc.graph_runners._PARKED
-    assert any(t is made[0] for t in parked)
-    before = {t.untyped_storage().data_ptr() for t in [*fn.__self__.parameters(), *runner.static]} if runner.static else \
-        {t.untyped_storage().data_ptr() for t in fn.__self__.parameters()}
-    assert not any(t.untyped_storage().data_ptr() in before for t in parked)
+    parked = {st.data_ptr() for st in gc.graph_runners._PARKED}
+    assert holder.made.untyped_storage().data_ptr() in parked
+    before = [*fn.__self__.parameters(), *runner.static] + ([] if cancel else [out])
+    assert parked and not parked & {t.untyped_storage().data_ptr() for t in before}
     assert fake.over_released == 0 and not fake.routing and fake.mempools == []  # nothing to release there
 
 
@@ -428,7 +441,11 @@ SYNCS = {  # ops that make the host wait for a device value, each on a device te
     "tolist": lambda t: t.tolist(),
     "nonzero": lambda t: torch.nonzero(t),
     "mask index": lambda t: t[t > 0],
-    "mask assign": lambda t: t.clone().__setitem__(t > 0, 0.0),
+    "mask assign from the device": lambda t: t.clone().__setitem__(t > 0, t[0]),
+    "repeat_interleave": lambda t: t.repeat_interleave(torch.ones(6, dtype=torch.long)),
+    "bincount": lambda t: (t > 0).long().bincount(),
+    "allclose": lambda t: torch.allclose(t, t),
+    "f-string": lambda t: f"{t.sum()}",
     "where(condition)": lambda t: torch.where(t > 0),
     "unique": lambda t: t.unique(),
     "equal": lambda t: torch.equal(t, t),
@@ -439,6 +456,8 @@ NO_SYNCS = {
     "int index": lambda t: t[0],
     "a shape": lambda t: torch.zeros(t.shape[0] * 2),
     "a mask kept on the device": lambda t: (t > 0).float() * t,
+    "mask assign of a number": lambda t: t.clone().__setitem__(t > 0, 0.0),
+    "repeat_interleave by a number": lambda t: t.repeat_interleave(2),
 }
 
 
@@ -467,6 +486,10 @@ def test_the_warm_up_watch_finds_copies_to_the_host(gc, monkeypatch):
     assert watch._syncs(torch.Tensor.to, (on_device, on_host), {})
     assert watch._syncs(torch.Tensor.cpu, (on_device,), {})
     assert watch._syncs(torch.Tensor.copy_, (on_host, on_device), {})
+    assert not watch._syncs(torch.Tensor.to, (on_device, "cpu"), {"non_blocking": True})
+    assert not watch._syncs(torch.Tensor.copy_, (on_host, on_device, True), {})
+    assert not watch._syncs(torch.Tensor.__setitem__, (on_device, on_device > 0, torch.tensor(1.0)), {})
+    assert watch._syncs(torch.Tensor.__setitem__, (on_device, on_device > 0, on_device[:1]), {})
     assert not watch._syncs(torch.Tensor.to, (on_device, torch.float16), {})
     assert not watch._syncs(torch.Tensor.to, (on_host, "meta"), {})  # an upload: ConstantUploads' part
     assert not watch._syncs(torch.Tensor.copy_, (on_device, on_host), {})
@@ -572,14 +595,35 @@ def test_a_model_error_in_the_warm_up_is_raised_after_joining_the_stream(gc, tin
     assert fake.kinds() == ["wait", "wait"] and fake.sync_mode == 0 and fake.current == "main"
 
 
-def test_a_capture_that_cannot_begin_runs_eagerly_and_ends_nothing(gc, tiny, monkeypatch):
-    fake = FakeCuda(monkeypatch)
-    fake.begin_fails = True
+@pytest.mark.parametrize("torch_kind", TORCH_KINDS)
+@pytest.mark.parametrize("when", ["before routing", "after routing"])
+def test_a_capture_that_cannot_begin_runs_eagerly_and_gives_back_what_it_took(gc, tiny, monkeypatch, torch_kind, when):
+    """torch raises from capture_begin before it routes allocations to the pool (a check) or after
+    (cudaStreamBeginCapture failed): the pool's count is raised only in the second case, and given
+    back there, once."""
+    fake = FakeCuda(monkeypatch, torch_kind=torch_kind)
+    fake.begin_fails = when
+    fn, named, eager = flux_call(tiny)
+    shared = {}
+    with torch.inference_mode():
+        out, failure = runner_for(gc, fn, named, shared).capture(1)
+    assert torch.equal(out, eager) and failure.startswith("RuntimeError: CUDA error: ")
+    assert fake.graph_pools() == []  # the model's capture never began
+    assert_pools_given_back(fake, [shared[("pool", torch.device("cpu"))]])
+
+
+@pytest.mark.parametrize("torch_kind", TORCH_KINDS)
+def test_a_capture_that_ended_before_capture_end_raised_is_given_back_by_reset_alone(gc, tiny, monkeypatch, torch_kind):
+    """torch's capture_end can raise after the capture ended (its instantiation out of memory):
+    reset gives the pool back then, on every torch, and nothing else may."""
+    fake = FakeCuda(monkeypatch, torch_kind=torch_kind)
+    fake.instantiate_fails = True
     fn, named, eager = flux_call(tiny)
     with torch.inference_mode():
         out, failure = runner_for(gc, fn, named).capture(1)
-    assert torch.equal(out, eager) and failure == "RuntimeError: CUDA error: out of memory"
-    assert fake.kinds() == ["wait", "wait"] and fake.current == "main"
+    assert torch.equal(out, eager) and failure.startswith("OutOfMemoryError: CUDA out of memory")
+    assert_pools_given_back(fake, fake.graph_pools())
+    assert fake.mempools == [] and "end_pool" not in fake.kinds()  # nothing asked: reset's part
 
 
 def test_a_step_hooks_outputs_come_back_from_capture_and_replay(gc, tiny, monkeypatch):

@@ -130,7 +130,7 @@ def test_a_forward_that_syncs_runs_eagerly_and_leaves_cuda_usable(gc, tiny, cond
     the failed pool is released (whichever way this torch ends a failed capture) and the next
     capture works; under cudaMallocAsync the process lives on (it aborted in the first H200 runs)."""
     monkeypatch.setattr(rkharness.pack("patches.host"), "_said", set())  # the warning is said once per process
-    monkeypatch.setattr(gc.graph_runners, "_PARKED", [])
+    parked = len(gc.graph_runners._PARKED)  # never replaced: freeing what it holds would abort
     model = tiny.tiny_flux(0)
     syncing = capture(model)
     syncing.set_model_patch_replace(_syncing_patch(gc.gr, only_in_capture), "dit", "double_block", 0)
@@ -147,7 +147,7 @@ def test_a_forward_that_syncs_runs_eagerly_and_leaves_cuda_usable(gc, tiny, cond
     assert ("in the warm-up)" in caplog.text) != only_in_capture  # found by the warm-up's watch: never begun
     if only_in_capture:
         # under cudaMallocAsync the tensors the failed captures made are kept (freeing one aborts)
-        assert bool(gc.graph_runners._PARKED) == (torch.cuda.get_allocator_backend() != "native")
+        assert (len(gc.graph_runners._PARKED) > parked) == (torch.cuda.get_allocator_backend() != "native")
         if torch.cuda.get_allocator_backend() == "native":  # torch >= 2.12 ends the routing itself: asked once
             assert gc.graph_runners._FAILED_RESET_KEEPS_POOL.get("answer") in (True, False)
     gc.graph_release.release_all("test")
