@@ -15,6 +15,7 @@ import contextlib
 import ctypes
 import inspect
 import logging
+import numbers
 import os
 import traceback
 import weakref
@@ -236,24 +237,25 @@ class HostSyncs(torch.overrides.TorchFunctionMode):
         if func is torch.Tensor.to:  # to the CPU, blocking
             to = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device, torch.Tensor))), None))
             to = to.device if isinstance(to, torch.Tensor) else to
+            non_blocking = kwargs.get("non_blocking", next((a for a in args[1:] if isinstance(a, bool)), False))
             return (self._on_device(src) and to is not None and torch.device(to).type == "cpu" != src.device.type
-                    and not kwargs.get("non_blocking", False))
+                    and not non_blocking)
         if func is torch.Tensor.copy_:  # into a CPU tensor from a device one, blocking
             blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
             return (len(args) > 1 and self._on_device(args[1]) and src.device.type == "cpu" != args[1].device.type
                     and blocking)
         if func in self.MASKED:  # a boolean mask: its count sizes the op
             index = args[1] if len(args) > 1 else None
-            masked = any(self._on_device(i) and i.dtype == torch.bool
-                         for i in (index if isinstance(index, tuple) else (index,)))
-            if masked and func is torch.Tensor.__setitem__ and not (isinstance(index, tuple) and len(index) > 1):
+            index = index if isinstance(index, tuple) else (index,)
+            masked = any(self._on_device(i) and i.dtype == torch.bool for i in index)
+            if masked and func is torch.Tensor.__setitem__ and sum(isinstance(i, torch.Tensor) for i in index) == 1:
                 value = args[2] if len(args) > 2 else None  # one host value for all: a masked_fill, no sync
-                return not (isinstance(value, (bool, int, float, complex)) or isinstance(value, torch.Tensor)
+                return not (isinstance(value, numbers.Number) or isinstance(value, torch.Tensor)
                             and value.numel() == 1 and not self._on_device(value))
             return masked
         if func in self.REPEATS:  # repeats in a device tensor, the output's size not given
-            repeats = src if len(args) == 1 and func is torch.repeat_interleave else (
-                args[1] if len(args) > 1 else kwargs.get("repeats"))
+            alone = func is torch.repeat_interleave and len(args) == 1 and "repeats" not in kwargs
+            repeats = src if alone else args[1] if len(args) > 1 else kwargs.get("repeats")
             return self._on_device(repeats) and kwargs.get("output_size") is None
         if func is torch.where:  # where(condition) alone is nonzero
             return len(args) + len(kwargs) == 1 and self._on_device(src if args else kwargs.get("condition"))
@@ -301,26 +303,27 @@ def _end_routing(device, pool) -> bool:
     had done so before it raised (torches with pytorch#180395; earlier ones raised first)."""
     try:
         torch._C._cuda_endAllocateToPool(device.index, pool)
-    except RuntimeError:  # "not currently recording to mempool_id" / "capture_underway is false"
+    except Exception:  # "not currently recording to mempool_id" / "capture_underway is false"
         return False
     return True
 
 
-_FAILED_RESET_KEEPS_POOL: dict = {}
-"""Per process: whether this torch's ``CUDAGraph.reset`` keeps the pool reference of a capture that
-failed (``None``: could not be told); see :func:`_failed_reset_keeps_pool`."""
+_FAILED_CAPTURE: dict = {}
+"""Per process: how this torch ends a capture that failed (see :func:`_failed_capture`)."""
 
 
-def _failed_reset_keeps_pool(device, side) -> bool | None:
-    """Whether a failed capture's ``reset`` leaves its pool's use count raised. Torch releases a
-    graph's pool in ``reset`` only after a capture that ended, up to pytorch#190348, which also
-    releases after one that failed; a pool whose count stays raised is never freed (which fits the
-    35 MB a failed capture left on a tiny Flux in the H200 runs). Asked once per process of a
-    capture failed on purpose into a pool whose users torch counts (a ``MemPool``), under the native
-    allocator only: under cudaMallocAsync a pool is never released."""
-    if "answer" in _FAILED_RESET_KEEPS_POOL:
-        return _FAILED_RESET_KEEPS_POOL["answer"]
-    answer = None
+def _failed_capture(device, side) -> tuple[bool | None, bool]:
+    """How this torch ends a capture that failed: whether its ``reset`` leaves the pool's use count
+    raised (``None``: could not be told) and whether its ``capture_end`` routed allocations back
+    before it raised. Torch releases a graph's pool in ``reset`` only after a capture that ended, up
+    to pytorch#190348, which also releases after one that failed; a pool whose count stays raised is
+    never freed (which fits the 35 MB a failed capture left on a tiny Flux in the H200 runs); and up
+    to pytorch#180395 ``capture_end`` raised before routing back. Asked once per process of a capture
+    failed on purpose into a pool whose users torch counts (a ``MemPool``), under the native allocator
+    only: under cudaMallocAsync a pool is never released."""
+    if "answer" in _FAILED_CAPTURE:
+        return _FAILED_CAPTURE["answer"]
+    keeps, routes_back = None, False
     try:
         probe = torch.cuda.MemPool()
         before = probe.use_count()
@@ -339,25 +342,26 @@ def _failed_reset_keeps_pool(device, side) -> bool | None:
                     failed = True
         finally:  # the probe's own pool is left as it was, however far it got
             graph.reset()
-            _end_routing(device, probe.id)
+            routes_back = not _end_routing(device, probe.id)
             left = probe.use_count() - before
             if left > 0:
                 torch._C._cuda_releasePool(device.index, probe.id)
         if failed:
-            answer = left > 0
+            keeps = left > 0
         del graph, probe  # the MemPool's own reference goes with it, and its cache
     except Exception:  # a torch without MemPool's count: the pool is left to torch
-        log.debug("ReuseKit graph: could not tell whether a failed capture keeps its pool", exc_info=True)
-    if answer is None:
+        log.debug("ReuseKit graph: could not tell how a failed capture ends", exc_info=True)
+    if keeps is None:
         log.warning("ReuseKit graph: this torch cannot say whether a failed capture gives its memory pool "
                     "back; such a pool may stay reserved until ComfyUI exits")
-    _FAILED_RESET_KEEPS_POOL["answer"] = answer
-    return answer
+    _FAILED_CAPTURE["answer"] = keeps, routes_back
+    return keeps, routes_back
 
 
 def _capture_ended(graph) -> bool:
     """Whether torch ended this graph's capture, so that its ``reset`` gives the pool back: also
-    where ``capture_end`` raised after that (an instantiation out of memory)."""
+    where ``capture_end`` raised after that (an instantiation out of memory), on torches whose
+    ``pool()`` asks only that the capture ended (torch 2.6 asked for the instantiated graph)."""
     try:
         graph.pool()  # refused before a capture has ended
     except Exception:
@@ -369,23 +373,31 @@ def _drop_failed(graph, device, pool, side, began: bool = True) -> None:
     """Let go of a failed capture's graph and its share of the model's pool (``began``: whether
     ``capture_begin`` returned). This torch may or may not have routed allocations back, and its
     ``reset`` may or may not give the pool back: both are asked of torch, never assumed, since a
-    share given back twice frees the pool under the model's live graphs."""
-    if _capture_ended(graph):
-        graph.reset()
-        return
-    tracker = getattr(graph, "_tracker", None)  # torch's liveness check (debug) ends with the capture
-    if tracker is not None:
-        tracker.stop()
-    graph.reset()  # first: a torch whose reset undoes a failed capture's routing itself finds it on
-    routed_here = _end_routing(device, pool)
-    if torch.cuda.get_allocator_backend() != "native":
-        return
-    if began:  # routing still on after capture_end: a torch from before pytorch#180395 (and #190348)
-        release = routed_here or _failed_reset_keeps_pool(device, side)
-    else:  # capture_begin raised: the pool's count was raised only where its routing had begun
-        release = routed_here and _failed_reset_keeps_pool(device, side)
-    if release:
-        torch._C._cuda_releasePool(device.index, pool)
+    share given back twice frees the pool under the model's live graphs. Never raises: the step
+    runs eagerly either way, and what could not be given back is said in the log."""
+    try:
+        if _capture_ended(graph):
+            graph.reset()
+            return
+        tracker = getattr(graph, "_tracker", None)  # torch's liveness check (debug) ends with the capture
+        if tracker is not None:
+            tracker.stop()
+        graph.reset()  # first: a torch whose reset undoes a failed capture's routing itself finds it on
+        routed_here = _end_routing(device, pool)
+        if torch.cuda.get_allocator_backend() != "native":
+            return
+        if routed_here:  # torch raised before routing back: its reset gives back only an ended capture
+            release = began or bool(_failed_capture(device, side)[0])
+        else:
+            keeps, routes_back = _failed_capture(device, side)
+            # where capture_end raises before routing back (torch before pytorch#180395), routing off
+            # here means the capture ended, instantiation failed, and reset gave the share back
+            release = began and bool(keeps) and routes_back
+        if release:
+            torch._C._cuda_releasePool(device.index, pool)
+    except Exception:
+        log.warning("ReuseKit graph: could not give back the memory pool of a failed capture; it may stay "
+                    "reserved until ComfyUI exits", exc_info=True)
 
 
 def _clear_frames(exc: BaseException | None, seen: set | None = None) -> None:
@@ -421,27 +433,31 @@ def _inner(t: torch.Tensor) -> list:
     return [x for n in names if isinstance(getattr(t, n, None), torch.Tensor) for x in _inner(getattr(t, n))]
 
 
-def _park(keep: KeepExternal) -> None:
+def _park(keep: KeepExternal, device) -> None:
     """Under cudaMallocAsync a tensor made in a capture holds memory of the graph that capture was
     building; where the capture failed, CUDA dropped that graph and torch's free of that memory
     fails inside a destructor, which aborts the process (the H200 runs). Keeps the storage of every
-    tensor the capture made that is still alive, whoever holds it (the failure's frames, its output,
-    a patch's attribute), for the life of the process, said once in the log. Memory from before the
-    capture (a weight, also under a view or a wrapper made in the capture) is never kept."""
-    before = {k for k in keep.kept if isinstance(k, int)}
-    before.update(_storage_ptr(x) for k, w in keep.kept.items() if not isinstance(k, int) for x in _inner(w))
-    found: dict = {}
-    for ref in keep.made_refs or ():
-        t = ref()
-        for x in _inner(t) if t is not None else ():
-            ptr = _storage_ptr(x)
-            if ptr not in before:
-                found.setdefault(ptr, x.untyped_storage())
-    if found and not _PARKED:
-        log.warning("ReuseKit graph: under cudaMallocAsync the memory of a capture that failed cannot be "
-                    "freed (freeing it aborts the process): it is kept until ComfyUI exits, %.1f MiB this "
-                    "time (--disable-cuda-malloc frees it)", sum(st.nbytes() for st in found.values()) / 2**20)
-    _PARKED.extend(found.values())
+    tensor on ``device`` the capture made that is still alive, whoever holds it (the failure's
+    frames, its output, a patch's attribute), for the life of the process, said once in the log.
+    Memory from before the capture (a weight, also under a view or a wrapper made in the capture)
+    is never kept. Never raises: the step runs eagerly either way."""
+    try:
+        before = {k for k in keep.kept if isinstance(k, int)}
+        before.update(_storage_ptr(x) for k, w in keep.kept.items() if not isinstance(k, int) for x in _inner(w))
+        found: dict = {}
+        for ref in keep.made_refs or ():
+            t = ref()
+            for x in _inner(t) if t is not None else ():
+                ptr = _storage_ptr(x)
+                if ptr not in before and x.device == device:
+                    found.setdefault(ptr, x.untyped_storage())
+        if found and not _PARKED:
+            log.warning("ReuseKit graph: under cudaMallocAsync the memory of a capture that failed cannot be "
+                        "freed (freeing it aborts the process): it is kept until ComfyUI exits, %.1f MiB this "
+                        "time (--disable-cuda-malloc frees it)", sum(st.nbytes() for st in found.values()) / 2**20)
+        _PARKED.extend(found.values())
+    except Exception:
+        log.warning("ReuseKit graph: could not keep the memory of a failed capture", exc_info=True)
 
 
 class CudaGraphRunner(StaticRunner):
@@ -543,7 +559,7 @@ class CudaGraphRunner(StaticRunner):
         if failure is not None:
             _drop_failed(graph, device, pool, side)
             if keep.made_refs is not None:
-                _park(keep)
+                _park(keep, device)
             why = _why_not_captured(failure, forward_failed)
             # the forward's frames let go of what the capture made now, not once a cycle through
             # them is collected: a block of the pool still in use keeps the pool from being freed

@@ -67,7 +67,7 @@ class FakeCuda:
             def __init__(self):
                 self._tracker = Tracker()
                 self.pool_id = None
-                self.ended = False
+                self.ended = self.instantiated = False
 
             def capture_begin(self, pool=None, **kwargs):
                 when, fake.begin_fails = fake.begin_fails, ""  # the model's capture fails, not the probe's
@@ -95,9 +95,10 @@ class FakeCuda:
                 self.ended = True
                 if fake.instantiate_fails:  # after the capture ended (torch's Python capture_end)
                     raise torch.OutOfMemoryError("CUDA out of memory (cudaGraphInstantiate)")
+                self.instantiated = True
 
-            def pool(self):
-                if not self.ended:
+            def pool(self):  # torch 2.6 asked for the instantiated graph, later ones for the ended capture
+                if not self.ended or fake.torch_kind == "old" and not self.instantiated:
                     raise RuntimeError("Called CUDAGraph::pool() without a preceding successful capture.")
                 return self.pool_id
 
@@ -210,7 +211,7 @@ N_POS = 5  # x, timestep, context, y, guidance by position; transformer_options 
 def _fresh_process_state(gc, monkeypatch):
     """What the runners learn or keep once per process (the failed-reset probe, tensors kept under
     cudaMallocAsync) starts anew in each test."""
-    monkeypatch.setattr(gc.graph_runners, "_FAILED_RESET_KEEPS_POOL", {})
+    monkeypatch.setattr(gc.graph_runners, "_FAILED_CAPTURE", {})
     monkeypatch.setattr(gc.graph_runners, "_PARKED", [])
 
 
@@ -365,6 +366,23 @@ def test_under_cuda_malloc_async_the_tensors_a_failed_capture_made_are_kept(gc, 
     assert fake.over_released == 0 and not fake.routing and fake.mempools == []  # nothing to release there
 
 
+def test_a_view_made_in_the_capture_of_a_wrapped_weight_keeps_nothing(gc, monkeypatch):
+    """A wrapper subclass (a quantized weight) has no storage of its own: a view of it made in a
+    failed capture wraps the weight's own memory, which is not kept; a new tensor's memory is."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    gr = gc.graph_runners
+    weight = TwoTensor(torch.randn(2, 3), torch.randn(2, 3))
+    with gr.KeepExternal(track_made=True) as keep:
+        view = weight.t()
+        fresh = torch.randn(3) * 2
+    gr._park(keep, torch.device("cpu"))
+    parked = {st.data_ptr() for st in gr._PARKED}
+    assert view.a.untyped_storage().data_ptr() == weight.a.untyped_storage().data_ptr()
+    assert not parked & {weight.a.untyped_storage().data_ptr(), weight.b.untyped_storage().data_ptr()}
+    assert fresh.untyped_storage().data_ptr() in parked
+
+
 def test_what_a_failed_capture_made_goes_at_once_even_in_a_cycle_through_its_frame(gc, tiny, monkeypatch):
     """A block still in use keeps the model's pool from being freed: a tensor the capture made, in
     a forward frame that a cycle holds, goes when the step returns, not at the next collection."""
@@ -457,7 +475,9 @@ NO_SYNCS = {
     "a shape": lambda t: torch.zeros(t.shape[0] * 2),
     "a mask kept on the device": lambda t: (t > 0).float() * t,
     "mask assign of a number": lambda t: t.clone().__setitem__(t > 0, 0.0),
+    "mask assign of a number, beside a slice": lambda t: t.reshape(2, 3).clone().__setitem__((slice(None), t[:3] > 0), 0),
     "repeat_interleave by a number": lambda t: t.repeat_interleave(2),
+    "repeat_interleave by a number, by name": lambda t: torch.repeat_interleave(t, repeats=2, dim=0),
 }
 
 
@@ -487,6 +507,7 @@ def test_the_warm_up_watch_finds_copies_to_the_host(gc, monkeypatch):
     assert watch._syncs(torch.Tensor.cpu, (on_device,), {})
     assert watch._syncs(torch.Tensor.copy_, (on_host, on_device), {})
     assert not watch._syncs(torch.Tensor.to, (on_device, "cpu"), {"non_blocking": True})
+    assert not watch._syncs(torch.Tensor.to, (on_device, "cpu", torch.float16, True), {})
     assert not watch._syncs(torch.Tensor.copy_, (on_host, on_device, True), {})
     assert not watch._syncs(torch.Tensor.__setitem__, (on_device, on_device > 0, torch.tensor(1.0)), {})
     assert watch._syncs(torch.Tensor.__setitem__, (on_device, on_device > 0, on_device[:1]), {})
@@ -615,7 +636,8 @@ def test_a_capture_that_cannot_begin_runs_eagerly_and_gives_back_what_it_took(gc
 @pytest.mark.parametrize("torch_kind", TORCH_KINDS)
 def test_a_capture_that_ended_before_capture_end_raised_is_given_back_by_reset_alone(gc, tiny, monkeypatch, torch_kind):
     """torch's capture_end can raise after the capture ended (its instantiation out of memory):
-    reset gives the pool back then, on every torch, and nothing else may."""
+    reset gives the pool back then, on every torch, and nothing else may (torch 2.6's ``pool()``
+    refuses a graph not instantiated, so there the pack tells it by the routing)."""
     fake = FakeCuda(monkeypatch, torch_kind=torch_kind)
     fake.instantiate_fails = True
     fn, named, eager = flux_call(tiny)
@@ -623,7 +645,7 @@ def test_a_capture_that_ended_before_capture_end_raised_is_given_back_by_reset_a
         out, failure = runner_for(gc, fn, named).capture(1)
     assert torch.equal(out, eager) and failure.startswith("OutOfMemoryError: CUDA out of memory")
     assert_pools_given_back(fake, fake.graph_pools())
-    assert fake.mempools == [] and "end_pool" not in fake.kinds()  # nothing asked: reset's part
+    assert (fake.mempools == []) == (torch_kind != "old")  # asked only where pool() cannot tell
 
 
 def test_a_step_hooks_outputs_come_back_from_capture_and_replay(gc, tiny, monkeypatch):
