@@ -158,15 +158,17 @@ class StaticRunner:
 
 
 class ConstantUploads(torch.overrides.TorchFunctionMode):
-    """CPU tensors the forward copies to the device: a copy from pageable host memory syncs, and
-    a sync cannot be captured (Wan's time embedding builds an ``arange`` on the CPU and moves it
-    on every call). The warm-up records each such upload in order (its CPU source and a copy of
-    the result); the capture replays them as device copies of the recorded results, each checked
-    once, at the capture, to equal its source (otherwise the capture fails and the call runs
-    eagerly). Replays do not look again: like every Python branch of a captured forward, such a
-    source may depend only on what the signature holds."""
+    """Host data the forward copies to the device: a copy from pageable host memory syncs, and a
+    sync cannot be captured (Wan's time embedding builds an ``arange`` on the CPU and moves it on
+    every call; LTX builds ``torch.tensor(patch_size, device=...)`` from a Python list). The warm-up
+    records each such upload in order (its CPU source and a copy of the result); the capture replays
+    them as device copies of the recorded results, each checked once, at the capture, to equal its
+    source (otherwise the capture fails and the call runs eagerly). Replays do not look again: like
+    every Python branch of a captured forward, such a source may depend only on what the signature
+    holds."""
 
     METHODS = frozenset({torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type_as})
+    FACTORIES = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
 
     def __init__(self):
         super().__init__()
@@ -174,10 +176,23 @@ class ConstantUploads(torch.overrides.TorchFunctionMode):
         self.replaying = False
         self._next = 0
 
+    @classmethod
+    def _source(cls, func, args, kwargs) -> torch.Tensor | None:
+        """The CPU tensor an upload copies from, None for any other op (the factories build it
+        from their host data, on the CPU)."""
+        src = args[0] if args else kwargs.get("data", kwargs.get("obj"))
+        if func in cls.METHODS:
+            return src if isinstance(src, torch.Tensor) and src.device.type == "cpu" else None
+        if func in cls.FACTORIES and kwargs.get("device") is not None and torch.device(kwargs["device"]).type != "cpu":
+            if isinstance(src, torch.Tensor):
+                return src if src.device.type == "cpu" else None
+            return func(*args, **{**kwargs, "device": "cpu"})
+        return None
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        src = args[0] if args else None
-        if func not in self.METHODS or not isinstance(src, torch.Tensor) or src.device.type != "cpu":
+        src = self._source(func, args, kwargs)
+        if src is None:
             return func(*args, **kwargs)
         if not self.replaying:
             out = func(*args, **kwargs)  # this copy is the one a capture will not make

@@ -593,6 +593,39 @@ def test_constant_uploads_replay_wans_cpu_built_time_embedding_as_device_copies(
         torch.arange(8).to(t)  # one upload more than the warm-up made
 
 
+def test_constant_uploads_replay_ltxs_tensor_built_from_host_data_as_device_copies(gc):
+    """LTX scales its patch coordinates by ``torch.tensor(scale_factors, device=...)`` on every
+    call, a copy of a Python list to the device: recorded in the warm-up, replayed as a device copy
+    of the record, refused where the data differ (``meta`` stands for the device)."""
+    from comfy.ldm.lightricks.symmetric_patchifier import latent_to_pixel_coords
+
+    coords = torch.zeros(1, 3, 4, device="meta")
+    uploads = gc.graph_runners.ConstantUploads()
+    with uploads:  # the warm-up
+        warm = latent_to_pixel_coords(coords, (8, 32, 32))
+    assert len(uploads.records) == 1 and torch.equal(uploads.records[0][0], torch.tensor((8, 32, 32)))
+    uploads.replaying = True
+    seen = []
+
+    class Spy(torch.overrides.TorchFunctionMode):  # below ConstantUploads: what reaches torch
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            seen.append((getattr(func, "__name__", ""), str(kwargs.get("device"))))
+            return func(*args, **kwargs)
+
+    with Spy(), uploads:
+        again = latent_to_pixel_coords(coords, (8, 32, 32))
+    assert again.shape == warm.shape and ("tensor", "meta") not in seen and ("clone", "None") in seen
+    uploads._next = 0
+    with uploads, pytest.raises(RuntimeError, match="differs from its warm-up"):
+        latent_to_pixel_coords(coords, (4, 16, 16))  # other host data than recorded: not a constant
+    host = gc.graph_runners.ConstantUploads()
+    with host:  # built on the CPU, or from a device tensor: not an upload, nothing recorded
+        torch.tensor([1.0, 2.0])
+        torch.as_tensor(torch.ones(2, device="meta"), device="meta")
+    assert host.records == []
+
+
 def test_weight_wrappers_and_transformer_patches_run_eagerly_with_a_reason(gc, monkeypatch, tiny, conds):
     monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
     model = tiny.tiny_flux(0)
