@@ -157,6 +157,14 @@ class StaticRunner:
         self.static, self.args, self.fn, self.hook, self.kept = [], [], None, None, {}
 
 
+def _host_data(v) -> bool:
+    """Python numbers, numpy arrays and scalars, and lists or tuples of them: data a factory copies
+    from host memory (not device tensors in a list, nor another library's device array)."""
+    if isinstance(v, (list, tuple)):
+        return all(_host_data(x) for x in v)
+    return isinstance(v, numbers.Number) or type(v).__module__ == "numpy"
+
+
 class ConstantUploads(torch.overrides.TorchFunctionMode):
     """Host data the forward copies to the device: a copy from pageable host memory syncs, and a
     sync cannot be captured (Wan's time embedding builds an ``arange`` on the CPU and moves it on
@@ -186,7 +194,7 @@ class ConstantUploads(torch.overrides.TorchFunctionMode):
         if func in cls.FACTORIES and kwargs.get("device") is not None and torch.device(kwargs["device"]).type != "cpu":
             if isinstance(src, torch.Tensor):
                 return src if src.device.type == "cpu" else None
-            return func(*args, **{**kwargs, "device": "cpu"})
+            return func(*args, **{**kwargs, "device": "cpu"}) if _host_data(src) else None
         return None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -624,6 +624,9 @@ def test_constant_uploads_replay_ltxs_tensor_built_from_host_data_as_device_copi
         torch.tensor([1.0, 2.0])
         torch.as_tensor(torch.ones(2, device="meta"), device="meta")
     assert host.records == []
+    with host:  # numpy data is host data
+        torch.tensor(__import__("numpy").arange(3), device="meta")
+    assert len(host.records) == 1
 
 
 def test_weight_wrappers_and_transformer_patches_run_eagerly_with_a_reason(gc, monkeypatch, tiny, conds):

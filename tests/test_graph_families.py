@@ -27,30 +27,42 @@ def _to(v, device):
     return v
 
 
-def forward_call(family: str, device: str):
+def forward_calls(family: str, device: str):
     """The family's tiny model on ``device`` and its diffusion model's forward as apply_model calls
-    it: (the forward, its positional and keyword arguments)."""
+    it, twice, on inputs of the same shapes from two seeds: (the forward, [(positional, keyword
+    arguments) of each call])."""
     spec = FAMILIES[family]
     missing = spec.missing()
     if missing:
         pytest.skip(f"{family}: this ComfyUI has no {missing}")
     model = spec.build(0)
     model.model.to(device)
-    x, sigma, kwargs = _to(spec.inputs(spec.sizes[0], 1), device)
     dm = model.model.diffusion_model
-    forward, seen = dm.forward, {}
+    forward, calls = dm.forward, []
 
     def spy(*args, **kw):
-        seen.update(args=args, kwargs=kw)
+        calls.append((args, kw))
         return forward(*args, **kw)
 
     dm.forward = spy
     try:
-        with torch.inference_mode():
-            model.model.apply_model(x, sigma, transformer_options={}, **kwargs)
+        for seed in (1, 2):
+            x, sigma, kwargs = _to(spec.inputs(spec.sizes[0], seed), device)
+            with torch.inference_mode():
+                model.model.apply_model(x, sigma * seed, transformer_options={}, **kwargs)
     finally:
         del dm.forward
-    return forward, seen["args"], seen["kwargs"]
+    return forward, calls
+
+
+def _first_tensor(v):
+    if isinstance(v, torch.Tensor):
+        return v
+    for x in v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else ():
+        found = _first_tensor(x)
+        if found is not None:
+            return found
+    return None
 
 
 def _assert_close(a, b, **tol):
@@ -63,21 +75,27 @@ def _assert_close(a, b, **tol):
 
 
 def _through(gc, family: str, device: str, runner_cls, refuses_syncs: bool, **tol):
-    fn, args, kwargs = forward_call(family, device)
-    named = gc._bind(fn, args, kwargs)
-    spec = gc.gr.analyse_call(named, (), torch.device(device))
-    assert spec.bypass is None, f"{family}: {spec.detail}"
+    """Capture the first call, replay the second (another seed): each equals its eager call."""
+    fn, calls = forward_calls(family, device)
+    dev = _first_tensor(calls[0]).device  # with its index, as the capture sees it
+    named = [gc._bind(fn, args, kwargs) for args, kwargs in calls]
+    specs = [gc.gr.analyse_call(n, (), dev) for n in named]
+    assert specs[0].bypass is None, f"{family}: {specs[0].detail}"
+    assert gc.gr.can_reuse(specs[0].signature, specs[1].signature)[0], f"{family}: the second call needs another graph"
     with torch.inference_mode():
-        eager = fn(*args, **kwargs)
-        runner = runner_cls(fn, named, len(args), spec, torch.device(device), {})
+        eager = [fn(*args, **kwargs) for args, kwargs in calls]
+    first = [_first_tensor(e) for e in eager]
+    assert not torch.equal(*first), f"{family}: both calls give one output, a stale replay would pass"
+    with torch.inference_mode():
+        runner = runner_cls(fn, named[0], len(calls[0][0]), specs[0], dev, {})
         try:
             out, failure = runner.capture(1)
             if refuses_syncs and family in SYNCS:
                 assert failure.startswith("the forward syncs the host at") and SYNCS[family] in failure, failure
                 return
             assert failure == "", f"{family}: {failure}"
-            _assert_close(out, eager, **tol)
-            _assert_close(runner.replay(spec.tensors), eager, **tol)
+            _assert_close(out, eager[0], **tol)
+            _assert_close(runner.replay(specs[1].tensors), eager[1], **tol)
         finally:
             runner.release()
 
