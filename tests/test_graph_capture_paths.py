@@ -410,6 +410,68 @@ def test_what_a_failed_capture_made_goes_at_once_even_in_a_cycle_through_its_fra
         pygc.enable()
 
 
+def test_what_a_failed_capture_made_goes_at_once_also_in_the_errors_it_chains(gc, tiny, monkeypatch):
+    """The sync's error chains one the forward handled: that one's frames go as well."""
+    import gc as pygc
+    import weakref
+
+    fake = FakeCuda(monkeypatch)
+    made = []
+
+    def inner(x):
+        t = x * 2
+        made.append(weakref.ref(t))
+        me = sys._getframe()  # noqa: F841  (the frame holds itself through its locals)
+        raise ValueError("handled by the forward")
+
+    def fails_while_handling(args, extra):
+        if fake.capturing is not None:
+            try:
+                inner(args["img"])
+            except ValueError:
+                fake.sync()
+        return extra["original_block"](args)
+
+    fn, named, _ = flux_call(tiny, fails_while_handling)
+    pygc.disable()
+    try:
+        with torch.inference_mode():
+            assert runner_for(gc, fn, named).capture(1)[1].startswith("the forward syncs the host at")
+        assert made and made[0]() is None
+    finally:
+        pygc.enable()
+
+
+def test_a_cleanup_that_fails_runs_the_step_eagerly_and_says_so(gc, tiny, monkeypatch, caplog):
+    fake = FakeCuda(monkeypatch)
+
+    def syncs(args, extra):
+        fake.sync()
+        return extra["original_block"](args)
+
+    release = torch._C._cuda_releasePool
+
+    def release_fails(dev, pool):  # for the model's pool (the probe's own goes through)
+        if pool not in fake.mempools:
+            raise RuntimeError("uc >= 0 INTERNAL ASSERT FAILED")
+        release(dev, pool)
+
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", release_fails, raising=False)
+    fn, named, eager = flux_call(tiny, syncs)
+    with torch.inference_mode(), caplog.at_level("WARNING", logger="reusekit"):
+        out, failure = runner_for(gc, fn, named).capture(1)
+    assert torch.equal(out, eager) and failure.startswith("the forward syncs the host at")
+    assert "could not give back the memory pool of a failed capture" in caplog.text and fake.current == "main"
+
+
+def test_host_data_is_numbers_and_numpy_not_device_tensors(gc):
+    import numpy as np
+
+    host = gc.graph_runners._host_data
+    assert host([1, 2.0, (3, True)]) and host(np.arange(3)) and host(np.float32(1)) and host(7)
+    assert not host([torch.ones(())]) and not host([1, torch.ones(())]) and not host("text")
+
+
 def test_under_the_native_allocator_nothing_is_kept(gc, tiny, monkeypatch):
     fake = FakeCuda(monkeypatch)
 
