@@ -383,56 +383,38 @@ def test_a_view_made_in_the_capture_of_a_wrapped_weight_keeps_nothing(gc, monkey
     assert fresh.untyped_storage().data_ptr() in parked
 
 
-def test_what_a_failed_capture_made_goes_at_once_even_in_a_cycle_through_its_frame(gc, tiny, monkeypatch):
+def _handled():
+    raise ValueError("handled by the forward")
+
+
+@pytest.mark.parametrize("held_in", ["the failing frame", "the frame of an error the forward handled"])
+def test_what_a_failed_capture_made_goes_at_once_even_in_a_cycle_through_a_frame(gc, tiny, monkeypatch, held_in):
     """A block still in use keeps the model's pool from being freed: a tensor the capture made, in
-    a forward frame that a cycle holds, goes when the step returns, not at the next collection."""
+    a forward frame that a cycle holds (the sync's, or one of an error the forward handled before it
+    synced), goes when the step returns, not at the next collection."""
     import gc as pygc
     import weakref
 
     fake = FakeCuda(monkeypatch)
     made = []
 
-    def fails_in_a_cycle(args, extra):
-        if fake.capturing is not None:
-            t = args["img"] * 2
-            made.append(weakref.ref(t))
-            me = sys._getframe()  # noqa: F841  (the frame holds itself through its locals)
-            fake.sync()
-        return extra["original_block"](args)
-
-    fn, named, _ = flux_call(tiny, fails_in_a_cycle)
-    pygc.disable()
-    try:
-        with torch.inference_mode():
-            assert runner_for(gc, fn, named).capture(1)[1].startswith("the forward syncs the host at")
-        assert made and made[0]() is None
-    finally:
-        pygc.enable()
-
-
-def test_what_a_failed_capture_made_goes_at_once_also_in_the_errors_it_chains(gc, tiny, monkeypatch):
-    """The sync's error chains one the forward handled: that one's frames go as well."""
-    import gc as pygc
-    import weakref
-
-    fake = FakeCuda(monkeypatch)
-    made = []
-
-    def inner(x):
+    def makes_then(x, fail):
         t = x * 2
         made.append(weakref.ref(t))
         me = sys._getframe()  # noqa: F841  (the frame holds itself through its locals)
-        raise ValueError("handled by the forward")
+        fail()
 
-    def fails_while_handling(args, extra):
+    def fails(args, extra):
         if fake.capturing is not None:
+            if held_in == "the failing frame":
+                makes_then(args["img"], fake.sync)
             try:
-                inner(args["img"])
+                makes_then(args["img"], _handled)
             except ValueError:
                 fake.sync()
         return extra["original_block"](args)
 
-    fn, named, _ = flux_call(tiny, fails_while_handling)
+    fn, named, _ = flux_call(tiny, fails)
     pygc.disable()
     try:
         with torch.inference_mode():

@@ -65,15 +65,6 @@ def _first_tensor(v):
     return None
 
 
-def _assert_close(a, b, **tol):
-    if isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            _assert_close(x, y, **tol)
-    else:
-        torch.testing.assert_close(a, b, **tol)
-
-
 def _through(gc, family: str, device: str, runner_cls, refuses_syncs: bool, **tol):
     """Capture the first call, replay the second (another seed): each equals its eager call."""
     fn, calls = forward_calls(family, device)
@@ -94,8 +85,8 @@ def _through(gc, family: str, device: str, runner_cls, refuses_syncs: bool, **to
                 assert failure.startswith("the forward syncs the host at") and SYNCS[family] in failure, failure
                 return
             assert failure == "", f"{family}: {failure}"
-            _assert_close(out, eager[0], **tol)
-            _assert_close(runner.replay(specs[1].tensors), eager[1], **tol)
+            torch.testing.assert_close(out, eager[0], **tol)
+            torch.testing.assert_close(runner.replay(specs[1].tensors), eager[1], **tol)
         finally:
             runner.release()
 
