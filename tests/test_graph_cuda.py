@@ -123,6 +123,16 @@ def _syncing_patch(gr, only_in_capture: bool):
     return patch
 
 
+def _reserved_but_workspaces() -> int:
+    """Device memory the allocator holds, less torch's cuBLAS workspaces: torch makes one per stream
+    on its first matmul there (32 MiB on an H200) and keeps it for the process, so the warm-up's
+    side stream adds one whether or not anything was captured (torch's own leak check clears them
+    the same way, torch.testing._internal.common_utils.CudaMemoryLeakCheck)."""
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
 @pytest.mark.parametrize("only_in_capture", [False, True])
 def test_a_forward_that_syncs_runs_eagerly_and_leaves_cuda_usable(gc, tiny, conds, caplog, monkeypatch, only_in_capture):
     """A sync in the warm-up too: the capture is not begun. A sync only in the capture fails it.
@@ -135,8 +145,7 @@ def test_a_forward_that_syncs_runs_eagerly_and_leaves_cuda_usable(gc, tiny, cond
     syncing = capture(model)
     syncing.set_model_patch_replace(_syncing_patch(gc.gr, only_in_capture), "dit", "double_block", 0)
     plain = sample(model, conds, steps=3)
-    torch.cuda.empty_cache()
-    reserved = torch.cuda.memory_reserved()
+    reserved = _reserved_but_workspaces()
     stream = torch.cuda.current_stream()
     with caplog.at_level("WARNING", logger="reusekit"):
         close(sample(syncing, conds, steps=3), plain)
@@ -148,11 +157,8 @@ def test_a_forward_that_syncs_runs_eagerly_and_leaves_cuda_usable(gc, tiny, cond
     if only_in_capture:
         # under cudaMallocAsync the tensors the failed captures made are kept (freeing one aborts)
         assert (len(gc.graph_runners._PARKED) > parked) == (torch.cuda.get_allocator_backend() != "native")
-        if torch.cuda.get_allocator_backend() == "native":  # torch >= 2.12 ends the routing itself: asked once
-            assert gc.graph_runners._FAILED_CAPTURE.get("answer", (None,))[0] in (True, False)
     gc.graph_release.release_all("test")
-    torch.cuda.empty_cache()
-    assert torch.cuda.memory_reserved() <= reserved + (1 << 20)  # no pool left behind
+    assert _reserved_but_workspaces() <= reserved + (1 << 20)  # no pool left behind
     close(sample(capture(model), conds, steps=3), plain)  # and the next capture works
     assert last_run(gc)["captures"] == 1 and last_run(gc)["replays"] == 2
 
