@@ -340,10 +340,11 @@ def _failed_capture(device, side) -> tuple[bool | None, bool]:
     raised (``None``: could not be told) and whether its ``capture_end`` routed allocations back
     before it raised. Torch releases a graph's pool in ``reset`` only after a capture that ended, up
     to pytorch#190348, which also releases after one that failed; a pool whose count stays raised is
-    never freed (which fits the 35 MB a failed capture left on a tiny Flux in the H200 runs); and up
-    to pytorch#180395 ``capture_end`` raised before routing back. Asked once per process of a capture
-    failed on purpose into a pool whose users torch counts (a ``MemPool``), under the native allocator
-    only: under cudaMallocAsync a pool is never released."""
+    never freed; and up to pytorch#180395 ``capture_end`` raised before routing back. Asked once per
+    process of a capture failed on purpose into a pool whose users torch counts (a ``MemPool``), under
+    the native allocator only (under cudaMallocAsync a pool is never released), and only where the
+    failed capture had not ended (torch 2.11 ends it: on an H200 its ``reset`` alone gave the pool
+    back and this was never asked)."""
     if "answer" in _FAILED_CAPTURE:
         return _FAILED_CAPTURE["answer"]
     keeps, routes_back = None, False
@@ -441,6 +442,13 @@ globals are cleared, freeing them would abort the process as it ends."""
 ctypes.pythonapi.Py_IncRef(ctypes.py_object(_PARKED))
 
 
+AFTER_PARKED = ("a capture failed on this device under cudaMallocAsync and its memory is kept: torch still "
+                "tracks those addresses and CUDA hands them to a new capture again, so no more graphs are "
+                "captured on it in this process (--disable-cuda-malloc avoids this)")
+"""Why a capture is not begun on a device where :data:`_PARKED` holds memory: in an H200 run the next
+capture there failed inside torch ("address returned by cudaMallocAsync already exists")."""
+
+
 def _inner(t: torch.Tensor) -> list:
     """The plain tensors holding ``t``'s memory: itself, or a wrapper subclass's (a quantized
     weight) inner tensors, as it flattens them."""
@@ -476,8 +484,9 @@ def _park(keep: KeepExternal, device) -> None:
                     found.setdefault(ptr, x.untyped_storage())
         if found and not _PARKED:
             log.warning("ReuseKit graph: under cudaMallocAsync the memory of a capture that failed cannot be "
-                        "freed (freeing it aborts the process): it is kept until ComfyUI exits, %.1f MiB this "
-                        "time (--disable-cuda-malloc frees it)", sum(st.nbytes() for st in found.values()) / 2**20)
+                        "freed (freeing it aborts the process): it is kept until ComfyUI exits, %.1f MiB, and "
+                        "no more graphs are captured on %s (--disable-cuda-malloc avoids both)",
+                        sum(st.nbytes() for st in found.values()) / 2**20, device)
         _PARKED.extend(found.values())
     except Exception:
         log.warning("ReuseKit graph: could not keep the memory of a failed capture", exc_info=True)
@@ -490,8 +499,8 @@ class CudaGraphRunner(StaticRunner):
     A forward whose last warm-up call syncs the host (:class:`HostSyncs`) is not captured; a sync
     the watch does not know fails its own capture (``capture_error_mode="thread_local"``); a
     capture that fails ends with its share of the pool given back (:func:`_drop_failed`), what
-    it made let go at once (under cudaMallocAsync kept instead, :func:`_park`) and the caller's
-    stream current again, and the step runs eagerly. torch's sync debug mode is never set: it is
+    it made let go at once (under cudaMallocAsync kept instead, :func:`_park`, and that device
+    captures no more) and the caller's stream current again, and the step runs eagerly. torch's sync debug mode is never set: it is
     process-wide, so while one thread warmed up, a sync on any other thread (a VAE decode, a
     preview) would raise there."""
 
@@ -529,6 +538,8 @@ class CudaGraphRunner(StaticRunner):
         side = self.shared.get(("stream", device))
         if side is None:
             side = self.shared[("stream", device)] = torch.cuda.Stream(device)
+        if any(st.device == device for st in _PARKED):
+            return _clone_tree(self._call()), AFTER_PARKED
         uploads = ConstantUploads()
         out, synced_at = self._warm_up(current, side, uploads, warmup)
         eager_out = _clone_tree(out)

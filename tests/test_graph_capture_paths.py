@@ -263,9 +263,9 @@ def assert_pools_given_back(fake, pools, live=0):
 
 @pytest.mark.parametrize("torch_kind", TORCH_KINDS)
 def test_a_forward_that_syncs_fails_its_capture_and_runs_eagerly(gc, tiny, monkeypatch, torch_kind):
-    """Whichever way this torch ends a failed capture, its pool's count goes back to what it was
-    (an H200 run: torch 2.14.1's reset kept it, and 35 MB stayed reserved); whether reset gives it
-    back is asked of torch once per process, only where capture_end routed allocations back itself."""
+    """Whichever way this torch ends a failed capture, its pool's count goes back to what it was;
+    whether reset gives it back is asked of torch once per process, only where capture_end routed
+    allocations back itself."""
     fake = FakeCuda(monkeypatch, torch_kind=torch_kind)
 
     def syncs(args, extra):
@@ -333,8 +333,9 @@ def test_under_cuda_malloc_async_the_tensors_a_failed_capture_made_are_kept(gc, 
     """Under cudaMallocAsync, freeing memory made in a capture that failed aborts the process (the
     H200 runs, as the failed capture's traceback went): what is still alive is kept for the life of
     the process, whoever holds it (here an object's attribute, beside the forward's frames), with the
-    cancel raised or the step run eagerly. Memory from before the capture (the model's weights, also
-    under a view made in the capture; the runner's buffers; the eager output) is not kept."""
+    cancel raised or the step run eagerly, and that device captures no more. Memory from before the
+    capture (the model's weights, also under a view made in the capture; the runner's buffers; the
+    eager output) is not kept."""
     import comfy.model_management as mm
 
     fake = FakeCuda(monkeypatch, backend="cudaMallocAsync")
@@ -364,6 +365,13 @@ def test_under_cuda_malloc_async_the_tensors_a_failed_capture_made_are_kept(gc, 
     before = [*fn.__self__.parameters(), *runner.static] + ([] if cancel else [out])
     assert parked and not parked & {t.untyped_storage().data_ptr() for t in before}
     assert fake.over_released == 0 and not fake.routing and fake.mempools == []  # nothing to release there
+    # no capture begins on this device again: CUDA would hand the kept addresses to it, which torch
+    # still tracks (an H200 run: "address returned by cudaMallocAsync already exists")
+    begins = fake.kinds().count("begin")
+    with torch.inference_mode():
+        again, why = runner_for(gc, fn, named).capture(1)
+    assert torch.equal(again, eager) and why == gc.graph_runners.AFTER_PARKED
+    assert fake.kinds().count("begin") == begins
 
 
 def test_a_view_made_in_the_capture_of_a_wrapped_weight_keeps_nothing(gc, monkeypatch):

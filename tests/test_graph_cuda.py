@@ -138,7 +138,9 @@ def test_a_forward_that_syncs_runs_eagerly_and_leaves_cuda_usable(gc, tiny, cond
     """A sync in the warm-up too: the capture is not begun. A sync only in the capture fails it.
     Either way the step runs eagerly, the log names the line, the caller's stream is current again,
     the failed pool is released (whichever way this torch ends a failed capture) and the next
-    capture works; under cudaMallocAsync the process lives on (it aborted in the first H200 runs)."""
+    capture works; under cudaMallocAsync the process lives on (it aborted in the first H200 runs)
+    and, where a failed capture's memory is kept, that device captures no more (the next capture
+    failed inside torch in the H200 run that followed)."""
     monkeypatch.setattr(rkharness.pack("patches.host"), "_said", set())  # the warning is said once per process
     parked = len(gc.graph_runners._PARKED)  # never replaced: freeing what it holds would abort
     model = tiny.tiny_flux(0)
@@ -159,8 +161,11 @@ def test_a_forward_that_syncs_runs_eagerly_and_leaves_cuda_usable(gc, tiny, cond
         assert (len(gc.graph_runners._PARKED) > parked) == (torch.cuda.get_allocator_backend() != "native")
     gc.graph_release.release_all("test")
     assert _reserved_but_workspaces() <= reserved + (1 << 20)  # no pool left behind
-    close(sample(capture(model), conds, steps=3), plain)  # and the next capture works
-    assert last_run(gc)["captures"] == 1 and last_run(gc)["replays"] == 2
+    close(sample(capture(model), conds, steps=3), plain)  # and the next capture works, or is not begun:
+    parked_here = len(gc.graph_runners._PARKED) > parked  # torch tracks what is kept, CUDA hands it out again
+    run = last_run(gc)
+    assert (run["captures"], run["replays"]) == ((0, 0) if parked_here else (1, 2)), run
+    assert run["bypasses"] == ({"capture_failed": 2} if parked_here else {}), run
 
 
 def test_another_threads_sync_never_raises_during_a_warm_up_or_a_capture(gc, tiny, conds):
