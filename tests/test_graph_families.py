@@ -13,7 +13,8 @@ from graph_helpers import gc_fixture  # noqa: F401  (the fixture gc)
 
 pytestmark = pytest.mark.graph
 
-FAMILIES = importlib.import_module(rkharness.TINY.__name__ + ".families").FAMILY_SPECS
+_FAMILIES = importlib.import_module(rkharness.TINY.__name__ + ".families")
+FAMILIES = _FAMILIES.FAMILY_SPECS
 SYNCS = {"hidream": "hidream/model.py"}  # families whose forward syncs the host: never captured
 
 
@@ -31,10 +32,7 @@ def forward_calls(family: str, device: str):
     """The family's tiny model on ``device`` and its diffusion model's forward as apply_model calls
     it, twice, on inputs of the same shapes from two seeds: (the forward, [(positional, keyword
     arguments) of each call])."""
-    spec = FAMILIES[family]
-    missing = spec.missing()
-    if missing:
-        pytest.skip(f"{family}: this ComfyUI has no {missing}")
+    spec = _FAMILIES.family_spec(family)
     model = spec.build(0)
     model.model.to(device)
     dm = model.model.diffusion_model

@@ -47,18 +47,9 @@ FAMILIES = ["flux", "wan", "chroma", "chroma_radiance", "hunyuan_video", "qwen_i
             "flux2", "flux2_klein", "qwen_image_edit", "hunyuan_video15", "ltx2", "wan22", "wan22_14b"]
 
 
-def spec_of(families, family):
-    """The family's spec; a family this host does not have is skipped, naming the missing class."""
-    spec = families.FAMILY_SPECS[family]
-    missing = spec.missing()
-    if missing:
-        pytest.skip(f"{family}: this ComfyUI has no {missing}")
-    return spec
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_is_bit_exact_hits_after_first_step_and_replaces_on_size_change(family, families, rope):
-    spec = spec_of(families, family)
+    spec = families.family_spec(family)
     model = spec.build(0)
     a, b = spec.inputs(spec.sizes[0], 1), spec.inputs(spec.sizes[1], 2)
     cache = compare(model, [a, a, a], cached_options(rope), rope)
@@ -94,7 +85,7 @@ def test_every_family_with_a_per_call_rope_builder_is_patched(rope):
 
 @pytest.mark.parametrize("family", ["flux", "wan", "flux2", "wan22"])
 def test_rope_options_are_part_of_the_key(family, families, rope):
-    spec = spec_of(families, family)
+    spec = families.family_spec(family)
     model = spec.build(0)
     call = spec.inputs(spec.sizes[0], 3)
     shifted = {"scale_x": 1.5, "scale_y": 0.5, "shift_t": 1.0, "shift_y": 2.0, "shift_x": 0.0}
@@ -107,7 +98,7 @@ def test_rope_options_are_part_of_the_key(family, families, rope):
 
 @pytest.mark.parametrize("family", ["flux", "qwen_image", "flux2", "qwen_image_edit"])
 def test_reference_latents_their_sizes_and_order_are_part_of_the_key(family, families, rope):
-    spec = spec_of(families, family)
+    spec = families.family_spec(family)
     model = spec.build(0)
     x, sigma, kwargs = spec.inputs(spec.sizes[0], 4)
     ref_a, ref_b = torch.randn(x.shape), torch.randn((*x.shape[:-2], 4, 6))
@@ -129,7 +120,7 @@ def test_flux2_reference_at_timestep_zero_is_bit_exact_and_keyed_by_its_method(f
 
     if not hasattr(flux, "invert_slices"):
         pytest.skip("this ComfyUI has no index_timestep_zero (comfy.ldm.flux.model.invert_slices)")
-    spec = spec_of(families, "flux2")
+    spec = families.family_spec("flux2")
     model = spec.build(0)
     x, sigma, kwargs = spec.inputs(spec.sizes[0], 9)
     ref = torch.randn((*x.shape[:-2], 4, 6), generator=torch.Generator().manual_seed(10))

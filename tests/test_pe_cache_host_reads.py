@@ -57,9 +57,7 @@ def counters(rope, model):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_hit_reads_no_tensor_value_on_the_host(family, families, rope, as_on_a_device):
-    spec = families.FAMILY_SPECS[family]
-    if spec.missing():
-        pytest.skip(f"{family}: this ComfyUI has no {spec.missing()}")
+    spec = families.family_spec(family)
     model = spec.build(0)
     call = spec.inputs(spec.sizes[0], 1)
     with HostReads() as plain_reads:

@@ -305,3 +305,14 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
     "wan22_14b": FamilySpec(lambda seed=0: tiny_wan22(seed, expert_14b=True), _plain_inputs,
                             ((16, 3, 8, 8), (16, 2, 6, 8)), has_rope_options=True),
 }
+
+
+def family_spec(name: str) -> FamilySpec:
+    """``FAMILY_SPECS[name]``, or a pytest skip naming the family and the class this host lacks."""
+    import pytest
+
+    spec = FAMILY_SPECS[name]
+    missing = spec.missing()
+    if missing:
+        pytest.skip(f"{name}: this ComfyUI has no {missing}")
+    return spec

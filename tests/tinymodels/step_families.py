@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from .families import family_spec  # noqa: F401  (the step tests reach it here, with the helpers below)
+
 
 def tiny_qwen_image(seed: int = 0, **overrides):
     """Qwen-Image at 2 heads of 32, 2 layers, text width 32 (the tiny CLIP's)."""
@@ -77,19 +79,6 @@ def meta_wan(model_config_name: str = "WAN21_T2V", **overrides):
     meta = torch.device("meta")
     return comfy.model_patcher.ModelPatcher(model_config.get_model({}, device=meta), load_device=meta,
                                             offload_device=meta)
-
-
-def family_spec(name: str):
-    """``FAMILY_SPECS[name]`` (families.py), or a pytest skip naming the class this host lacks."""
-    import pytest
-
-    from .families import FAMILY_SPECS
-
-    spec = FAMILY_SPECS[name]
-    missing = spec.missing()
-    if missing:
-        pytest.skip(f"this ComfyUI has no {missing}")
-    return spec
 
 
 def batched(x, sigma, kwargs):
