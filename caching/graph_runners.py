@@ -442,11 +442,19 @@ globals are cleared, freeing them would abort the process as it ends."""
 ctypes.pythonapi.Py_IncRef(ctypes.py_object(_PARKED))
 
 
-AFTER_PARKED = ("a capture failed on this device under cudaMallocAsync and its memory is kept: torch still "
-                "tracks those addresses and CUDA hands them to a new capture again, so no more graphs are "
-                "captured on it in this process (--disable-cuda-malloc avoids this)")
-"""Why a capture is not begun on a device where :data:`_PARKED` holds memory: in an H200 run the next
-capture there failed inside torch ("address returned by cudaMallocAsync already exists")."""
+_CAPTURES_OFF: set = set()
+"""Devices where a capture failed under cudaMallocAsync: torch still tracks the addresses of what that
+capture made and kept (parked here, or held where the pack cannot see, such as a C++ buffer), and CUDA
+hands them to a new capture again: in an H200 run the next capture there failed inside torch ("address
+returned by cudaMallocAsync already exists in ptr_info"). No capture begins there again."""
+CAPTURES_OFF = ("a capture failed on this GPU under cudaMallocAsync (ComfyUI's default allocator), and torch "
+                "cannot capture there again in this process: new graphs are not captured until ComfyUI "
+                "restarts, kept ones still replay (--disable-cuda-malloc avoids this)")
+
+
+def captures_off(device) -> bool:
+    """Whether no capture may begin on ``device`` (:data:`_CAPTURES_OFF`)."""
+    return device in _CAPTURES_OFF
 
 
 def _inner(t: torch.Tensor) -> list:
@@ -484,9 +492,8 @@ def _park(keep: KeepExternal, device) -> None:
                     found.setdefault(ptr, x.untyped_storage())
         if found and not _PARKED:
             log.warning("ReuseKit graph: under cudaMallocAsync the memory of a capture that failed cannot be "
-                        "freed (freeing it aborts the process): it is kept until ComfyUI exits, %.1f MiB, and "
-                        "no more graphs are captured on %s (--disable-cuda-malloc avoids both)",
-                        sum(st.nbytes() for st in found.values()) / 2**20, device)
+                        "freed (freeing it aborts the process): it is kept until ComfyUI exits, %.1f MiB this "
+                        "time (--disable-cuda-malloc frees it)", sum(st.nbytes() for st in found.values()) / 2**20)
         _PARKED.extend(found.values())
     except Exception:
         log.warning("ReuseKit graph: could not keep the memory of a failed capture", exc_info=True)
@@ -500,9 +507,9 @@ class CudaGraphRunner(StaticRunner):
     the watch does not know fails its own capture (``capture_error_mode="thread_local"``); a
     capture that fails ends with its share of the pool given back (:func:`_drop_failed`), what
     it made let go at once (under cudaMallocAsync kept instead, :func:`_park`, and that device
-    captures no more) and the caller's stream current again, and the step runs eagerly. torch's sync debug mode is never set: it is
-    process-wide, so while one thread warmed up, a sync on any other thread (a VAE decode, a
-    preview) would raise there."""
+    captures no more, :func:`captures_off`) and the caller's stream current again, and the step
+    runs eagerly. torch's sync debug mode is never set: it is process-wide, so while one thread
+    warmed up, a sync on any other thread (a VAE decode, a preview) would raise there."""
 
     graph = None
     static_out = None
@@ -538,8 +545,6 @@ class CudaGraphRunner(StaticRunner):
         side = self.shared.get(("stream", device))
         if side is None:
             side = self.shared[("stream", device)] = torch.cuda.Stream(device)
-        if any(st.device == device for st in _PARKED):
-            return _clone_tree(self._call()), AFTER_PARKED
         uploads = ConstantUploads()
         out, synced_at = self._warm_up(current, side, uploads, warmup)
         eager_out = _clone_tree(out)
@@ -592,8 +597,9 @@ class CudaGraphRunner(StaticRunner):
                 failure = failure or exc
         if failure is not None:
             _drop_failed(graph, device, pool, side)
-            if keep.made_refs is not None:
+            if keep.made_refs is not None:  # cudaMallocAsync
                 _park(keep, device)
+                _CAPTURES_OFF.add(device)
             why = _why_not_captured(failure, forward_failed)
             # the forward's frames let go of what the capture made now, not once a cycle through
             # them is collected: a block of the pool still in use keeps the pool from being freed

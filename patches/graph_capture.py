@@ -330,6 +330,10 @@ def _capture(gs: gr.GraphSet, call: _Call, decision: gr.Decision):
     """No kept graph fits: capture one for this signature and keep it (or, where captures keep
     failing to be reused in this run or nothing replays here, run eagerly)."""
     run = call.run
+    if call.backend == "cuda" and graph_runners.captures_off(call.device):
+        host.say_once("graph:captures_off", "ReuseKit graph: %s", graph_runners.CAPTURES_OFF, level=logging.WARNING)
+        _count(run, "bypasses", "captures_off", graph_runners.CAPTURES_OFF)
+        return call.eager()
     STATS.incr("misses")
     if decision.reason != "first":
         _count(run, "rebuilds", decision.reason)
