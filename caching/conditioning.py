@@ -53,7 +53,6 @@ MIB = 1 << 20
 REASON_CHARS = 200  # a bypass reason is kept to this length (an exception's message may be long)
 MAX_REASONS = 64  # distinct (kind, encoder, reason) counted; later ones count under OTHER_REASON
 OTHER_REASON = "other reasons (more than 64 kinds seen)"
-TOP_REASONS = 20  # how many the stats publish, most frequent first
 ENV_SWITCH = "REUSEKIT_CONDITIONING"
 
 
@@ -479,27 +478,31 @@ class ConditioningCache:
         return admitted
 
     def bypass(self, kind: str, reason: str, encoder: str = "") -> None:
-        """An encode that ran uncached, counted by kind and by (kind, encoder class, reason); the first of
-        each reason is logged at info level, so a user whose cache never hits sees why."""
-        self._reason("bypasses", kind, reason, encoder, "run uncached")
+        """An encode that ran uncached, counted by kind and by (kind, encoder class, reason), here and in the
+        stats' ``reasons`` (event ``bypass``, source kind and encoder class); the first of each reason is
+        logged at info level, so a user whose cache never hits sees why."""
+        self._reason("bypasses", "bypass", kind, reason, encoder, "run uncached")
 
     def kept_local(self, kind: str, reason: str, encoder: str = "") -> None:
         """A miss that the shared tiers (on) neither answered nor will receive, counted as a bypass is, its
-        reason marked as theirs."""
-        self._reason("not_shared", kind, f"not shared: {reason}", encoder, "not shared with other workers")
+        reason marked as theirs (event ``not shared``)."""
+        self._reason("not_shared", "not shared", kind, reason, encoder, "not shared with other workers")
 
-    def _reason(self, counter: str, kind: str, reason: str, encoder: str, what: str) -> None:
-        reason = reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS - 1] + "…"
+    def _reason(self, counter: str, event: str, kind: str, reason: str, encoder: str, what: str) -> None:
+        text = reason if event == "bypass" else f"{event}: {reason}"
+        text = text if len(text) <= REASON_CHARS else text[:REASON_CHARS - 1] + "…"
         with self._lock:
             self._count(counter, kind)
-            slot = (kind, encoder, reason)
+            slot = (kind, encoder, text)
             if slot not in self._reasons and len(self._reasons) >= MAX_REASONS:
                 slot = (kind, "", OTHER_REASON)
             first = slot not in self._reasons
             self._reasons[slot] = self._reasons.get(slot, 0) + 1
+        if self.stats is not None:
+            self.stats.count_reason(event, reason, source=f"{kind}, {encoder}" if encoder else kind)
         if first:
             log.info("ReuseKit conditioning: %s encodes%s %s: %s", kind, f" of {encoder}" if encoder else "", what,
-                     reason)
+                     text)
         self._publish()
 
     def _shared_key(self, shared: Callable[[], SharedKey] | None, kind: str, encoder: str) -> SharedKey | None:
@@ -589,13 +592,11 @@ class ConditioningCache:
             for e in self._entries.values():
                 by_kind[e.key.kind]["entries"] += 1
             budget, max_entries = self.budget_bytes, self.max_entries
-            reasons = _reason_rows(self._reasons)[:TOP_REASONS]
         for tier, held in tiers.items():
             self.stats.set_memory(tier, held, budget)
         self.stats.set_entries(n)
         self.stats.set_info("by_kind", by_kind)
         self.stats.set_info("limits", {"budget_bytes": budget, "max_entries": max_entries})
-        self.stats.set_info("bypass_reasons", reasons)
 
     def reset_counts(self) -> None:
         with self._lock:

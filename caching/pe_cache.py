@@ -237,13 +237,11 @@ class PECache:
 
     def bypass(self, name: str, reason: str = "unspecified") -> None:
         """Count a call that could not use the cache (the builder ran unchanged) and why; the
-        reasons are in the stats' ``reasons`` (and, by reason only, its ``bypass_reasons`` info)."""
+        reasons are in the stats' ``reasons``."""
         with self._lock:
             self._reasons[reason] = self._reasons.get(reason, 0) + 1
-            reasons = dict(self._reasons)
         if self.stats is not None:
             self.stats.count_reason("bypass", reason)
-            self.stats.set_info("bypass_reasons", reasons)
         self._count(name, "bypasses")
 
     def bypass_reasons(self) -> dict[str, int]:

@@ -21,7 +21,7 @@ call's order in the forward and the ids' shape, never the ids' values. Inputs th
 tensor values or from code the key cannot see (a ``post_input`` patch, a replaced ids builder)
 leave that forward without a geometry. A builder keyed by tensor values runs through the cache only
 for tensors on :data:`VALUE_KEYS_ON` devices (the CPU); on a GPU it computes, and the cache counts
-why (stats info ``bypass_reasons``).
+why (the stats' ``reasons``).
 
 The builder runs unchanged (counted as a bypass, with its reason) when its inputs require grad, and
 while a CUDA graph is being warmed up or captured (no host sync, no tensor from the graph's pool kept).

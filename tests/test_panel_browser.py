@@ -120,9 +120,9 @@ REDIS_OFF = "start ComfyUI with REUSEKIT_REDIS_URL=redis://<host>:<port>/<db>"
 
 
 def reason_text(row: dict) -> str:
-    """A reason row as the panel writes it: the stats' common form or the conditioning cache's own."""
-    what, where = row.get("event", row.get("kind", "")), row.get("source", row.get("encoder", ""))
-    return f"{what}{' (' + where + ')' if where else ''}: {row['reason']}"
+    """A reason row as the panel writes it."""
+    where = row.get("source", "")
+    return f"{row.get('event', '')}{' (' + where + ')' if where else ''}: {row['reason']}"
 
 
 def shows_reason(page, server, kind: str, match: str) -> str:
@@ -131,7 +131,7 @@ def shows_reason(page, server, kind: str, match: str) -> str:
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     rows = [(c["name"], r) for c in server.get("/reusekit/stats")["caches"] if c["kind"] == kind
-            for r in c["reasons"] + (c["info"].get("bypass_reasons") if isinstance(c["info"].get("bypass_reasons"), list) else [])
+            for r in c["reasons"]
             if match in r["reason"]]
     assert rows, f"no {kind} cache counted a reason with {match!r}"
     name, row = rows[0]

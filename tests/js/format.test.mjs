@@ -201,38 +201,23 @@ test("chart path is a step line scaled into the box, extended to now", () => {
   assert.equal(niceMax(512 * MiB), 1000 * MiB);
 });
 
-test("reasonRows: the top bypass reasons with their counts, kind and encoder; none without any", () => {
-  const info = { info: { bypass_reasons: [
-    { kind: "text", encoder: "z_image.ZImageTEModel_", reason: "hooks on encoder module 'x'", count: 1200 },
-    { kind: "vae", encoder: "", reason: "random", count: 3 },
-    { kind: "text", encoder: "a.B", reason: "c", count: 2 },
-    { kind: "text", encoder: "a.B", reason: "d", count: 1 },
-  ] } };
-  assert.deepEqual(reasonRows(info), [
-    ["1,200×", "text (z_image.ZImageTEModel_): hooks on encoder module 'x'"],
-    ["3×", "vae: random"],
-    ["2×", "text (a.B): c"],
-  ]);
-  assert.deepEqual(reasonRows(info, 1).length, 1);
-  assert.deepEqual(reasonRows({}), []);
-  assert.deepEqual(reasonRows(undefined), []);
-  assert.deepEqual(reasonRows({ info: { bypass_reasons: { "a dict of the PE cache's": 4 } } }), []); // by reason only: not rows
-});
-
-test("reasonRows: the stats' common form (event, source, reason), merged with the conditioning cache's, by count", () => {
+test("reasonRows: the top reasons (event, source, reason) with their counts, most first; none without any", () => {
   const c = {
     reasons: [
       { event: "bypass", source: "partial_load", reason: "weights are partially loaded (lowvram)", count: 5 },
+      { event: "bypass", source: "text, z_image.ZImageTEModel_", reason: "hooks on encoder module 'x'", count: 1200 },
       { event: "disabled", source: "flux", reason: "another node replaced the patch", count: 2 },
       { event: "refused", source: "", reason: "model: the step cache does not support X models", count: 1 },
     ],
-    info: { bypass_reasons: [{ kind: "text", encoder: "a.B", reason: "hooks", count: 3 }] },
   };
   assert.deepEqual(reasonRows(c), [
+    ["1,200×", "bypass (text, z_image.ZImageTEModel_): hooks on encoder module 'x'"],
     ["5×", "bypass (partial_load): weights are partially loaded (lowvram)"],
-    ["3×", "text (a.B): hooks"],
     ["2×", "disabled (flux): another node replaced the patch"],
   ]);
+  assert.deepEqual(reasonRows(c, 1).length, 1);
+  assert.deepEqual(reasonRows({}), []);
+  assert.deepEqual(reasonRows(undefined), []);
   assert.deepEqual(reasonRows(c, 5).at(-1), ["1×", "refused: model: the step cache does not support X models"]);
   assert.equal(reasonText({ reason: "r" }), ": r");
   assert.equal(reasonText({ event: "fallback", reason: "no CUDA device" }), "fallback: no CUDA device");

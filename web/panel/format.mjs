@@ -98,18 +98,16 @@ export function lastRunRows(lastRun) {
   return Object.entries(lastRun).map(([k, v]) => [humanize(k), formatValue(v, k)]);
 }
 
-/** A reason row as "event (source): reason": the stats' common form ({event, source, reason, count}) or the
- * conditioning cache's own ({kind, encoder, reason, count}). */
+/** A reason row ({event, source, reason, count}, the stats' form for every cache) as "event (source): reason". */
 export function reasonText(r) {
-  const what = r?.event ?? r?.kind ?? "";
-  const where = r?.source ?? r?.encoder ?? "";
-  return `${what}${where ? ` (${where})` : ""}: ${r?.reason ?? "?"}`;
+  const where = r?.source ?? "";
+  return `${r?.event ?? ""}${where ? ` (${where})` : ""}: ${r?.reason ?? "?"}`;
 }
 
 /** A cache's top `n` reasons (why it bypassed, refused, fell back or was disabled), most frequent first, as
- * rows [count, text]: its `reasons` and, from the conditioning cache, its info.bypass_reasons. */
+ * rows [count, text]. */
 export function reasonRows(cache, n = 3) {
-  const rows = [cache?.reasons, cache?.info?.bypass_reasons].flatMap((list) => (Array.isArray(list) ? list : []));
+  const rows = Array.isArray(cache?.reasons) ? cache.reasons : [];
   return rows
     .map((r, i) => ({ r, i, count: finite(r?.count) ? r.count : 0 }))
     .sort((a, b) => b.count - a.count || a.i - b.i)
