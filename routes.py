@@ -11,9 +11,6 @@ Routes (ComfyUI also serves each under ``/api``):
 A POST body is read up to :data:`MAX_BODY_BYTES` (413 beyond); a body that is not a JSON object, or
 is nested too deeply, is a 400; an error echoes at most :data:`MAX_ECHO_CHARS` of what was sent.
 
-A shared tier of the conditioning cache that is off says so in its stats, with the one line that turns
-it on (:func:`publish_tier_switches`, run before every snapshot).
-
 Every change in the registry tells :class:`StatsPusher`, which sends one ``reusekit.stats`` event
 (the snapshot) at most every :data:`PUSH_INTERVAL_S`, from the server's event loop: no polling
 thread, no event per counter increment. Handlers run the registry's and the caches' code in a worker
@@ -32,7 +29,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .caching import tiers
 from .caching.settings import SETTINGS
 from .caching.stats import REGISTRY, SCHEMA_VERSION
 
@@ -60,35 +56,6 @@ def json_ready(value: Any) -> Any:
     if isinstance(value, (list, tuple, set, frozenset)):
         return [json_ready(v) for v in value]
     return str(value)
-
-
-def _label(key: str) -> str:
-    """A setting as the panel's settings list names it."""
-    return key.replace("_", " ").replace(".", " ")
-
-
-def tier_switch(name: str) -> str | None:
-    """Why the shared tier ``name`` (``disk``, ``redis``) is off, as the one line that turns it on; None
-    while it is on. The folder and the URL come from the environment only; the switches from the settings."""
-    enabled = SETTINGS.get(f"conditioning.{name}.enabled")
-    switch = f'turn on "{_label(f"conditioning.{name}.enabled")}" in the panel\'s settings'
-    if name == "disk":
-        if tiers.TIERS.disk is not None:
-            return None
-        start = f"start ComfyUI with {tiers.ENV_DISK}=<folder>"
-        return start if enabled else f"{switch}, or {start}"
-    if tiers.TIERS.redis is not None:
-        return None
-    if not SETTINGS.get("conditioning.redis.url"):
-        return f"start ComfyUI with {tiers.ENV_REDIS}=redis://<host>:<port>/<db>"
-    return "install the redis client (pip install redis) and restart ComfyUI" if enabled else switch
-
-
-def publish_tier_switches() -> None:
-    """Mark each shared tier that is off in its stats (``off``: the line that turns it on); a settler of the
-    registry, so every snapshot (the panel's, the Cache Stats node's) says it."""
-    for name, stats in tiers.TIERS.stats.items():
-        stats.set_off(tier_switch(name))
 
 
 def snapshot() -> dict:
@@ -302,7 +269,6 @@ def register(prompt_server=None) -> bool:
     routes.get("/reusekit/settings")(get_settings)
     routes.post("/reusekit/settings")(post_settings)
     _pusher = StatsPusher(prompt_server.send_sync, prompt_server.loop)
-    REGISTRY.add_settler(publish_tier_switches)
     REGISTRY.add_listener(_pusher.notify)
     _server = prompt_server
     return True

@@ -154,4 +154,9 @@ class SettingsRegistry:
 
 
 SETTINGS = SettingsRegistry()
+
+
+def label(key: str) -> str:
+    """A setting as the panel's settings list names it."""
+    return key.replace("_", " ").replace(".", " ")
 """The process-wide settings of the pack."""

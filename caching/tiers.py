@@ -52,7 +52,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from .file_hashes import FileHashes
-from .settings import SETTINGS
+from .settings import SETTINGS, label
 from .stats import REGISTRY
 
 log = logging.getLogger("reusekit")
@@ -892,6 +892,33 @@ class SharedTiers:
 
 
 TIERS = SharedTiers(REGISTRY)
+
+
+def switch(name: str) -> str | None:
+    """Why the shared tier ``name`` (``disk``, ``redis``) is off, as the one line that turns it on; None
+    while it is on. The folder and the URL come from the environment only; the switches from the settings."""
+    enabled = SETTINGS.get(f"conditioning.{name}.enabled")
+    in_panel = f'turn on "{label(f"conditioning.{name}.enabled")}" in the panel\'s settings'
+    if name == "disk":
+        if TIERS.disk is not None:
+            return None
+        start = f"start ComfyUI with {ENV_DISK}=<folder>"
+        return start if enabled else f"{in_panel}, or {start}"
+    if TIERS.redis is not None:
+        return None
+    if not SETTINGS.get("conditioning.redis.url"):
+        return f"start ComfyUI with {ENV_REDIS}=redis://<host>:<port>/<db>"
+    return "install the redis client (pip install redis) and restart ComfyUI" if enabled else in_panel
+
+
+def publish_switches() -> None:
+    """Mark each shared tier that is off in its stats (``off``: the line that turns it on); a settler of the
+    registry, so every snapshot (the panel's, the Cache Stats node's, with or without the server) says it."""
+    for name, stats in TIERS.stats.items():
+        stats.set_off(switch(name))
+
+
+REGISTRY.add_settler(publish_switches)
 
 
 def _reconfigure(_value=None) -> None:

@@ -154,7 +154,7 @@ def test_the_settings_node_shows_the_shared_tiers(shared):
     for tier in ("conditioning_disk", "conditioning_redis"):
         assert {"hits", "misses", "errors", "rejected"} <= set(snap[tier]["counters"])
         assert "time_saved_s" in snap[tier] and "entries" in snap[tier]
-    assert "conditioning_disk: 1 entries" in text and "conditioning_redis: 0 entries" in text
+    assert "conditioning_disk: 1 entries" in text and "conditioning_redis: off — start ComfyUI with" in text
     assert "written=1" in text
 
 
@@ -1004,3 +1004,18 @@ def test_the_tier_locations_are_set_from_the_environment_only_and_the_url_is_sho
                 server.post("/reusekit/settings", {key: value})
             assert err.value.code == 400 and variable in err.value.read().decode()
         assert server.get("/reusekit/settings")["settings"]["conditioning.disk.folder"]["value"] == str(tmp_path / "d")
+
+
+def test_the_cache_stats_node_says_how_to_turn_an_off_tier_on_without_the_server(shared):
+    """The tiers publish their "off" line themselves (a settler of the stats registry): the Cache Stats
+    node says it in a process without the panel's routes (an API worker, this test), and stops once the
+    tier is on."""
+    node = rkharness.pack("nodes.stats").CacheStatsNode
+    text = node.execute().args[0]
+    assert "conditioning_disk: off" not in text  # the fixture turned it on
+    assert ("conditioning_redis: off — start ComfyUI with REUSEKIT_REDIS_URL=redis://<host>:<port>/<db>"
+            in text), text
+    shared.settings.update({"conditioning.disk.enabled": False}, trusted=True)
+    text = node.execute().args[0]
+    assert ('conditioning_disk: off — turn on "conditioning disk enabled" in the panel\'s settings, or start '
+            "ComfyUI with REUSEKIT_DISK_CACHE=<folder>") in text, text
