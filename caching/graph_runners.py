@@ -583,6 +583,8 @@ class CudaGraphRunner(StaticRunner):
                     except Exception:
                         log.debug("ReuseKit graph: ending a capture whose begin failed", exc_info=True)
                 _drop_failed(graph, device, pool, side, began)
+                if began and keep.made_refs is not None:  # a live capture failed under cudaMallocAsync
+                    _CAPTURES_OFF.add(device)
                 return eager_out, _first_line(exc)
             try:
                 with keep, uploads:

@@ -33,7 +33,7 @@ class FakeCuda:
         self.end_fails = end_fails
         self.torch_kind = torch_kind
         self.backend = backend
-        self.begin_fails = ""  # "before routing" / "after routing"
+        self.begin_fails = ""  # "before routing" / "after routing" / "live" (a hook raised, the capture on)
         self.instantiate_fails = False
         self.sync_mode = 0
         self.current = "main"
@@ -78,6 +78,9 @@ class FakeCuda:
                 fake.routing.add(pool)
                 if when == "after routing":  # cudaStreamBeginCapture failed
                     raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+                if when == "live":
+                    fake.capturing = threading.get_ident()
+                    raise RuntimeError("CUDA error: a capture-start hook failed")
                 fake.calls.append(("begin", pool, fake.current, kwargs.get("capture_error_mode")))
                 fake.capturing = threading.get_ident()
 
@@ -751,6 +754,7 @@ def test_after_a_failed_capture_under_cuda_malloc_async_that_gpu_captures_no_mor
 
     fake = FakeCuda(monkeypatch, backend="cudaMallocAsync")
     monkeypatch.setattr(gc, "_backend", lambda device: "cuda")
+    monkeypatch.setattr(rkharness.pack("patches.host"), "_said", set())  # said once per process
     model = capture(tiny.tiny_flux(0), max_graphs=2)
     with torch.inference_mode():
         kept = sample(model, conds, (1, 16, 8, 12), steps=2)
@@ -773,6 +777,21 @@ def test_after_a_failed_capture_under_cuda_malloc_async_that_gpu_captures_no_mor
     torch.testing.assert_close(again, kept, rtol=0, atol=0)
     assert last_run(gc)["replays"] == 2 and last_run(gc)["bypasses"] == {}
     monkeypatch.setattr(gc.graph_runners, "_CAPTURES_OFF", {torch.device("cuda", 1)})  # another GPU's failure
+    assert not gc.graph_runners.captures_off(torch.device("cuda", 0))  # by device, not by kind
     with torch.inference_mode():
         sample(model, conds, (1, 16, 12, 12), steps=1)
     assert fake.kinds().count("begin") == begins + 1
+
+
+@pytest.mark.parametrize("when", ["after routing", "live"])
+def test_under_cuda_malloc_async_a_begin_that_failed_live_turns_that_gpu_off(gc, tiny, monkeypatch, when):
+    """A capture_begin that raised once the capture was on (a capture-start hook) is a failed capture
+    like any other under cudaMallocAsync: the device captures no more. One that raised before the
+    capture began (cudaStreamBeginCapture refused) leaves it capturing."""
+    fake = FakeCuda(monkeypatch, backend="cudaMallocAsync")
+    fake.begin_fails = when
+    fn, named, eager = flux_call(tiny)
+    with torch.inference_mode():
+        out, failure = runner_for(gc, fn, named).capture(1)
+    assert torch.equal(out, eager) and failure.startswith("RuntimeError: CUDA error: ") and fake.capturing is None
+    assert gc.graph_runners.captures_off(torch.device("cpu")) == (when == "live")
