@@ -154,9 +154,9 @@ class SettingsRegistry:
 
 
 SETTINGS = SettingsRegistry()
+"""The process-wide settings of the pack."""
 
 
 def label(key: str) -> str:
     """A setting as the panel's settings list names it."""
     return key.replace("_", " ").replace(".", " ")
-"""The process-wide settings of the pack."""

@@ -918,8 +918,6 @@ def publish_switches() -> None:
         stats.set_off(switch(name))
 
 
-REGISTRY.add_settler(publish_switches)
-
 
 def _reconfigure(_value=None) -> None:
     TIERS.configure(SETTINGS)
@@ -948,3 +946,4 @@ SETTINGS.define("conditioning.redis.timeout_ms", int, 250,
                 "Socket timeout of a Redis call (a whole read gets four times this, plus a second per MiB of "
                 "the entry); a failure skips the tier for a while.",
                 minimum=10, maximum=60_000, on_change=_reconfigure)
+REGISTRY.add_settler(publish_switches)  # after the settings it reads are defined

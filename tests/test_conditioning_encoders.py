@@ -166,6 +166,7 @@ def test_a_bypass_is_counted_by_reason_and_encoder_and_logged_once(cc, tiny, cap
     assert cc.CACHE.bypass_reasons() == [{"kind": "text", "encoder": "sd1_clip.SD1ClipModel", "reason": reason, "count": 3}]
     stats = rkharness.pack("caching.stats").REGISTRY.snapshot()
     card = next(c for c in stats["caches"] if c["name"] == "conditioning")
+    assert "bypass_reasons" not in card["info"]  # one list of reasons per cache, the stats' own
     assert card["reasons"] == [{"event": "bypass", "source": "text, sd1_clip.SD1ClipModel", "reason": reason, "count": 3}]
     assert [r.getMessage() for r in caplog.records if reason in r.getMessage()] == [
         f"ReuseKit conditioning: text encodes of sd1_clip.SD1ClipModel run uncached: {reason}"]
