@@ -331,7 +331,8 @@ def _capture(gs: gr.GraphSet, call: _Call, decision: gr.Decision):
     failing to be reused in this run or nothing replays here, run eagerly)."""
     run = call.run
     if call.backend == "cuda" and graph_runners.captures_off(call.device):
-        host.say_once("graph:captures_off", "ReuseKit graph: %s", graph_runners.CAPTURES_OFF, level=logging.WARNING)
+        host.say_once(f"graph:captures_off:{call.device}", "ReuseKit graph: %s: %s", call.device,
+                      graph_runners.CAPTURES_OFF, level=logging.WARNING)
         _count(run, "bypasses", "captures_off", graph_runners.CAPTURES_OFF)
         return call.eager()
     STATS.incr("misses")

@@ -70,9 +70,9 @@ run_checks() {
     local pytest
     pytest=$(dirname "$(command -v python3)")/pytest
     [ -x "$pytest" ] || pytest="python3 -m pytest"
-    { nvidia-smi; python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"; } \
-        >>"$out/install.log" 2>&1  # one file with the install: the device tool brings back 8 files at most
-    : >"$out/summary.txt"
+    nvidia-smi >>"$out/install.log" 2>&1  # one file with the install: the device tool brings back 8 files at most
+    python3 -c "import torch; print('torch', torch.__version__, 'on', torch.cuda.get_device_name(0))" \
+        >"$out/summary.txt" 2>&1  # the machine's torch, not the project's: each run's figures name it
     local selected=("$@")
     [ ${#selected[@]} -gt 0 ] || selected=("${HOSTS[@]}")
     cd "$ROOT" || exit 2
