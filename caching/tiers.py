@@ -918,7 +918,6 @@ def publish_switches() -> None:
         stats.set_off(switch(name))
 
 
-
 def _reconfigure(_value=None) -> None:
     TIERS.configure(SETTINGS)
 
