@@ -42,7 +42,7 @@ import torch
 
 from .keys import Uncacheable, encode, nbytes
 from .settings import SETTINGS
-from .stats import REGISTRY
+from .stats import REGISTRY, StatsRegistry
 from .tiers import TIERS, SharedKey
 from .weight_edits import MODES, SETTING, legacy_mode
 
@@ -50,9 +50,6 @@ log = logging.getLogger("reusekit")
 
 KINDS = ("text", "vision", "vae")
 MIB = 1 << 20
-REASON_CHARS = 200  # a bypass reason is kept to this length (an exception's message may be long)
-MAX_REASONS = 64  # distinct (kind, encoder, reason) counted; later ones count under OTHER_REASON
-OTHER_REASON = "other reasons (more than 64 kinds seen)"
 ENV_SWITCH = "REUSEKIT_CONDITIONING"
 
 
@@ -300,7 +297,8 @@ _MISS = object()
 
 class ConditioningCache:
     """A thread-safe LRU of CPU copies bounded by bytes (its entries and the weight patches they pin)
-    and by entries."""
+    and by entries. Its bypass reasons live in its stats handle (``stats``; a cache made without one keeps a
+    handle of its own, outside the registry)."""
 
     def __init__(self, budget_bytes: int = 512 * MIB, max_entries: int = 128, stats=None):
         self._lock = threading.RLock()
@@ -310,9 +308,8 @@ class ConditioningCache:
         self._kind_bytes = dict.fromkeys(KINDS, 0)
         self.budget_bytes = int(budget_bytes)
         self.max_entries = int(max_entries)
-        self.stats = stats
+        self.stats = stats if stats is not None else StatsRegistry().register("conditioning", "conditioning")
         self._counts: dict[str, int] = {}
-        self._reasons: dict[tuple[str, str, str], int] = {}  # (kind, encoder class, reason) -> bypasses
         self._dead: deque[int] = deque()  # serials of dead encoders, dropped at the next call
 
     def owner_died(self, serial: int) -> None:
@@ -432,8 +429,7 @@ class ConditioningCache:
             stored, seconds = entry.stored, entry.seconds
             self._count("hits", key.kind)
         value = thaw(stored)  # outside the lock: copies may be large; stored tensors are never mutated
-        if self.stats is not None:
-            self.stats.add_time_saved(seconds)
+        self.stats.add_time_saved(seconds)
         self._publish()
         return value
 
@@ -489,20 +485,11 @@ class ConditioningCache:
         self._reason("not_shared", "not shared", kind, reason, encoder, "not shared with other workers")
 
     def _reason(self, counter: str, event: str, kind: str, reason: str, encoder: str, what: str) -> None:
-        text = reason if event == "bypass" else f"{event}: {reason}"
-        text = text if len(text) <= REASON_CHARS else text[:REASON_CHARS - 1] + "…"
         with self._lock:
             self._count(counter, kind)
-            slot = (kind, encoder, text)
-            if slot not in self._reasons and len(self._reasons) >= MAX_REASONS:
-                slot = (kind, "", OTHER_REASON)
-            first = slot not in self._reasons
-            self._reasons[slot] = self._reasons.get(slot, 0) + 1
-        if self.stats is not None:
-            self.stats.count_reason(event, reason, source=f"{kind}, {encoder}" if encoder else kind)
-        if first:
+        if self.stats.count_reason(event, reason, source=f"{kind}, {encoder}" if encoder else kind):
             log.info("ReuseKit conditioning: %s encodes%s %s: %s", kind, f" of {encoder}" if encoder else "", what,
-                     text)
+                     reason if event == "bypass" else f"{event}: {reason}")
         self._publish()
 
     def _shared_key(self, shared: Callable[[], SharedKey] | None, kind: str, encoder: str) -> SharedKey | None:
@@ -519,9 +506,15 @@ class ConditioningCache:
         return None
 
     def bypass_reasons(self) -> list[dict]:
-        """Every bypass reason seen since the counts were reset, most frequent first."""
-        with self._lock:
-            return _reason_rows(self._reasons)
+        """Every bypass and not-shared reason seen since the counts were reset, most frequent first, read from
+        the stats' rows: ``{"kind", "encoder", "reason", "count"}``, a not-shared one's reason so marked."""
+        rows = []
+        for row in self.stats.reasons():
+            if row["event"] in ("bypass", "not shared"):
+                kind, _, encoder = row["source"].partition(", ")
+                reason = row["reason"] if row["event"] == "bypass" else f"{row['event']}: {row['reason']}"
+                rows.append({"kind": kind, "encoder": encoder, "reason": reason, "count": row["count"]})
+        return rows
 
     # -- dropping
     def clear(self) -> None:
@@ -547,8 +540,7 @@ class ConditioningCache:
     def _count(self, event: str, kind: str) -> None:
         for name in (event, f"{event}.{kind}"):
             self._counts[name] = self._counts.get(name, 0) + 1
-        if self.stats is not None:
-            self.stats.incr(event)
+        self.stats.incr(event)
 
     def _shrink(self, extra_bytes: int, extra_entries: int) -> None:
         while self._entries and (len(self._entries) + extra_entries > self.max_entries
@@ -581,8 +573,6 @@ class ConditioningCache:
                 self._kind_bytes[entry.key.kind] -= w.nbytes
 
     def _publish(self) -> None:
-        if self.stats is None:
-            return
         with self._lock:
             tiers = dict(self._bytes)
             n = len(self._entries)
@@ -601,16 +591,8 @@ class ConditioningCache:
     def reset_counts(self) -> None:
         with self._lock:
             self._counts.clear()
-            self._reasons.clear()
-        if self.stats is not None:
-            self.stats.reset_counters()
+        self.stats.reset_counters()
         self._publish()
-
-
-def _reason_rows(reasons: dict[tuple[str, str, str], int]) -> list[dict]:
-    rows = [{"kind": k, "encoder": e, "reason": r, "count": n} for (k, e, r), n in reasons.items()]
-    rows.sort(key=lambda row: (-row["count"], row["kind"], row["encoder"], row["reason"]))
-    return rows
 
 
 def _shared_get(key: SharedKey) -> tuple[Any, float] | None:

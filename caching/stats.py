@@ -89,18 +89,28 @@ class CacheStats:
             self._info[key] = value
         self._registry._changed()
 
-    def count_reason(self, event: str, reason: str, n: int = 1, source: str = "") -> None:
+    def count_reason(self, event: str, reason: str, n: int = 1, source: str = "") -> bool:
         """Count ``n`` calls (runs, models...) the cache did not serve as it usually does, and why: ``event``
         says what it did instead (``bypass``: ran them uncached or eagerly; ``refused``: would not take a
         model or a value; ``fallback``: served them another way; ``disabled``: computed a whole run),
-        ``source`` where it happened (a model family, a check's name) when the reason does not say."""
+        ``source`` where it happened (a model family, a check's name) when the reason does not say.
+        True when this row is new since the counts were reset (a cache logs a reason once by it)."""
         reason = reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS - 1] + "…"
         with self._lock:
             slot = (event, source, reason)
             if slot not in self._reasons and len(self._reasons) >= MAX_REASONS:
                 slot = (event, "", OTHER_REASON)
+            new = slot not in self._reasons
             self._reasons[slot] = self._reasons.get(slot, 0) + int(n)
         self._registry._changed()
+        return new
+
+    def reasons(self) -> list[dict[str, Any]]:
+        """The reason rows ``{"event", "source", "reason", "count"}``, most frequent first (the snapshot's)."""
+        with self._lock:
+            rows = [{"event": e, "source": src, "reason": r, "count": n} for (e, src, r), n in self._reasons.items()]
+        rows.sort(key=lambda row: (-row["count"], row["event"], row["source"], row["reason"]))
+        return rows
 
     def set_off(self, how: str | None) -> None:
         """The cache is off (``how``: the one line that turns it on), or on again (None)."""
@@ -129,11 +139,10 @@ class CacheStats:
         return True
 
     def snapshot(self) -> dict[str, Any]:
+        reasons = self.reasons()
         with self._lock:
             counters = dict(self._counters)
             hits, misses = counters.get("hits", 0), counters.get("misses", 0)
-            reasons = [{"event": e, "source": src, "reason": r, "count": n} for (e, src, r), n in self._reasons.items()]
-            reasons.sort(key=lambda row: (-row["count"], row["event"], row["source"], row["reason"]))
             return {
                 "name": self.name,
                 "kind": self.kind,

@@ -225,8 +225,7 @@ def vouch(module: torch.nn.Module, patcher, publish: Callable[[], None], drop: C
 
 
 def _report(count: int) -> None:
-    if CACHE.stats is not None:
-        CACHE.stats.set_info("publish_waiting", count)  # the panel; servers in tests wait for 0
+    CACHE.stats.set_info("publish_waiting", count)  # the panel; servers in tests wait for 0
 
 
 def wait_published(timeout: float = 60.0) -> bool:

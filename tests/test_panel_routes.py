@@ -158,11 +158,13 @@ def test_reasons_are_counted_in_one_form_bounded_and_reset_with_the_counters():
     stats = rkharness.pack("caching.stats")
     registry = stats.StatsRegistry()
     handle = registry.register("why", "graph")
-    handle.count_reason("bypass", "weights are partially loaded", source="partial_load")
-    handle.count_reason("fallback", "no CUDA device", n=5, source="eager")
-    handle.count_reason("bypass", "weights are partially loaded", source="partial_load")
-    handle.count_reason("refused", "x" * 500)
+    # True for a row's first count: a cache logs each reason once by it
+    assert handle.count_reason("bypass", "weights are partially loaded", source="partial_load") is True
+    assert handle.count_reason("fallback", "no CUDA device", n=5, source="eager") is True
+    assert handle.count_reason("bypass", "weights are partially loaded", source="partial_load") is False
+    assert handle.count_reason("refused", "x" * 500) is True
     (c,) = registry.snapshot()["caches"]
+    assert handle.reasons() == c["reasons"]
     assert c["reasons"][:2] == [
         {"event": "fallback", "source": "eager", "reason": "no CUDA device", "count": 5},
         {"event": "bypass", "source": "partial_load", "reason": "weights are partially loaded", "count": 2}]
@@ -171,6 +173,7 @@ def test_reasons_are_counted_in_one_form_bounded_and_reset_with_the_counters():
         handle.count_reason("bypass", f"reason {i}")
     rows = registry.snapshot()["caches"][0]["reasons"]
     assert len(rows) == stats.MAX_REASONS + 1
+    assert handle.count_reason("bypass", "one reason more") is False  # into the row of the rest, seen before
     assert {"event": "bypass", "source": "", "reason": stats.OTHER_REASON, "count": 3} in rows
     text = stats.format_snapshot(registry.snapshot())
     assert "    5x fallback (eager): no CUDA device" in text and "    2x bypass (partial_load): weights" in text
