@@ -637,6 +637,21 @@ def _orig(owner, name):
     return _originals[(owner, name)]
 
 
+def _by_name(orig, head: tuple, more: tuple, extra: dict) -> dict:
+    """``extra`` with the options a newer host added after a replacement's own parameters (``head``, self
+    first) that its caller passed by position (``more``), named as the host's signature names them: a
+    replacement keys and passes every option by name (``VAE.encode(pixels, not_video)`` after 0.33). A call
+    the host itself cannot take raises the host's TypeError."""
+    if not more:
+        return extra
+    bound = inspect.signature(orig).bind(*head, *more, **extra)
+    params = list(inspect.signature(orig).parameters.values())[len(head):len(head) + len(more)]
+    if any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params):
+        raise TypeError(f"ReuseKit: {orig.__qualname__} takes {len(more)} more positional arguments than it names "
+                        f"({', '.join(p.name for p in params)}); pass them by name")
+    return {**extra, **{p.name: bound.arguments[p.name] for p in params}}
+
+
 def _make_methods():
     import comfy.clip_vision
     import comfy.sd
@@ -644,8 +659,11 @@ def _make_methods():
     CLIP, VAE = comfy.sd.CLIP, comfy.sd.VAE
     Vision = comfy.clip_vision.ClipVisionModel
 
-    def encode_from_tokens(self, tokens, return_pooled=False, return_dict=False, **extra):
+    # every replacement passes on, and keys, the options a newer host added to its seam (by name, or by
+    # position named by the host's signature: _by_name)
+    def encode_from_tokens(self, tokens, return_pooled=False, return_dict=False, *more, **extra):
         orig = _orig(CLIP, "encode_from_tokens")
+        extra = _by_name(orig, (self, tokens, return_pooled, return_dict), more, extra)
         compute, admit = lazy_clip.on_demand(  # a lazy encoder reads its weights on a miss
             self, lambda: orig(self, tokens, return_pooled=return_pooled, return_dict=return_dict, **extra))
         out = _route("text", self.patcher, self.cond_stage_model,
@@ -658,9 +676,9 @@ def _make_methods():
             CACHE.bypass("text", "hook-scheduled encode", encoder_name(self.cond_stage_model))
         return _orig(CLIP, "encode_from_tokens_scheduled")(self, tokens, *args, **kwargs)
 
-    # every replacement passes keyword options a newer host added on to it, and keys them
-    def vae_encode(self, pixel_samples, **extra):
+    def vae_encode(self, pixel_samples, *more, **extra):
         orig = _orig(VAE, "encode")
+        extra = _by_name(orig, (self, pixel_samples), more, extra)
         # ComfyUI retries a plain encode in tiles when it runs out of memory: that result is not
         # what a plain encode gives with room to spare, so it is returned but never stored
         return _route("vae", self.patcher, self.first_stage_model, lambda: vae_key(self, "encode", pixel_samples, (), extra),
@@ -675,15 +693,17 @@ def _make_methods():
         return helper
 
     def vae_encode_tiled(self, pixel_samples, tile_x=None, tile_y=None, overlap=None, tile_t=None, overlap_t=None,
-                         **extra):
+                         *more, **extra):
         orig = _orig(VAE, "encode_tiled")
+        extra = _by_name(orig, (self, pixel_samples, tile_x, tile_y, overlap, tile_t, overlap_t), more, extra)
         options = (tile_x, tile_y, overlap, tile_t, overlap_t)
         return _route("vae", self.patcher, self.first_stage_model, lambda: vae_key(self, "encode_tiled", pixel_samples, options, extra),
                       lambda: orig(self, pixel_samples, tile_x=tile_x, tile_y=tile_y, overlap=overlap,
                                    tile_t=tile_t, overlap_t=overlap_t, **extra), check_rng=True)
 
-    def encode_image(self, image, crop=True, **extra):
+    def encode_image(self, image, crop=True, *more, **extra):
         orig = _orig(Vision, "encode_image")
+        extra = _by_name(orig, (self, image, crop), more, extra)
         return _route("vision", self.patcher, self.model, lambda: vision_key(self, image, crop, extra),
                       lambda: orig(self, image, crop=crop, **extra))
 

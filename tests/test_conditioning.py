@@ -891,8 +891,8 @@ def test_a_reshaped_seam_leaves_the_cache_off_with_one_warning(cc, clip, caplog)
 
 
 def test_an_option_a_newer_host_added_is_passed_on_and_keyed(cc, uncached, vae):
-    """ComfyUI 0.38 gave VAE.encode a ``not_video`` keyword: the patched encode passes such an
-    option on to the host's method and keys it, so an encode with it never hits one without."""
+    """ComfyUI 0.38 gave VAE.encode a ``not_video`` option: the patched encode passes such an option on to
+    the host's method and keys it, by name or by position, so an encode with it never hits one without."""
     import comfy.sd
 
     patches = rkharness.pack("patches.conditioning")
@@ -913,6 +913,13 @@ def test_an_option_a_newer_host_added_is_passed_on_and_keyed(cc, uncached, vae):
         assert same(flagged, uncached(vae.encode, pixels, not_video=True)) and not same(flagged, plain)
         assert same(vae.encode(pixels, not_video=True), flagged) and same(vae.encode(pixels), plain)
         assert cc.CACHE.count("hits.vae") == 2
+        # by position, as the host's signature takes it: named by that signature, so the keyword call's entry
+        assert same(vae.encode(pixels, True), flagged) and cc.CACHE.count("hits.vae") == 3
+        assert same(vae.encode(pixels, False), plain) and cc.CACHE.count("misses.vae") == 3  # False is not None
+        with pytest.raises(TypeError, match="too many positional arguments"):  # what the host cannot take
+            vae.encode(pixels, True, 3)
+        with pytest.raises(TypeError, match="multiple values for argument 'not_video'"):
+            vae.encode(pixels, True, not_video=False)
     finally:
         patches.uninstall()
         comfy.sd.VAE.encode = original
