@@ -98,6 +98,9 @@ class Family:
     call_wrapper: str = "DIFFUSION_MODEL"  # the WrappersMP kind around one model call (APPLY_MODEL: Mochi's
     # forward runs no DIFFUSION_MODEL wrapper)
     half: bool = True  # its blocks' inputs can be cut to some rows (the schedule rule's cond-only steps)
+    # "module:Class" of the subclasses of ``classes`` the family's published tables are read for; any other
+    # subclass (a newer host's, say) reads none (model_variant)
+    known: tuple[str, ...] = ()
 
 
 def _cond_values(conds: dict, key: str) -> list:
@@ -132,7 +135,13 @@ def _wan_variant(model_patcher, conds: dict) -> str:
 
 def model_variant(family: Family, model_patcher, conds: dict) -> str:
     """The published variant a model is (a key of the published tables, e.g. "flux-kontext"), or the
-    family's ``default_type`` where it has no finer reader."""
+    family's ``default_type`` where it has no finer reader. A diffusion model of a subclass the family does
+    not name (``classes``, ``known``) is "unknown class <name>", which no published table has: a table
+    fitted on its base class may not fit it, so rule auto runs first_block on it until it is calibrated
+    (LTXVImageModel, an LTXVModel for images in ComfyUI 0.38, would otherwise read LTX-Video's)."""
+    dm = getattr(getattr(model_patcher, "model", None), "diffusion_model", None)
+    if type(dm) not in {cls for cls in map(_resolve, family.classes + family.known) if cls is not None}:
+        return f"unknown class {type(dm).__name__}"
     return family.variant(model_patcher, conds) if family.variant is not None else family.default_type
 
 
@@ -151,6 +160,11 @@ def _wan_blocks(dm):
 
 FLUX, HUNYUAN, WAN = ("comfy.ldm.flux.model:Flux",), ("comfy.ldm.hunyuan_video.model:HunyuanVideo",), \
     ("comfy.ldm.wan.model:WanModel",)
+# the Wan subclasses of ComfyUI 0.3.75 and 0.33 (VACE, camera, HuMo, S2V, Animate, ...): Wan 2.1's tables
+WAN_KNOWN = tuple(f"comfy.ldm.wan.{spec}" for spec in (
+    "model:VaceWanModel", "model:CameraWanModel", "model:HumoWanModel", "model:WanModel_S2V", "model:SCAILWanModel",
+    "model:SCAIL2WanModel", "model_animate:AnimateWanModel", "model_animate2:WanAnimate2Model",
+    "model_wandancer:WanDancerModel", "ar_model:CausalWanModel"))
 CHROMA, CHROMA_RADIANCE = ("comfy.ldm.chroma.model:Chroma",), ("comfy.ldm.chroma_radiance.model:ChromaRadiance",)
 LTXV = ("comfy.ldm.lightricks.model:LTXVModel",)
 LTX2 = ("comfy.ldm.lightricks.av_model:LTXAVModel",)
@@ -169,8 +183,10 @@ FAMILIES = (
            bases=("comfy.model_base:HunyuanVideo15",), seams=APPLY_MOD),
     Family("hunyuan_video", "hunyuan_video", HUNYUAN, _flux_modulated, _double_single, image_first=True,
            seams=APPLY_MOD),
-    Family("wan22", "calibrated", WAN, _wan_modulated, _wan_blocks, bases=("comfy.model_base:WAN22",)),
-    Family("wan", "wan2.1_t2v_1.3B_ret_mode", WAN, _wan_modulated, _wan_blocks, variant=_wan_variant),
+    Family("wan22", "calibrated", WAN, _wan_modulated, _wan_blocks, bases=("comfy.model_base:WAN22",),
+           known=WAN_KNOWN),
+    Family("wan", "wan2.1_t2v_1.3B_ret_mode", WAN, _wan_modulated, _wan_blocks, variant=_wan_variant,
+           known=WAN_KNOWN),
     Family("qwen_image", "calibrated", QWEN, _qwen_modulated, _transformer_blocks, seams=QWEN_MODULATE),
     # LTX-2's blocks carry (video, audio): the cache keeps both residuals and decides once; its timestep
     # embeddings are packed objects the cache does not cut by rows, so no cond-only steps

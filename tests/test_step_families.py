@@ -150,6 +150,46 @@ def test_rule_auto_without_a_table_runs_first_block_until_calibrated(conds, capl
     assert last_run()["rule"] == "teacache" and last_run()["model_type"] == "calibrated"
 
 
+def test_a_subclass_the_family_does_not_name_reads_no_published_table(conds, caplog):
+    """A subclass of a family's model class that the pack does not name (ComfyUI 0.38's LTXVImageModel,
+    an LTXVModel for images; here a subclass of the real LTXVModel, with the same weights) gets no table
+    fitted on its base: rule auto runs First-Block on it, as on a model without a table, counted and said
+    once, and gives exactly what First-Block gives; the base's table stays one pick away (model_type)."""
+    import logging
+
+    from comfy.ldm.lightricks.model import LTXVModel
+
+    class LTXVImageModel(LTXVModel):
+        pass
+
+    family, shape, _ = HOOKED["ltxv"]
+    conds = tuple([[c, {**e, "attention_mask": torch.ones(c.shape[:2], dtype=torch.long)}] for c, e in cond]
+                  for cond in conds)
+    model = helpers().family_spec("ltxv").build(0)
+    assert SF().model_variant(SF().detect_family(model), model, {}) == "ltxv"  # the class itself: its table
+    sample(step_cache(model, model_type="ltxv", threshold=0.05), conds, shape)
+    base_run = last_run()
+    model.model.diffusion_model.__class__ = LTXVImageModel
+    assert SF().model_variant(SF().detect_family(model), model, {}) == "unknown class LTXVImageModel"
+    defaults = {i.id: i.default for i in N().TeaCacheNode.define_schema().inputs if i.id != "model"}
+    with caplog.at_level(logging.INFO, logger="reusekit"):
+        (auto,) = N().TeaCacheNode.execute(model=model, **{**defaults, "threshold": 0.3}).args
+        out = sample(auto, conds, shape)
+    run = last_run()
+    assert (run["rule"], run["model_type"], run["variant"]) == ("first_block", "none", "unknown class LTXVImageModel")
+    assert torch.equal(out, sample(step_cache(model, threshold=0.3, rule="first_block"), conds, shape))
+    assert [r.getMessage() for r in caplog.records if "rule auto uses first_block" in r.getMessage()] == [
+        "ReuseKit Step Cache: no teacache table for this ltxv model yet (unknown class LTXVImageModel); rule auto "
+        "uses first_block until ReuseKit TeaCache Calibrate has run on it"]
+    reasons = P().stats().snapshot()["reasons"]
+    assert any(r["event"] == "fallback" and "(unknown class LTXVImageModel)" in r["reason"] for r in reasons), reasons
+    with pytest.raises(ValueError, match="no calibration for this ltxv model yet .unknown class LTXVImageModel"):
+        sample(step_cache(model, threshold=0.05), conds, shape)  # TeaCache asked for by name: a clear error
+    named = sample(step_cache(model, model_type="ltxv", threshold=0.05), conds, shape)  # the base's, picked
+    assert torch.isfinite(named).all()
+    assert (last_run()["model_type"], last_run()["conds"]) == ("ltxv", base_run["conds"])  # decides as the base
+
+
 NO_SEAM = "no block-replace seam"
 
 
