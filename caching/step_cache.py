@@ -340,6 +340,7 @@ class StepCacheConfig:
     residual_mode: str = "reuse"  # one of RESIDUAL_MODES
     rule: str = "teacache"  # one of RULES
     interval_power: float = 1.0  # rule interval: 1 the fixed beat, above 1 denser toward the end (end_dense_beat)
+    first_blocks: int = 1  # rule first_block: the blocks run before it decides (cache-dit's DBCache Fn; Bn = 0)
 
 
 @dataclass
@@ -866,6 +867,7 @@ class RunState:
             "max_consecutive_skips": self.config.max_consecutive_skips,
             "cache_device": self.config.cache_device,
             "interval_power": self.config.interval_power,
+            "first_blocks": self.config.first_blocks,
             "steps": total_steps,
             "calls_computed": self.calls_computed,
             "calls_skipped": self.calls_skipped,

@@ -84,12 +84,18 @@ def _cache_inputs() -> list:
                                "toward the end of the run, where a forecast errs most (step i of k at "
                                "(steps - 1)(1 - (1 - i/(k - 1))^power)); the speed is the beat's "
                                "(docs/step_cache.md, \"Rules\")."),
+        io.Int.Input("first_blocks", default=1, min=1, max=1024, optional=True,
+                     tooltip="Rule first_block only: the blocks that always run, the change of whose residual "
+                             "decides whether the rest is skipped. 1: First-Block-Cache. More: cache-dit's "
+                             "DBCache Fn (with no trailing blocks, Bn = 0): a surer decision, a smaller saving "
+                             "(a skipped step still runs these). Fewer than the model's blocks."),
     ]
 
 
 def make_config(node: str, model_type: str, threshold: float, start_percent: float, end_percent: float,
                 max_consecutive_skips: int, cache_device: str, residual_mode: str = "auto",
-                calibrate: bool = False, rule: str = "auto", interval_power: float = 1.0) -> StepCacheConfig:
+                calibrate: bool = False, rule: str = "auto", interval_power: float = 1.0,
+                first_blocks: int = 1) -> StepCacheConfig:
     def bad(name, why):
         return ValueError(f"{node}: {name} {why}")
 
@@ -120,9 +126,15 @@ def make_config(node: str, model_type: str, threshold: float, start_percent: flo
     if interval_power != 1.0 and rule != "interval":
         raise bad("interval_power", f"places the steps of rule interval only (rule is {rule}): set it to 1, or "
                                     "pick rule interval")
+    if isinstance(first_blocks, bool) or not isinstance(first_blocks, (int, float)) \
+            or int(first_blocks) != first_blocks or first_blocks < 1:
+        raise bad("first_blocks", f"must be a whole number >= 1, got {first_blocks!r}")
+    if first_blocks != 1 and rule != "first_block":
+        raise bad("first_blocks", f"sets the blocks rule first_block runs before it decides (rule is {rule}): set it "
+                                  "to 1, or pick rule first_block")
     return StepCacheConfig(None, model_type, float(threshold), float(start_percent), float(end_percent),
                            int(max_consecutive_skips), cache_device, calibrate, residual_mode, rule,
-                           float(interval_power))
+                           float(interval_power), int(first_blocks))
 
 
 def given_inputs(cls, node: str, threshold, rule, residual_mode, passed: dict) -> tuple[float, str, str]:
@@ -178,12 +190,12 @@ class TeaCacheNode(io.ComfyNode):
     @classmethod
     def execute(cls, model, model_type="auto", threshold=LEFT_OUT, start_percent=0.0, end_percent=1.0,
                 max_consecutive_skips=0, cache_device="device", residual_mode=LEFT_OUT, rule=LEFT_OUT,
-                interval_power=1.0, **linked_old) -> io.NodeOutput:
+                interval_power=1.0, first_blocks=1, **linked_old) -> io.NodeOutput:
         node = "ReuseKit TeaCache"
         threshold, rule, residual_mode = given_inputs(cls, node, threshold, rule, residual_mode, linked_old)
         config = make_config(node, model_type, threshold, start_percent, end_percent,
                              max_consecutive_skips, cache_device, residual_mode, rule=rule,
-                             interval_power=interval_power)
+                             interval_power=interval_power, first_blocks=first_blocks)
         return io.NodeOutput(attach(node, model, config))
 
 
@@ -234,7 +246,7 @@ class CachedKSamplerNode(SamplerInputs, io.ComfyNode):
     @classmethod
     def execute(cls, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise,
                 model_type="auto", threshold=LEFT_OUT, start_percent=0.0, end_percent=1.0, max_consecutive_skips=0,
-                cache_device="device", residual_mode=LEFT_OUT, rule=LEFT_OUT, interval_power=1.0,
+                cache_device="device", residual_mode=LEFT_OUT, rule=LEFT_OUT, interval_power=1.0, first_blocks=1,
                 **linked_old) -> io.NodeOutput:
         import nodes
 
@@ -243,7 +255,7 @@ class CachedKSamplerNode(SamplerInputs, io.ComfyNode):
         threshold, rule, residual_mode = given_inputs(cls, node, threshold, rule, residual_mode, linked_old)
         config = make_config(node, model_type, threshold, start_percent, end_percent,
                              max_consecutive_skips, cache_device, residual_mode, rule=rule,
-                             interval_power=interval_power)
+                             interval_power=interval_power, first_blocks=first_blocks)
         cached = attach(node, model, config)
         (latent,) = nodes.common_ksampler(cached, seed, steps, cfg, sampler_name, scheduler, positive, negative,
                                           latent_image, denoise=denoise)

@@ -154,6 +154,9 @@ def _attach(model_patcher, config: tc.StepCacheConfig):
 
     m = model_patcher.clone()
     blocks = family.blocks(m.model.diffusion_model)
+    if config.rule == "first_block" and config.first_blocks > 1 and config.first_blocks >= len(blocks):
+        raise ValueError(f"first_blocks: {config.first_blocks} runs every block of this {family.name} model "
+                         f"({len(blocks)}), leaving none to skip; at most {max(1, len(blocks) - 1)}")
     m.model_options["transformer_options"][KEY] = Settings(config, family, tuple(blocks))
     call_kind = getattr(WrappersMP, family.call_wrapper)
     for kind, fn in ((WrappersMP.OUTER_SAMPLE, _outer_sample), (call_kind, _diffusion_model)):
@@ -163,19 +166,19 @@ def _attach(model_patcher, config: tc.StepCacheConfig):
     for i, (name, index) in enumerate(blocks):
         prior = dit.get((name, index))
         prior = getattr(prior, "_reusekit_prior", prior)  # ours from an earlier apply: unwrap
-        m.set_model_patch_replace(_block_patch(i == 0, i == len(blocks) - 1, prior), "dit", name, index)
+        m.set_model_patch_replace(_block_patch(i, i == len(blocks) - 1, prior), "dit", name, index)
     return m
 
 
 # ---- the seams ---------------------------------------------------------------------------
 
-def _block_patch(first: bool, last: bool, prior):
+def _block_patch(index: int, last: bool, prior):
     def patch(args, extra):
         call = (args.get("transformer_options") or {}).get(CALL_KEY)
         run_block = (lambda a: prior(a, extra)) if prior is not None else extra["original_block"]
         if call is None:
             return run_block(args)
-        return call.block(args, run_block, first, last)
+        return call.block(args, run_block, index, last)
 
     patch._reusekit_prior = prior
     patch._reusekit_block = True
@@ -243,7 +246,10 @@ class _Call:
                  sigma: torch.Tensor | None):
         self.run, self.family, self.dm, self.sigma = run, family, dm, sigma
         self.keys, self.labels, self.may_skip = keys, labels, may_skip
-        self.after_first = run.config.rule == "first_block"  # decides on the first block's output
+        self.after_first = run.config.rule == "first_block"  # decides on the first blocks' output
+        # the block whose output decides (first_block: the last of its first_blocks), and whose residual
+        # from the stack input is ``first``
+        self.decide_at = run.config.first_blocks - 1 if self.after_first else 0
         self.on_output = run.config.residual_mode == tc.OUTPUT_MODE  # stores and forecasts the model's output
         self.skip: bool | None = None
         self.roles: list[str] | None = None  # schedule: per cond "C" computed, "S" forecast, "E" rebuilt
@@ -252,7 +258,7 @@ class _Call:
         self.undecided = False  # the decision could not run: computed, and no residual is kept
         self.probing = False
         self.stack_in: torch.Tensor | None = None
-        self.first: torch.Tensor | None = None  # the first block's residual (its output minus the stack input)
+        self.first: torch.Tensor | None = None  # the first blocks' residual (``decide_at``'s output minus the stack input)
         self.residual: torch.Tensor | None = None  # the whole stack's residual
 
     def probe(self, forward):
@@ -295,7 +301,8 @@ class _Call:
                                  "the call was computed", source=self.family.name)
             self.skip, self.undecided = False, True
             return
-        chunk = (img.shape[0] // len(self.keys), *img.shape[1:])
+        stack = img if self.stack_in is None else self.stack_in  # first_block deciding in a joint stream: its
+        chunk = (stack.shape[0] // len(self.keys), *stack.shape[1:])  # image tokens, as the residual holds
         if rule == "schedule":
             self.roles = self.run.decide_scheduled(self.keys, self.labels, list(signals), chunk, self.sigma,
                                                    half=self.family.half)
@@ -307,8 +314,8 @@ class _Call:
         self.skip = self.run.decide(self.keys, self.labels, list(signals), self.may_skip,
                                     None if self.on_output else chunk, self.sigma)
 
-    def block(self, args: dict, run_block, first: bool, last: bool) -> dict:
-        if first:
+    def block(self, args: dict, run_block, index: int, last: bool) -> dict:
+        if index == 0:
             if self.skip is None and not self.after_first:
                 self._decide(args)
             if self.undecided:  # runs to the end eagerly (graph capture: "undecided")
@@ -321,7 +328,13 @@ class _Call:
             # which already holds what ControlNet added inside the stack at the last computed step
             self.stack_in = _pack(args["img"]).clone()
             if self.after_first or not self.skip:
-                return self._first_block(args, self._runner(run_block), last)
+                if index == self.decide_at:
+                    return self._first_block(args, self._runner(run_block), last)
+                return run_block(args)  # first_block's first blocks before the one that decides
+        elif index <= self.decide_at:  # first_block: the rest of its first blocks, the last of them decides
+            if self.stack_in is None:  # our first-block patch was replaced later: stay out
+                return run_block(args)
+            return self._first_block(args, run_block, last) if index == self.decide_at else run_block(args)
         elif self.skip is None:  # our first-block patch was replaced later: stay out
             return run_block(args)
         if self.skip:
@@ -342,7 +355,8 @@ class _Call:
         return out
 
     def _first_block(self, args: dict, run_block, last: bool) -> dict:
-        """Runs the first block and keeps its residual; first_block decides on it here."""
+        """Runs the block at ``decide_at`` and keeps the residual of the blocks up to it (the first block's,
+        or first_block's first_blocks'); first_block decides on it here."""
         out = run_block(args)
         img = _pack(out["img"])
         start, end = self._image_tokens(args, img.shape[1])

@@ -54,7 +54,7 @@ def load(page, workflow: dict) -> None:
 
 def expected_step_cache(saved: list) -> dict:
     old = dict(zip(STEP_CACHE_OLD, saved, strict=True))
-    return {"rule": "teacache", "threshold": old.pop("rel_l1_thresh"), **old, "interval_power": 1.0}
+    return {"rule": "teacache", "threshold": old.pop("rel_l1_thresh"), **old, "interval_power": 1.0, "first_blocks": 1}
 
 
 @pytest.mark.parametrize("name", WORKFLOWS)

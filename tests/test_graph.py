@@ -453,9 +453,9 @@ def trained_flux():
     return importlib.import_module(f"{rkharness.TINY.__name__}.trained_flux").build()
 
 
-def teacache(model, thresh=0.4, rule="auto", mode="extrapolate"):
+def teacache(model, thresh=0.4, rule="auto", mode="extrapolate", first_blocks=1):
     node = rkharness.pack("nodes.step_cache").TeaCacheNode
-    return node.execute(model, "flux", thresh, 0.0, 1.0, 0, "device", mode, rule).args[0]
+    return node.execute(model, "flux", thresh, 0.0, 1.0, 0, "device", mode, rule, 1.0, first_blocks).args[0]
 
 
 @pytest.mark.parametrize("backend", ["emulate", "eager"])
@@ -482,6 +482,29 @@ def test_teacache_decides_outside_the_graph_and_its_skips_never_replay(gc, monke
         if backend == "emulate":  # an H step (the cond rows alone) runs eagerly, a whole call replays
             assert run["eager_steps"] == tea["calls_half"]
             assert run["captures"] == (1 if seed == 7 else 0)
+
+
+@pytest.mark.parametrize("first_blocks", [1, 3])  # 3: into the single stream of the tiny Flux (2 + 2 blocks)
+def test_first_block_decides_after_its_first_blocks_outside_the_graph(gc, monkeypatch, trained_flux, conds,
+                                                                     first_blocks):
+    """First-Block (and DBCache's Fn) decides after its first blocks: under capture the probe runs them
+    eagerly up to the decision, a skip finishes there and a computed step replays the whole call. Same
+    latent, same computed and skipped calls as alone."""
+    stats = rkharness.pack("patches.step_cache").stats
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+
+    def cached(model):
+        return teacache(model, 0.3, "first_block", "reuse", first_blocks)
+
+    both = capture(cached(trained_flux))
+    for seed in (7, 11):
+        alone = sample(cached(trained_flux), conds, steps=10, seed=seed)
+        expected = stats().snapshot()["info"]["last_run"]
+        assert torch.equal(sample(both, conds, steps=10, seed=seed), alone)
+        tea, run = stats().snapshot()["info"]["last_run"], last_run(gc)
+        assert (tea["calls_computed"], tea["calls_skipped"]) == (expected["calls_computed"], expected["calls_skipped"])
+        assert tea["first_blocks"] == first_blocks and run["step_cache_skips"] == tea["calls_skipped"] > 0
+        assert run["bypasses"] == {} and run["replays"] + run["captures"] == tea["calls_computed"]
 
 
 @pytest.mark.parametrize("capture_first", [True, False])

@@ -67,10 +67,11 @@ def sample(model, conds, steps=STEPS, cfg=3.0, shape=(1, 16, 8, 8), seed=3, fill
 
 
 def teacache(model, thresh, model_type="flux", start=0.0, end=1.0, max_skips=0, device="device",
-             mode="extrapolate", rule="teacache", power=1.0):
+             mode="extrapolate", rule="teacache", power=1.0, first_blocks=1):
     (m,) = N().TeaCacheNode.execute(model=model, rule=rule, threshold=thresh, model_type=model_type,
                                     start_percent=start, end_percent=end, max_consecutive_skips=max_skips,
-                                    cache_device=device, residual_mode=mode, interval_power=power).args
+                                    cache_device=device, residual_mode=mode, interval_power=power,
+                                    first_blocks=first_blocks).args
     return m
 
 
@@ -641,6 +642,21 @@ def test_interval_computes_every_nth_step_per_cond_in_the_window_and_a_cpu_cache
     assert last_run()["conds"]["cond"]["pattern"] == "CSSCSSCSSC"
 
 
+def test_first_blocks_through_the_sampler_report_and_decide_on_more_blocks(flux, conds):
+    """first_blocks through the real KSampler: reported, exact at threshold 0, and its skips (on the same
+    threshold as First-Block's) decided on the residual of the first blocks, not the first block's."""
+    ref = sample(flux, conds)
+    assert torch.equal(sample(teacache(flux, 0.0, rule="first_block", mode="reuse", first_blocks=3), conds), ref)
+    assert last_run()["first_blocks"] == 3 and last_run()["calls_skipped"] == 0
+    traces = {}
+    for n in (1, 3):
+        out = sample(teacache(flux, 0.3, rule="first_block", mode="reuse", first_blocks=n), conds)
+        run = last_run()
+        assert run["first_blocks"] == n and torch.isfinite(out).all()
+        traces[n] = run["conds"]["cond"]["trace"]
+    assert traces[1] != traces[3]
+
+
 @pytest.mark.parametrize("mode", ["taylorseer1", "output"])
 def test_interval_power_places_the_beat_on_the_runs_steps_through_the_sampler(flux, conds, mode):
     """interval_power through the real KSampler: a power that places the steps where the fixed beat computes
@@ -842,6 +858,10 @@ def test_a_skipped_call_adds_controlnet_once_not_again_on_top_of_the_residual(fl
     ({"rule": "interval", "thresh": 3.0, "power": float("nan")}, "interval_power"),
     ({"rule": "interval", "thresh": 3.0, "power": "1.3"}, "interval_power"),
     ({"power": 1.3}, "interval_power"),  # the TeaCache rule has no beat to place
+    ({"rule": "first_block", "first_blocks": 0}, "first_blocks"),
+    ({"rule": "first_block", "first_blocks": 1.5}, "first_blocks"),
+    ({"rule": "first_block", "first_blocks": 4}, "first_blocks: 4 runs every block of this flux model .4."),
+    ({"first_blocks": 2}, "first_blocks"),  # the TeaCache rule decides before the first block
     ({"model_type": "wan2.1_t2v_14B_ret_mode"}, "model_type"),
     ({"model_type": "nope"}, "model_type"),
 ])
@@ -1252,10 +1272,12 @@ def test_on_the_same_input_every_rule_and_mode_returns_the_computed_output(flux,
     assert torch.allclose(skipped, computed, atol=1e-5), rel_err(skipped, computed)
 
 
-def test_first_block_skips_add_the_rest_of_the_stack_to_the_recomputed_first_block(flux, conds):
-    """On a changed input, first_block's skip runs the first block anew and adds the residual the
-    blocks after it made at the computed call: the model's output is what the host's own forward
-    gives when its stack ends in exactly that sum. The trace holds the first block's distance."""
+@pytest.mark.parametrize("first_blocks", [1, 2, 3])  # the tiny Flux: 2 double blocks, then 2 single
+def test_first_block_skips_add_the_rest_of_the_stack_to_the_recomputed_first_blocks(flux, conds, first_blocks):
+    """On a changed input, first_block's skip runs its first blocks anew (1: First-Block; more: DBCache's Fn,
+    here within the double stream and across into the single one) and adds the residual the blocks after
+    them made at the computed call: the model's output is what the host's own forward gives when its stack
+    ends in exactly that sum. The trace holds the first blocks' distance."""
     seen = {"first": [], "last": []}
 
     def recorder(name):
@@ -1266,20 +1288,22 @@ def test_first_block_skips_add_the_rest_of_the_stack_to_the_recomputed_first_blo
         return patch
 
     base = flux.clone()
-    last = ("single_block", len(flux.model.diffusion_model.single_blocks) - 1)
-    base.set_model_patch_replace(recorder("first"), "dit", "double_block", 0)
+    blocks = P().detect_family(flux).blocks(flux.model.diffusion_model)
+    last = blocks[-1]
+    base.set_model_patch_replace(recorder("first"), "dit", *blocks[first_blocks - 1])
     base.set_model_patch_replace(recorder("last"), "dit", *last)
-    m = teacache(base, 10.0, rule="first_block", mode="reuse")
+    m = teacache(base, 10.0, rule="first_block", mode="reuse", first_blocks=first_blocks)
     to = flux_options(m)
     x = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))
     moved = x + 0.3 * torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(1))
     flux_call(m, x, to, conds)
     skipped = flux_call(m, moved, to, conds)
     state = to[P().RUN_KEY].conds[("c", 0)]
-    assert state.pattern == ["C", "S"] and len(seen["first"]) == 2 and len(seen["last"]) == 1
+    assert state.pattern == ["C", "S"], state.trace
+    assert len(seen["first"]) == 2 and len(seen["last"]) == 1
     assert 0 < float(state.trace[1]) < 10.0
-    n = seen["first"][0].shape[1]  # image tokens: the end of the single stream (text first)
-    stack_out = seen["first"][1] + (seen["last"][0][:, -n:] - seen["first"][0])
+    n = x.shape[-2] * x.shape[-1] // 4  # image tokens (2x2 patches): the end of the single stream (text first)
+    stack_out = seen["first"][1][:, -n:] + (seen["last"][0][:, -n:] - seen["first"][0][:, -n:])
 
     def ends_in_that_sum(args, extra):
         out = extra["original_block"](args)

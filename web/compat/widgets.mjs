@@ -13,7 +13,8 @@ const STEP_CACHE_V1 = ["model_type", "rel_l1_thresh", "start_percent", "end_perc
 const STEP_CACHE = {
   start: "rule",
   renamed: { rel_l1_thresh: "threshold" },  // a7ea1af (2026-12-01) renamed it and put `rule` first
-  added: { interval_power: 1.0 },  // 2026-12-04: 1 is the fixed beat every earlier save ran
+  // 2026-12-04: 1 is the fixed beat every earlier save ran; 1 is First-Block's one block (first_blocks)
+  added: { interval_power: 1.0, first_blocks: 1 },
   layouts: [
     { names: STEP_CACHE_V1, meant: { rule: "teacache", residual_mode: "reuse" } },
     { names: [...STEP_CACHE_V1, "residual_mode"], meant: { rule: "teacache" } },  // 95a72a3..a7ea1af
