@@ -40,7 +40,9 @@ Protocol, the same for every method, ReuseKit's and the baselines alike:
 
 Methods:
 - baselines, as their papers define them: TeaCache (the signed polynomial accumulated, calibrated),
-  MagCache (calibrated), First-Block-Cache, core EasyCache and LazyCache (each given an input it may
+  MagCache (calibrated), First-Block-Cache, cache-dit's DBCache at its default F8B0 (the first_block rule
+  deciding after the same share of the stand-in's blocks: 2 of Flux's 12, 3 of Wan's 10), core EasyCache
+  and LazyCache (each given an input it may
   modify: EasyCache adds its residual to the diffusion model's input in place, which on a float32 model is
   the sampler's own latent; on a real bf16 model it is a cast copy), TaylorSeer of order 1 and 2 and FoCa
   (a full step every N, forecasts between; ReuseKit's ``interval`` rule with those residual modes);
@@ -119,6 +121,11 @@ EVAL_PROMPTS = ["a red circle on a black background", "a yellow square on a gray
 SEEDS = (1, 2, 3, 4)
 BOOTSTRAP = 2000  # resamples of the evaluation runs for a speedup's interval
 DEEP_BLOCKS = {"flux": 57, "wan": 30}  # Flux.1-dev's 19 + 38 blocks, Wan 2.1 1.3B's 30
+# cache-dit's DBCache at its default F8B0 (the first 8 blocks always run and decide, no trailing ones), as the
+# same share of the stand-in's blocks (8 of FLUX.1's 57, of Wan 2.1 1.3B's 30): the first_block rule with
+# first_blocks; priced on a full-size model as its 8 blocks
+DBCACHE_FN = {"flux": 2, "wan": 3}
+DBCACHE_DEEP_FN = 8
 PUBLISHED = {"flux": "flux", "wan": "wan2.1_t2v_1.3B_ret_mode"}  # the variants whose tables they are held to
 MAGCACHE_PUBLISHED = {"flux": (0.24, 5, 0.1), "wan": (0.12, 4, 0.2)}  # E, K, R
 TEACACHE_PUBLISHED = {"flux": (0.4, 0.0), "wan": (0.15, 0.1)}  # ComfyUI-TeaCache's recommended rel_l1_thresh and
@@ -173,6 +180,8 @@ def methods(family: str) -> list[dict]:
         rule("TeaCache", "baseline", "teacache", "calibrated", "reuse", signed=True),
         rule("MagCache", "baseline", "magcache", "calibrated", "reuse"),
         rule("First-Block", "baseline", "first_block", "auto", "reuse"),
+        rule("DBCache (F8B0)", "baseline", "first_block", "auto", "reuse", first_blocks=DBCACHE_FN[family],
+             deep_first=DBCACHE_DEEP_FN),
         dict(name="EasyCache (core)", kind="baseline", core="easycache", combos=["0-1", ".15-.95"], grid="core"),
         dict(name="LazyCache (core)", kind="baseline", core="lazycache", combos=["0-1", ".15-.95"], grid="core"),
         rule("TaylorSeer order 1", "baseline", "interval", "auto", "taylorseer1", grid="interval"),
@@ -333,11 +342,13 @@ class Bench:
         return self.N.TeaCacheNode.execute(
             model=self.model, rule=setting["rule"], threshold=setting["threshold"], model_type=setting["model_type"],
             start_percent=combo["start"], end_percent=end, max_consecutive_skips=combo["K"], cache_device="device",
-            residual_mode=setting["mode"], interval_power=combo.get("power", 1.0)).args[0]
+            residual_mode=setting["mode"], interval_power=combo.get("power", 1.0),
+            first_blocks=setting.get("first_blocks", 1)).args[0]
 
-    def run(self, model, prompt: str, seed: int, steps: int, store) -> tuple[torch.Tensor, float, float, float]:
-        """(final latent, calls per branch, the same with a first-block call priced as on a full-size model,
-        CPU seconds)."""
+    def run(self, model, prompt: str, seed: int, steps: int, store,
+            deep_first: int = 1) -> tuple[torch.Tensor, float, float, float]:
+        """(final latent, calls per branch, the same with a call that ran only the first blocks priced as
+        ``deep_first`` blocks of a full-size model, CPU seconds)."""
         import nodes
 
         self.P.STORE = store
@@ -347,7 +358,7 @@ class Bench:
                                        self.cond(""), {"samples": self.S.empty_latent(self.family)})
         cpu = time.process_time() - t0
         calls = sum(self.counts) / len(self.blocks)
-        deep = self.counts[-1] + (self.counts[0] - self.counts[-1]) / DEEP_BLOCKS[self.family]
+        deep = self.counts[-1] + (self.counts[0] - self.counts[-1]) * deep_first / DEEP_BLOCKS[self.family]
         return out["samples"], calls, deep, cpu
 
     def calibrate(self, steps: int) -> dict:
@@ -402,7 +413,7 @@ def measure(bench: Bench, setting: dict, steps: int, runs: list[tuple[str, int]]
     with as_published(bench.tc, setting):
         for prompt, seed in runs:
             ref, ref_calls, ref_cpu = refs[(prompt, seed)]
-            out, c, d, t = bench.run(model, prompt, seed, steps, store)
+            out, c, d, t = bench.run(model, prompt, seed, steps, store, setting.get("deep_first", 1))
             p, s, e = bench.metrics(out, ref)
             calls.append(c)
             deep.append(d)

@@ -324,6 +324,11 @@ def test_the_field_holds_the_published_methods_as_their_papers_define_them(bench
         "ReuseKit interval, output forecast"]
     assert bench.combos("flux")[bench.END_DENSE]["power"] > 1
     assert all(m["mode"] == "reuse" for m in baselines if m.get("rule") in ("teacache", "magcache", "first_block"))
+    # DBCache at cache-dit's default F8B0: the same share of each stand-in's blocks decides, priced as 8 blocks
+    for family, blocks in (("flux", 12), ("wan", 10)):
+        db = next(m for m in bench.methods(family) if m["name"] == "DBCache (F8B0)")
+        assert (db["kind"], db["rule"], db["deep_first"]) == ("baseline", "first_block", 8)
+        assert db["first_blocks"] == round(8 / bench.DEEP_BLOCKS[family] * blocks), family
     # constants fitted on the real models are never ranked
     assert all(m["model_type"] in ("calibrated", "auto") for m in baselines if "rule" in m)
     assert all(r["kind"] == "information" for r in bench.published_rows("flux"))
@@ -463,3 +468,15 @@ def test_an_interval_under_a_skip_limit_stops_at_the_limits_beat_and_picks_as_th
         return bench.curves.pick([p for p in pts if p["combo"] == "teacache K3 last"], 30.0, 25.0)
 
     assert capped_pick(long_points) == capped_pick(points)  # the restricted combo's own pick did not move
+
+
+def test_the_dbcache_row_builds_the_node_with_its_first_blocks(bench):
+    """The row's setting reaches the node: the model it samples with decides after its first blocks."""
+    import types
+
+    model = importlib.import_module(f"{rkharness.TINY.__name__}.trained_flux").build()
+    db = next(m for m in bench.methods("flux") if m["name"] == "DBCache (F8B0)")
+    host = types.SimpleNamespace(N=rkharness.pack("nodes.step_cache"), model=model)
+    built = bench.Bench.build(host, dict(db, combo=bench.combos("flux")["free"], threshold=0.1), 20)
+    settings = built.model_options["transformer_options"][rkharness.pack("patches.step_cache").KEY]
+    assert (settings.config.rule, settings.config.first_blocks) == ("first_block", 2)
