@@ -42,7 +42,7 @@ import torch
 
 from .keys import Uncacheable, encode, nbytes
 from .settings import SETTINGS
-from .stats import REGISTRY, StatsRegistry
+from .stats import REGISTRY, StatsRegistry, clip_reason
 from .tiers import TIERS, SharedKey
 from .weight_edits import MODES, SETTING, legacy_mode
 
@@ -489,7 +489,7 @@ class ConditioningCache:
             self._count(counter, kind)
         if self.stats.count_reason(event, reason, source=f"{kind}, {encoder}" if encoder else kind):
             log.info("ReuseKit conditioning: %s encodes%s %s: %s", kind, f" of {encoder}" if encoder else "", what,
-                     reason if event == "bypass" else f"{event}: {reason}")
+                     clip_reason(reason if event == "bypass" else f"{event}: {reason}"))
         self._publish()
 
     def _shared_key(self, shared: Callable[[], SharedKey] | None, kind: str, encoder: str) -> SharedKey | None:

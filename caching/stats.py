@@ -40,6 +40,11 @@ OTHER_REASON = f"other reasons (more than {MAX_REASONS} kinds seen)"
 log = logging.getLogger("reusekit")
 
 
+def clip_reason(text: str) -> str:
+    """A reason as the stats keep it: at most REASON_CHARS characters."""
+    return text if len(text) <= REASON_CHARS else text[:REASON_CHARS - 1] + "…"
+
+
 class CacheStats:
     """One cache's counters, memory and facts. All methods are thread-safe."""
 
@@ -95,7 +100,7 @@ class CacheStats:
         model or a value; ``fallback``: served them another way; ``disabled``: computed a whole run),
         ``source`` where it happened (a model family, a check's name) when the reason does not say.
         True when this row is new since the counts were reset (a cache logs a reason once by it)."""
-        reason = reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS - 1] + "…"
+        reason = clip_reason(reason)
         with self._lock:
             slot = (event, source, reason)
             if slot not in self._reasons and len(self._reasons) >= MAX_REASONS:

@@ -575,10 +575,10 @@ def shared_key(key: Key, module, patcher=None) -> SharedKey:
 _local = threading.local()  # per thread: inside a plain VAE encode, and whether it fell back to tiles
 
 
-def _plain_vae_encode(orig, vae, pixel_samples, extra: dict):
+def _plain_vae_encode(orig, vae, pixel_samples, more: tuple, extra: dict):
     _local.plain, _local.fell_back = True, False
     try:
-        return orig(vae, pixel_samples, **extra)
+        return orig(vae, pixel_samples, *more, **extra)
     finally:
         _local.plain = False
 
@@ -638,17 +638,18 @@ def _orig(owner, name):
 
 
 def _by_name(orig, head: tuple, more: tuple, extra: dict) -> dict:
-    """``extra`` with the options a newer host added after a replacement's own parameters (``head``, self
-    first) that its caller passed by position (``more``), named as the host's signature names them: a
-    replacement keys and passes every option by name (``VAE.encode(pixels, not_video)`` after 0.33). A call
-    the host itself cannot take raises the host's TypeError."""
+    """The options of a call, for its key: ``extra`` with those a newer host added after a replacement's own
+    parameters (``head``, self first) that the caller passed by position (``more``), named as the host's
+    signature names them, so the call keys as its keyword form does (``VAE.encode(pixels, not_video)`` after
+    0.33). The call itself passes them on as it got them. Uncacheable where the signature does not name
+    them (a ``*args``); a call the host cannot take fails here and then in the host, with its own error."""
     if not more:
         return extra
-    bound = inspect.signature(orig).bind(*head, *more, **extra)
-    params = list(inspect.signature(orig).parameters.values())[len(head):len(head) + len(more)]
+    signature = inspect.signature(orig)
+    bound = signature.bind(*head, *more, **extra)
+    params = list(signature.parameters.values())[len(head):len(head) + len(more)]
     if any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params):
-        raise TypeError(f"ReuseKit: {orig.__qualname__} takes {len(more)} more positional arguments than it names "
-                        f"({', '.join(p.name for p in params)}); pass them by name")
+        raise Uncacheable(f"options passed by position that {orig.__qualname__}'s signature does not name")
     return {**extra, **{p.name: bound.arguments[p.name] for p in params}}
 
 
@@ -659,15 +660,15 @@ def _make_methods():
     CLIP, VAE = comfy.sd.CLIP, comfy.sd.VAE
     Vision = comfy.clip_vision.ClipVisionModel
 
-    # every replacement passes on, and keys, the options a newer host added to its seam (by name, or by
-    # position named by the host's signature: _by_name)
+    # every replacement passes on the options a newer host added to its seam as it got them, and keys them
+    # by name (passed by position: named by the host's signature, _by_name)
     def encode_from_tokens(self, tokens, return_pooled=False, return_dict=False, *more, **extra):
         orig = _orig(CLIP, "encode_from_tokens")
-        extra = _by_name(orig, (self, tokens, return_pooled, return_dict), more, extra)
         compute, admit = lazy_clip.on_demand(  # a lazy encoder reads its weights on a miss
-            self, lambda: orig(self, tokens, return_pooled=return_pooled, return_dict=return_dict, **extra))
-        out = _route("text", self.patcher, self.cond_stage_model,
-                     lambda: text_key(self, tokens, return_pooled, return_dict, extra), compute, admit=admit)
+            self, lambda: orig(self, tokens, return_pooled, return_dict, *more, **extra))
+        out = _route("text", self.patcher, self.cond_stage_model, lambda: text_key(
+            self, tokens, return_pooled, return_dict, _by_name(orig, (self, tokens, return_pooled, return_dict),
+                                                               more, extra)), compute, admit=admit)
         lazy_clip.answered(self.cond_stage_model)
         return out
 
@@ -678,12 +679,12 @@ def _make_methods():
 
     def vae_encode(self, pixel_samples, *more, **extra):
         orig = _orig(VAE, "encode")
-        extra = _by_name(orig, (self, pixel_samples), more, extra)
         # ComfyUI retries a plain encode in tiles when it runs out of memory: that result is not
         # what a plain encode gives with room to spare, so it is returned but never stored
-        return _route("vae", self.patcher, self.first_stage_model, lambda: vae_key(self, "encode", pixel_samples, (), extra),
-                      lambda: _plain_vae_encode(orig, self, pixel_samples, extra), check_rng=True,
-                      admit=_tiled_fallback_reason)
+        return _route("vae", self.patcher, self.first_stage_model, lambda: vae_key(
+            self, "encode", pixel_samples, (), _by_name(orig, (self, pixel_samples), more, extra)),
+            lambda: _plain_vae_encode(orig, self, pixel_samples, more, extra), check_rng=True,
+            admit=_tiled_fallback_reason)
 
     def tiled_helper(name):
         def helper(self, *args, **kwargs):
@@ -695,17 +696,16 @@ def _make_methods():
     def vae_encode_tiled(self, pixel_samples, tile_x=None, tile_y=None, overlap=None, tile_t=None, overlap_t=None,
                          *more, **extra):
         orig = _orig(VAE, "encode_tiled")
-        extra = _by_name(orig, (self, pixel_samples, tile_x, tile_y, overlap, tile_t, overlap_t), more, extra)
         options = (tile_x, tile_y, overlap, tile_t, overlap_t)
-        return _route("vae", self.patcher, self.first_stage_model, lambda: vae_key(self, "encode_tiled", pixel_samples, options, extra),
-                      lambda: orig(self, pixel_samples, tile_x=tile_x, tile_y=tile_y, overlap=overlap,
-                                   tile_t=tile_t, overlap_t=overlap_t, **extra), check_rng=True)
+        return _route("vae", self.patcher, self.first_stage_model, lambda: vae_key(
+            self, "encode_tiled", pixel_samples, options, _by_name(orig, (self, pixel_samples, *options), more, extra)),
+            lambda: orig(self, pixel_samples, *options, *more, **extra), check_rng=True)
 
     def encode_image(self, image, crop=True, *more, **extra):
         orig = _orig(Vision, "encode_image")
-        extra = _by_name(orig, (self, image, crop), more, extra)
-        return _route("vision", self.patcher, self.model, lambda: vision_key(self, image, crop, extra),
-                      lambda: orig(self, image, crop=crop, **extra))
+        return _route("vision", self.patcher, self.model,
+                      lambda: vision_key(self, image, crop, _by_name(orig, (self, image, crop), more, extra)),
+                      lambda: orig(self, image, crop, *more, **extra))
 
     def clip_load_sd(self, sd, full_model=False):
         lazy_clip.materialise(self.cond_stage_model, self.patcher)

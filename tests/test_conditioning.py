@@ -916,10 +916,41 @@ def test_an_option_a_newer_host_added_is_passed_on_and_keyed(cc, uncached, vae):
         # by position, as the host's signature takes it: named by that signature, so the keyword call's entry
         assert same(vae.encode(pixels, True), flagged) and cc.CACHE.count("hits.vae") == 3
         assert same(vae.encode(pixels, False), plain) and cc.CACHE.count("misses.vae") == 3  # False is not None
-        with pytest.raises(TypeError, match="too many positional arguments"):  # what the host cannot take
+        with pytest.raises(TypeError, match="takes from 2 to 3 positional arguments but 4"):  # the host's own
             vae.encode(pixels, True, 3)
         with pytest.raises(TypeError, match="multiple values for argument 'not_video'"):
             vae.encode(pixels, True, not_video=False)
+    finally:
+        patches.uninstall()
+        comfy.sd.VAE.encode = original
+        assert patches.install()
+
+
+def test_options_a_seam_takes_as_args_run_uncached_counted(cc, uncached, vae):
+    """A seam wrapped as (self, pixel_samples, *args) (another pack's wrapper, say): options passed to it by
+    position have no names to key them by, so the encode runs uncached, counted with the reason, and gives
+    what the host gives; passed by name they key as always."""
+    import comfy.sd
+
+    patches = rkharness.pack("patches.conditioning")
+    patches.uninstall()
+    original = comfy.sd.VAE.__dict__["encode"]
+
+    def encode(self, pixel_samples, *args, **kwargs):
+        out = original(self, pixel_samples)
+        return out * -1 if (args and args[0]) or kwargs.get("flip") else out
+
+    comfy.sd.VAE.encode = encode
+    try:
+        assert patches.install()
+        pixels = torch.rand((1, 64, 64, 3), generator=torch.Generator().manual_seed(7))
+        flipped = vae.encode(pixels, True)
+        assert same(flipped, uncached(vae.encode, pixels, True)) and same(vae.encode(pixels, True), flipped)
+        assert cc.CACHE.count("bypasses.vae") == 2 and cc.CACHE.count("misses.vae") == 0
+        (row,) = cc.CACHE.bypass_reasons()
+        assert row["reason"] == "options passed by position that test_options_a_seam_takes_as_args_run_uncached_" \
+                                "counted.<locals>.encode's signature does not name", row
+        assert same(vae.encode(pixels, flip=True), flipped) and cc.CACHE.count("misses.vae") == 1
     finally:
         patches.uninstall()
         comfy.sd.VAE.encode = original
