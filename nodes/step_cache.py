@@ -127,7 +127,7 @@ def make_config(node: str, model_type: str, threshold: float, start_percent: flo
         raise bad("interval_power", f"places the steps of rule interval only (rule is {rule}): set it to 1, or "
                                     "pick rule interval")
     if isinstance(first_blocks, bool) or not isinstance(first_blocks, (int, float)) \
-            or int(first_blocks) != first_blocks or first_blocks < 1:
+            or not math.isfinite(first_blocks) or int(first_blocks) != first_blocks or first_blocks < 1:
         raise bad("first_blocks", f"must be a whole number >= 1, got {first_blocks!r}")
     if first_blocks != 1 and rule != "first_block":
         raise bad("first_blocks", f"sets the blocks rule first_block runs before it decides (rule is {rule}): set it "

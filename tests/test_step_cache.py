@@ -860,6 +860,8 @@ def test_a_skipped_call_adds_controlnet_once_not_again_on_top_of_the_residual(fl
     ({"power": 1.3}, "interval_power"),  # the TeaCache rule has no beat to place
     ({"rule": "first_block", "first_blocks": 0}, "first_blocks"),
     ({"rule": "first_block", "first_blocks": 1.5}, "first_blocks"),
+    ({"rule": "first_block", "first_blocks": float("nan")}, "first_blocks"),
+    ({"rule": "first_block", "first_blocks": float("inf")}, "first_blocks"),
     ({"rule": "first_block", "first_blocks": 4}, "first_blocks: 4 runs every block of this flux model .4."),
     ({"first_blocks": 2}, "first_blocks"),  # the TeaCache rule decides before the first block
     ({"model_type": "wan2.1_t2v_14B_ret_mode"}, "model_type"),
