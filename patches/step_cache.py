@@ -301,8 +301,10 @@ class _Call:
                                  "the call was computed", source=self.family.name)
             self.skip, self.undecided = False, True
             return
-        stack = img if self.stack_in is None else self.stack_in  # first_block deciding in a joint stream: its
-        chunk = (stack.shape[0] // len(self.keys), *stack.shape[1:])  # image tokens, as the residual holds
+        # the residual's shape per cond: the stack input's (first_block may decide in a joint stream, whose
+        # input holds the text tokens too; the residual holds the image tokens)
+        stack = img if self.stack_in is None else self.stack_in
+        chunk = (stack.shape[0] // len(self.keys), *stack.shape[1:])
         if rule == "schedule":
             self.roles = self.run.decide_scheduled(self.keys, self.labels, list(signals), chunk, self.sigma,
                                                    half=self.family.half)
