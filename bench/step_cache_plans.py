@@ -3,7 +3,8 @@
     .venv/bin/python bench/step_cache_plans.py [--setup flux] [--steps 50] [--mode taylorseer1] [PLAN ...]
 
 A plan is one letter per step: C computes every branch, S adds each branch's forecast (``--mode``, as the
-step cache's residual modes), H computes the cond branch and rebuilds the uncond one from the last measured
+step cache's residual modes; ``output`` forecasts the model's output, as the interval rule's placed beat
+runs it, with no H), H computes the cond branch and rebuilds the uncond one from the last measured
 cond-minus-uncond difference (under CFG; costs half a step). Without plans it scores the ones behind the
 findings in docs/step_cache.md ("Where the computed steps go"): TaylorSeer's even beat against the same
 number of computed steps placed otherwise, and H steps in place of computed ones. Exploration on the tuning
@@ -14,11 +15,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import step_cache as B  # noqa: E402  (the bench: its stand-ins, runs, metrics and tuning prompts)
+
+OUTPUT = "output"  # the residual mode that forecasts the model's output: the interval rule runs it
 
 
 def beat(steps: int, computed: set[int], half: set[int] = frozenset()) -> str:
@@ -27,10 +31,27 @@ def beat(steps: int, computed: set[int], half: set[int] = frozenset()) -> str:
 
 def score_plan(bench, plan: str, mode: str, runs: list[tuple[str, int]], refs: dict) -> dict:
     """``plan`` (one letter per step) on ``runs`` through the schedule rule's forced plan, skipped steps
-    adding ``mode``'s forecasts: the bench's measure (speedup, mean and worst PSNR)."""
+    adding ``mode``'s forecasts (``output``: the interval rule's placed beat, forced to the plan's C
+    steps): the bench's measure (speedup, mean and worst PSNR)."""
+    if mode == OUTPUT:
+        setting = dict(rule="interval", model_type="auto", mode=mode, threshold=float(len(plan)),
+                       combo=dict(K=0, start=0.0, last=False, power=B.END_POWER))
+        with forced_beat(bench.tc, [i for i, a in enumerate(plan) if a == "C"]):
+            return B.measure(bench, setting, len(plan), runs, refs)
     setting = dict(rule="schedule", model_type="auto", mode=mode, threshold=0.01, combo=dict(K=0, start=0.0, last=False))
     with B.forced_plan(bench.schedule, list(plan)):
         return B.measure(bench, setting, len(plan), runs, refs)
+
+
+@contextmanager
+def forced_beat(tc, placed: list[int]):
+    """Every run on a placed beat (``tc``: caching.step_cache) computes the steps ``placed``."""
+    real = tc.end_dense_beat
+    tc.end_dense_beat = lambda *a: placed
+    try:
+        yield
+    finally:
+        tc.end_dense_beat = real
 
 
 def findings(steps: int) -> list[str]:
@@ -59,9 +80,11 @@ def main():
     import torch
 
     torch.set_num_threads(1)
-    plans = args.plans or findings(args.steps)
+    plans = args.plans or [p for p in findings(args.steps) if args.mode != OUTPUT or "H" not in p]
     if any(len(p) != args.steps or set(p) - set("CSH") for p in plans):
         ap.error(f"plans: one of C, S, H per step, {args.steps} letters each")
+    if args.mode == OUTPUT and any("H" in p or not p.startswith("C") for p in plans):
+        ap.error("plans: with --mode output, C and S only, the first step C (the interval rule's beat)")
     family, cfg = B.SETUPS[args.setup]
     bench = B.Bench(family, False, cfg)
     runs = B.tuning_runs(False)

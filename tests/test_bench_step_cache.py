@@ -444,6 +444,22 @@ def test_a_forced_plan_computes_what_it_says_and_all_c_is_the_uncached_picture(b
     assert scored["CHCHCC"]["psnr"] < bench.curves.PSNR_CAP
 
 
+def test_an_output_plan_is_the_interval_rules_beat_forced_and_all_c_is_the_uncached_picture(bench, plans):
+    with torch.inference_mode():
+        stand_in = bench.Bench("flux", False, 3.5)
+        placement = stand_in.tc.end_dense_beat
+        runs = [(bench.TUNING_PROMPTS[0], bench.TUNING_SEEDS[0])]
+        refs = bench.references(stand_in, 6, runs)
+        scored = {plan: plans.score_plan(stand_in, plan, "output", runs, refs) for plan in ("CCCCCC", "CSCSCS")}
+        every_other = dict(rule="interval", model_type="auto", mode="output", threshold=2.0,
+                           combo=dict(K=0, start=0.0, last=False))
+        rule = bench.measure(stand_in, every_other, 6, runs, refs)  # the rule's own fixed beat of 2
+    assert scored["CCCCCC"]["x"] == 1.0 and scored["CCCCCC"]["psnr"] == bench.curves.PSNR_CAP
+    assert scored["CSCSCS"]["x"] == pytest.approx(2.0) and scored["CSCSCS"]["psnr"] < bench.curves.PSNR_CAP
+    assert scored["CSCSCS"]["psnr"] == rule["psnr"] and scored["CSCSCS"]["err"] == rule["err"]
+    assert stand_in.tc.end_dense_beat is placement  # the real placement is back
+
+
 def test_an_interval_under_a_skip_limit_stops_at_the_limits_beat_and_picks_as_the_longer_walk(bench, monkeypatch):
     """Under max_consecutive_skips K every interval above K runs one beat (a computed call, K skipped), so
     a restricted combo's walk ends at the first of them: its pick is the one the walk on to the steps gave
