@@ -40,7 +40,7 @@ import torch
 
 from .keys import encode, nbytes
 from .settings import SETTINGS
-from .stats import REGISTRY
+from .stats import REGISTRY, StatsRegistry
 
 DEFAULT_ENABLED_KEY = "pe_cache.default_enabled"
 SETTINGS.define(DEFAULT_ENABLED_KEY, bool, False,
@@ -178,16 +178,17 @@ class PECache:
     """The last key and tensors per PE name, for one model. Thread-safe.
 
     ``stats_name``: register a stats handle (kind ``pe``) under this unique name; ``close()``
-    (or the owner going away, see :func:`cache_for`) unregisters it.
+    (or the owner going away, see :func:`cache_for`) unregisters it. Without one the counts go to a
+    handle of its own, seen by no panel (the bypass reasons are read from it all the same).
     """
 
     def __init__(self, stats_name: str | None = None, description: str = ""):
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._per_name: dict[str, dict[str, int]] = {}
-        self._reasons: dict[str, int] = {}  # why calls ran uncached
-        self.stats = (REGISTRY.register(stats_name, "pe", description, clear=self.clear)
-                      if stats_name else None)
+        self._shared = stats_name is not None  # in the registry the panel reads; close() folds it away
+        registry = REGISTRY if self._shared else StatsRegistry()
+        self.stats = registry.register(stats_name or "pe", "pe", description, clear=self.clear)
 
     # -- lookup --
 
@@ -203,9 +204,9 @@ class PECache:
                 self._count(key.name, "hits", saved=entry.build_s)
                 return entry.value
             self._count(key.name, "mutated")
-            if self.stats is not None:
-                self.stats.count_reason("fallback", "a stored table was changed in place since it was stored: "
-                                        "built again")
+            stats = self.stats
+            if stats is not None:
+                stats.count_reason("fallback", "a stored table was changed in place since it was stored: built again")
         shared = self._find_equal(key)
         if shared is not None:  # another name holds these very tensors (e.g. cond and uncond run apart)
             new = _Entry(key, shared.value, shared.build_s)
@@ -238,15 +239,16 @@ class PECache:
     def bypass(self, name: str, reason: str = "unspecified") -> None:
         """Count a call that could not use the cache (the builder ran unchanged) and why; the
         reasons are in the stats' ``reasons``."""
-        with self._lock:
-            self._reasons[reason] = self._reasons.get(reason, 0) + 1
-        if self.stats is not None:
-            self.stats.count_reason("bypass", reason)
+        stats = self.stats
+        if stats is not None:
+            stats.count_reason("bypass", reason)
         self._count(name, "bypasses")
 
     def bypass_reasons(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._reasons)
+        """Why calls ran uncached since the counts were reset: reason -> calls, read from the stats' rows
+        (empty once closed)."""
+        stats = self.stats
+        return {} if stats is None else {r["reason"]: r["count"] for r in stats.reasons() if r["event"] == "bypass"}
 
     # -- state --
 
@@ -285,17 +287,18 @@ class PECache:
     def close(self) -> None:
         """Drop the entries and the stats handle; what it counted and saved goes on in :data:`DROPPED`."""
         self.clear()
-        if self.stats is not None:
-            counted = self.stats.snapshot()
-            dropped = REGISTRY.register(DROPPED, "pe", "What the PE caches of models ComfyUI has since dropped "
-                                                       "counted and saved (each model's own card goes with it).")
-            for counter, n in counted["counters"].items():
-                dropped.incr(counter, n)
-            for row in counted["reasons"]:
-                dropped.count_reason(row["event"], row["reason"], row["count"], row["source"])
-            dropped.add_time_saved(counted["time_saved_s"])
-            REGISTRY.unregister(self.stats.name)
-            self.stats = None
+        stats, self.stats = self.stats, None
+        if stats is None or not self._shared:
+            return
+        counted = stats.snapshot()
+        dropped = REGISTRY.register(DROPPED, "pe", "What the PE caches of models ComfyUI has since dropped "
+                                                   "counted and saved (each model's own card goes with it).")
+        for counter, n in counted["counters"].items():
+            dropped.incr(counter, n)
+        for row in counted["reasons"]:
+            dropped.count_reason(row["event"], row["reason"], row["count"], row["source"])
+        dropped.add_time_saved(counted["time_saved_s"])
+        REGISTRY.unregister(stats.name)
 
     # -- stats --
 

@@ -182,6 +182,35 @@ def test_stats_register_per_owner_clear_and_release_with_the_owner(pc):
     assert registry.get(name) is None
 
 
+def test_bypass_reasons_are_the_stats_rows_bounded_and_reset_with_the_counts(pc):
+    """One list of reasons per cache, the stats' own: a cache the panel sees and one it does not read
+    them alike, past MAX_REASONS kinds they count under one row, and a reset of the counts clears them."""
+    st = rkharness.pack("caching.stats")
+    registry = st.REGISTRY
+    shown, own = pc.PECache("pe:reasons-test#1"), pc.PECache()
+    try:
+        for cache in (shown, own):
+            cache.bypass("probe[0]", "inputs require grad")
+            cache.bypass("probe[0]", "inputs require grad")
+            cache.get_or_create(pc.PECacheKey("probe[0]").add(1), lambda: torch.zeros(4))  # a miss: no reason
+            assert cache.bypass_reasons() == {"inputs require grad": 2}
+            assert cache.name_stats()["probe[0]"]["bypasses"] == 2
+        assert registry.get("pe:reasons-test#1").snapshot()["reasons"] == [
+            {"event": "bypass", "source": "", "reason": "inputs require grad", "count": 2}]
+        assert registry.get("pe") is None  # the unnamed cache's handle is its own, in no panel
+        for i in range(st.MAX_REASONS + 5):
+            own.bypass("probe[0]", f"probe: a value of kind {i} the key cannot describe")
+        reasons = own.bypass_reasons()
+        assert len(reasons) == st.MAX_REASONS + 1 and reasons[st.OTHER_REASON] == 6  # the kinds, then one row
+        assert sum(reasons.values()) == st.MAX_REASONS + 5 + 2
+        own.stats.reset_counters()
+        assert own.bypass_reasons() == {}
+    finally:
+        shown.close()
+        own.close()
+    assert shown.bypass_reasons() == own.bypass_reasons() == {} and registry.get("pe:reasons-test#1") is None
+
+
 def test_default_setting_is_defined_and_validated(pc):
     settings = rkharness.pack("caching.settings").SETTINGS
     assert settings.get(pc.DEFAULT_ENABLED_KEY) is False
