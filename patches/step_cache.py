@@ -776,6 +776,12 @@ def _finish(run: tc.RunState, settings: Settings, plan: Plan, total_steps: int |
         s.incr(f"runs_{outcome}")
     s.incr("calls_computed", run.calls_computed)
     s.incr("calls_skipped", run.calls_skipped)
+    if outcome == "completed" and total_steps and not run.calls_computed + run.calls_skipped:
+        reason = (f"no call of this {settings.family.name} model reached the step cache in a whole run (its sampler "
+                  "called the model outside ComfyUI's diffusion-model wrapper, as the ar_video sampler does with "
+                  "Causal-WAN): nothing was skipped")
+        if s.count_reason("bypass", reason, source=settings.family.name):
+            log.warning("ReuseKit TeaCache: %s", reason)
     for lab, c in summary["conds"].items():
         s.incr(f"{lab}_computed", c["computed"])
         s.incr(f"{lab}_skipped", c["skipped"])

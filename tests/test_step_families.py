@@ -361,6 +361,78 @@ def test_the_wan22_14b_experts_never_share_a_calibration(conds):
     assert P().model_fingerprint(high, wan) != P().model_fingerprint(low, wan)
 
 
+def vace_inputs(frames=2):
+    """A Wan VACE call: latent, text, one control video (96 channels per latent frame) at strength 0.8."""
+    g = torch.Generator().manual_seed(0)
+    kwargs = {"c_crossattn": torch.randn((1, 7, rkharness.TINY.TEXT_DIM), generator=g),
+              "vace_context": torch.randn((1, 1, 96, frames, 8, 8), generator=g), "vace_strength": [0.8]}
+    return torch.randn((1, 16, frames, 8, 8), generator=g), torch.full((1,), 0.7), kwargs
+
+
+@pytest.mark.parametrize("rule", ["teacache", "magcache", "first_block"])
+def test_wan_vace_skips_give_the_computed_output_with_its_hints_between_the_blocks(rule):
+    """VACE adds its control hints to the stream between blocks, in place: a skip gives the computed
+    output (the stored residual holds the hints; what the VACE blocks add on a skip never reaches it)."""
+    h = helpers()
+    model = h.tiny_wan_vace(0)
+    assert type(model.model.diffusion_model).__name__ == "VaceWanModel"
+    x, sigma, kwargs = h.batched(*vace_inputs())
+    first, second, run = h.two_calls(step_cache(model, rule=rule), x, sigma, kwargs)
+    assert [s.pattern for s in run.conds.values()] == [["C", "S"], ["C", "S"]]
+    assert torch.allclose(second, first, atol=1e-5, rtol=1e-5), rel_err(second, first)
+    plain = model.model.apply_model(x, sigma, **kwargs)
+    assert torch.allclose(first, plain, atol=1e-5, rtol=1e-5), rel_err(first, plain)
+
+
+def test_wan_vace_reads_wan21s_table_and_skips_through_the_real_ksampler(conds):
+    """A VACE model is a Wan 2.1 to rule auto (its published table, no fallback); through the KSampler with
+    WAN21_Vace's own control inputs: nothing skipped at threshold 0 is ComfyUI's latent exactly, and a
+    calibrated run skips to a finite latent."""
+    model = helpers().tiny_wan_vace(0)
+    shape = (1, 16, 2, 8, 8)
+    assert run_variant(model, conds, shape) == "wan2.1_t2v_1.3B_ret_mode"
+    ref = sample(model, conds, shape)
+    assert torch.equal(sample(step_cache(model, threshold=0.0), conds, shape), ref)
+    assert last_run()["model_type"] == "wan2.1_t2v_1.3B_ret_mode" and last_run()["rule"] == "teacache"
+    (cal,) = N().TeaCacheCalibrateNode.execute(model).args
+    assert torch.equal(sample(cal, conds, shape), ref)
+    out = sample(step_cache(model, model_type="calibrated", threshold=3.0), conds, shape)
+    run = last_run()
+    assert run["family"] == "wan" and run["calls_skipped"] >= 1 and set(run["conds"]) == {"cond", "uncond"}
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+
+
+def test_causal_wan_under_the_ar_video_sampler_computes_every_call_and_says_why(conds):
+    """Causal-WAN's ``ar_video`` sampler calls the model outside ComfyUI's diffusion-model wrapper, with KV
+    caches the model fills as it goes: the cache never sees a call, so the run is ComfyUI's latent exactly
+    and is counted as a bypass with its reason; under another sampler its Wan forward skips as Wan's does."""
+    import comfy.sample
+    import comfy.samplers
+
+    model = helpers().tiny_wan_causal(0)
+    if model is None:
+        pytest.skip("this ComfyUI has no Causal-WAN (comfy.supported_models.WAN21_CausalAR_T2V, ComfyUI 0.33)")
+    assert type(model.model.diffusion_model).__name__ == "CausalWanModel"
+    latent = torch.zeros((1, 16, 3, 8, 8))
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(5))
+
+    def ar_video(m):
+        sampler = comfy.samplers.ksampler("ar_video", {"num_frame_per_block": 1})
+        sigmas = comfy.samplers.calculate_sigmas(m.get_model_object("model_sampling"), "simple", 4)
+        return comfy.sample.sample_custom(m, noise, 1.0, sampler, sigmas, *conds, latent, seed=5)  # distilled: CFG 1
+
+    ref = ar_video(model)
+    stats = P().stats()
+    stats.reset_counters()
+    assert torch.equal(ar_video(step_cache(model, rule="first_block", threshold=0.6)), ref)
+    (row,) = [r for r in stats.reasons() if r["event"] == "bypass"]
+    assert "no call of this wan model reached the step cache in a whole run" in row["reason"], row
+    assert row["source"] == "wan" and row["count"] == 1  # one run
+    assert last_run()["calls_computed"] == last_run()["calls_skipped"] == 0 and last_run()["outcome"] == "completed"
+    sample(step_cache(model, rule="first_block", threshold=0.6), conds, (1, 16, 2, 8, 8))  # its plain Wan forward
+    assert last_run()["calls_skipped"] >= 1 and [r["count"] for r in stats.reasons() if r["event"] == "bypass"] == [1]
+
+
 def s2v_inputs(frames=2):
     """A Wan S2V call: latent, text and the audio features (wav2vec layers x width x 4 per latent frame)."""
     g = torch.Generator().manual_seed(0)

@@ -52,6 +52,37 @@ def tiny_wan_s2v(seed: int = 0, **overrides):
     return _from_config(comfy.supported_models.WAN22_S2V, cfg, seed)
 
 
+def tiny_wan_vace(seed: int = 0, **overrides):
+    """Wan 2.1 VACE at dim 64, 2 heads, 4 layers with a VACE block after layers 0 and 2 (as VACE 1.3B puts
+    one after every other layer, never after the last), control input 96 channels (16 + 16 latent + 64 mask)."""
+    import comfy.supported_models
+
+    from . import TEXT_DIM, _from_config
+
+    cfg = dict(image_model="wan2.1", model_type="vace", patch_size=(1, 2, 2), text_len=512, in_dim=16, dim=64,
+               ffn_dim=128, freq_dim=32, text_dim=TEXT_DIM, out_dim=16, num_heads=2, num_layers=4,
+               window_size=(-1, -1), qk_norm=True, cross_attn_norm=True, eps=1e-6, vace_layers=2, vace_in_dim=96)
+    cfg.update(overrides)
+    return _from_config(comfy.supported_models.WAN21_Vace, cfg, seed)
+
+
+def tiny_wan_causal(seed: int = 0, **overrides):
+    """Causal-WAN (Self-Forcing / Causal Forcing: the ``ar_video`` sampler's model) at dim 64, 2 heads,
+    2 layers; None on a host without it (before ComfyUI 0.33)."""
+    import comfy.supported_models
+
+    from . import TEXT_DIM, _from_config
+
+    config = getattr(comfy.supported_models, "WAN21_CausalAR_T2V", None)
+    if config is None:
+        return None
+    cfg = dict(image_model="wan2.1", model_type="t2v", causal_ar=True, patch_size=(1, 2, 2), text_len=512, in_dim=16,
+               dim=64, ffn_dim=128, freq_dim=32, text_dim=TEXT_DIM, out_dim=16, num_heads=2, num_layers=2,
+               window_size=(-1, -1), qk_norm=True, cross_attn_norm=True, eps=1e-6)
+    cfg.update(overrides)
+    return _from_config(config, cfg, seed)
+
+
 def tiny_wan_i2v(seed: int = 0, **overrides):
     """Wan 2.1 image-to-video (start-image latent and mask concatenated: 36 input channels) at dim 64."""
     import comfy.supported_models
