@@ -441,8 +441,14 @@ def apply_model_wrapper(executor, *args, **kwargs):
 def outer_sample_wrapper(executor, *args, **kwargs):
     run = gr.RunSummary()
     token = _RUN.set(run)
+    sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
     try:
-        return executor(*args, **kwargs)
+        out = executor(*args, **kwargs)
+        if not run.steps and sigmas is not None and len(sigmas) > 1:
+            _count(run, "bypasses", "unreached", "no forward of this model reached graph capture in a whole run (its "
+                   "sampler called the model outside ComfyUI's diffusion-model wrapper, as the ar_video sampler "
+                   "does with Causal-WAN): nothing was captured or replayed")
+        return out
     finally:
         _RUN.reset(token)
         summary = run.as_dict()

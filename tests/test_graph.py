@@ -3,6 +3,7 @@ model) with real tiny models through the real sampler, the eager fallback bit fo
 ``emulate`` backend (static buffers updated in place, no graph), invalidation by LoRA and unload,
 bypasses, the disable switches, the nodes and the stats."""
 
+import importlib
 import logging
 import threading
 import time
@@ -963,3 +964,25 @@ def test_real_server_runs_graph_capture_and_the_panel_routes_show_and_switch_it(
         comfy_server.post("/reusekit/settings", {"graph_reuse.enabled": True})
     assert comfy_server.post("/reusekit/clear", {"cache": "graph_reuse"})["cleared"] == ["graph_reuse"]
     assert graph_stats()["entries"] == 0
+
+
+def test_a_run_whose_sampler_calls_no_forward_through_the_seam_is_counted_unreached(gc, conds):
+    """Causal-WAN's ar_video sampler calls the model outside ComfyUI's diffusion-model wrapper: nothing is
+    captured or replayed, the run is ComfyUI's latent exactly, and it says why; its plain Wan forward under
+    another sampler reaches the decision."""
+    h = importlib.import_module(f"{rkharness.TINY.__name__}.step_families")
+    model = h.tiny_wan_causal(0)
+    if model is None:
+        pytest.skip("this ComfyUI has no Causal-WAN (comfy.supported_models.WAN21_CausalAR_T2V, ComfyUI 0.33)")
+    latent = torch.zeros((1, 16, 3, 8, 8))
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(5))
+    ref = h.ar_video(model, conds, latent, noise)
+    assert torch.equal(h.ar_video(capture(model), conds, latent, noise), ref)
+    run = last_run(gc)
+    assert run["steps"] == 0 and run["bypasses"] == {"unreached": 1}
+    assert counters(gc)["bypasses.unreached"] == 1
+    (row,) = [r for r in gc.STATS.handle.snapshot()["reasons"] if r["source"] == "unreached"]
+    assert row["event"] == "bypass" and "ar_video" in row["reason"] and row["count"] == 1
+    plain = sample(model, conds, shape=(1, 16, 2, 8, 8))
+    assert torch.equal(sample(capture(model), conds, shape=(1, 16, 2, 8, 8)), plain)
+    assert last_run(gc)["steps"] > 0 and last_run(gc)["bypasses"] == {}

@@ -406,9 +406,6 @@ def test_causal_wan_under_the_ar_video_sampler_computes_every_call_and_says_why(
     """Causal-WAN's ``ar_video`` sampler calls the model outside ComfyUI's diffusion-model wrapper, with KV
     caches the model fills as it goes: the cache never sees a call, so the run is ComfyUI's latent exactly
     and is counted as a bypass with its reason; under another sampler its Wan forward skips as Wan's does."""
-    import comfy.sample
-    import comfy.samplers
-
     model = helpers().tiny_wan_causal(0)
     if model is None:
         pytest.skip("this ComfyUI has no Causal-WAN (comfy.supported_models.WAN21_CausalAR_T2V, ComfyUI 0.33)")
@@ -417,9 +414,7 @@ def test_causal_wan_under_the_ar_video_sampler_computes_every_call_and_says_why(
     noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(5))
 
     def ar_video(m):
-        sampler = comfy.samplers.ksampler("ar_video", {"num_frame_per_block": 1})
-        sigmas = comfy.samplers.calculate_sigmas(m.get_model_object("model_sampling"), "simple", 4)
-        return comfy.sample.sample_custom(m, noise, 1.0, sampler, sigmas, *conds, latent, seed=5)  # distilled: CFG 1
+        return helpers().ar_video(m, conds, latent, noise)
 
     ref = ar_video(model)
     stats = P().stats()

@@ -83,6 +83,17 @@ def tiny_wan_causal(seed: int = 0, **overrides):
     return _from_config(config, cfg, seed)
 
 
+def ar_video(model, conds, latent, noise, steps: int = 4):
+    """``model`` sampled by ComfyUI's ``ar_video`` sampler (a frame per block) at CFG 1, as the distilled
+    Self-Forcing models run (its KV caches hold one row: no uncond batched beside the cond)."""
+    import comfy.sample
+    import comfy.samplers
+
+    sampler = comfy.samplers.ksampler("ar_video", {"num_frame_per_block": 1})
+    sigmas = comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), "simple", steps)
+    return comfy.sample.sample_custom(model, noise, 1.0, sampler, sigmas, *conds, latent, seed=5)
+
+
 def tiny_wan_i2v(seed: int = 0, **overrides):
     """Wan 2.1 image-to-video (start-image latent and mask concatenated: 36 input channels) at dim 64."""
     import comfy.supported_models
