@@ -340,3 +340,22 @@ def test_wan_with_a_rope_embedder_the_key_cannot_describe_runs_it_every_call(fam
     for k in (4, 2, 4):
         dm.rope_embedder = RifleXEmbedND(host.theta, host.axes_dim, num_frames=3, k=k)
         compare(model, [call, call], cached_options(rope), rope)
+
+
+def test_causal_wan_under_the_ar_video_sampler_keys_each_frame_blocks_rope_by_its_start(rope, conds):
+    """Causal-WAN's ar_video sampler builds RoPE per frame block from its start frame: through the PE
+    cache two whole runs are ComfyUI's latent bit for bit, each block's steps hit its own table and a new
+    block's start replaces it (never the last block's table answered for the next)."""
+    h = importlib.import_module(rkharness.TINY.__name__ + ".step_families")
+    model = h.tiny_wan_causal(0)
+    if model is None:
+        pytest.skip("this ComfyUI has no Causal-WAN (comfy.supported_models.WAN21_CausalAR_T2V, ComfyUI 0.33)")
+    latent = torch.zeros((1, 16, 3, 8, 8))
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(5))
+    ref = h.ar_video(model, conds, latent, noise)
+    cached = rkharness.pack("nodes.pe_cache").PECacheNode.execute(model).args[0]
+    assert torch.equal(h.ar_video(cached, conds, latent, noise), ref)
+    assert torch.equal(h.ar_video(cached, conds, latent, noise), ref)
+    run = rope.model_cache(model.model).stats.snapshot()["info"]["last_run"]
+    # 3 frame blocks x (4 steps + the cache-filling call at sigma 0): a miss per block, the rest hits
+    assert (run["misses"], run["hits"], run["bypasses"]) == (3, 12, 0)
