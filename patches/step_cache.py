@@ -167,7 +167,27 @@ def _attach(model_patcher, config: tc.StepCacheConfig):
         prior = dit.get((name, index))
         prior = getattr(prior, "_reusekit_prior", prior)  # ours from an earlier apply: unwrap
         m.set_model_patch_replace(_block_patch(i, i == len(blocks) - 1, prior), "dit", name, index)
+    for path in family.side_blocks(m.model.diffusion_model) if family.side_blocks is not None else ():
+        key = f"diffusion_model.{path}.forward"
+        prior = m.object_patches.get(key)
+        if prior is None or isinstance(prior, _SideBlock):  # another node's patch of it: left alone
+            m.add_object_patch(key, _SideBlock(m.get_model_object(f"diffusion_model.{path}")))
     return m
+
+
+class _SideBlock:
+    """The forward of a block the model runs outside the seam whose output a skipped call discards (VACE's
+    control blocks, ComfyUI's object patch ``<block>.forward``): on a skipped call it returns nothing to
+    add (and its input for the next); otherwise the block's own forward."""
+
+    def __init__(self, block):
+        self.block = block
+
+    def __call__(self, c, *args, **kwargs):
+        call = (kwargs.get("transformer_options") or {}).get(CALL_KEY)
+        if call is not None and call.skip:
+            return c.new_zeros(()), c
+        return type(self.block).forward(self.block, c, *args, **kwargs)
 
 
 # ---- the seams ---------------------------------------------------------------------------

@@ -369,19 +369,36 @@ def vace_inputs(frames=2):
     return torch.randn((1, 16, frames, 8, 8), generator=g), torch.full((1,), 0.7), kwargs
 
 
+def control_block_runs(model) -> list:
+    """A list that grows by one each time one of ``model``'s VACE control blocks runs its own forward."""
+    runs = []
+    for block in model.model.diffusion_model.vace_blocks:
+        block.after_proj.register_forward_hook(lambda *_: runs.append(1))
+    return runs
+
+
 @pytest.mark.parametrize("rule", ["teacache", "magcache", "first_block"])
-def test_wan_vace_skips_give_the_computed_output_with_its_hints_between_the_blocks(rule):
-    """VACE adds its control hints to the stream between blocks, in place: a skip gives the computed
-    output (the stored residual holds the hints; what the VACE blocks add on a skip never reaches it)."""
+def test_wan_vace_skips_give_the_computed_output_and_leave_out_its_control_blocks(rule):
+    """VACE adds its control blocks' hints to the stream between blocks, in place: a skip gives the
+    computed output (the stored residual holds the hints) and runs none of its control blocks, whose hints
+    it would discard; a VACE whose last block takes a hint runs them on every call."""
     h = helpers()
     model = h.tiny_wan_vace(0)
     assert type(model.model.diffusion_model).__name__ == "VaceWanModel"
+    runs = control_block_runs(model)
     x, sigma, kwargs = h.batched(*vace_inputs())
+    plain = model.model.apply_model(x, sigma, **kwargs)
+    assert len(runs) == 2  # after layers 0 and 2 of 4
     first, second, run = h.two_calls(step_cache(model, rule=rule), x, sigma, kwargs)
     assert [s.pattern for s in run.conds.values()] == [["C", "S"], ["C", "S"]]
     assert torch.allclose(second, first, atol=1e-5, rtol=1e-5), rel_err(second, first)
-    plain = model.model.apply_model(x, sigma, **kwargs)
     assert torch.allclose(first, plain, atol=1e-5, rtol=1e-5), rel_err(first, plain)
+    assert len(runs) == 4  # the computed call's 2; the skipped call ran none
+    every = h.tiny_wan_vace(0, vace_layers=4)  # a hint after every block, the last one's too
+    runs = control_block_runs(every)
+    first, second, run = h.two_calls(step_cache(every, rule=rule), x, sigma, kwargs)
+    assert torch.allclose(second, first, atol=1e-5, rtol=1e-5), rel_err(second, first)
+    assert len(runs) == 8 and SF().detect_family(every).side_blocks(every.model.diffusion_model) == []
 
 
 def test_wan_vace_reads_wan21s_table_and_skips_through_the_real_ksampler(conds):
@@ -396,10 +413,13 @@ def test_wan_vace_reads_wan21s_table_and_skips_through_the_real_ksampler(conds):
     assert last_run()["model_type"] == "wan2.1_t2v_1.3B_ret_mode" and last_run()["rule"] == "teacache"
     (cal,) = N().TeaCacheCalibrateNode.execute(model).args
     assert torch.equal(sample(cal, conds, shape), ref)
+    runs = control_block_runs(model)
     out = sample(step_cache(model, model_type="calibrated", threshold=3.0), conds, shape)
     run = last_run()
     assert run["family"] == "wan" and run["calls_skipped"] >= 1 and set(run["conds"]) == {"cond", "uncond"}
     assert out.shape == ref.shape and torch.isfinite(out).all()
+    assert len(runs) == 2 * run["calls_computed"]  # cond and uncond batched: each computed call runs both
+    assert torch.equal(sample(model, conds, shape), ref)  # the plain model after it: its own blocks, unpatched
 
 
 def test_causal_wan_under_the_ar_video_sampler_computes_every_call_and_says_why(conds):

@@ -152,8 +152,12 @@ def two_calls(model, x, sigma, kwargs, keys=("c", "u"), second="S"):
     run.set_plan(schedule.Plan(("C",), (0.0,)), [float(sigma.flatten()[0]), 0.0])
     to.update({"wrappers": model.wrappers, "sigmas": sigma, "uuids": list(keys),
                "cond_or_uncond": [0, 1][:len(keys)], patch.RUN_KEY: run})
-    with torch.inference_mode():
-        first = model.model.apply_model(x, sigma, transformer_options=to, **kwargs)
-        run.plan = schedule.Plan((second,), (0.0,))
-        second = model.model.apply_model(x, sigma, transformer_options=to, **kwargs)
+    model.patch_model(load_weights=False)  # its object patches on the model, as a sampling run has them
+    try:
+        with torch.inference_mode():
+            first = model.model.apply_model(x, sigma, transformer_options=to, **kwargs)
+            run.plan = schedule.Plan((second,), (0.0,))
+            second = model.model.apply_model(x, sigma, transformer_options=to, **kwargs)
+    finally:
+        model.unpatch_model(unpatch_weights=False)
     return first, second, run
