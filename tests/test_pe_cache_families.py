@@ -346,16 +346,11 @@ def test_causal_wan_under_the_ar_video_sampler_keys_each_frame_blocks_rope_by_it
     """Causal-WAN's ar_video sampler builds RoPE per frame block from its start frame: through the PE
     cache two whole runs are ComfyUI's latent bit for bit, each block's steps hit its own table and a new
     block's start replaces it (never the last block's table answered for the next)."""
-    h = importlib.import_module(rkharness.TINY.__name__ + ".step_families")
-    model = h.tiny_wan_causal(0)
-    if model is None:
-        pytest.skip("this ComfyUI has no Causal-WAN (comfy.supported_models.WAN21_CausalAR_T2V, ComfyUI 0.33)")
-    latent = torch.zeros((1, 16, 3, 8, 8))
-    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(5))
-    ref = h.ar_video(model, conds, latent, noise)
+    model, ar_video = importlib.import_module(rkharness.TINY.__name__ + ".step_families").causal_wan_case(conds)
+    ref = ar_video(model)
     cached = rkharness.pack("nodes.pe_cache").PECacheNode.execute(model).args[0]
-    assert torch.equal(h.ar_video(cached, conds, latent, noise), ref)
-    assert torch.equal(h.ar_video(cached, conds, latent, noise), ref)
+    assert torch.equal(ar_video(cached), ref)
+    assert torch.equal(ar_video(cached), ref)
     run = rope.model_cache(model.model).stats.snapshot()["info"]["last_run"]
     # 3 frame blocks x (4 steps + the cache-filling call at sigma 0): a miss per block, the rest hits
     assert (run["misses"], run["hits"], run["bypasses"]) == (3, 12, 0)

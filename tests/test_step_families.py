@@ -426,16 +426,8 @@ def test_causal_wan_under_the_ar_video_sampler_computes_every_call_and_says_why(
     """Causal-WAN's ``ar_video`` sampler calls the model outside ComfyUI's diffusion-model wrapper, with KV
     caches the model fills as it goes: the cache never sees a call, so the run is ComfyUI's latent exactly
     and is counted as a bypass with its reason; under another sampler its Wan forward skips as Wan's does."""
-    model = helpers().tiny_wan_causal(0)
-    if model is None:
-        pytest.skip("this ComfyUI has no Causal-WAN (comfy.supported_models.WAN21_CausalAR_T2V, ComfyUI 0.33)")
+    model, ar_video = helpers().causal_wan_case(conds)
     assert type(model.model.diffusion_model).__name__ == "CausalWanModel"
-    latent = torch.zeros((1, 16, 3, 8, 8))
-    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(5))
-
-    def ar_video(m):
-        return helpers().ar_video(m, conds, latent, noise)
-
     ref = ar_video(model)
     stats = P().stats()
     stats.reset_counters()

@@ -83,15 +83,26 @@ def tiny_wan_causal(seed: int = 0, **overrides):
     return _from_config(config, cfg, seed)
 
 
-def ar_video(model, conds, latent, noise, steps: int = 4):
-    """``model`` sampled by ComfyUI's ``ar_video`` sampler (a frame per block) at CFG 1, as the distilled
-    Self-Forcing models run (its KV caches hold one row: no uncond batched beside the cond)."""
+def causal_wan_case(conds, steps: int = 4):
+    """(Causal-WAN at seed 0, a function that samples a model of it with ComfyUI's ``ar_video`` sampler: 3
+    latent frames, a frame per block, fixed noise, CFG 1 as the distilled Self-Forcing models run, its KV
+    caches holding one row). The calling test is skipped on a host without Causal-WAN."""
     import comfy.sample
     import comfy.samplers
+    import pytest
 
-    sampler = comfy.samplers.ksampler("ar_video", {"num_frame_per_block": 1})
-    sigmas = comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), "simple", steps)
-    return comfy.sample.sample_custom(model, noise, 1.0, sampler, sigmas, *conds, latent, seed=5)
+    model = tiny_wan_causal(0)
+    if model is None:
+        pytest.skip("this ComfyUI has no Causal-WAN (comfy.supported_models.WAN21_CausalAR_T2V, ComfyUI 0.33)")
+    latent = torch.zeros((1, 16, 3, 8, 8))
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(5))
+
+    def sample(m):
+        sampler = comfy.samplers.ksampler("ar_video", {"num_frame_per_block": 1})
+        sigmas = comfy.samplers.calculate_sigmas(m.get_model_object("model_sampling"), "simple", steps)
+        return comfy.sample.sample_custom(m, noise, 1.0, sampler, sigmas, *conds, latent, seed=5)
+
+    return model, sample
 
 
 def tiny_wan_i2v(seed: int = 0, **overrides):
