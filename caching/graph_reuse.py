@@ -499,6 +499,8 @@ class RunSummary:
     bypasses: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
     misses_in_row: int = 0    # a run that misses THRASH_LIMIT times in a row stops capturing
+    model_calls: int = 0      # apply_model calls (the forwards counted in ``steps`` are those that reached us)
+    compiled: bool = False    # one of them ran under ComfyUI's torch.compile wrapper
     capture_stopped: bool = False
 
     def note(self, text: str) -> None:

@@ -186,7 +186,7 @@ class PECache:
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._per_name: dict[str, dict[str, int]] = {}
-        self._shared = stats_name is not None  # in the registry the panel reads; close() folds it away
+        self._shared = bool(stats_name)  # in the registry the panel reads; close() folds it away
         registry = REGISTRY if self._shared else StatsRegistry()
         self.stats = registry.register(stats_name or "pe", "pe", description, clear=self.clear)
 

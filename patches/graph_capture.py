@@ -431,6 +431,10 @@ def apply_model_wrapper(executor, *args, **kwargs):
     to = protocol.transformer_options(args, kwargs, position=5) or {}  # apply_model(x, t, ..., transformer_options)
     wrappers = to.get("wrappers", {})
     compiled = "torch.compile" in wrappers.get("apply_model", {})
+    run = _RUN.get()
+    if run is not None:
+        run.model_calls += 1
+        run.compiled = run.compiled or compiled
     token = _MODEL.set((weakref.ref(executor.class_obj), compiled))
     try:
         return executor(*args, **kwargs)
@@ -438,16 +442,20 @@ def apply_model_wrapper(executor, *args, **kwargs):
         _MODEL.reset(token)
 
 
+UNREACHED = {  # (name, what it means) of a run whose model calls never reached the decision, by compiled
+    True: ("torch_compile", "the model ran under torch.compile, which graph capture leaves alone: nothing was "
+                            "captured or replayed"),
+    False: ("unreached", "no forward went through ComfyUI's diffusion-model wrapper (a model without one, as Mochi; "
+                         "a sampler that calls it outside one, as ar_video): nothing was captured or replayed")}
+
+
 def outer_sample_wrapper(executor, *args, **kwargs):
     run = gr.RunSummary()
     token = _RUN.set(run)
-    sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
     try:
         out = executor(*args, **kwargs)
-        if not run.steps and sigmas is not None and len(sigmas) > 1:
-            _count(run, "bypasses", "unreached", "no forward of this model reached graph capture in a whole run (its "
-                   "sampler called the model outside ComfyUI's diffusion-model wrapper, as the ar_video sampler "
-                   "does with Causal-WAN): nothing was captured or replayed")
+        if run.model_calls and not run.steps:  # the model ran, and never through the decision
+            _count(run, "bypasses", *UNREACHED[run.compiled])
         return out
     finally:
         _RUN.reset(token)

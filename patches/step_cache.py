@@ -18,6 +18,7 @@ up the stack.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import logging
 import math
@@ -167,27 +168,27 @@ def _attach(model_patcher, config: tc.StepCacheConfig):
         prior = dit.get((name, index))
         prior = getattr(prior, "_reusekit_prior", prior)  # ours from an earlier apply: unwrap
         m.set_model_patch_replace(_block_patch(i, i == len(blocks) - 1, prior), "dit", name, index)
-    for path in family.side_blocks(m.model.diffusion_model) if family.side_blocks is not None else ():
-        key = f"diffusion_model.{path}.forward"
-        prior = m.object_patches.get(key)
-        if prior is None or isinstance(prior, _SideBlock):  # another node's patch of it: left alone
-            m.add_object_patch(key, _SideBlock(m.get_model_object(f"diffusion_model.{path}")))
+    for path in family.side_maps(m.model.diffusion_model) if family.side_maps is not None else ():
+        key = f"diffusion_model.{path}"
+        current = m.get_model_object(key)
+        if type(current) is dict or isinstance(current, _SideMap):  # another node's patch of it: left alone
+            m.add_object_patch(key, _SideMap(current))
     return m
 
 
-class _SideBlock:
-    """The forward of a block the model runs outside the seam whose output a skipped call discards (VACE's
-    control blocks, ComfyUI's object patch ``<block>.forward``): on a skipped call it returns nothing to
-    add (and its input for the next); otherwise the block's own forward."""
+_CALL: contextvars.ContextVar = contextvars.ContextVar("reusekit_step_call", default=None)  # the forward's _Call
 
-    def __init__(self, block):
-        self.block = block
 
-    def __call__(self, c, *args, **kwargs):
-        call = (kwargs.get("transformer_options") or {}).get(CALL_KEY)
+class _SideMap(dict):
+    """A map from block index to a block the model runs outside the seam (VACE's ``vace_layers_mapping``),
+    as ComfyUI's object patch: on a call the step cache skips it names none (their output would be
+    discarded); otherwise it is the map. It holds indices only, no module."""
+
+    def get(self, key, default=None):
+        call = _CALL.get()
         if call is not None and call.skip:
-            return c.new_zeros(()), c
-        return type(self.block).forward(self.block, c, *args, **kwargs)
+            return default
+        return super().get(key, default)
 
 
 # ---- the seams ---------------------------------------------------------------------------
@@ -537,6 +538,7 @@ def _gain_probe(run: tc.RunState, settings: Settings, dm, keys: list, labels: li
     probe = _Call(run, settings.family, dm, keys, labels, False, sigma)
     probe.skip = True
     to[CALL_KEY] = probe
+    token = _CALL.set(probe)
     try:
         return executor(*args, **kwargs)
     except (RuntimeError, ValueError, IndexError):  # residuals of another layout: no gain at this step
@@ -545,6 +547,7 @@ def _gain_probe(run: tc.RunState, settings: Settings, dm, keys: list, labels: li
         return None
     finally:
         to.pop(CALL_KEY, None)
+        _CALL.reset(token)
 
 
 def _diffusion_model(executor, *args, **kwargs):
@@ -571,11 +574,13 @@ def _diffusion_model(executor, *args, **kwargs):
         if run.config.calibrate else None
     call = _Call(run, settings.family, dm, keys, labels, may_skip, sigma)
     to[CALL_KEY] = call
+    token = _CALL.set(call)
     t0 = time.perf_counter()
     try:
         out = executor(*args, **kwargs)
     finally:
         to.pop(CALL_KEY, None)
+        _CALL.reset(token)
     dt = time.perf_counter() - t0
     if call.skip is None:  # our first block never saw this call: computed, and the run says so
         host.say_once(f"teacache-unreached:{type(executor.class_obj).__name__}", "ReuseKit TeaCache: the blocks of "
@@ -798,8 +803,7 @@ def _finish(run: tc.RunState, settings: Settings, plan: Plan, total_steps: int |
     s.incr("calls_skipped", run.calls_skipped)
     if outcome == "completed" and total_steps and not run.calls_computed + run.calls_skipped:
         reason = (f"no call of this {settings.family.name} model reached the step cache in a whole run (its sampler "
-                  "called the model outside ComfyUI's diffusion-model wrapper, as the ar_video sampler does with "
-                  "Causal-WAN): nothing was skipped")
+                  "calls it outside ComfyUI's diffusion-model wrapper, as ar_video does): nothing was skipped")
         if s.count_reason("bypass", reason, source=settings.family.name):
             log.warning("ReuseKit TeaCache: %s", reason)
     for lab, c in summary["conds"].items():

@@ -98,9 +98,10 @@ class Family:
     call_wrapper: str = "DIFFUSION_MODEL"  # the WrappersMP kind around one model call (APPLY_MODEL: Mochi's
     # forward runs no DIFFUSION_MODEL wrapper)
     half: bool = True  # its blocks' inputs can be cut to some rows (the schedule rule's cond-only steps)
-    # (diffusion model) -> the paths under it of blocks the forward runs outside the seam whose output a
-    # skipped call discards (VACE's control blocks): a skip leaves them out too
-    side_blocks: Callable[[Any], list[str]] | None = None
+    # (diffusion model) -> the attributes under it (dicts) whose ``.get(block index)`` names a block the
+    # forward runs outside the seam whose output a skipped call discards (VACE's control blocks): on a
+    # skipped call they name none
+    side_maps: Callable[[Any], list[str]] | None = None
     # "module:Class" of the subclasses of ``classes`` the family's published tables are read for; any other
     # subclass (a newer host's, say) reads none (model_variant)
     known: tuple[str, ...] = ()
@@ -161,21 +162,17 @@ def _wan_blocks(dm):
     return [("double_block", i) for i in range(len(dm.blocks))]
 
 
-def _vace_blocks(dm) -> list[str]:
-    """Wan VACE: its control blocks, which ComfyUI runs between the main blocks (one after each block of
-    ``vace_layers_mapping``) and whose hints a skip never adds (the stored residual holds them); none where
-    a hint lands after the last block (the output holds it, and each control block feeds the next), or
-    where the host's blocks are not the ``forward(c, x, **kwargs)`` they are read as."""
-    mapping, side = getattr(dm, "vace_layers_mapping", None), getattr(dm, "vace_blocks", None)
-    if not isinstance(mapping, dict) or side is None or not mapping:
+def _vace_maps(dm) -> list[str]:
+    """Wan VACE: ``vace_layers_mapping``, which names the control block ComfyUI runs after a block (read
+    with ``.get(block index)``, outside the seam); a skip never adds their hints (the stored residual holds
+    them). None where a hint lands after the last block (the output holds it, and each control block
+    feeds the next)."""
+    mapping = getattr(dm, "vace_layers_mapping", None)
+    if not isinstance(mapping, dict) or not mapping or getattr(dm, "vace_blocks", None) is None:
         return []
-    try:
-        params = list(inspect.signature(type(side[0]).forward).parameters)
-    except (TypeError, ValueError, IndexError):
+    if not all(isinstance(i, int) for i in mapping) or max(mapping) >= len(dm.blocks) - 1:
         return []
-    if params[:3] != ["self", "c", "x"] or max(mapping) >= len(dm.blocks) - 1:
-        return []
-    return [f"vace_blocks.{n}" for n in sorted(mapping.values())]
+    return ["vace_layers_mapping"]
 
 
 FLUX, HUNYUAN, WAN = ("comfy.ldm.flux.model:Flux",), ("comfy.ldm.hunyuan_video.model:HunyuanVideo",), \
@@ -204,9 +201,9 @@ FAMILIES = (
     Family("hunyuan_video", "hunyuan_video", HUNYUAN, _flux_modulated, _double_single, image_first=True,
            seams=APPLY_MOD),
     Family("wan22", "calibrated", WAN, _wan_modulated, _wan_blocks, bases=("comfy.model_base:WAN22",),
-           known=WAN_KNOWN, side_blocks=_vace_blocks),
+           known=WAN_KNOWN, side_maps=_vace_maps),
     Family("wan", "wan2.1_t2v_1.3B_ret_mode", WAN, _wan_modulated, _wan_blocks, variant=_wan_variant,
-           known=WAN_KNOWN, side_blocks=_vace_blocks),
+           known=WAN_KNOWN, side_maps=_vace_maps),
     Family("qwen_image", "calibrated", QWEN, _qwen_modulated, _transformer_blocks, seams=QWEN_MODULATE),
     # LTX-2's blocks carry (video, audio): the cache keeps both residuals and decides once; its timestep
     # embeddings are packed objects the cache does not cut by rows, so no cond-only steps

@@ -980,3 +980,23 @@ def test_a_run_whose_sampler_calls_no_forward_through_the_seam_is_counted_unreac
     plain = sample(model, conds, shape=(1, 16, 2, 8, 8))
     assert torch.equal(sample(capture(model), conds, shape=(1, 16, 2, 8, 8)), plain)
     assert last_run(gc)["steps"] > 0 and last_run(gc)["bypasses"] == {}
+
+
+def test_mochi_and_a_torch_compiled_model_run_as_comfyui_runs_them_and_say_why(gc, conds, tiny):
+    """Mochi's forward runs no DIFFUSION_MODEL wrapper, and a model under ComfyUI's torch.compile wrapper is
+    left to it: no forward reaches the decision, the latent is ComfyUI's, and each run names why."""
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    families = importlib.import_module(f"{rkharness.TINY.__name__}.families")
+    mochi = families.tiny_mochi(0)
+    masked = tuple([[c, {**e, "attention_mask": torch.ones(c.shape[:2], dtype=torch.long)}] for c, e in cond]
+                   for cond in conds)
+    shape = (1, 12, 2, 8, 8)
+    assert torch.equal(sample(capture(mochi), masked, shape=shape), sample(mochi, masked, shape=shape))
+    assert last_run(gc)["steps"] == 0 and last_run(gc)["bypasses"] == {"unreached": 1}
+    compiled = tiny.tiny_flux(0).clone()
+    set_torch_compile_wrapper(compiled, backend="eager")
+    sample(capture(compiled), conds)
+    assert last_run(gc)["steps"] == 0 and last_run(gc)["bypasses"] == {"torch_compile": 1}
+    reasons = {r["source"]: r["reason"] for r in gc.STATS.handle.snapshot()["reasons"]}
+    assert "as Mochi" in reasons["unreached"] and "torch.compile" in reasons["torch_compile"]

@@ -398,7 +398,7 @@ def test_wan_vace_skips_give_the_computed_output_and_leave_out_its_control_block
     runs = control_block_runs(every)
     first, second, run = h.two_calls(step_cache(every, rule=rule), x, sigma, kwargs)
     assert torch.allclose(second, first, atol=1e-5, rtol=1e-5), rel_err(second, first)
-    assert len(runs) == 8 and SF().detect_family(every).side_blocks(every.model.diffusion_model) == []
+    assert len(runs) == 8 and SF().detect_family(every).side_maps(every.model.diffusion_model) == []
 
 
 def test_wan_vace_reads_wan21s_table_and_skips_through_the_real_ksampler(conds):
@@ -420,6 +420,28 @@ def test_wan_vace_reads_wan21s_table_and_skips_through_the_real_ksampler(conds):
     assert out.shape == ref.shape and torch.isfinite(out).all()
     assert len(runs) == 2 * run["calls_computed"]  # cond and uncond batched: each computed call runs both
     assert torch.equal(sample(model, conds, shape), ref)  # the plain model after it: its own blocks, unpatched
+    assert type(model.model.diffusion_model.vace_layers_mapping) is dict
+
+
+def test_a_step_cached_vace_cloned_onto_a_fresh_model_runs_that_models_own_blocks(conds):
+    """ComfyUI 0.33 builds a fresh model for some clones (``force_deepcopy``: torch.compile under dynamic VRAM,
+    hooked conds, several GPUs) and copies the object patches onto it: the VACE patch holds no block, so the
+    clone samples with its own control blocks, as the step cache applied to it directly does."""
+    import inspect
+
+    h = helpers()
+    original = h.tiny_wan_vace(0)
+    if "force_deepcopy" not in inspect.signature(original.clone).parameters:
+        pytest.skip("this ComfyUI's clone() has no force_deepcopy (ComfyUI 0.33)")
+    runs = control_block_runs(original)
+    cached = step_cache(original, rule="first_block", threshold=0.6)
+    cached.cached_patcher_init = (lambda *a, **k: h.tiny_wan_vace(1), ())
+    fresh = cached.clone(force_deepcopy=True)
+    assert fresh.model is not original.model
+    shape = (1, 16, 2, 8, 8)
+    want = sample(step_cache(h.tiny_wan_vace(1), rule="first_block", threshold=0.6), conds, shape)
+    assert last_run()["calls_skipped"] >= 1
+    assert torch.equal(sample(fresh, conds, shape), want) and runs == []
 
 
 def test_causal_wan_under_the_ar_video_sampler_computes_every_call_and_says_why(conds):
