@@ -171,7 +171,7 @@ def _attach(model_patcher, config: tc.StepCacheConfig):
     for path in family.side_maps(m.model.diffusion_model) if family.side_maps is not None else ():
         key = f"diffusion_model.{path}"
         current = m.get_model_object(key)
-        if type(current) is dict or isinstance(current, _SideMap):  # another node's patch of it: left alone
+        if type(current) is dict or isinstance(current, _SideMap):  # the host's map or ours, never another node's
             m.add_object_patch(key, _SideMap(current))
     return m
 
