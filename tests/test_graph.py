@@ -1000,3 +1000,22 @@ def test_mochi_and_a_torch_compiled_model_run_as_comfyui_runs_them_and_say_why(g
     assert last_run(gc)["steps"] == 0 and last_run(gc)["bypasses"] == {"torch_compile": 1}
     reasons = {r["source"]: r["reason"] for r in gc.STATS.handle.snapshot()["reasons"]}
     assert "as Mochi" in reasons["unreached"] and "torch.compile" in reasons["torch_compile"]
+
+
+def test_a_step_cached_vace_under_capture_gives_the_step_caches_latent(gc, monkeypatch, conds):
+    """Wan VACE with the step cache under graph capture: the probe finishes a skip without its control
+    blocks, a computed call replays with them (the emulate runner), and the latent is the step cache's
+    alone, bit for bit, run after run."""
+    h = importlib.import_module(f"{rkharness.TINY.__name__}.step_families")
+    node = rkharness.pack("nodes.step_cache").TeaCacheNode
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    cached = node.execute(h.tiny_wan_vace(0), rule="first_block", threshold=0.6, residual_mode="reuse").args[0]
+    shape = (1, 16, 2, 8, 8)
+    alone = sample(cached, conds, shape=shape, steps=6)
+    skipped = rkharness.pack("patches.step_cache").stats().snapshot()["info"]["last_run"]["calls_skipped"]
+    both = capture(cached)
+    for _ in range(2):  # the second run replays what the first one captured
+        assert torch.equal(sample(both, conds, shape=shape, steps=6), alone)
+        run = last_run(gc)
+        assert run["bypasses"] == {} and run["step_cache_skips"] == skipped > 0
+    assert run["replays"] >= 1
