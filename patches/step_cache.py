@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import math
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -177,6 +178,19 @@ def _attach(model_patcher, config: tc.StepCacheConfig):
 
 
 _CALL: contextvars.ContextVar = contextvars.ContextVar("reusekit_step_call", default=None)  # the forward's _Call
+
+
+@contextmanager
+def _calling(to: dict, call: _Call):
+    """While a forward runs: ``call`` is the current one, for the block patches (in ``to``, its
+    transformer_options) and for the side maps (which see no options)."""
+    to[CALL_KEY] = call
+    token = _CALL.set(call)
+    try:
+        yield
+    finally:
+        to.pop(CALL_KEY, None)
+        _CALL.reset(token)
 
 
 class _SideMap(dict):
@@ -537,17 +551,13 @@ def _gain_probe(run: tc.RunState, settings: Settings, dm, keys: list, labels: li
         return None
     probe = _Call(run, settings.family, dm, keys, labels, False, sigma)
     probe.skip = True
-    to[CALL_KEY] = probe
-    token = _CALL.set(probe)
     try:
-        return executor(*args, **kwargs)
+        with _calling(to, probe):
+            return executor(*args, **kwargs)
     except (RuntimeError, ValueError, IndexError):  # residuals of another layout: no gain at this step
         stats().count_reason("fallback", "calibration: the residuals did not fit this call's layout, so no gain "
                              "was measured at this step", source=settings.family.name)
         return None
-    finally:
-        to.pop(CALL_KEY, None)
-        _CALL.reset(token)
 
 
 def _diffusion_model(executor, *args, **kwargs):
@@ -573,14 +583,9 @@ def _diffusion_model(executor, *args, **kwargs):
     probe = _gain_probe(run, settings, dm, keys, labels, sigma, executor, args, kwargs, to) \
         if run.config.calibrate else None
     call = _Call(run, settings.family, dm, keys, labels, may_skip, sigma)
-    to[CALL_KEY] = call
-    token = _CALL.set(call)
     t0 = time.perf_counter()
-    try:
+    with _calling(to, call):
         out = executor(*args, **kwargs)
-    finally:
-        to.pop(CALL_KEY, None)
-        _CALL.reset(token)
     dt = time.perf_counter() - t0
     if call.skip is None:  # our first block never saw this call: computed, and the run says so
         host.say_once(f"teacache-unreached:{type(executor.class_obj).__name__}", "ReuseKit TeaCache: the blocks of "

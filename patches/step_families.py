@@ -165,7 +165,7 @@ def _wan_blocks(dm):
 def _vace_maps(dm) -> list[str]:
     """Wan VACE: ``vace_layers_mapping``, which names the control block ComfyUI runs after a block (read
     with ``.get(block index)``, outside the seam); a skip never adds their hints (the stored residual holds
-    them). None where a hint lands after the last block (the output holds it, and each control block
+    them). No map where a hint lands after the last block (the output holds it, and each control block
     feeds the next)."""
     mapping = getattr(dm, "vace_layers_mapping", None)
     if not isinstance(mapping, dict) or not mapping or getattr(dm, "vace_blocks", None) is None:
