@@ -10,11 +10,16 @@ patched: the host runs unchanged. Each layer reports itself with :func:`set_laye
 
 from __future__ import annotations
 
+import functools
+import importlib
 import inspect
 import logging
 import threading
+from collections.abc import Callable
 
 log = logging.getLogger("reusekit")
+
+MARK = "__reusekit_pe__"  # on every replacement a Patch installs
 
 _lock = threading.Lock()
 _said: set[str] = set()
@@ -109,3 +114,87 @@ def startup_line(pack_version: str) -> str:
     ordered = sorted(layers().items(), key=lambda kv: ORDER.index(kv[0]) if kv[0] in ORDER else len(ORDER))
     parts = [f"{name} {state}" + (f" ({detail})" if detail else "") for name, (state, detail) in ordered]
     return f"ReuseKit {pack_version} on ComfyUI {comfyui_version()}: " + "; ".join(parts)
+
+
+class Patch:
+    """One monkey-patch of ``module.<owner>.<attr>`` (or ``module.<attr>``) with install/uninstall.
+
+    ``params``: the builder's parameter names, in order, that the replacement relies on (``exact``:
+    all of them, for a replacement with a fixed signature); a host builder without them is left
+    unpatched (:attr:`off` says why), and so is one another pack replaced before this one installs
+    (``host_only``: its key would describe ComfyUI's builder, not theirs)."""
+
+    def __init__(self, family: str, module: str, attr: str, make: Callable[[Callable], Callable],
+                 params: tuple[str, ...] = (), exact: bool = False, host_only: bool = True, layer: str = "PE cache"):
+        self.family, self.module, self.attr, self.make, self.params = family, module, attr, make, params
+        self.exact, self.host_only, self.layer = exact, host_only, layer
+        self._original = None
+        self._replacement = None
+        self.off: str | None = None  # why the host's builder stays uncached (its shape differs)
+
+    def _target(self):
+        mod = importlib.import_module(self.module)
+        *owner_path, leaf = self.attr.split(".")
+        owner = mod
+        for part in owner_path:
+            owner = getattr(owner, part)
+        return owner, leaf
+
+    def available(self) -> bool:
+        """The feature probe: the host has this builder, defined where we expect it."""
+        try:
+            owner, leaf = self._target()
+        except (ImportError, AttributeError):
+            return False
+        fn = owner.__dict__.get(leaf) if inspect.isclass(owner) else getattr(owner, leaf, None)
+        return callable(fn)
+
+    @property
+    def installed(self) -> bool:
+        return self._original is not None
+
+    def original(self) -> Callable:
+        if self._original is not None:
+            return self._original
+        owner, leaf = self._target()
+        return owner.__dict__[leaf] if inspect.isclass(owner) else getattr(owner, leaf)
+
+    def install(self) -> bool:
+        if self.installed:
+            return True
+        if not self.available():
+            # the start-up line lists the families covered (LTXV has one builder per host generation)
+            log.debug("ReuseKit %s: %s.%s not found on this ComfyUI", self.layer, self.module, self.attr)
+            return False
+        owner, leaf = self._target()
+        original = owner.__dict__[leaf] if inspect.isclass(owner) else getattr(owner, leaf)
+        if getattr(original, MARK, False):  # another copy of the pack patched it: leave it
+            return False
+        where = f"{self.module}.{self.attr}"
+        if not check(f"{self.layer} for {self.family}", where, original, self.params, exact=self.exact):
+            self.off = differs(original, self.params, exact=self.exact)
+            return False
+        source = getattr(original, "__module__", None) or ""
+        if self.host_only and not source.startswith("comfy."):
+            self.off = f"is {source or 'something'}'s, not ComfyUI's"
+            say_once(f"replaced-{where}", "ReuseKit %s: %s %s; left unpatched", self.layer, where, self.off,
+                     level=logging.WARNING)
+            return False
+        self.off = None
+        replacement = functools.wraps(original)(self.make(original))
+        setattr(replacement, MARK, True)
+        setattr(owner, leaf, replacement)
+        self._original, self._replacement = original, replacement
+        return True
+
+    def uninstall(self) -> None:
+        if not self.installed:
+            return
+        owner, leaf = self._target()
+        current = owner.__dict__.get(leaf) if inspect.isclass(owner) else getattr(owner, leaf, None)
+        if current is self._replacement:
+            setattr(owner, leaf, self._original)
+        else:
+            log.warning("ReuseKit %s: %s.%s was patched again by someone else; left as it is", self.layer,
+                        self.module, self.attr)
+        self._original = self._replacement = None

@@ -50,10 +50,9 @@ from ..caching.keys import Uncacheable, tensor_meta, tensors_in
 from ..caching.pe_cache import PECacheKey, cache_for, default_enabled
 from ..caching.protocol import capturing, transformer_options
 from . import host, lifecycle, rope_seams
+from .host import Patch
 
 log = logging.getLogger("reusekit")
-
-MARK = "__reusekit_pe__"
 
 # devices whose tensors a key may read by value: reading a CPU tensor is no transfer and no wait
 VALUE_KEYS_ON = frozenset({"cpu"})
@@ -243,90 +242,6 @@ def _add_bound(key: PECacheKey, bind: _Binder, args, kwargs, skip: tuple = (),
 
 
 # ---- patch plumbing ------------------------------------------------------------------------
-
-class Patch:
-    """One monkey-patch of ``module.<owner>.<attr>`` (or ``module.<attr>``) with install/uninstall.
-
-    ``params``: the builder's parameter names, in order, that the replacement relies on (``exact``:
-    all of them, for a replacement with a fixed signature); a host builder without them is left
-    unpatched (:attr:`off` says why), and so is one another pack replaced before this one installs
-    (``host_only``: its key would describe ComfyUI's builder, not theirs)."""
-
-    def __init__(self, family: str, module: str, attr: str, make: Callable[[Callable], Callable],
-                 params: tuple[str, ...] = (), exact: bool = False, host_only: bool = True):
-        self.family, self.module, self.attr, self.make, self.params = family, module, attr, make, params
-        self.exact, self.host_only = exact, host_only
-        self._original = None
-        self._replacement = None
-        self.off: str | None = None  # why the host's builder stays uncached (its shape differs)
-
-    def _target(self):
-        mod = importlib.import_module(self.module)
-        *owner_path, leaf = self.attr.split(".")
-        owner = mod
-        for part in owner_path:
-            owner = getattr(owner, part)
-        return owner, leaf
-
-    def available(self) -> bool:
-        """The feature probe: the host has this builder, defined where we expect it."""
-        try:
-            owner, leaf = self._target()
-        except (ImportError, AttributeError):
-            return False
-        fn = owner.__dict__.get(leaf) if inspect.isclass(owner) else getattr(owner, leaf, None)
-        return callable(fn)
-
-    @property
-    def installed(self) -> bool:
-        return self._original is not None
-
-    def original(self) -> Callable:
-        if self._original is not None:
-            return self._original
-        owner, leaf = self._target()
-        return owner.__dict__[leaf] if inspect.isclass(owner) else getattr(owner, leaf)
-
-    def install(self) -> bool:
-        if self.installed:
-            return True
-        if not self.available():
-            # the start-up line lists the families covered (LTXV has one builder per host generation)
-            log.debug("ReuseKit PE cache: %s.%s not found on this ComfyUI", self.module, self.attr)
-            return False
-        owner, leaf = self._target()
-        original = owner.__dict__[leaf] if inspect.isclass(owner) else getattr(owner, leaf)
-        if getattr(original, MARK, False):  # another copy of the pack patched it: leave it
-            return False
-        where = f"{self.module}.{self.attr}"
-        if not host.check(f"PE cache for {self.family}", where, original, self.params, exact=self.exact):
-            self.off = host.differs(original, self.params, exact=self.exact)
-            return False
-        source = getattr(original, "__module__", None) or ""
-        if self.host_only and not source.startswith("comfy."):
-            self.off = f"is {source or 'something'}'s, not ComfyUI's"
-            host.say_once(f"pe-replaced-{where}", "ReuseKit PE cache: %s %s; that builder stays uncached",
-                          where, self.off, level=logging.WARNING)
-            return False
-        self.off = None
-        replacement = functools.wraps(original)(self.make(original))
-        setattr(replacement, MARK, True)
-        setattr(owner, leaf, replacement)
-        self._original, self._replacement = original, replacement
-        return True
-
-    def uninstall(self) -> None:
-        if not self.installed:
-            return
-        owner, leaf = self._target()
-        current = owner.__dict__.get(leaf) if inspect.isclass(owner) else getattr(owner, leaf, None)
-        if current is self._replacement:
-            setattr(owner, leaf, self._original)
-        else:
-            log.warning("ReuseKit PE cache: %s.%s was patched again by someone else; left as it is",
-                        self.module, self.attr)
-        self._original = self._replacement = None
-
 
 # ---- the builders --------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ pytestmark = pytest.mark.pe_cache
 
 
 rope = rkharness.pack("patches.rope")  # conftest bootstrapped the host before this import
+host = rkharness.pack("patches.host")
 pc = rkharness.pack("caching.pe_cache")
 
 
@@ -96,12 +97,12 @@ def test_uninstall_restores_the_host_functions_and_install_is_idempotent(tiny):
     assert rope.SCOPE_PATCH in patches and rope.PATCHES[0] in patches
     replacements = [current(p) for p in patches]
     originals = [p.original() for p in patches]
-    assert all(getattr(r, rope.MARK, False) for r in replacements)
+    assert all(getattr(r, host.MARK, False) for r in replacements)
     try:
         rope.uninstall()
         rope.uninstall()
         assert [current(p) for p in patches] == originals
-        assert not any(getattr(current(p), rope.MARK, False) for p in patches)
+        assert not any(getattr(current(p), host.MARK, False) for p in patches)
         assert importlib.import_module("comfy.ldm.flux.layers").EmbedND.forward is originals[0]
         model = tiny.tiny_flux(0)
         (cached_model,) = node().execute(model, True).result  # the node reinstalls what it needs
@@ -109,7 +110,7 @@ def test_uninstall_restores_the_host_functions_and_install_is_idempotent(tiny):
     finally:
         rope.install()
     rope.install()
-    assert all(getattr(current(p), rope.MARK, False) for p in patches)
+    assert all(getattr(current(p), host.MARK, False) for p in patches)
     assert [p._original for p in patches] == originals  # a second install wraps nothing twice
 
 
@@ -119,7 +120,6 @@ def test_a_builder_a_newer_comfyui_reshaped_stays_uncached_with_one_warning(monk
     import importlib
     import logging
 
-    host = rkharness.pack("patches.host")
     hydit = importlib.import_module("comfy.ldm.hydit.models")
     patch = next(p for p in rope.PATCHES if p.module == "comfy.ldm.hydit.models")
     feature = f"PE cache for {patch.family}"
