@@ -6,7 +6,9 @@ wrappers and the block-replace patches. No core forward is copied.
   and tables, and at the end one log line, the stats and (when calibrating) the fitted tables.
 - DIFFUSION_MODEL wrapper: one model call; knows the conds in the batch (``uuids``) and whether
   the current sigma is inside the start/end window.
-- ``patches_replace["dit"]`` block patches on the first and every later block: the first block
+- ``patches_replace["dit"]`` block patches on the first and every later block (a family whose forward
+  has no such seam, Lumina 2 / Z-Image: its block class's forward, wrapped once, reaching the blocks of
+  the model a step-cached call runs and nothing else): the first block
   decides (teacache: from the modulated input, magcache: from sigma, interval: from the count of
   calls, before it runs; first_block: from its own residual, after it runs); on a skip every later
   block passes its input through and the last one adds the stored residual (or its forecast); on a
@@ -104,8 +106,10 @@ class Settings:
 def _seams_fit(family: Family) -> bool:
     """The host's seams that ``family`` uses have the expected shape (else one warning says which)."""
     feature = f"TeaCache ({family.name})"
+    layer = () if family.layer_forward is None else ((family.layer_forward[0], ("self", *family.layer_forward[1])),)
     return (host.check(feature, WRAPPERS, _resolve(WRAPPERS), attrs=("OUTER_SAMPLE", family.call_wrapper))
-            and all(host.check(feature, where, _resolve(where), params) for where, params in PATCHER + family.seams))
+            and all(host.check(feature, where, _resolve(where), params)
+                    for where, params in PATCHER + family.seams + layer))
 
 
 def report_layer() -> None:
@@ -159,13 +163,17 @@ def _attach(model_patcher, config: tc.StepCacheConfig):
     if config.rule == "first_block" and config.first_blocks > 1 and config.first_blocks >= len(blocks):
         raise ValueError(f"first_blocks: {config.first_blocks} runs every block of this {family.name} model "
                          f"({len(blocks)}), leaving none to skip; at most {max(1, len(blocks) - 1)}")
+    if family.layer_forward is not None and not _layer_patch(family).install():  # another pack replaced it
+        stats().count_reason("bypass", f"{family.layer_forward[0]} is not ComfyUI's here (another node replaced "
+                             "it): the model runs without the step cache", source=family.name)
+        return m
     m.model_options["transformer_options"][KEY] = Settings(config, family, tuple(blocks))
     call_kind = getattr(WrappersMP, family.call_wrapper)
     for kind, fn in ((WrappersMP.OUTER_SAMPLE, _outer_sample), (call_kind, _diffusion_model)):
         m.remove_wrappers_with_key(kind, KEY)  # applying twice replaces, never stacks
         m.add_wrapper_with_key(kind, KEY, fn)
     dit = m.model_options["transformer_options"].get("patches_replace", {}).get("dit", {})
-    for i, (name, index) in enumerate(blocks):
+    for i, (name, index) in enumerate(() if family.layer_forward is not None else blocks):
         prior = dit.get((name, index))
         prior = getattr(prior, "_reusekit_prior", prior)  # ours from an earlier apply: unwrap
         m.set_model_patch_replace(_block_patch(i, i == len(blocks) - 1, prior), "dit", name, index)
@@ -206,6 +214,39 @@ class _SideMap(dict):
 
 
 # ---- the seams ---------------------------------------------------------------------------
+
+_LAYER_PATCHES: dict[str, host.Patch] = {}  # "module:Class.forward" -> its patch, installed once
+
+
+def _layer_patch(family: Family) -> host.Patch:
+    where, names = family.layer_forward
+    if where not in _LAYER_PATCHES:
+        module, _, attr = where.partition(":")
+        _LAYER_PATCHES[where] = host.Patch(family.name, module, attr, lambda original: _layer_forward(original, names),
+                                           ("self", *names), layer="step cache")
+    return _LAYER_PATCHES[where]
+
+
+def _layer_forward(original, names: tuple[str, ...]):
+    """A block class's forward where the family's forward has no block-replace seam: a block of the model
+    whose step-cached call is running (the call in the ``transformer_options`` it is handed, as a block
+    patch reads it: a graph replay hands the captured call's) goes through that call as a block patch
+    would, its arguments by name (``names``: the first is the stream); any other (another model, a
+    refiner's block, a model without the step cache) runs the host's forward unchanged."""
+    def forward(self, *args, **kwargs):
+        call = (kwargs.get("transformer_options") or {}).get(CALL_KEY)  # as the block patches read it
+        index = None if call is None else call.layer_index(self)
+        if index is None or len(args) > len(names):  # more positions than it names: never reached (counted)
+            return original(self, *args, **kwargs)
+        named = {**dict(zip(names, args, strict=False)), **kwargs}
+        named["img"] = named.pop(names[0])
+
+        def run_block(a):
+            a = dict(a)
+            return {"img": original(self, a.pop("img"), **a)}
+
+        return call.block(named, run_block, index, index == call.layer_count - 1)["img"]
+    return forward
 
 def _block_patch(index: int, last: bool, prior):
     def patch(args, extra):
@@ -295,6 +336,18 @@ class _Call:
         self.stack_in: torch.Tensor | None = None
         self.first: torch.Tensor | None = None  # the first blocks' residual (``decide_at``'s output minus the stack input)
         self.residual: torch.Tensor | None = None  # the whole stack's residual
+        self._layers: dict[int, int] | None = None  # layer_forward families: id(block) -> its index
+
+    @property
+    def layer_count(self) -> int:
+        return len(self.family.layers(self.dm))
+
+    def layer_index(self, module) -> int | None:
+        """A layer_forward family's block: its index in this call's model, or None (not one of its blocks)."""
+        if self._layers is None:
+            self._layers = {} if self.family.layers is None else {
+                id(m): i for i, m in enumerate(self.family.layers(self.dm))}
+        return self._layers.get(id(module))
 
     def probe(self, forward):
         self.probing = True
@@ -531,6 +584,8 @@ def replaced_reason(to: dict, settings: Settings) -> str | None:
     """Why the cache must compute every step of this run, or None: a block patch it installed is no
     longer its own (a later node replaced it: a skip would then run that node's block on the stack
     input). Says so once."""
+    if settings.family.layer_forward is not None:  # its blocks are not block patches
+        return None
     dit = (to.get("patches_replace") or {}).get("dit") or {}
     replaced = [key for key in settings.blocks if not getattr(dit.get(key), "_reusekit_block", False)]
     if not replaced:

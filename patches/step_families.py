@@ -75,6 +75,18 @@ def _ltx2_modulated(dm, args):
     return torch.nn.functional.rms_norm(vx, (vx.shape[-1],), eps=1e-6) * (1 + scale) + shift
 
 
+def _lumina_modulated(dm, args):
+    """Lumina 2 / Z-Image: the first layer's attention norm, modulated by its scale (the reference tokens
+    by the timestep-zero half where the host doubled ``adaln_input``: Z-Image Omni's ``timestep_zero_index``)."""
+    from comfy.ldm.lumina.model import modulate
+
+    layer = dm.layers[0]
+    scale = layer.adaLN_modulation(args["adaln_input"]).chunk(4, dim=1)[0]
+    zero = args.get("timestep_zero_index")
+    return modulate(layer.attention_norm1(args["img"]), scale, **({} if zero is None else
+                                                                  {"timestep_zero_index": zero}))
+
+
 def _mochi_modulated(dm, args):
     """Mochi: the first block's RMS-normed image tokens scaled by its self-attention modulation (what
     TeaCache4Mochi reads from norm1)."""
@@ -105,6 +117,11 @@ class Family:
     # "module:Class" of the subclasses of ``classes`` the family's published tables are read for; any other
     # subclass (a newer host's, say) reads none (model_variant)
     known: tuple[str, ...] = ()
+    # where the family's forward offers no block-replace seam: ("module:Class.forward" of its blocks, that
+    # method's parameter names after self, the first being the stream the block adds to); the cache wraps
+    # the method and reaches the blocks ``layers(dm)`` lists, in order (``blocks`` names them)
+    layer_forward: tuple[str, tuple[str, ...]] | None = None
+    layers: Callable[[Any], Any] | None = None
 
 
 def _cond_values(conds: dict, key: str) -> list:
@@ -162,6 +179,14 @@ def _wan_blocks(dm):
     return [("double_block", i) for i in range(len(dm.blocks))]
 
 
+def _lumina_layers(dm):
+    return dm.layers
+
+
+def _lumina_blocks(dm):
+    return [("layer", i) for i in range(len(dm.layers))]
+
+
 def _vace_maps(dm) -> list[str]:
     """Wan VACE: ``vace_layers_mapping``, which names the control block ComfyUI runs after a block (read
     with ``.get(block index)``, outside the seam); a skip never adds their hints (the stored residual holds
@@ -213,6 +238,12 @@ FAMILIES = (
     Family("ltxv", "ltxv", LTXV, _ltxv_modulated, _transformer_blocks),
     Family("mochi", "mochi", ("comfy.ldm.genmo.joint_model.asymm_models_joint:AsymmDiTJoint",), _mochi_modulated,
            _wan_blocks, call_wrapper="APPLY_MODEL"),
+    # Lumina 2 and Z-Image: one joint stream (caption, then image tokens) through ``layers``; their refiners
+    # run before, on every call
+    Family("lumina2", "calibrated", ("comfy.ldm.lumina.model:NextDiT",), _lumina_modulated, _lumina_blocks,
+           seams=(("comfy.ldm.lumina.model:modulate", ("x", "scale")),),
+           layer_forward=("comfy.ldm.lumina.model:JointTransformerBlock.forward",
+                          ("x", "x_mask", "freqs_cis", "adaln_input")), layers=_lumina_layers),
 )
 
 def _no_block_options(cls) -> bool:
@@ -231,7 +262,7 @@ NO_BLOCK_SEAM = "its forward offers no block-replace seam (patches_replace \"dit
 REFUSED = (
     ("comfy.ldm.wan.model:WanModel_S2V", "this ComfyUI hands its block patches no transformer_options, so the "
      "cache never sees a call (newer ones do)", _no_block_options),
-    *((spec, NO_BLOCK_SEAM, None) for spec in ("comfy.ldm.lumina.model:NextDiT", "comfy.ldm.cosmos.model:GeneralDIT",
+    *((spec, NO_BLOCK_SEAM, None) for spec in ("comfy.ldm.cosmos.model:GeneralDIT",
                                                "comfy.ldm.cosmos.predict2:MiniTrainDIT",
                                                "comfy.ldm.hidream.model:HiDreamImageTransformer2DModel",
                                                "comfy.ldm.omnigen.omnigen2:OmniGen2Transformer2DModel")),

@@ -1019,3 +1019,23 @@ def test_a_step_cached_vace_under_capture_gives_the_step_caches_latent(gc, monke
         run = last_run(gc)
         assert run["bypasses"] == {} and run["step_cache_skips"] == skipped > 0
     assert run["replays"] >= 1
+
+
+@pytest.mark.parametrize("mode", ["reuse", "output"])
+def test_a_step_cached_z_image_under_capture_gives_the_step_caches_latent(gc, monkeypatch, conds, mode):
+    """Z-Image, whose blocks the step cache reaches through their class's forward (no block-replace seam):
+    under graph capture the probe decides eagerly, a skip finishes there, a computed call replays (the
+    emulate runner), and the latent is the step cache's alone, bit for bit, run after run."""
+    spec = importlib.import_module(f"{rkharness.TINY.__name__}.families").family_spec("z_image")
+    node = rkharness.pack("nodes.step_cache").TeaCacheNode
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    cached = node.execute(spec.build(0), rule="first_block", threshold=5.0, residual_mode=mode).args[0]
+    alone = sample(cached, conds, steps=6)
+    skipped = rkharness.pack("patches.step_cache").stats().snapshot()["info"]["last_run"]["calls_skipped"]
+    both = capture(cached)
+    for _ in range(2):  # the second run replays what the first one captured
+        assert torch.equal(sample(both, conds, steps=6), alone)
+        run = last_run(gc)
+        assert run["bypasses"] == {} and run["step_cache_skips"] == skipped > 0
+    assert run["replays"] >= 1
+

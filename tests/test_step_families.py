@@ -72,6 +72,8 @@ HOOKED = {
     "chroma_radiance": ("chroma_radiance", (1, 3, 32, 32), False),
     "ltxv": ("ltxv", (1, 128, 2, 2, 2), True),
     "mochi": ("mochi", (1, 12, 2, 8, 8), True),
+    "lumina2": ("lumina2", (1, 16, 8, 8), False),
+    "z_image": ("lumina2", (1, 16, 8, 8), False),
 }
 
 
@@ -194,8 +196,6 @@ NO_SEAM = "no block-replace seam"
 
 
 @pytest.mark.parametrize("name,cls,why", [
-    ("lumina2", "NextDiT", NO_SEAM),
-    ("z_image", "NextDiT", NO_SEAM),
     ("cosmos", "MiniTrainDIT", NO_SEAM),
     ("hidream", "HiDreamImageTransformer2DModel", NO_SEAM),
     ("omnigen2", "OmniGen2Transformer2DModel", NO_SEAM),
@@ -442,6 +442,59 @@ def test_a_step_cached_vace_cloned_onto_a_fresh_model_runs_that_models_own_block
     want = sample(step_cache(h.tiny_wan_vace(1), rule="first_block", threshold=0.6), conds, shape)
     assert last_run()["calls_skipped"] >= 1
     assert torch.equal(sample(fresh, conds, shape), want) and runs == []
+
+
+def attention_runs(model) -> dict[str, list]:
+    """Per kind of Lumina block ("layers", "refiners"): a list that grows by one each time one of ``model``'s
+    blocks of that kind runs its own attention (a block passed through runs none)."""
+    dm = model.model.diffusion_model
+    runs = {"layers": [], "refiners": []}
+    kinds = {"layers": dm.layers, "refiners": [*dm.noise_refiner, *dm.context_refiner]}
+    for kind, blocks in kinds.items():
+        for block in blocks:
+            block.attention.register_forward_hook(lambda *_, kind=kind: runs[kind].append(1))
+    return runs
+
+
+@pytest.mark.parametrize("name", ["lumina2", "z_image"])
+def test_lumina_skips_reach_only_the_step_cached_models_own_layers(conds, name):
+    """Lumina 2 and Z-Image have no block-replace seam: the cache wraps their block class's forward. A
+    skipped call passes the main layers through (their attention never runs) while the refiners, part of
+    the embedding, run on every call; the same model without the step cache, and another model of the
+    class, sample exactly as before, their layers untouched by the wrapper."""
+    spec, (_, shape, _) = helpers().family_spec(name), HOOKED[name]
+    model, other = spec.build(0), spec.build(1)
+    ref, ref_other = sample(model, conds, shape), sample(other, conds, shape)
+    runs = attention_runs(model)
+    out = sample(step_cache(model, rule="first_block", threshold=5.0), conds, shape)
+    run = last_run()
+    assert run["calls_skipped"] >= 1 and torch.isfinite(out).all()
+    n = len(model.model.diffusion_model.layers)
+    # cond and uncond batched: one attention per block per call; a skipped call runs the first layer alone
+    assert len(runs["layers"]) == n * run["calls_computed"] + run["calls_skipped"]
+    assert len(runs["refiners"]) == 2 * (run["calls_computed"] + run["calls_skipped"])
+    assert torch.equal(sample(model, conds, shape), ref) and torch.equal(sample(other, conds, shape), ref_other)
+
+
+def test_z_image_omni_reads_its_modulated_input_with_the_reference_tokens_timestep_zero():
+    """Z-Image Omni (reference latents; ComfyUI 0.33) doubles the modulation for the reference tokens'
+    timestep zero: the TeaCache rule reads the first layer's modulated input the layer's way, and the
+    skipped call gives the computed one's output."""
+    import inspect
+
+    h = helpers()
+    spec = h.family_spec("z_image")
+    model = spec.build(0)
+    x, sigma, kwargs = spec.inputs(spec.sizes[0], 0)
+    if "ref_latents" not in inspect.signature(model.model.diffusion_model._forward).parameters:
+        pytest.skip("this ComfyUI's Z-Image has no reference latents (ComfyUI 0.33)")
+    kwargs["ref_latents"] = [torch.randn_like(x)]
+    rows = []  # the batch of the first layer's modulation input: doubled for the timestep-zero tokens
+    model.model.diffusion_model.layers[0].adaLN_modulation.register_forward_hook(lambda m, i, o: rows.append(len(i[0])))
+    first, again, run = h.two_calls(step_cache(model, rule="teacache"), *h.batched(x, sigma, kwargs))
+    assert [s.pattern for s in run.conds.values()] == [["C", "S"]] * 2
+    assert rows and set(rows) == {4}  # cond and uncond, each twice
+    assert torch.allclose(again, first, atol=1e-5, rtol=1e-5), rel_err(again, first)
 
 
 def test_causal_wan_under_the_ar_video_sampler_computes_every_call_and_says_why(conds):
