@@ -308,6 +308,15 @@ WAN = "Wan 2.1 text to video - PE cache, TeaCache.json"
 BEFORE_AFTER = "Before and after - Flux with and without ReuseKit.json"
 LAZY = "Lazy text encoder - prompts seen before never load it.json"
 QWEN_EDIT = "Qwen-Image edit - image prompt and reference encode.json"
+Z_IMAGE = "Z-Image text to image - step cache, PE cache.json"
+
+
+def _skipping(prompt: dict) -> dict:
+    """The step cache's rule for a model without a table (first_block) at a threshold the tiny random-weight
+    model skips at: its first layer's residual changes far more from step to step than a trained model's, so
+    the default threshold skips nothing on it."""
+    _set(prompt, "ReuseKitTeaCache", rule="first_block", threshold=5.0)
+    return prompt
 
 
 def _instruction(prompt: dict, text: str) -> dict:
@@ -337,6 +346,8 @@ RUNS = {
     QWEN_EDIT: ("qwen_image", lambda p: [_instruction(json.loads(json.dumps(p)), t) for t in ("make it red", "make it blue",
                                                                                               "make it red")],
                 lambda c: c["conditioning.hits"] >= 1 and c["vae.hits"] >= 1 and c["pe.hits"] > 0),
+    # ComfyUI's own Z-Image class (Lumina 2's NextDiT), its layers reached by the step cache without a block seam
+    Z_IMAGE: ("z_image", lambda p: [_skipping(p)], lambda c: c["step.calls_skipped"] > 0 and c["pe.hits"] > 0),
     "conditioning_prompt_variations.json": ("flux", lambda p: [_text(json.loads(json.dumps(p)), t) for t in
                                                                ("a red fox", "a blue fox", "a red fox")],
                                             lambda c: c["conditioning.hits"] >= 1),

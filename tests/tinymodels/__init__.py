@@ -19,7 +19,7 @@ import torch
 
 from .trained_flux import _load_shapes
 
-FAMILIES = ("flux", "wan", "flux_trained", "wan_trained", "qwen_image")
+FAMILIES = ("flux", "wan", "flux_trained", "wan_trained", "qwen_image", "z_image")
 
 _SHAPES = _load_shapes()  # the pack's demo models: the tiny CLIP and its weight filling live there, once
 TEXT_DIM = _SHAPES.TEXT_DIM  # width of the tiny CLIP; every tiny diffusion model takes this as context
@@ -164,7 +164,15 @@ def trained_wan(seed: int = 0):
     return build(family="wan")
 
 
-BUILDERS = {"flux": tiny_flux, "wan": tiny_wan, "flux_trained": trained_flux, "wan_trained": trained_wan}
+def tiny_z_image(seed: int = 0):
+    """ComfyUI's Z-Image (Lumina 2's NextDiT) at a test size, taking the tiny CLIP's text."""
+    from .families import tiny_lumina2
+
+    return tiny_lumina2(seed, z_image=True)
+
+
+BUILDERS = {"flux": tiny_flux, "wan": tiny_wan, "flux_trained": trained_flux, "wan_trained": trained_wan,
+            "z_image": tiny_z_image}
 
 
 class RKTestTinyCheckpoint:
