@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from . import keys
-from .protocol import GRAPH_SAFE, OPTIONS_NAME
+from .protocol import GRAPH_KEY, GRAPH_SAFE, OPTIONS_NAME
 from .stats import REGISTRY, CacheStats
 
 DISABLE_ENV = "REUSEKIT_DISABLE_CUDA_GRAPHS"
@@ -190,11 +190,11 @@ class _Walker:
             return out if self.sub is not None else v
         if in_options:
             # Anything the forward may call (an attention override: a function, a bound method, a
-            # callable object) counts by identity; a state holder of a wrapper (a step cache,
-            # EasyCache), which the forward never reads and which is copied with every clone,
-            # counts by its type only.
+            # callable object) or that decides what it does (GRAPH_KEY) counts by identity; a state
+            # holder of a wrapper (a step cache's run, EasyCache), which the forward never reads and
+            # which is copied with every clone, counts by its type only.
             if self.sub is None:
-                ident = _identity(v) if callable(v) else None
+                ident = _identity(v) if callable(v) or getattr(v, GRAPH_KEY, False) else None
                 self.fields.append((path, "object", (type(v).__qualname__, ident)))
             return v
         self.fail("uncapturable_input", f"{path} is a {type(v).__qualname__}")

@@ -33,6 +33,12 @@ GRAPH_SAFE = "reusekit_graph_safe"
 same kernels on every call of one signature and reads no Python state that changes between calls
 (its per-call state reaches it through :data:`STEP_HOOK`). Any other patch makes the call eager."""
 
+GRAPH_KEY = "reusekit_graph_key"
+"""Attribute marking an object in transformer_options that decides what a captured forward does (the
+step cache's settings: where a family's blocks are reached through their class, no patch carries that
+identity): a call's signature counts it by identity, so a graph captured under other settings never
+replays. Any other object there (a wrapper's state holder) counts by its type only."""
+
 _PREPARING = contextvars.ContextVar("reusekit_graph_preparing", default=False)
 
 

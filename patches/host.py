@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 log = logging.getLogger("reusekit")
 
-MARK = "__reusekit_pe__"  # on every replacement a Patch installs
+MARK = "__reusekit_patch__"  # on every replacement a Patch installs
 
 _lock = threading.Lock()
 _said: set[str] = set()

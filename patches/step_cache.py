@@ -32,7 +32,7 @@ import torch
 
 from ..caching import step_cache as tc
 from ..caching import step_schedule, weights_identity
-from ..caching.protocol import GRAPH_SAFE, STEP_HOOK, transformer_options
+from ..caching.protocol import GRAPH_KEY, GRAPH_SAFE, STEP_HOOK, transformer_options
 from ..caching.stats import REGISTRY
 from ..caching.weights_identity import WeightsIdentity
 from . import host, step_families
@@ -94,13 +94,16 @@ def model_fingerprint(model_patcher, family: Family) -> str:
 
 class Settings:
     """The node's settings in transformer_options: the config, the family and the blocks the cache
-    patched. Immutable, so clones share it (deepcopy too)."""
+    patched. Immutable, so clones share it (deepcopy too); a graph's signature holds it by identity."""
 
     def __init__(self, config: tc.StepCacheConfig, family: Family, blocks: tuple[tuple[str, int], ...]):
         self.config, self.family, self.blocks = config, family, blocks
 
     def __deepcopy__(self, memo):
         return self
+
+
+setattr(Settings, GRAPH_KEY, True)
 
 
 def _seams_fit(family: Family) -> bool:
@@ -225,6 +228,19 @@ def _layer_patch(family: Family) -> host.Patch:
         _LAYER_PATCHES[where] = host.Patch(family.name, module, attr, lambda original: _layer_forward(original, names),
                                            ("self", *names), layer="step cache")
     return _LAYER_PATCHES[where]
+
+
+def _unreached_layer(family: Family, dm) -> str | None:
+    """Why a call of this layer_forward family's model cannot go through the step cache, or None: a block
+    of its stack runs another forward than the wrapped class's (an object patch of the block or of its
+    forward, a compiled block, a subclass), so a skip would run that block on a passed-through stream."""
+    replacement = _layer_patch(family)._replacement
+    for i, block in enumerate(family.layers(dm)):
+        if type(block).forward is not replacement or "forward" in vars(block):
+            return (f"layer {i} of this {type(dm).__name__} runs another forward than "
+                    f"{family.layer_forward[0]} ({type(block).__name__}: another node or torch.compile wrapped "
+                    "it): the call was computed")
+    return None
 
 
 def _layer_forward(original, names: tuple[str, ...]):
@@ -634,6 +650,13 @@ def _diffusion_model(executor, *args, **kwargs):
         return out
     dm = executor.class_obj
     dm = dm.diffusion_model if settings.family.call_wrapper == "APPLY_MODEL" else dm  # a BaseModel there
+    unreached = None if settings.family.layer_forward is None else _unreached_layer(settings.family, dm)
+    if unreached is not None:
+        host.say_once(f"teacache-layer:{type(dm).__name__}", "ReuseKit TeaCache: %s", unreached, level=logging.WARNING)
+        stats().count_reason("bypass", unreached, source=settings.family.name)
+        run.calls_computed += 1
+        run.unhooked += 1
+        return executor(*args, **kwargs)
     labels = _labels(to, len(keys))
     probe = _gain_probe(run, settings, dm, keys, labels, sigma, executor, args, kwargs, to) \
         if run.config.calibrate else None

@@ -1039,3 +1039,19 @@ def test_a_step_cached_z_image_under_capture_gives_the_step_caches_latent(gc, mo
         assert run["bypasses"] == {} and run["step_cache_skips"] == skipped > 0
     assert run["replays"] >= 1
 
+
+def test_two_step_caches_of_one_z_image_never_share_a_graph(gc, monkeypatch, conds):
+    """Two step caches on one Z-Image model with other settings (the node run again after a change of its
+    residual_mode): no block patch tells their calls apart, so their settings do; the second never replays
+    the first one's graph (whose outputs are laid out for the first one's mode) and gives its own latent."""
+    spec = importlib.import_module(f"{rkharness.TINY.__name__}.families").family_spec("z_image")
+    node = rkharness.pack("nodes.step_cache").TeaCacheNode
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    base = spec.build(0)
+    first, second = (node.execute(base, rule="first_block", threshold=5.0, residual_mode=mode).args[0]
+                     for mode in ("reuse", "output"))
+    alone = sample(second, conds, steps=6)
+    sample(capture(first), conds, steps=6)
+    assert torch.equal(sample(capture(second), conds, steps=6), alone)
+    assert last_run(gc)["bypasses"] == {}
+

@@ -476,6 +476,38 @@ def test_lumina_skips_reach_only_the_step_cached_models_own_layers(conds, name):
     assert torch.equal(sample(model, conds, shape), ref) and torch.equal(sample(other, conds, shape), ref_other)
 
 
+class Wrapped(torch.nn.Module):
+    """A block wrapped the way torch.compile's OptimizedModule wraps one: a module of another class that
+    calls the block."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.inner = block
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+
+def test_a_lumina_layer_another_node_wrapped_is_computed_every_call_and_counted(conds):
+    """A layer of the stack wrapped by another node (an object patch, as a per-block torch.compile makes):
+    a skip would run it on the passed-through stream, so every call is computed, the latent is what the
+    wrapped model gives without the step cache, and the reason (naming the layer) is counted."""
+    spec, (_, shape, _) = helpers().family_spec("z_image"), HOOKED["z_image"]
+    model = spec.build(0)
+    last = len(model.model.diffusion_model.layers) - 1
+    wrapped = model.clone()
+    wrapped.add_object_patch(f"diffusion_model.layers.{last}", Wrapped(model.model.diffusion_model.layers[last]))
+    ref = sample(wrapped, conds, shape)
+    out = sample(step_cache(wrapped, rule="first_block", threshold=5.0), conds, shape)
+    run = last_run()
+    assert torch.equal(out, ref)
+    assert run["calls_skipped"] == 0 and run["unhooked_calls"] == run["calls_computed"] > 0
+    reasons = [r["reason"] for r in P().stats().snapshot()["reasons"] if r["source"] == "lumina2"]
+    assert any(f"layer {last} of this NextDiT" in r and "Wrapped" in r for r in reasons), reasons
+    assert torch.isfinite(sample(step_cache(model, rule="first_block", threshold=5.0), conds, shape)).all()
+    assert last_run()["calls_skipped"] >= 1  # the same model unwrapped skips
+
+
 def test_z_image_omni_reads_its_modulated_input_with_the_reference_tokens_timestep_zero():
     """Z-Image Omni (reference latents; ComfyUI 0.33) doubles the modulation for the reference tokens'
     timestep zero: the TeaCache rule reads the first layer's modulated input the layer's way, and the
