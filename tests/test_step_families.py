@@ -508,10 +508,12 @@ def test_a_lumina_layer_another_node_wrapped_is_computed_every_call_and_counted(
     assert last_run()["calls_skipped"] >= 1  # the same model unwrapped skips
 
 
-def test_z_image_omni_reads_its_modulated_input_with_the_reference_tokens_timestep_zero():
+@pytest.mark.parametrize("rule,second", [("teacache", "S"), ("schedule", "H")])
+def test_z_image_omni_reads_its_modulated_input_with_the_reference_tokens_timestep_zero(rule, second):
     """Z-Image Omni (reference latents; ComfyUI 0.33) doubles the modulation for the reference tokens'
     timestep zero: the TeaCache rule reads the first layer's modulated input the layer's way, and the
-    skipped call gives the computed one's output."""
+    skipped call gives the computed one's output; a cond-only step cuts the doubled modulation to the
+    cond's rows of each half (the layers see 2 rows, not 4)."""
     import inspect
 
     h = helpers()
@@ -523,9 +525,9 @@ def test_z_image_omni_reads_its_modulated_input_with_the_reference_tokens_timest
     kwargs["ref_latents"] = [torch.randn_like(x)]
     rows = []  # the batch of the first layer's modulation input: doubled for the timestep-zero tokens
     model.model.diffusion_model.layers[0].adaLN_modulation.register_forward_hook(lambda m, i, o: rows.append(len(i[0])))
-    first, again, run = h.two_calls(step_cache(model, rule="teacache"), *h.batched(x, sigma, kwargs))
-    assert [s.pattern for s in run.conds.values()] == [["C", "S"]] * 2
-    assert rows and set(rows) == {4}  # cond and uncond, each twice
+    first, again, run = h.two_calls(step_cache(model, rule=rule), *h.batched(x, sigma, kwargs), second=second)
+    assert [s.pattern for s in run.conds.values()] == ([["C", "C"], ["C", "S"]] if second == "H" else [["C", "S"]] * 2)
+    assert rows[0] == 4 and set(rows) == ({4, 2} if second == "H" else {4})  # cond and uncond, each twice
     assert torch.allclose(again, first, atol=1e-5, rtol=1e-5), rel_err(again, first)
 
 
