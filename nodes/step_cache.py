@@ -181,7 +181,7 @@ class TeaCacheNode(io.ComfyNode):
             inputs=[io.Model.Input("model", tooltip="The diffusion model (Flux, Flux Kontext, Flux.2, Chroma, "
                                                     "Chroma Radiance, HunyuanVideo, HunyuanVideo 1.5, Wan 2.1/2.2 "
                                                     "(S2V on ComfyUI 0.33+), Qwen-Image incl. Edit, LTXV, "
-                                                    "LTX-2, Mochi, Lumina 2, Z-Image).")]
+                                                    "LTX-2, Mochi, Lumina 2, Z-Image, Cosmos Predict2, Anima).")]
             + _cache_inputs(),
             outputs=[io.Model.Output(tooltip="A copy of the model with the step cache attached.")],
             hidden=compat.HIDDEN,

@@ -87,6 +87,21 @@ def _lumina_modulated(dm, args):
                                                                   {"timestep_zero_index": zero}))
 
 
+def _cosmos_modulated(dm, args):
+    """Cosmos Predict2 (and Anima): the first block's self-attention norm, shifted and scaled by its
+    modulation (plus the AdaLN-LoRA term where the model has one), the per-block position embedding
+    added first, as the block does."""
+    block = dm.blocks[0]
+    x = args["img"]
+    if args.get("extra_per_block_pos_emb") is not None:
+        x = x + args["extra_per_block_pos_emb"]
+    mod = block.adaln_modulation_self_attn(args["emb_B_T_D"])
+    if block.use_adaln_lora:
+        mod = mod + args["adaln_lora_B_T_3D"]
+    shift, scale, _ = (m[:, :, None, None] for m in mod.chunk(3, dim=-1))
+    return block.layer_norm_self_attn(x) * (1 + scale) + shift
+
+
 def _mochi_modulated(dm, args):
     """Mochi: the first block's RMS-normed image tokens scaled by its self-attention modulation (what
     TeaCache4Mochi reads from norm1)."""
@@ -183,8 +198,13 @@ def _lumina_layers(dm):
     return dm.layers
 
 
-def _lumina_blocks(dm):
-    return [("layer", i) for i in range(len(dm.layers))]
+def _cosmos_layers(dm):
+    return dm.blocks
+
+
+def _layer_blocks(layers: Callable[[Any], Any]) -> Callable[[Any], list[tuple[str, int]]]:
+    """A layer_forward family's block names: ("layer", index) over ``layers(dm)``."""
+    return lambda dm: [("layer", i) for i in range(len(layers(dm)))]
 
 
 def _vace_maps(dm) -> list[str]:
@@ -240,10 +260,15 @@ FAMILIES = (
            _wan_blocks, call_wrapper="APPLY_MODEL"),
     # Lumina 2 and Z-Image: one joint stream (caption, then image tokens) through ``layers``; their refiners
     # run before, on every call
-    Family("lumina2", "calibrated", ("comfy.ldm.lumina.model:NextDiT",), _lumina_modulated, _lumina_blocks,
+    Family("lumina2", "calibrated", ("comfy.ldm.lumina.model:NextDiT",), _lumina_modulated, _layer_blocks(_lumina_layers),
            seams=(("comfy.ldm.lumina.model:modulate", ("x", "scale")),),
            layer_forward=("comfy.ldm.lumina.model:JointTransformerBlock.forward",
                           ("x", "x_mask", "freqs_cis", "adaln_input")), layers=_lumina_layers),
+    # Cosmos Predict2 and Anima (a MiniTrainDIT with a text adapter): a (batch, frames, height, width, dim)
+    # stream through ``blocks``
+    Family("cosmos_predict2", "calibrated", ("comfy.ldm.cosmos.predict2:MiniTrainDIT",), _cosmos_modulated,
+           _layer_blocks(_cosmos_layers), layer_forward=("comfy.ldm.cosmos.predict2:Block.forward",
+                                       ("x_B_T_H_W_D", "emb_B_T_D", "crossattn_emb")), layers=_cosmos_layers),
 )
 
 def _no_block_options(cls) -> bool:
@@ -263,7 +288,6 @@ REFUSED = (
     ("comfy.ldm.wan.model:WanModel_S2V", "this ComfyUI hands its block patches no transformer_options, so the "
      "cache never sees a call (newer ones do)", _no_block_options),
     *((spec, NO_BLOCK_SEAM, None) for spec in ("comfy.ldm.cosmos.model:GeneralDIT",
-                                               "comfy.ldm.cosmos.predict2:MiniTrainDIT",
                                                "comfy.ldm.hidream.model:HiDreamImageTransformer2DModel",
                                                "comfy.ldm.omnigen.omnigen2:OmniGen2Transformer2DModel")),
 )

@@ -1434,9 +1434,10 @@ def test_the_two_wan22_experts_keep_separate_state_and_calibrations(conds):
     assert P().STORE.get(*P().model_identity(high, wan)) != P().STORE.get(*P().model_identity(low, wan))
 
 
-@pytest.mark.parametrize("name,cls", [("cosmos", "MiniTrainDIT"), ("hidream", "HiDreamImageTransformer2DModel")])
+@pytest.mark.parametrize("name,cls", [("omnigen2", "OmniGen2Transformer2DModel"),
+                                      ("hidream", "HiDreamImageTransformer2DModel")])
 def test_a_family_without_block_seams_is_a_clear_error_at_the_node(name, cls):
-    """Cosmos and HiDream (no block-replace seam) cannot be hooked without copying a core forward: the
+    """OmniGen2 and HiDream (no block-replace seam) cannot be hooked without copying a core forward: the
     node says so, naming itself and the input."""
     model = H().family_spec(name).build(0)
     for node in (N().TeaCacheNode, ):

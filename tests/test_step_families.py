@@ -74,6 +74,8 @@ HOOKED = {
     "mochi": ("mochi", (1, 12, 2, 8, 8), True),
     "lumina2": ("lumina2", (1, 16, 8, 8), False),
     "z_image": ("lumina2", (1, 16, 8, 8), False),
+    "cosmos": ("cosmos_predict2", (1, 16, 1, 8, 8), False),
+    "anima": ("cosmos_predict2", (1, 16, 1, 8, 8), False),
 }
 
 
@@ -196,7 +198,6 @@ NO_SEAM = "no block-replace seam"
 
 
 @pytest.mark.parametrize("name,cls,why", [
-    ("cosmos", "MiniTrainDIT", NO_SEAM),
     ("hidream", "HiDreamImageTransformer2DModel", NO_SEAM),
     ("omnigen2", "OmniGen2Transformer2DModel", NO_SEAM),
 ])

@@ -144,15 +144,17 @@ def _ltxv_inputs(shape, seed):
     return _x(shape, seed), _sigma(), {"c_crossattn": _ctx(seed), "frame_rate": 25, "attention_mask": None}
 
 
-def tiny_cosmos(seed: int = 0):
-    cfg = dict(image_model="cosmos_predict2", max_img_h=240, max_img_w=240, max_frames=128, in_channels=16,
-               out_channels=16, patch_spatial=2, patch_temporal=1, model_channels=64, concat_padding_mask=True,
+def tiny_cosmos(seed: int = 0, anima: bool = False):
+    """Cosmos Predict2 at model channels 64, 2 blocks; ``anima``: as an Anima model (ComfyUI 0.33), whose text
+    adapter keeps its fixed width (1024, 6 layers: 134M parameters; text passed as is skips it)."""
+    cfg = dict(image_model="anima" if anima else "cosmos_predict2", max_img_h=240, max_img_w=240, max_frames=128,
+               in_channels=16, out_channels=16, patch_spatial=2, patch_temporal=1, model_channels=64, concat_padding_mask=True,
                crossattn_emb_channels=TEXT_DIM, pos_emb_cls="rope3d", pos_emb_learnable=True,
                pos_emb_interpolation="crop", min_fps=1, max_fps=30, use_adaln_lora=True, adaln_lora_dim=16,
-               num_blocks=1, num_heads=2, extra_per_block_abs_pos_emb=False, rope_h_extrapolation_ratio=4.0,
+               num_blocks=2, num_heads=2, extra_per_block_abs_pos_emb=False, rope_h_extrapolation_ratio=4.0,
                rope_w_extrapolation_ratio=4.0, rope_t_extrapolation_ratio=1.0,
                rope_enable_fps_modulation=False)
-    return _from_config(_sm().CosmosT2IPredict2, cfg, seed)
+    return _from_config(_sm().Anima if anima else _sm().CosmosT2IPredict2, cfg, seed)
 
 
 def tiny_mochi(seed: int = 0):
@@ -285,6 +287,8 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
     "hidream": FamilySpec(tiny_hidream, _hidream_inputs, ((16, 8, 8), (16, 12, 8))),
     "ltxv": FamilySpec(tiny_ltxv, _ltxv_inputs, ((128, 2, 2, 2), (128, 3, 2, 3))),
     "cosmos": FamilySpec(tiny_cosmos, _plain_inputs, ((16, 1, 8, 8), (16, 2, 6, 8))),
+    "anima": FamilySpec(lambda seed=0: tiny_cosmos(seed, anima=True), _plain_inputs, ((16, 1, 8, 8), (16, 2, 6, 8)),
+                        requires=(_SM + "Anima",)),
     "mochi": FamilySpec(tiny_mochi, _mochi_inputs, ((12, 2, 8, 8), (12, 3, 6, 8))),
     "omnigen2": FamilySpec(tiny_omnigen2, _tokens_inputs, ((16, 8, 8), (16, 12, 8))),
     "flux2": FamilySpec(tiny_flux2, _flux2_inputs, ((128, 8, 8), (128, 12, 8)), has_ref_latents=True,
