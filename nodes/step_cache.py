@@ -96,7 +96,8 @@ def make_config(node: str, model_type: str, threshold: float, start_percent: flo
                 max_consecutive_skips: int, cache_device: str, residual_mode: str = "auto",
                 calibrate: bool = False, rule: str = "auto", interval_power: float = 1.0,
                 first_blocks: int = 1) -> StepCacheConfig:
-    def bad(name, why):
+    def bad(name, why):  # counted as the step cache's refusals of a model are
+        patch.stats().count_reason("refused", f"{name} {why}")
         return ValueError(f"{node}: {name} {why}")
 
     if rule not in patch.RULES:

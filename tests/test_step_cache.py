@@ -868,9 +868,15 @@ def test_a_skipped_call_adds_controlnet_once_not_again_on_top_of_the_residual(fl
     ({"model_type": "nope"}, "model_type"),
 ])
 def test_bad_inputs_raise_value_errors_naming_node_and_input(flux, kwargs, needle):
+    """Named in the error, and counted in the stats as a refusal with the same words (the panel shows it)."""
     args = {"thresh": 0.4} | kwargs
-    with pytest.raises(ValueError, match=f"ReuseKit TeaCache: {needle}"):
+    before = sum(r["count"] for r in P().stats().reasons() if r["event"] == "refused")
+    with pytest.raises(ValueError, match=f"ReuseKit TeaCache: {needle}") as err:
         teacache(flux, **args)
+    refused = [r for r in P().stats().reasons() if r["event"] == "refused"]
+    assert sum(r["count"] for r in refused) == before + 1
+    said = str(err.value).removeprefix("ReuseKit TeaCache: ")
+    assert any(r["reason"] == rkharness.pack("caching.stats").clip_reason(said) for r in refused)
 
 
 # ---- calibration -----------------------------------------------------------------------
