@@ -532,6 +532,34 @@ def test_z_image_omni_reads_its_modulated_input_with_the_reference_tokens_timest
     assert torch.allclose(again, first, atol=1e-5, rtol=1e-5), rel_err(again, first)
 
 
+WAN_VARIANTS = ["WAN21_Camera", "WAN22_Camera", "WAN21_HuMo", "WAN22_Animate", "WAN_Animate2", "WAN21_SCAIL",
+                "WAN21_SCAIL2", "WAN22_WanDancer"]
+
+
+@pytest.mark.parametrize("rule", ["teacache", "first_block"])
+@pytest.mark.parametrize("config", WAN_VARIANTS)
+def test_wans_variants_skip_through_the_same_seam_and_read_wan21s_table(config, rule):
+    """Camera, HuMo, Animate, SCAIL, Dancer (without their own conditioning: camera, audio, pose, face...):
+    the same blocks through the same seam, so the skipped call gives the computed output; each reads Wan
+    2.1's published table (a variant the pack names), never "unknown class"."""
+    h = helpers()
+    model = h.tiny_wan_subclass(config)
+    if model is None:
+        pytest.skip(f"this ComfyUI has no {config}")
+    cfg = model.model.model_config.unet_config
+    g = torch.Generator().manual_seed(0)
+    kwargs = {"c_crossattn": torch.randn((1, 7, rkharness.TINY.TEXT_DIM), generator=g)}
+    if cfg["in_dim"] > 16:  # the start image's latent and mask, as the node concatenates them
+        kwargs["c_concat"] = torch.randn((1, cfg["in_dim"] - 16, 2, 8, 8), generator=g)
+    x = torch.randn((1, 16, 2, 8, 8), generator=g)
+    cached = step_cache(model, rule=rule)
+    family = cached.model_options["transformer_options"][P().KEY].family
+    assert family.name.startswith("wan") and SF().model_variant(family, model, {}).startswith("wan2.1_")
+    first, again, run = h.two_calls(cached, *h.batched(x, torch.full((1,), 0.7), kwargs))
+    assert [s.pattern for s in run.conds.values()] == [["C", "S"]] * 2
+    assert torch.allclose(again, first, atol=1e-5, rtol=1e-5), rel_err(again, first)
+
+
 def test_causal_wan_under_the_ar_video_sampler_computes_every_call_and_says_why(conds):
     """Causal-WAN's ``ar_video`` sampler calls the model outside ComfyUI's diffusion-model wrapper, with KV
     caches the model fills as it goes: the cache never sees a call, so the run is ComfyUI's latent exactly

@@ -105,6 +105,23 @@ def causal_wan_case(conds, steps: int = 4):
     return model, sample
 
 
+def tiny_wan_subclass(config_name: str, seed: int = 0):
+    """A Wan 2.1/2.2 variant by its ComfyUI model config (``WAN21_Camera``, ``WAN22_Animate``, ...) at dim 64, 2
+    heads, 2 layers, its own input channels and model type; None on a host without that config."""
+    import comfy.supported_models
+
+    from . import TEXT_DIM, _from_config
+
+    config = getattr(comfy.supported_models, config_name, None)
+    if config is None:
+        return None
+    cfg = dict(image_model="wan2.1", patch_size=(1, 2, 2), text_len=512, in_dim=16, dim=64, ffn_dim=128, freq_dim=32,
+               text_dim=TEXT_DIM, out_dim=16, num_heads=2, num_layers=2, window_size=(-1, -1), qk_norm=True,
+               cross_attn_norm=True, eps=1e-6)
+    cfg.update({k: v for k, v in config.unet_config.items() if k not in cfg or k == "in_dim"})
+    return _from_config(config, cfg, seed)
+
+
 def tiny_wan_i2v(seed: int = 0, **overrides):
     """Wan 2.1 image-to-video (start-image latent and mask concatenated: 36 input channels) at dim 64."""
     import comfy.supported_models
