@@ -92,13 +92,19 @@ def _cache_inputs() -> list:
     ]
 
 
+def refused(node: str, what: str) -> ValueError:
+    """A bad input's error (``what``: the input and why), counted as the step cache's refusals of a model are,
+    so the panel shows it beside the error."""
+    patch.stats().count_reason("refused", what)
+    return ValueError(f"{node}: {what}")
+
+
 def make_config(node: str, model_type: str, threshold: float, start_percent: float, end_percent: float,
                 max_consecutive_skips: int, cache_device: str, residual_mode: str = "auto",
                 calibrate: bool = False, rule: str = "auto", interval_power: float = 1.0,
                 first_blocks: int = 1) -> StepCacheConfig:
-    def bad(name, why):  # counted as the step cache's refusals of a model are
-        patch.stats().count_reason("refused", f"{name} {why}")
-        return ValueError(f"{node}: {name} {why}")
+    def bad(name, why):
+        return refused(node, f"{name} {why}")
 
     if rule not in patch.RULES:
         raise bad("rule", f"must be one of {', '.join(patch.RULES)}, got {rule!r}")
@@ -146,10 +152,10 @@ def given_inputs(cls, node: str, threshold, rule, residual_mode, passed: dict) -
     if OLD_THRESHOLD in old:
         rel = old[OLD_THRESHOLD]
         if isinstance(rel, bool) or not isinstance(rel, (int, float)) or not (0.0 <= rel < math.inf):
-            raise ValueError(f"{node}: {OLD_THRESHOLD} (now threshold) must be a finite number >= 0, got {rel!r}")
+            raise refused(node, f"{OLD_THRESHOLD} (now threshold) must be a finite number >= 0, got {rel!r}")
         if threshold is not LEFT_OUT and threshold != rel:
-            raise ValueError(f"{node}: threshold ({threshold!r}) and its old name {OLD_THRESHOLD} ({rel!r}) "
-                             "disagree; give threshold only")
+            raise refused(node, f"threshold ({threshold!r}) and its old name {OLD_THRESHOLD} ({rel!r}) disagree; "
+                          "give threshold only")
         values["threshold"] = float(rel)
         values.update((k, v) for k, v in OLD_MEANING.items() if values[k] is LEFT_OUT)
         host.say_once(f"compat:{node}:{sorted(values.items())}", "%s: a prompt saved with %s (renamed threshold): "

@@ -457,6 +457,49 @@ def attention_runs(model) -> dict[str, list]:
     return runs
 
 
+def first_block_reads(model):
+    """One call of ``model`` (cond and uncond batched): (its family, its diffusion model, the named arguments its
+    first block got, as the step cache's class wrapper names them, and what that block fed its self-attention)."""
+    h = helpers()
+    family = SF().detect_family(model)
+    dm = model.model.diffusion_model
+    block = family.layers(dm)[0]
+    seen = {}
+
+    def got_args(module, args, kwargs):
+        named = {**dict(zip(family.layer_forward[1], args, strict=False)), **kwargs}
+        named["img"] = named.pop(family.layer_forward[1][0])
+        seen.setdefault("args", named)
+
+    def fed(module, args):
+        seen.setdefault("fed", args[0])
+
+    block.register_forward_pre_hook(got_args, with_kwargs=True)
+    getattr(block, {"lumina2": "attention", "cosmos_predict2": "self_attn"}[family.name]).register_forward_pre_hook(fed)
+    spec = h.family_spec({"lumina2": "z_image", "cosmos_predict2": "cosmos"}[family.name])
+    x, sigma, kwargs = h.batched(*spec.inputs(spec.sizes[0], 0))
+    with torch.inference_mode():
+        model.model.apply_model(x, sigma, transformer_options={}, **kwargs)
+    return family, dm, seen["args"], seen["fed"]
+
+
+@pytest.mark.parametrize("variant", ["z_image", "lumina2", "cosmos", "cosmos, per-block position embedding",
+                                     "cosmos, no AdaLN-LoRA"])
+def test_a_wrapped_familys_teacache_input_is_what_its_first_block_feeds_its_attention(variant):
+    """The families reached through their block class read the TeaCache rule's input themselves: it equals what
+    the host's first block feeds its self-attention (Cosmos: with the AdaLN-LoRA term and the per-block position
+    embedding, each on and off)."""
+    fam = importlib.import_module(f"{rkharness.TINY.__name__}.families")
+    model = {"z_image": lambda: fam.tiny_lumina2(0, z_image=True), "lumina2": lambda: fam.tiny_lumina2(0),
+             "cosmos": lambda: fam.tiny_cosmos(0),
+             "cosmos, per-block position embedding": lambda: fam.tiny_cosmos(0, extra_per_block_abs_pos_emb=True),
+             "cosmos, no AdaLN-LoRA": lambda: fam.tiny_cosmos(0, use_adaln_lora=False)}[variant]()
+    family, dm, args, fed = first_block_reads(model)
+    with torch.inference_mode():
+        read = family.modulated(dm, args)
+    assert torch.allclose(read.reshape(fed.shape), fed, atol=1e-6, rtol=1e-5), rel_err(read.reshape(fed.shape), fed)
+
+
 @pytest.mark.parametrize("name", ["lumina2", "z_image"])
 def test_lumina_skips_reach_only_the_step_cached_models_own_layers(conds, name):
     """Lumina 2 and Z-Image have no block-replace seam: the cache wraps their block class's forward. A
@@ -499,6 +542,7 @@ def test_a_lumina_layer_another_node_wrapped_is_computed_every_call_and_counted(
     wrapped = model.clone()
     wrapped.add_object_patch(f"diffusion_model.layers.{last}", Wrapped(model.model.diffusion_model.layers[last]))
     ref = sample(wrapped, conds, shape)
+    P().stats().reset_counters()  # the reason rows are bounded: start from none
     out = sample(step_cache(wrapped, rule="first_block", threshold=5.0), conds, shape)
     run = last_run()
     assert torch.equal(out, ref)

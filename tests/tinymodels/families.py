@@ -144,7 +144,7 @@ def _ltxv_inputs(shape, seed):
     return _x(shape, seed), _sigma(), {"c_crossattn": _ctx(seed), "frame_rate": 25, "attention_mask": None}
 
 
-def tiny_cosmos(seed: int = 0, anima: bool = False):
+def tiny_cosmos(seed: int = 0, anima: bool = False, **overrides):
     """Cosmos Predict2 at model channels 64, 2 blocks; ``anima``: as an Anima model (ComfyUI 0.33), whose text
     adapter keeps its fixed width (1024, 6 layers: 134M parameters; text passed as is skips it)."""
     cfg = dict(image_model="anima" if anima else "cosmos_predict2", max_img_h=240, max_img_w=240, max_frames=128,
@@ -154,6 +154,7 @@ def tiny_cosmos(seed: int = 0, anima: bool = False):
                num_blocks=2, num_heads=2, extra_per_block_abs_pos_emb=False, rope_h_extrapolation_ratio=4.0,
                rope_w_extrapolation_ratio=4.0, rope_t_extrapolation_ratio=1.0,
                rope_enable_fps_modulation=False)
+    cfg.update(overrides)
     return _from_config(_sm().Anima if anima else _sm().CosmosT2IPredict2, cfg, seed)
 
 
