@@ -239,6 +239,12 @@ def test_every_workflow_is_well_formed(name):
     for n in wf["nodes"]:
         assert all(i["link"] in link_ids for i in n.get("inputs", []) if i.get("link") is not None), (name, n["id"])
         assert all(lid in link_ids for o in n.get("outputs", []) for lid in (o.get("links") or [])), (name, n["id"])
+    if "id" in wf:  # the front end validates a workflow's id as a GUID, and tells workflows apart by it
+        import uuid
+
+        assert str(uuid.UUID(wf["id"])) == wf["id"], (name, wf["id"])
+        others = [rkharness.load_workflow(n).get("id") for n in WORKFLOWS if n != name]
+        assert wf["id"] not in others, (name, wf["id"])
     notes = [n for n in wf["nodes"] if n["type"] in ("Note", "MarkdownNote") and n["widgets_values"][0].strip()]
     assert notes, f"{name}: no note node"
     thumb = rkharness.ROOT / "workflows" / (name[:-5] + ".jpg")
