@@ -30,6 +30,7 @@ rkharness.bootstrap()
 
 import comfy.patcher_extension as patcher_extension  # noqa: E402
 import comfy.sample  # noqa: E402
+from timing import timed  # noqa: E402  (bench/, after the host is importable)
 
 import nodes  # noqa: E402
 
@@ -37,7 +38,6 @@ gc = rkharness.pack("patches.graph_capture")
 gr = rkharness.pack("caching.graph_reuse")
 graph_nodes = rkharness.pack("nodes.graph")
 tiny = rkharness.TINY
-TIMER = "bench_timer"
 
 
 def conds():
@@ -62,24 +62,6 @@ def small_flux():
     return tiny._patcher(model)
 
 
-def timed(model, times: list):
-    """A clone whose apply_model calls (outermost) append their synchronized duration to times."""
-    m = model.clone()
-
-    def timer(executor, *args, **kwargs):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = executor(*args, **kwargs)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        return out
-
-    m.add_wrapper_with_key(patcher_extension.WrappersMP.APPLY_MODEL, TIMER, timer)
-    w = m.wrappers[patcher_extension.WrappersMP.APPLY_MODEL]
-    m.wrappers[patcher_extension.WrappersMP.APPLY_MODEL] = dict(sorted(w.items(), key=lambda kv: kv[0] != TIMER))
-    return m
-
-
 def run(model, c, shape, steps, seed=1):
     pos, neg = c
     latent = torch.zeros(shape)
@@ -91,7 +73,7 @@ def run(model, c, shape, steps, seed=1):
 def step_ms(model, c, shape, steps):
     """Median ms per step of the second run (the first one captures / compiles)."""
     times: list[float] = []
-    m = timed(model, times)
+    m = timed(model, times, torch.cuda.synchronize)
     run(m, c, shape, steps)
     times.clear()
     out = run(m, c, shape, steps, seed=2)

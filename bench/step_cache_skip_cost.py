@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
 import torch
 
@@ -28,8 +27,8 @@ rkharness.bootstrap()
 
 import importlib  # noqa: E402
 
-import comfy.patcher_extension as patcher_extension  # noqa: E402
 import comfy.sample  # noqa: E402
+from timing import timed  # noqa: E402  (bench/, after the host is importable)
 
 import nodes  # noqa: E402
 
@@ -37,7 +36,6 @@ tiny = rkharness.TINY
 families = importlib.import_module(f"{tiny.__name__}.families")
 step_nodes = rkharness.pack("nodes.step_cache")
 step_patch = rkharness.pack("patches.step_cache")
-TIMER = "bench_timer"
 STEPS = 12
 ROUNDS = 3
 DEPTHS = (2, 16)
@@ -61,22 +59,6 @@ def _deep_z_image(depth: int):
         return families.tiny_lumina2(0, z_image=True)
     finally:
         families._from_config = original
-
-
-def timed(model, times: list):
-    """A clone whose apply_model calls (outermost) append their duration to ``times``."""
-    m = model.clone()
-
-    def timer(executor, *args, **kwargs):
-        t0 = time.perf_counter()
-        out = executor(*args, **kwargs)
-        times.append(time.perf_counter() - t0)
-        return out
-
-    m.add_wrapper_with_key(patcher_extension.WrappersMP.APPLY_MODEL, TIMER, timer)
-    w = m.wrappers[patcher_extension.WrappersMP.APPLY_MODEL]
-    m.wrappers[patcher_extension.WrappersMP.APPLY_MODEL] = dict(sorted(w.items(), key=lambda kv: kv[0] != TIMER))
-    return m
 
 
 def sample(model, c, shape):
