@@ -130,7 +130,7 @@ class Patch:
         self.exact, self.host_only, self.layer = exact, host_only, layer
         self._original = None
         self._replacement = None
-        self.off: str | None = None  # why the host's builder stays uncached (its shape differs)
+        self.off: str | None = None  # why the host's function stays unpatched (its shape differs, another's)
 
     def _target(self):
         mod = importlib.import_module(self.module)

@@ -7,8 +7,8 @@ wrappers and the block-replace patches. No core forward is copied.
 - DIFFUSION_MODEL wrapper: one model call; knows the conds in the batch (``uuids``) and whether
   the current sigma is inside the start/end window.
 - ``patches_replace["dit"]`` block patches on the first and every later block (a family whose forward
-  has no such seam, Lumina 2 / Z-Image: its block class's forward, wrapped once, reaching the blocks of
-  the model a step-cached call runs and nothing else): the first block
+  has no such seam, Lumina 2 / Z-Image and Cosmos Predict2 / Anima: its block class's forward, wrapped
+  once, reaching the blocks of the model a step-cached call runs and nothing else): the first block
   decides (teacache: from the modulated input, magcache: from sigma, interval: from the count of
   calls, before it runs; first_block: from its own residual, after it runs); on a skip every later
   block passes its input through and the last one adds the stored residual (or its forecast); on a
@@ -166,9 +166,10 @@ def _attach(model_patcher, config: tc.StepCacheConfig):
     if config.rule == "first_block" and config.first_blocks > 1 and config.first_blocks >= len(blocks):
         raise ValueError(f"first_blocks: {config.first_blocks} runs every block of this {family.name} model "
                          f"({len(blocks)}), leaving none to skip; at most {max(1, len(blocks) - 1)}")
-    if family.layer_forward is not None and not _layer_patch(family).install():  # another pack replaced it
-        stats().count_reason("bypass", f"{family.layer_forward[0]} is not ComfyUI's here (another node replaced "
-                             "it): the model runs without the step cache", source=family.name)
+    if family.layer_forward is not None and not _layer_patch(family).install():
+        why = _layer_patch(family).off or "is wrapped by another copy of ReuseKit"
+        stats().count_reason("bypass", f"{family.layer_forward[0]} {why}: the model runs without the step cache",
+                             source=family.name)
         return m
     m.model_options["transformer_options"][KEY] = Settings(config, family, tuple(blocks))
     call_kind = getattr(WrappersMP, family.call_wrapper)
@@ -263,6 +264,7 @@ def _layer_forward(original, names: tuple[str, ...]):
 
         return call.block(named, run_block, index, index == call.layer_count - 1)["img"]
     return forward
+
 
 def _block_patch(index: int, last: bool, prior):
     def patch(args, extra):
