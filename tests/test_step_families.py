@@ -520,6 +520,27 @@ def test_lumina_skips_reach_only_the_step_cached_models_own_layers(conds, name):
     assert torch.equal(sample(model, conds, shape), ref) and torch.equal(sample(other, conds, shape), ref_other)
 
 
+def test_z_image_fun_controlnet_skips_give_the_computed_output_and_threshold_0_is_exact(conds):
+    """Z-Image's Fun ControlNet (ComfyUI 0.33) adds its hints after the layers it names, outside the wrapped
+    forward: the same input twice, the skipped call gives the computed output (the hints a skip adds inside
+    the stack are dropped, the stored residual holds them); through the KSampler threshold 0 is the controlled
+    model's latent exactly, and a threshold that skips still samples under the control."""
+    h = helpers()
+    spec, (_, shape, _) = h.family_spec("z_image"), HOOKED["z_image"]
+    model = spec.build(0)
+    if h.z_image_fun_controlnet(model) is None:
+        pytest.skip("this ComfyUI has no Z-Image Fun ControlNet (ComfyUI 0.33)")
+    plain, ref = sample(model, conds, shape), sample(h.z_image_fun_controlnet(model), conds, shape)
+    assert not torch.allclose(plain, ref)  # the control moves the latent
+    exact = step_cache(model, rule="first_block", threshold=0.0)
+    assert torch.equal(sample(h.z_image_fun_controlnet(exact), conds, shape), ref)
+    x, sigma, kwargs = h.batched(*spec.inputs(spec.sizes[0], 0))
+    controlled = h.z_image_fun_controlnet(step_cache(model, rule="first_block", threshold=5.0))
+    first, again, run = h.two_calls(controlled, x, sigma, kwargs)
+    assert [s.pattern for s in run.conds.values()] == [["C", "S"]] * 2
+    assert torch.allclose(again, first, atol=1e-5, rtol=1e-5), rel_err(again, first)
+
+
 class Wrapped(torch.nn.Module):
     """A block wrapped the way torch.compile's OptimizedModule wraps one: a module of another class that
     calls the block."""

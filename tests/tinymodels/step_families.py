@@ -122,6 +122,34 @@ def tiny_wan_subclass(config_name: str, seed: int = 0):
     return _from_config(config, cfg, seed)
 
 
+def z_image_fun_controlnet(model, strength: float = 0.8):
+    """``model`` (a tiny Z-Image) with ComfyUI's Z-Image Fun ControlNet patches (0.33's ZImageControlPatch, its
+    control model at the model's width: 2 control layers), a picture through the tiny VAE as its control image;
+    None on a host without them."""
+    import comfy.model_patcher
+    import comfy.ops
+
+    from . import fill_weights, tiny_vae
+
+    try:
+        import comfy.ldm.lumina.controlnet as controlnet
+        from comfy_extras.nodes_model_patch import ZImageControlPatch
+    except ImportError:  # feature probe: ComfyUI before the Z-Image ControlNet
+        return None
+    dim = model.model.diffusion_model.dim
+    control = fill_weights(controlnet.ZImage_Control(dim=dim, n_heads=2, n_kv_heads=2, multiple_of=16,
+                                                     ffn_dim_multiplier=1.0, n_control_layers=2, control_in_dim=16,
+                                                     operations=comfy.ops.disable_weight_init), 3)
+    cpu = torch.device("cpu")
+    image = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(1))
+    patch = ZImageControlPatch(comfy.model_patcher.ModelPatcher(control, load_device=cpu, offload_device=cpu),
+                               tiny_vae(0), image, strength)
+    m = model.clone()
+    m.set_model_noise_refiner_patch(patch)
+    m.set_model_double_block_patch(patch)
+    return m
+
+
 def tiny_wan_i2v(seed: int = 0, **overrides):
     """Wan 2.1 image-to-video (start-image latent and mask concatenated: 36 input channels) at dim 64."""
     import comfy.supported_models
