@@ -252,8 +252,8 @@ def _layer_forward(original, names: tuple[str, ...]):
     refiner's block, a model without the step cache) runs the host's forward unchanged."""
     def forward(self, *args, **kwargs):
         call = (kwargs.get("transformer_options") or {}).get(CALL_KEY)  # as the block patches read it
-        index = None if call is None else call.layer_index(self)
-        if index is None or len(args) > len(names):  # more positions than it names: never reached (counted)
+        found = None if call is None else call.layer_index(self)
+        if found is None or len(args) > len(names):  # more positions than it names: never reached (counted)
             return original(self, *args, **kwargs)
         named = {**dict(zip(names, args, strict=False)), **kwargs}
         named["img"] = named.pop(names[0])
@@ -262,7 +262,7 @@ def _layer_forward(original, names: tuple[str, ...]):
             a = dict(a)
             return {"img": original(self, a.pop("img"), **a)}
 
-        return call.block(named, run_block, index, index == call.layer_count - 1)["img"]
+        return call.block(named, run_block, *found)["img"]
     return forward
 
 
@@ -356,16 +356,14 @@ class _Call:
         self.residual: torch.Tensor | None = None  # the whole stack's residual
         self._layers: dict[int, int] | None = None  # layer_forward families: id(block) -> its index
 
-    @property
-    def layer_count(self) -> int:
-        return len(self.family.layers(self.dm))
-
-    def layer_index(self, module) -> int | None:
-        """A layer_forward family's block: its index in this call's model, or None (not one of its blocks)."""
+    def layer_index(self, module) -> tuple[int, bool] | None:
+        """A layer_forward family's block: (its index in this call's model, whether it is the last), or None
+        (not one of its blocks). The map is made once per call."""
         if self._layers is None:
             self._layers = {} if self.family.layers is None else {
                 id(m): i for i, m in enumerate(self.family.layers(self.dm))}
-        return self._layers.get(id(module))
+        index = self._layers.get(id(module))
+        return None if index is None else (index, index == len(self._layers) - 1)
 
     def probe(self, forward):
         self.probing = True
