@@ -45,20 +45,7 @@ def build(family: str, depth: int):
     if family == "flux":
         return tiny.tiny_flux(0, hidden_size=256, num_heads=4, axes_dim=[16, 24, 24], depth=depth // 2,
                               depth_single_blocks=depth // 2)
-    return families.tiny_lumina2(0, z_image=True) if depth == 2 else _deep_z_image(depth)
-
-
-def _deep_z_image(depth: int):
-    original = families._from_config
-
-    def deeper(cls, cfg, seed):
-        return original(cls, dict(cfg, n_layers=depth), seed)
-
-    families._from_config = deeper
-    try:
-        return families.tiny_lumina2(0, z_image=True)
-    finally:
-        families._from_config = original
+    return families.tiny_lumina2(0, z_image=True, n_layers=depth)
 
 
 def sample(model, c, shape):

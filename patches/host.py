@@ -153,6 +153,11 @@ class Patch:
     def installed(self) -> bool:
         return self._original is not None
 
+    @property
+    def replacement(self) -> Callable | None:
+        """What :meth:`install` put in place of the host's function (None: not installed)."""
+        return self._replacement
+
     def original(self) -> Callable:
         if self._original is not None:
             return self._original

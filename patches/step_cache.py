@@ -235,7 +235,7 @@ def _unreached_layer(family: Family, dm) -> str | None:
     """Why a call of this layer_forward family's model cannot go through the step cache, or None: a block
     of its stack runs another forward than the wrapped class's (an object patch of the block or of its
     forward, a compiled block, a subclass), so a skip would run that block on a passed-through stream."""
-    replacement = _layer_patch(family)._replacement
+    replacement = _layer_patch(family).replacement
     for i, block in enumerate(family.layers(dm)):
         if type(block).forward is not replacement or "forward" in vars(block):
             return (f"layer {i} of this {type(dm).__name__} runs another forward than "

@@ -202,9 +202,14 @@ def _cosmos_layers(dm):
     return dm.blocks
 
 
-def _layer_blocks(layers: Callable[[Any], Any]) -> Callable[[Any], list[tuple[str, int]]]:
-    """A layer_forward family's block names: ("layer", index) over ``layers(dm)``."""
-    return lambda dm: [("layer", i) for i in range(len(layers(dm)))]
+def _layer_family(name: str, cls: str, modulated, layers: Callable[[Any], Any],
+                  layer_forward: tuple[str, tuple[str, ...]], **kwargs) -> Family:
+    """A family whose forward has no block-replace seam: the cache wraps ``layer_forward`` and reaches the
+    blocks ``layers(dm)`` lists, named ("layer", index); no published table (``auto`` reads a calibration)."""
+    def blocks(dm):
+        return [("layer", i) for i in range(len(layers(dm)))]
+
+    return Family(name, "calibrated", (cls,), modulated, blocks, layer_forward=layer_forward, layers=layers, **kwargs)
 
 
 def _vace_maps(dm) -> list[str]:
@@ -260,15 +265,14 @@ FAMILIES = (
            _wan_blocks, call_wrapper="APPLY_MODEL"),
     # Lumina 2 and Z-Image: one joint stream (caption, then image tokens) through ``layers``; their refiners
     # run before, on every call
-    Family("lumina2", "calibrated", ("comfy.ldm.lumina.model:NextDiT",), _lumina_modulated, _layer_blocks(_lumina_layers),
-           seams=(("comfy.ldm.lumina.model:modulate", ("x", "scale")),),
-           layer_forward=("comfy.ldm.lumina.model:JointTransformerBlock.forward",
-                          ("x", "x_mask", "freqs_cis", "adaln_input")), layers=_lumina_layers),
+    _layer_family("lumina2", "comfy.ldm.lumina.model:NextDiT", _lumina_modulated, _lumina_layers,
+                  ("comfy.ldm.lumina.model:JointTransformerBlock.forward",
+                   ("x", "x_mask", "freqs_cis", "adaln_input")),
+                  seams=(("comfy.ldm.lumina.model:modulate", ("x", "scale")),)),
     # Cosmos Predict2 and Anima (a MiniTrainDIT with a text adapter): a (batch, frames, height, width, dim)
     # stream through ``blocks``
-    Family("cosmos_predict2", "calibrated", ("comfy.ldm.cosmos.predict2:MiniTrainDIT",), _cosmos_modulated,
-           _layer_blocks(_cosmos_layers), layer_forward=("comfy.ldm.cosmos.predict2:Block.forward",
-                                       ("x_B_T_H_W_D", "emb_B_T_D", "crossattn_emb")), layers=_cosmos_layers),
+    _layer_family("cosmos_predict2", "comfy.ldm.cosmos.predict2:MiniTrainDIT", _cosmos_modulated, _cosmos_layers,
+                  ("comfy.ldm.cosmos.predict2:Block.forward", ("x_B_T_H_W_D", "emb_B_T_D", "crossattn_emb"))),
 )
 
 def _no_block_options(cls) -> bool:

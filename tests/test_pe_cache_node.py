@@ -111,7 +111,7 @@ def test_uninstall_restores_the_host_functions_and_install_is_idempotent(tiny):
         rope.install()
     rope.install()
     assert all(getattr(current(p), host.MARK, False) for p in patches)
-    assert [p._original for p in patches] == originals  # a second install wraps nothing twice
+    assert [p.original() for p in patches] == originals  # a second install wraps nothing twice
 
 
 def test_a_builder_a_newer_comfyui_reshaped_stays_uncached_with_one_warning(monkeypatch, caplog):

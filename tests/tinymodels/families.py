@@ -104,11 +104,11 @@ def tiny_qwen_image(seed: int = 0, context_dim: int = TEXT_DIM):
     return _from_config(_sm().QwenImage, cfg, seed)
 
 
-def tiny_lumina2(seed: int = 0, z_image: bool = False, cap_feat_dim: int = TEXT_DIM):
+def tiny_lumina2(seed: int = 0, z_image: bool = False, cap_feat_dim: int = TEXT_DIM, n_layers: int = 2):
     """Lumina 2 (or Z-Image) at a test size; ``cap_feat_dim``: the text encoder's width."""
-    cfg = dict(image_model="lumina2", patch_size=2, in_channels=16, dim=64, cap_feat_dim=cap_feat_dim, n_layers=2,
-               n_refiner_layers=1, n_heads=2, n_kv_heads=2, qk_norm=True, axes_dims=[8, 12, 12],
-               axes_lens=[300, 512, 512], rope_theta=10000.0, ffn_dim_multiplier=4.0, multiple_of=16)
+    cfg = dict(image_model="lumina2", patch_size=2, in_channels=16, dim=64, cap_feat_dim=cap_feat_dim,
+               n_layers=n_layers, n_refiner_layers=1, n_heads=2, n_kv_heads=2, qk_norm=True,
+               axes_dims=[8, 12, 12], axes_lens=[300, 512, 512], rope_theta=10000.0, ffn_dim_multiplier=4.0, multiple_of=16)
     cls = _sm().Lumina2
     if z_image:
         cfg.update(dim=256, n_heads=2, n_kv_heads=2, axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512],
