@@ -1,6 +1,7 @@
 """Where a step cache's computed steps go: fixed plans scored on the step-cache bench's tuning runs.
 
-    .venv/bin/python bench/step_cache_plans.py [--setup flux] [--steps 50] [--mode taylorseer1] [PLAN ...]
+    .venv/bin/python bench/step_cache_plans.py [--setup flux] [--steps 50] [--mode taylorseer1] [--runs tuning]
+        [PLAN ...]
 
 A plan is one letter per step: C computes every branch, S adds each branch's forecast (``--mode``, as the
 step cache's residual modes; ``output`` forecasts the model's output, as the interval rule's placed beat
@@ -8,7 +9,9 @@ runs it, with no H), H computes the cond branch and rebuilds the uncond one from
 cond-minus-uncond difference (under CFG; costs half a step). Without plans it scores the ones behind the
 findings in docs/step_cache.md ("Where the computed steps go"): TaylorSeer's even beat against the same
 number of computed steps placed otherwise, and H steps in place of computed ones. Exploration on the tuning
-runs (4 prompts x seeds 7 and 8), never on the evaluation ones: nothing here picks a setting.
+runs (4 prompts x seeds 7 and 8), never on the evaluation ones: nothing here picks a setting. ``--runs
+validation`` scores on 16 held-out runs instead, of prompts and seeds that are neither tuning nor evaluation
+ones: whether what a search over plans found on the tuning runs holds on pictures it was not found on.
 """
 
 from __future__ import annotations
@@ -23,6 +26,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step_cache as B  # noqa: E402  (the bench: its stand-ins, runs, metrics and tuning prompts)
 
 OUTPUT = "output"  # the residual mode that forecasts the model's output: the interval rule runs it
+
+
+VALIDATION_PROMPTS = ["a purple square on a white background", "a yellow circle on a gray background",
+                      "a green triangle on a black background", "a white cross on a black background",
+                      "a red square on a white background", "a blue cross on a white background"]
+VALIDATION_SEEDS = (21, 22, 23)
+
+
+def validation_runs() -> list[tuple[str, int]]:
+    """(prompt, seed) of the held-out runs: each validation prompt at the first two validation seeds, and
+    each tuning prompt at the third (new pictures of known captions); none is a tuning or evaluation run."""
+    return ([(p, s) for p in VALIDATION_PROMPTS for s in VALIDATION_SEEDS[:2]]
+            + [(p, VALIDATION_SEEDS[2]) for p in B.TUNING_PROMPTS])
 
 
 def beat(steps: int, computed: set[int], half: set[int] = frozenset()) -> str:
@@ -64,6 +80,8 @@ def main():
     ap.add_argument("--setup", default="flux", choices=sorted(B.SETUPS))
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--mode", default="taylorseer1", help="the residual mode the skipped steps add")
+    ap.add_argument("--runs", default="tuning", choices=("tuning", "validation"),
+                    help="the tuning runs, or held-out runs that are neither tuning nor evaluation ones")
     ap.add_argument("plans", nargs="*", help="plans of C/S/H, one letter per step (default: the findings' plans)")
     args = ap.parse_args()
     B.rkharness.bootstrap()
@@ -77,9 +95,9 @@ def main():
         ap.error("plans: with --mode output, C and S only, the first step C (the interval rule's beat)")
     family, cfg = B.SETUPS[args.setup]
     bench = B.Bench(family, False, cfg)
-    runs = B.tuning_runs(False)
+    runs = B.tuning_runs(False) if args.runs == "tuning" else validation_runs()
     print(f"{args.setup} stand-in at CFG {cfg:g}, {args.steps} steps, residual mode {args.mode}, on the {len(runs)} "
-          f"tuning runs: speedup, mean / worst PSNR dB")
+          f"{args.runs} runs: speedup, mean / worst PSNR dB")
     with torch.inference_mode():
         refs = B.references(bench, args.steps, runs)
         for plan in plans:

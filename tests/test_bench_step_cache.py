@@ -431,6 +431,14 @@ def test_the_findings_plans_are_taylorseers_beat_and_its_variants(plans):
     assert got[5].count("C") == 3 and got[5].count("H") == 3  # every other computed step an H step
 
 
+def test_the_plans_validation_runs_are_neither_tuning_nor_evaluation_runs(bench, plans):
+    held_out = plans.validation_runs()
+    assert len(held_out) == len(set(held_out)) == 16
+    assert not set(held_out) & set(bench.tuning_runs(False))
+    assert not {p for p, _ in held_out} & set(bench.EVAL_PROMPTS)
+    assert not {s for _, s in held_out} & (set(bench.SEEDS) | set(bench.TUNING_SEEDS) | {bench.CALIBRATION[1]})
+
+
 def test_a_forced_plan_computes_what_it_says_and_all_c_is_the_uncached_picture(bench, plans):
     with torch.inference_mode():
         stand_in = bench.Bench("flux", False, 3.5)
