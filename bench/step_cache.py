@@ -26,12 +26,13 @@ Protocol, the same for every method, ReuseKit's and the baselines alike:
   past the grid's top while they keep them, then refined at the crossing; an interval's grid its integers 2
   to 12 below the step count, every one tried, as its quality is not monotone in N, then on past its top one
   by one), and ReuseKit's interval rule beside its fixed beat the same number of computed steps placed
-  closer toward the end (``interval_power`` 1.3: END_DENSE, walked as a combo after the first); core
+  closer toward the end (``interval_power`` 1.3: END_DENSE) and toward the start (0.8: START_DENSE), each
+  walked as a combo after the first; core
   EasyCache and LazyCache their threshold grid with their window 0-1 or 0.15-0.95. A skip limit or a
   window only adds computed steps, so a restricted combo's walk starts at the unrestricted combo's pick:
   below it, it is never faster (the placed beat computes as many steps as the fixed one at each N); under
   a skip limit K every interval above K runs the same beat, so an interval's walk there ends at the first;
-  on the placed beat the intervals with the same ceil(steps / N) place the same steps: the first runs.
+  on the end-dense beat the intervals with the same ceil(steps / N) place the same steps: the first runs.
   The pick is the fastest setting whose tuning mean PSNR is at least 30 dB and whose worst run is at least 25 dB.
 - **Scoring.** That one setting runs once on the evaluation prompts: its speedup (model calls per branch,
   uncached over cached; a cond-only step costs half a step under CFG) with a 95% bootstrap interval over
@@ -138,6 +139,10 @@ INTERVALS = tuple(range(2, 13))  # the interval rule's N (TaylorSeer, FoCa: a fu
 END_POWER = 1.3  # ReuseKit's interval rule beside its fixed beat: interval_power 1.3,
 # picked on the tuning prompts at Wan 50 steps (1.2, 1.3, 1.4 tried with the output forecast; docs/step_cache.md)
 END_DENSE = f"end-dense p{END_POWER:g}"  # its combo's name
+START_POWER = 0.8  # ... and interval_power 0.8, picked on the tuning prompts at Flux CFG 1, 28 steps (0.67, 0.77,
+# 0.8 tried with the output forecast, and checked on held-out runs: docs/step_cache.md)
+START_DENSE = f"start-dense p{START_POWER:g}"
+PLACED = (END_DENSE, START_DENSE)  # the interval rule's placed beats: combos of that rule alone
 COARSE, REFINE = 7, 1  # grid points, then refinements at the floors' crossing (quick: 5, 1)
 BEYOND = 8  # settings past a grid's top while they keep the floors: no sweep is cut short by its grid
 TABLE_STEPS = 50  # the step count the shipped schedule tables are measured at (finest grid)
@@ -159,10 +164,11 @@ def calibration_steps(steps: int) -> int:
 
 def combos(family: str) -> dict[str, dict]:
     """The skip limits and windows every rule may pick from (both sides alike); ``last``: the last step computed;
-    and END_DENSE, the placed beat of ReuseKit's interval rule (``power``: its interval_power)."""
+    and PLACED, the placed beats of ReuseKit's interval rule (``power``: its interval_power)."""
     _, k, r = MAGCACHE_PUBLISHED[family]
     return {"free": dict(K=0, start=0.0, last=False),
             END_DENSE: dict(K=0, start=0.0, last=False, power=END_POWER),
+            START_DENSE: dict(K=0, start=0.0, last=False, power=START_POWER),
             "teacache K3 last": dict(K=3, start=0.0, last=True),
             f"magcache K{k} R{r:g}": dict(K=k, start=r, last=False)}
 
@@ -170,7 +176,7 @@ def combos(family: str) -> dict[str, dict]:
 def methods(family: str) -> list[dict]:
     """Every method the bench runs: name, kind (baseline, reusekit, information), how to build it, the
     combos and grid it sweeps."""
-    every = [c for c in combos(family) if c != END_DENSE]
+    every = [c for c in combos(family) if c not in PLACED]
 
     def rule(name, kind, rule, model_type, mode, grid=None, **extra):
         return dict(name=name, kind=kind, rule=rule, model_type=model_type, mode=mode, combos=every,
@@ -191,7 +197,7 @@ def methods(family: str) -> list[dict]:
         rule("ReuseKit TeaCache, extrapolate", "reusekit", "teacache", "calibrated", "extrapolate"),
         rule("ReuseKit TeaCache, output forecast", "reusekit", "teacache", "calibrated", "output"),
         dict(rule("ReuseKit interval, output forecast", "reusekit", "interval", "auto", "output", grid="interval"),
-             combos=[every[0], END_DENSE, *every[1:]]),
+             combos=[every[0], *PLACED, *every[1:]]),
         dict(name="ReuseKit node defaults", kind="reusekit", defaults=True, combos=["as set"], grid=None),
     ]
 
@@ -237,9 +243,10 @@ def same_beat(method: dict, combo, th: float) -> bool:
 
 
 def same_placement(combo, a: float, b: float, steps: int) -> bool:
-    """Whether intervals ``a`` and ``b`` run the same steps on a placed beat (``power``): it computes
-    ceil(steps / N) steps, at places that depend only on how many (caching/step_cache.py end_dense_beat)."""
-    return isinstance(combo, dict) and combo.get("power", 1.0) != 1.0 and -(-steps // a) == -(-steps // b)
+    """Whether intervals ``a`` and ``b`` run the same steps on an end-dense beat (``power`` above 1): it
+    computes ceil(steps / N) steps, at places that depend only on how many (caching/step_cache.py
+    placed_beat; a start-dense beat spans the fixed beat's N (k - 1), which depends on N as well)."""
+    return isinstance(combo, dict) and combo.get("power", 1.0) > 1.0 and -(-steps // a) == -(-steps // b)
 
 
 @contextmanager

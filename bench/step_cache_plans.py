@@ -53,7 +53,7 @@ def score_plan(bench, plan: str, mode: str, runs: list[tuple[str, int]], refs: d
         setting = dict(rule="interval", model_type="auto", mode=mode, threshold=float(len(plan)),
                        combo=dict(K=0, start=0.0, last=False, power=B.END_POWER))
         placed = [i for i, a in enumerate(plan) if a == "C"]
-        with mock.patch.object(bench.tc, "end_dense_beat", lambda *a: placed):  # every placed beat is the plan's
+        with mock.patch.object(bench.tc, "placed_beat", lambda *a: placed):  # every placed beat is the plan's
             return B.measure(bench, setting, len(plan), runs, refs)
     setting = dict(rule="schedule", model_type="auto", mode=mode, threshold=0.01, combo=dict(K=0, start=0.0, last=False))
     with B.forced_plan(bench.schedule, list(plan)):

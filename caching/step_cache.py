@@ -18,9 +18,10 @@ from a table of the model's residuals (:mod:`.step_schedule`), which may also co
 alone and rebuild the uncond one from the last measured cond-minus-uncond difference. A fifth,
 ``interval``, skips on a fixed beat: a computed call, then ``threshold - 1`` skipped ones, per cond (the
 schedule TaylorSeer and FoCa are defined with); its distance is the count of calls since the last
-computed one. With ``interval_power`` p above 1 the run computes as many steps as that beat, placed
-closer together toward the end (:func:`end_dense_beat`), where a forecast errs most; the distance is
-then the threshold at a placed step and 0 elsewhere.
+computed one. With ``interval_power`` p other than 1 the run computes as many steps as that beat, placed
+(:func:`placed_beat`) closer together toward the end (p above 1), where a forecast errs most, or toward
+the start (p below 1), where a model's output changes fastest; the distance is then the threshold at a
+placed step and 0 elsewhere.
 
 What a skip adds (``residual_mode``): the stored residual (``reuse``), or it continued in sigma to first
 (``extrapolate``) or second (``taylor2``) order from the last computed residuals (Newton's divided
@@ -210,15 +211,20 @@ MIN_CALIBRATION_POINTS = 4  # a calibration run with fewer fitted points is disc
 EXTRAPOLATE_SPAN = step_schedule.EXTRAPOLATE_SPAN
 
 
-def end_dense_beat(steps: int, interval: int, power: float) -> list[int]:
+def placed_beat(steps: int, interval: int, power: float) -> list[int]:
     """The steps an interval run of ``steps`` computes with ``interval_power`` ``power``: as many as the fixed
-    beat of ``interval`` computes (``ceil(steps / interval)``), the first and the last step among them, step
-    i of k at ``(steps - 1) (1 - (1 - i / (k - 1)) ** power)``, rounded, and moved apart by one where rounding
-    puts two on one step. Power 1 spreads them evenly; above it, the gaps shrink toward the end."""
+    beat of ``interval`` computes (``ceil(steps / interval)``), rounded, and moved apart by one where rounding
+    puts two on one step. Power 1 or above: the first and the last step among them, step i of k at
+    ``(steps - 1) (1 - (1 - i / (k - 1)) ** power)``: 1 spreads them evenly, above it the gaps shrink toward
+    the end. Below 1: over the fixed beat's span (its first and last computed step, ``interval (k - 1)``),
+    step i at ``interval (k - 1) (i / (k - 1)) ** (1 / power)``: the gaps grow toward its end."""
     k = math.ceil(steps / interval)  # at most steps: interval >= 1
     if k <= 1:
         return [0][:steps]
-    at = [round((steps - 1) * (1 - (1 - i / (k - 1)) ** power)) for i in range(k)]
+    if power >= 1:
+        at = [round((steps - 1) * (1 - (1 - i / (k - 1)) ** power)) for i in range(k)]
+    else:
+        at = [round(interval * (k - 1) * (i / (k - 1)) ** (1 / power)) for i in range(k)]
     for i in range(1, k):  # distinct and within the run: k <= steps leaves room for every one
         at[i] = max(at[i], at[i - 1] + 1)
     at[-1] = min(at[-1], steps - 1)
@@ -339,7 +345,7 @@ class StepCacheConfig:
     calibrate: bool = False
     residual_mode: str = "reuse"  # one of RESIDUAL_MODES
     rule: str = "teacache"  # one of RULES
-    interval_power: float = 1.0  # rule interval: 1 the fixed beat, above 1 denser toward the end (end_dense_beat)
+    interval_power: float = 1.0  # rule interval: 1 the fixed beat, above / below 1 denser toward the end / start (placed_beat)
     first_blocks: int = 1  # rule first_block: the blocks run before it decides (cache-dit's DBCache Fn; Bn = 0)
 
 
@@ -429,10 +435,10 @@ class RunState:
         return (sigma > self.end_sigma) & (sigma <= self.start_sigma)
 
     def set_beat(self, sigmas: list[float]) -> list[int]:
-        """The interval rule's placed steps for a run sampled at ``sigmas`` (:func:`end_dense_beat`); a call
+        """The interval rule's placed steps for a run sampled at ``sigmas`` (:func:`placed_beat`); a call
         belongs to the step whose sigma is nearest its own. Returns the steps."""
         steps = len(sigmas) - 1
-        placed = end_dense_beat(steps, int(self.config.threshold), self.config.interval_power)
+        placed = placed_beat(steps, int(self.config.threshold), self.config.interval_power)
         mask = torch.zeros(steps, dtype=torch.bool)
         mask[placed] = True
         self.beat = (torch.tensor(sigmas[:steps], dtype=torch.float32), mask)

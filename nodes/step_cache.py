@@ -78,12 +78,14 @@ def _cache_inputs() -> list:
                                "output: the whole model's output, not the blocks' residual, forecast as "
                                "foca forecasts; not with rule schedule. "
                                "auto: the family's benchmarked mode."),
-        io.Float.Input("interval_power", default=1.0, min=1.0, max=4.0, step=0.05, optional=True,
-                       tooltip="Rule interval only. 1: the fixed beat (one step computed in N). Above 1: as many "
-                               "computed steps as that beat, first and last included, placed closer together "
-                               "toward the end of the run, where a forecast errs most (step i of k at "
-                               "(steps - 1)(1 - (1 - i/(k - 1))^power)); the speed is the beat's "
-                               "(docs/step_cache.md, \"Rules\")."),
+        io.Float.Input("interval_power", default=1.0, min=0.5, max=4.0, step=0.05, optional=True,
+                       tooltip="Rule interval only. 1: the fixed beat (one step computed in N). Otherwise as many "
+                               "computed steps as that beat, placed anew; the speed is the beat's. Above 1: first "
+                               "and last step included, closer together toward the end of the run, where a "
+                               "forecast errs most (step i of k at (steps - 1)(1 - (1 - i/(k - 1))^power)). Below "
+                               "1: over the beat's own span, closer together toward the start, where a model's "
+                               "output changes fastest (step i at N(k - 1)(i/(k - 1))^(1/power); 0.8 at Flux "
+                               "without CFG) (docs/step_cache.md, \"Rules\")."),
         io.Int.Input("first_blocks", default=1, min=1, max=1024, optional=True,
                      tooltip="Rule first_block only: the blocks that always run, the change of whose residual "
                              "decides whether the rest is skipped. 1: First-Block-Cache. More: cache-dit's "
@@ -128,8 +130,8 @@ def make_config(node: str, model_type: str, threshold: float, start_percent: flo
     if residual_mode not in patch.RESIDUAL_MODES:
         raise bad("residual_mode", f"must be one of {', '.join(patch.RESIDUAL_MODES)}, got {residual_mode!r}")
     if isinstance(interval_power, bool) or not isinstance(interval_power, (int, float)) \
-            or not (1.0 <= interval_power <= 4.0):
-        raise bad("interval_power", f"must be a number within 1..4, got {interval_power!r}")
+            or not (0.5 <= interval_power <= 4.0):
+        raise bad("interval_power", f"must be a number within 0.5..4, got {interval_power!r}")
     if interval_power != 1.0 and rule != "interval":
         raise bad("interval_power", f"places the steps of rule interval only (rule is {rule}): set it to 1, or "
                                     "pick rule interval")

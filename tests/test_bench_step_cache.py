@@ -208,6 +208,18 @@ def test_a_placed_beat_runs_each_placement_once_and_picks_as_the_full_walk(bench
     assert (picked["combo"], picked["threshold"], picked["x"]) == (full["combo"], full["threshold"], full["x"])
 
 
+def test_a_start_dense_beat_walks_every_interval_as_its_span_moves_with_each(bench):
+    """A start-dense beat spans the fixed beat's N (k - 1): intervals with the same ceil(steps / N) place
+    different steps, so none is left out of its walk (an end-dense beat's are, as they place alike)."""
+    tc = rkharness.pack("caching.step_cache")
+    start, end = bench.combos("flux")[bench.START_DENSE], bench.combos("flux")[bench.END_DENSE]
+    assert math.ceil(50 / 11) == math.ceil(50 / 12)
+    assert tc.placed_beat(50, 11, start["power"]) != tc.placed_beat(50, 12, start["power"])
+    assert not bench.same_placement(start, 11.0, 12.0, 50)
+    assert tc.placed_beat(50, 11, end["power"]) == tc.placed_beat(50, 12, end["power"])
+    assert bench.same_placement(end, 11.0, 12.0, 50)
+
+
 def test_a_sweep_walks_on_past_its_grids_top_while_the_floors_hold(bench, monkeypatch):
     """No method is cut short by its grid: a threshold rule whose quality holds to twice its grid's top, and
     an interval whose holds to 14, are picked there (the first setting past it misses), and a sweep that
@@ -320,9 +332,10 @@ def test_the_field_holds_the_published_methods_as_their_papers_define_them(bench
     assert rows["TeaCache"]["signed"] and rows["TeaCache"]["mode"] == "reuse"
     assert {m["mode"] for m in baselines if m.get("rule") == "interval"} == {"taylorseer1", "taylorseer2", "foca"}
     # the papers' fixed beat for the baselines; the placed one is ReuseKit's interval rule's own setting
-    assert [m["name"] for m in rows.values() if bench.END_DENSE in m.get("combos", ())] == [
-        "ReuseKit interval, output forecast"]
-    assert bench.combos("flux")[bench.END_DENSE]["power"] > 1
+    for placed in bench.PLACED:
+        assert [m["name"] for m in rows.values() if placed in m.get("combos", ())] == [
+            "ReuseKit interval, output forecast"]
+    assert bench.combos("flux")[bench.END_DENSE]["power"] > 1 > bench.combos("flux")[bench.START_DENSE]["power"]
     assert all(m["mode"] == "reuse" for m in baselines if m.get("rule") in ("teacache", "magcache", "first_block"))
     # DBCache at cache-dit's default F8B0: the same share of each stand-in's blocks decides, priced as 8 blocks
     for family, blocks in (("flux", 12), ("wan", 10)):
@@ -455,7 +468,7 @@ def test_a_forced_plan_computes_what_it_says_and_all_c_is_the_uncached_picture(b
 def test_an_output_plan_is_the_interval_rules_beat_forced_and_all_c_is_the_uncached_picture(bench, plans):
     with torch.inference_mode():
         stand_in = bench.Bench("flux", False, 3.5)
-        placement = stand_in.tc.end_dense_beat
+        placement = stand_in.tc.placed_beat
         runs = [(bench.TUNING_PROMPTS[0], bench.TUNING_SEEDS[0])]
         refs = bench.references(stand_in, 6, runs)
         scored = {plan: plans.score_plan(stand_in, plan, "output", runs, refs) for plan in ("CCCCCC", "CSCSCS")}
@@ -465,7 +478,7 @@ def test_an_output_plan_is_the_interval_rules_beat_forced_and_all_c_is_the_uncac
     assert scored["CCCCCC"]["x"] == 1.0 and scored["CCCCCC"]["psnr"] == bench.curves.PSNR_CAP
     assert scored["CSCSCS"]["x"] == pytest.approx(2.0) and scored["CSCSCS"]["psnr"] < bench.curves.PSNR_CAP
     assert scored["CSCSCS"]["psnr"] == rule["psnr"] and scored["CSCSCS"]["err"] == rule["err"]
-    assert stand_in.tc.end_dense_beat is placement  # the real placement is back
+    assert stand_in.tc.placed_beat is placement  # the real placement is back
 
 
 def test_an_interval_under_a_skip_limit_stops_at_the_limits_beat_and_picks_as_the_longer_walk(bench, monkeypatch):

@@ -232,19 +232,35 @@ def test_interval_computes_one_call_in_n_per_cond_within_the_window_and_skip_lim
     assert rs.resets == 1 and rs.conds["a"].pattern[-1] == "C"
 
 
-def test_end_dense_beat_places_as_many_steps_as_the_fixed_beat_closer_toward_the_end():
+def test_a_placed_beat_above_1_places_as_many_steps_as_the_fixed_beat_closer_toward_the_end():
     m = tc()
-    assert m.end_dense_beat(50, 10, 1.0) == [0, 12, 24, 37, 49]  # even (24.5 rounds to even), first and last in
-    assert m.end_dense_beat(50, 10, 1.3) == [0, 15, 29, 41, 49]
-    assert m.end_dense_beat(10, 3, 2.0) == [0, 5, 8, 9]
+    assert m.placed_beat(50, 10, 1.0) == [0, 12, 24, 37, 49]  # even (24.5 rounds to even), first and last in
+    assert m.placed_beat(50, 10, 1.3) == [0, 15, 29, 41, 49]
+    assert m.placed_beat(10, 3, 2.0) == [0, 5, 8, 9]
     for steps, n, power in ((20, 2, 3.0), (7, 1, 4.0), (28, 3, 1.5), (5, 2, 4.0)):
-        got = m.end_dense_beat(steps, n, power)
+        got = m.placed_beat(steps, n, power)
         assert len(got) == -(-steps // n) and got == sorted(set(got)), (steps, n, power, got)  # rounding kept apart
         assert got[0] == 0 and got[-1] == steps - 1
         gaps = [b - a for a, b in zip(got, got[1:], strict=False)]
         assert gaps == sorted(gaps, reverse=True), (steps, n, power, got)  # never wider toward the end
-    assert m.end_dense_beat(7, 1, 4.0) == list(range(7))  # interval 1: every step
-    assert m.end_dense_beat(10, 12, 1.3) == [0]  # an interval longer than the run: the first step only
+    assert m.placed_beat(7, 1, 4.0) == list(range(7))  # interval 1: every step
+    assert m.placed_beat(10, 12, 1.3) == [0]  # an interval longer than the run: the first step only
+
+
+def test_a_placed_beat_below_1_keeps_the_fixed_beats_span_and_places_its_steps_closer_toward_the_start():
+    m = tc()
+    assert m.placed_beat(28, 6, 0.8) == [0, 4, 10, 17, 24]  # the fixed beat's 0, 6, ..., 24: 24 (i/4)^1.25
+    assert m.placed_beat(50, 9, 0.8) == [0, 6, 14, 24, 34, 45]
+    for steps, n, power in ((20, 2, 0.5), (7, 1, 0.5), (28, 3, 0.8), (50, 12, 0.6), (5, 2, 0.5)):
+        got = m.placed_beat(steps, n, power)
+        k = -(-steps // n)
+        assert len(got) == k and got == sorted(set(got)), (steps, n, power, got)  # rounding kept apart
+        assert got[0] == 0 and got[-1] == n * (k - 1)  # the fixed beat's first and last computed steps
+        gaps = [b - a for a, b in zip(got, got[1:], strict=False)]
+        assert all(b >= a - 1 for a, b in zip(gaps, gaps[1:], strict=False)), (steps, n, power, got)  # rounding
+        assert n == 1 or gaps[0] < gaps[-1], (steps, n, power, got)  # wider toward the end
+    assert m.placed_beat(7, 1, 0.5) == list(range(7))  # interval 1: every step
+    assert m.placed_beat(10, 12, 0.8) == [0]  # an interval longer than the run: the first step only
 
 
 def test_a_placed_beat_computes_its_steps_per_cond_and_forecasts_across_its_uneven_gaps():
@@ -661,7 +677,8 @@ def test_first_blocks_through_the_sampler_report_and_decide_on_more_blocks(flux,
 def test_interval_power_places_the_beat_on_the_runs_steps_through_the_sampler(flux, conds, mode):
     """interval_power through the real KSampler: a power that places the steps where the fixed beat computes
     (1.01 at 10 steps, interval 3: 0, 3, 6, 9) gives that beat's latent exactly, so the placed path forecasts
-    as the fixed one does; power 2 computes steps 0, 5, 8 and 9, cond and uncond, and a CPU cache agrees.
+    as the fixed one does; power 2 computes steps 0, 5, 8 and 9, cond and uncond, and a CPU cache agrees;
+    power 0.5 steps 0, 1, 4 and 9 (over the fixed beat's span, 0-9).
     At 20 steps, power 1.3 computes as many steps as the fixed beat (7) and lands nearer the uncached latent
     on the trained Flux."""
     fixed = sample(teacache(flux, 3.0, rule="interval", mode=mode), conds)
@@ -674,6 +691,10 @@ def test_interval_power_places_the_beat_on_the_runs_steps_through_the_sampler(fl
     assert {lab: c["pattern"] for lab, c in run["conds"].items()} == {"cond": "CSSSSCSSCC", "uncond": "CSSSSCSSCC"}
     assert run["calls_computed"] == 4 and not torch.equal(dense, fixed)
     assert torch.equal(sample(teacache(flux, 3.0, rule="interval", mode=mode, power=2.0, device="cpu"), conds), dense)
+    early = sample(teacache(flux, 3.0, rule="interval", mode=mode, power=0.5), conds)  # over 0-9: 0, 1, 4, 9
+    run = last_run()
+    assert {lab: c["pattern"] for lab, c in run["conds"].items()} == {"cond": "CCSSCSSSSC", "uncond": "CCSSCSSSSC"}
+    assert run["calls_computed"] == 4 and not torch.equal(early, fixed) and torch.isfinite(early).all()
     ref = sample(flux, conds, steps=20)
     err = {}
     for power in (1.0, 1.3):
@@ -854,7 +875,7 @@ def test_a_skipped_call_adds_controlnet_once_not_again_on_top_of_the_residual(fl
     ({"rule": "interval", "thresh": 2.5}, "threshold"),
     ({"rule": "interval", "thresh": 0.0}, "threshold"),
     ({"rule": "interval", "thresh": 0.5}, "threshold"),
-    ({"rule": "interval", "thresh": 3.0, "power": 0.5}, "interval_power"),
+    ({"rule": "interval", "thresh": 3.0, "power": 0.45}, "interval_power"),
     ({"rule": "interval", "thresh": 3.0, "power": float("nan")}, "interval_power"),
     ({"rule": "interval", "thresh": 3.0, "power": "1.3"}, "interval_power"),
     ({"power": 1.3}, "interval_power"),  # the TeaCache rule has no beat to place
