@@ -154,8 +154,9 @@ def intern_weights(structure: Any) -> WeightSet | None:
             return ("T", str(v.dtype), tuple(v.shape), str(v.device))
         if isinstance(v, (list, tuple)):
             return ("L", tuple(skel(x) for x in v))
-        if isinstance(v, dict):
-            return ("D", tuple(sorted(((encode(k), skel(x)) for k, x in v.items()), key=lambda kv: repr(kv[0]))))
+        if isinstance(v, dict):  # sorted before the walk: the tensors are collected in the skeleton's order
+            items = sorted(((encode(k), x) for k, x in v.items()), key=lambda kv: repr(kv[0]))
+            return ("D", tuple((k, skel(x)) for k, x in items))
         return encode(v)
 
     skeleton = skel(structure)

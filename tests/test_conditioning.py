@@ -250,6 +250,27 @@ def test_lora_strength_changes_miss_and_same_lora_on_a_new_clone_hits(cc, uncach
     assert cc.CACHE.count("hits.text") == 3
 
 
+def test_the_same_tensors_patched_onto_swapped_weights_miss_whatever_the_order_they_were_added_in(cc, uncached,
+                                                                                                     tiny):
+    """Two patch sets with the same tensors on swapped weights, added in opposite orders, are two encoders: the
+    second's encode is its own, not the first's (the patch set's key follows its sorted names)."""
+    clip = tiny.tiny_clip(0)
+    sd = clip.cond_stage_model.state_dict()
+    q = next(k for k in sd if k.endswith("layers.0.self_attn.q_proj.weight"))
+    k = next(k for k in sd if k.endswith("layers.0.self_attn.k_proj.weight"))
+    g = torch.Generator().manual_seed(0)
+    d1, d2 = (torch.randn(sd[q].shape, generator=g) * 0.5 for _ in range(2))
+    a, b = clip.clone(), clip.clone()
+    a.add_patches({q: ("diff", (d1,)), k: ("diff", (d2,))})
+    b.add_patches({k: ("diff", (d1,)), q: ("diff", (d2,))})
+    tokens = clip.tokenize("a red square on a blue field")
+    out_a = a.encode_from_tokens(tokens)
+    truth_b = uncached(b.encode_from_tokens, tokens)
+    assert not torch.equal(out_a, truth_b)
+    assert same(truth_b, b.encode_from_tokens(tokens))
+    assert cc.CACHE.count("hits.text") == 0
+
+
 def test_a_vae_encode_that_uses_randomness_is_never_stored(cc, uncached, tiny):
     """A sampling posterior must draw on every request: same seeds, same outputs as without cache."""
     import comfy.ldm.models.autoencoder as ae
