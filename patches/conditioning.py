@@ -194,6 +194,8 @@ def _numerics() -> tuple:
     import comfy.cli_args
 
     attention = sys.modules.get("comfy.ldm.modules.attention")
+    # the dtype ComfyUI hands a VAE's output in (0.33: float16 under --fp16-intermediates)
+    intermediate = getattr(sys.modules.get("comfy.model_management"), "intermediate_dtype", None)
     matmul, cudnn, cuda = torch.backends.cuda.matmul, torch.backends.cudnn, torch.backends.cuda
     fast = getattr(comfy.cli_args.args, "fast", None)
     flags = (torch.get_float32_matmul_precision(), matmul.allow_tf32,
@@ -206,7 +208,8 @@ def _numerics() -> tuple:
     return ("numerics", repr(flags),
             _where_defined(getattr(attention, "optimized_attention", None)),
             _where_defined(getattr(attention, "optimized_attention_masked", None)),
-            None if fast is None else tuple(sorted(str(getattr(f, "value", f)) for f in fast)))
+            None if fast is None else tuple(sorted(str(getattr(f, "value", f)) for f in fast)),
+            None if intermediate is None else str(intermediate()))
 
 
 def _config(obj, skip: tuple[str, ...]) -> tuple:

@@ -200,6 +200,39 @@ def test_comfyuis_vae_loader_reaches_the_disk_tier_through_its_reload_factory(sh
     assert shared.cc.CACHE.count("encodes") == 1
 
 
+def test_a_worker_started_with_fp16_intermediates_never_reads_another_workers_vae_entries(shared, monkeypatch):
+    """ComfyUI 0.33 hands a VAE's output in ``intermediate_dtype()`` (float16 under --fp16-intermediates): a
+    worker started with it misses the entries a worker without it filed, and gets what it computes."""
+    import comfy.cli_args
+    import folder_paths
+    from safetensors.torch import save_file
+
+    import nodes
+
+    if not hasattr(comfy.cli_args.args, "fp16_intermediates"):
+        pytest.skip("this ComfyUI has no --fp16-intermediates")
+    vae = _tiny_files().tiny_wan_vae(0)
+    folder = shared.files / "vae"
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in vae.first_stage_model.state_dict().items()}, str(folder / "rk_wan.safetensors"))
+    folder_paths.add_model_folder_path("vae", str(folder))
+    image = torch.rand(1, 32, 32, 3, generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(comfy.cli_args.args, "fp16_intermediates", False)
+    assert nodes.VAELoader().load_vae("rk_wan.safetensors")[0].encode(image).dtype == torch.float32
+    published()
+    assert len(entry_files(shared.folder)) == 1
+    shared.cc.CACHE.clear()  # the other worker: its own memory, the same disk tier
+    monkeypatch.setattr(comfy.cli_args.args, "fp16_intermediates", True)
+    second = nodes.VAELoader().load_vae("rk_wan.safetensors")[0]
+    shared.settings.set("conditioning.enabled", False)
+    truth = second.encode(image)
+    shared.settings.set("conditioning.enabled", True)
+    got = second.encode(image)
+    published()
+    assert truth.dtype == torch.float16 and torch.equal(got, truth)
+    assert counter(shared.tiers, "disk", "hits") == 0 and len(entry_files(shared.folder)) == 2
+
+
 def test_an_encoder_without_a_known_file_never_uses_the_shared_tiers(shared):
     encode(rkharness.TINY.tiny_clip(0))
     assert shared.cc.CACHE.count("encodes") == 1
