@@ -231,6 +231,16 @@ def _own_method(value) -> tuple:
     return ("method", value.__func__.__module__, value.__func__.__qualname__, code.co_filename, code.co_firstlineno)
 
 
+def _bound_method(name: str, value: types.MethodType, closures: bool, modules: dict | None, depth: int) -> tuple:
+    """A method bound to an instance and set on an encoder module (a node's monkeypatch of ``forward`` or
+    ``encode_token_weights``): its function by where it is defined, the object it is bound to as a setting
+    (a module of the encoder by its path). Uncacheable where its function captures values (unless
+    ``closures``) or its object is one a key cannot describe."""
+    if value.__func__.__closure__ is not None and not closures:
+        raise Uncacheable(f"encoder setting {name!r} is a method whose function captures values")
+    return (*_own_method(value), _setting(f"{name}.__self__", value.__self__, closures, modules, depth + 1))
+
+
 def _setting(name: str, value, closures: bool = False, modules: dict | None = None, depth: int = 0):
     """A setting as a key field: plain values whole, classes and functions by where they are defined;
     with ``modules`` (the encoder's modules by id: their path), a plain object of ComfyUI's own code (the
@@ -244,6 +254,8 @@ def _setting(name: str, value, closures: bool = False, modules: dict | None = No
     if isinstance(value, types.FunctionType) and (closures or value.__closure__ is None):
         code = value.__code__
         return ("function", value.__module__, value.__qualname__, code.co_filename, code.co_firstlineno)
+    if isinstance(value, types.MethodType) and isinstance(value.__func__, types.FunctionType):
+        return _bound_method(name, value, closures, modules, depth)
     if type(value) in (list, tuple):
         return ("L" if type(value) is list else "U",
                 tuple(_setting(name, v, closures, modules, depth + 1) for v in value))
@@ -276,7 +288,8 @@ def _module_state(model: torch.nn.Module, patcher) -> tuple:
     """Every plain-valued setting of the encoder's modules (``enable_attention_masks``,
     ``zero_out_masked``, special tokens, ``training``...) by module path and name, as they are without
     ComfyUI's object patches (patches/module_tree.py; a patcher's own object patches are keyed by
-    ``_patcher_fields``), as a digest. Instance-level methods (injections) are left out. Uncacheable
+    ``_patcher_fields``), as a digest; a method set on a module's instance by where it is defined and what
+    it is bound to (a patcher's injections make the encode uncacheable first). Uncacheable
     for module hooks and for settings a key cannot describe. Kept with the module's tree while it is
     unchanged, the settings held in containers and dataclasses compared by value."""
     import torch.nn.modules.module as torch_module

@@ -99,7 +99,7 @@ class ModuleTree:
                     continue
                 remember(d, name, value)
                 value = backup.get(prefix + name, value)
-                if value is unset or isinstance(value, (torch.Tensor, torch.nn.Module, types.MethodType)):
+                if value is unset or isinstance(value, (torch.Tensor, torch.nn.Module)):
                     continue
                 self.settings.append((path, name, value))
             for table_name in ("_parameters", "_buffers"):

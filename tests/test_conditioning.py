@@ -271,6 +271,46 @@ def test_the_same_tensors_patched_onto_swapped_weights_miss_whatever_the_order_t
     assert cc.CACHE.count("hits.text") == 0
 
 
+def _zeroed_mlp(self, x):  # a method a node sets on one module's instance: the MLP's output zeroed
+    return type(self).forward(self, x) * 0.0
+
+
+def test_a_method_set_on_an_encoder_modules_instance_is_part_of_the_key(cc, uncached, tiny):
+    """A node's monkeypatch of one instance's method (``types.MethodType``) changes what the encoder
+    computes: the encode after it is its own (a miss, then hits), and one whose function captures values,
+    which a key cannot describe, is computed and counted."""
+    import types
+
+    clip = tiny.tiny_clip(0)
+    tokens = clip.tokenize("a red square on a blue field")
+    before = clip.encode_from_tokens(tokens)
+    mlp = next(m for n, m in clip.cond_stage_model.named_modules() if n.endswith("mlp"))
+    mlp.forward = types.MethodType(_zeroed_mlp, mlp)
+    try:
+        truth = uncached(clip.encode_from_tokens, tokens)
+        assert not torch.equal(truth, before)
+        assert same(truth, clip.encode_from_tokens(tokens)) and same(truth, clip.encode_from_tokens(tokens))
+        assert cc.CACHE.count("misses.text") == 2 and cc.CACHE.count("hits.text") == 1
+    finally:
+        del mlp.forward
+    assert same(before, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 2
+    model = clip.cond_stage_model
+    method = type(model).encode_token_weights
+
+    def halved(self, pairs):  # captures ``method``
+        cond, pooled, *rest = method(self, pairs)
+        return (cond * 0.5, pooled, *rest)
+
+    model.encode_token_weights = types.MethodType(halved, model)
+    try:
+        truth = uncached(clip.encode_from_tokens, tokens)
+        bypasses = cc.CACHE.count("bypasses")
+        assert same(truth, clip.encode_from_tokens(tokens)) and not torch.equal(truth, before)
+        assert cc.CACHE.count("bypasses") == bypasses + 1 and cc.CACHE.count("hits.text") == 2
+    finally:
+        del model.encode_token_weights
+
+
 def test_a_vae_encode_that_uses_randomness_is_never_stored(cc, uncached, tiny):
     """A sampling posterior must draw on every request: same seeds, same outputs as without cache."""
     import comfy.ldm.models.autoencoder as ae
