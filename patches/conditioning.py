@@ -241,6 +241,16 @@ def _bound_method(name: str, value: types.MethodType, closures: bool, modules: d
     return (*_own_method(value), _setting(f"{name}.__self__", value.__self__, closures, modules, depth + 1))
 
 
+def _hosts_own(method: types.MethodType, name: str, path: str, modules: dict) -> bool:
+    """Whether a method set on the instance of the module at ``path`` changes nothing its key must see: the
+    module's own class method bound to it (what ComfyUI's bypass LoRA leaves after ejecting), or ComfyUI's
+    own code (its injections: a patcher's own make its encodes uncacheable, another patcher's are ejected
+    before this encode runs)."""
+    if getattr(type(method.__self__), name, None) is method.__func__ and modules.get(id(method.__self__)) == path:
+        return True
+    return (getattr(method.__func__, "__module__", None) or "").startswith("comfy.")
+
+
 def _setting(name: str, value, closures: bool = False, modules: dict | None = None, depth: int = 0):
     """A setting as a key field: plain values whole, classes and functions by where they are defined;
     with ``modules`` (the encoder's modules by id: their path), a plain object of ComfyUI's own code (the
@@ -288,8 +298,8 @@ def _module_state(model: torch.nn.Module, patcher) -> tuple:
     """Every plain-valued setting of the encoder's modules (``enable_attention_masks``,
     ``zero_out_masked``, special tokens, ``training``...) by module path and name, as they are without
     ComfyUI's object patches (patches/module_tree.py; a patcher's own object patches are keyed by
-    ``_patcher_fields``), as a digest; a method set on a module's instance by where it is defined and what
-    it is bound to (a patcher's injections make the encode uncacheable first). Uncacheable
+    ``_patcher_fields``), as a digest; a method a node set on a module's instance by where it is defined
+    and what it is bound to (ComfyUI's own are left out: :func:`_hosts_own`). Uncacheable
     for module hooks and for settings a key cannot describe. Kept with the module's tree while it is
     unchanged, the settings held in containers and dataclasses compared by value."""
     import torch.nn.modules.module as torch_module
@@ -305,6 +315,8 @@ def _module_state(model: torch.nn.Module, patcher) -> tuple:
     modules = {id(m): path for path, m in model.named_modules()}
     out, mutables = [], []
     for path, name, value in tree.settings:
+        if isinstance(value, types.MethodType) and _hosts_own(value, name, path, modules):
+            continue
         full = f"{path}.{name}" if path else name
         field = _setting(full, value, modules=modules)
         if isinstance(value, (list, dict, set)) or dataclasses.is_dataclass(value) or _host_object(value):
