@@ -111,7 +111,7 @@ def test_the_seedvr2_vaes_own_method_is_keyed_by_where_it_is_defined(cc):  # noq
     assert cc.CACHE.bypass_reasons() == []
     vae.format_encoded = torch.nn.Identity().forward  # a method of a module the key does not describe
     vae.encode(pixels)
-    assert [r["reason"] for r in cc.CACHE.bypass_reasons()] == ["encoder setting 'format_encoded' holds a method"]
+    assert [r["reason"] for r in cc.CACHE.bypass_reasons()] == ["encoder setting 'format_encoded.__self__' holds a Identity"]
 
 
 def test_the_ltx2_audio_vaes_helper_objects_are_keyed_by_value_and_their_module_by_its_path(cc, uncached):  # noqa: F811
