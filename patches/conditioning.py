@@ -241,14 +241,18 @@ def _bound_method(name: str, value: types.MethodType, closures: bool, modules: d
     return (*_own_method(value), _setting(f"{name}.__self__", value.__self__, closures, modules, depth + 1))
 
 
-def _hosts_own(method: types.MethodType, name: str, path: str, modules: dict) -> bool:
-    """Whether a method set on the instance of the module at ``path`` changes nothing its key must see: the
-    module's own class method bound to it (what ComfyUI's bypass LoRA leaves after ejecting), or ComfyUI's
-    own code (its injections: a patcher's own make its encodes uncacheable, another patcher's are ejected
-    before this encode runs)."""
-    if getattr(type(method.__self__), name, None) is method.__func__ and modules.get(id(method.__self__)) == path:
-        return True
-    return (getattr(method.__func__, "__module__", None) or "").startswith("comfy.")
+def _instance_method(value: types.MethodType, name: str, path: str, modules: dict):
+    """What a method set on the instance of the module at ``path`` stands for in its key: through ComfyUI's
+    bypass LoRA hooks (another patcher's injection, ejected before this encode runs; a patcher's own make its
+    encodes uncacheable first) the forward they wrap; None for the module's own class method bound to it
+    (what the hook leaves after ejecting: as if unset)."""
+    while isinstance(value, types.MethodType) and type(value.__self__).__module__ == "comfy.weight_adapter.bypass" \
+            and hasattr(value.__self__, "original_forward"):
+        value = value.__self__.original_forward
+    if isinstance(value, types.MethodType) and getattr(type(value.__self__), name, None) is value.__func__ \
+            and modules.get(id(value.__self__)) == path:
+        return None
+    return value
 
 
 def _setting(name: str, value, closures: bool = False, modules: dict | None = None, depth: int = 0):
@@ -299,7 +303,7 @@ def _module_state(model: torch.nn.Module, patcher) -> tuple:
     ``zero_out_masked``, special tokens, ``training``...) by module path and name, as they are without
     ComfyUI's object patches (patches/module_tree.py; a patcher's own object patches are keyed by
     ``_patcher_fields``), as a digest; a method a node set on a module's instance by where it is defined
-    and what it is bound to (ComfyUI's own are left out: :func:`_hosts_own`). Uncacheable
+    and what it is bound to, compared on every use (:func:`_instance_method`). Uncacheable
     for module hooks and for settings a key cannot describe. Kept with the module's tree while it is
     unchanged, the settings held in containers and dataclasses compared by value."""
     import torch.nn.modules.module as torch_module
@@ -315,11 +319,12 @@ def _module_state(model: torch.nn.Module, patcher) -> tuple:
     modules = {id(m): path for path, m in model.named_modules()}
     out, mutables = [], []
     for path, name, value in tree.settings:
-        if isinstance(value, types.MethodType) and _hosts_own(value, name, path, modules):
+        method = isinstance(value, types.MethodType)
+        if method and (value := _instance_method(value, name, path, modules)) is None:
             continue
         full = f"{path}.{name}" if path else name
         field = _setting(full, value, modules=modules)
-        if isinstance(value, (list, dict, set)) or dataclasses.is_dataclass(value) or _host_object(value):
+        if method or isinstance(value, (list, dict, set)) or dataclasses.is_dataclass(value) or _host_object(value):
             mutables.append((full, value, field))  # may change in place: compared by value on every use
         out.append((path, name, field))
     found = tree.memo["settings"] = (digest(tuple(out)), mutables, modules)  # thousands of settings in a VAE: a digest

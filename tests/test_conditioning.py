@@ -1,6 +1,7 @@
 """Conditioning cache: exactness, isolation, no stale hits, budget, concurrency, memory hooks."""
 
 import collections
+import dataclasses
 import threading
 
 import numpy as np
@@ -273,6 +274,40 @@ def test_the_same_tensors_patched_onto_swapped_weights_miss_whatever_the_order_t
 
 def _zeroed_mlp(self, x):  # a method a node sets on one module's instance: the MLP's output zeroed
     return type(self).forward(self, x) * 0.0
+
+
+@dataclasses.dataclass
+class _InputScale:  # a node's object whose method replaces a module's forward: the module's input, scaled
+    scale: float
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def test_a_method_bound_to_an_object_that_changes_in_place_is_compared_on_every_encode(cc, uncached, tiny):
+    clip = tiny.tiny_clip(0)
+    tokens = clip.tokenize("a red square on a blue field")
+    mlp = next(m for n, m in clip.cond_stage_model.named_modules() if n.endswith("mlp"))
+    scaler = _InputScale(0.5)
+    mlp.forward = scaler.forward
+    try:
+        half = clip.encode_from_tokens(tokens)
+        assert same(uncached(clip.encode_from_tokens, tokens), half)
+        scaler.scale = 0.25  # in place: the same method object on the module
+        quarter = uncached(clip.encode_from_tokens, tokens)
+        assert not torch.equal(quarter, half)
+        assert same(quarter, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 0
+    finally:
+        del mlp.forward
+    first, second = (m for n, m in clip.cond_stage_model.named_modules() if n.endswith("mlp"))
+    plain = clip.encode_from_tokens(tokens)
+    first.forward = second.forward  # ComfyUI's own code, another layer's weights
+    try:
+        swapped = uncached(clip.encode_from_tokens, tokens)
+        assert not torch.equal(swapped, plain) and same(swapped, clip.encode_from_tokens(tokens))
+        assert cc.CACHE.count("hits.text") == 0
+    finally:
+        del first.forward
 
 
 def test_a_method_set_on_an_encoder_modules_instance_is_part_of_the_key(cc, uncached, tiny):
