@@ -32,16 +32,18 @@ def _stats():
                             "caches save shows up as fewer calls).")
 
 
+def _counted(self, *args, **kwargs):
+    """A counted module's forward: its class's, counted under the module's ``_reusekit_counter``."""
+    _stats().incr(self._reusekit_counter)
+    return type(self).forward(self, *args, **kwargs)
+
+
 def _count(module: torch.nn.Module, counter: str) -> None:
     """Count ``module``'s forward calls through an instance method (a module hook would make the
-    conditioning cache refuse the encoder: hooks can change outputs)."""
-    stats, forward = _stats(), module.forward
-
-    def counted(self, *args, **kwargs):
-        stats.incr(counter)
-        return forward(*args, **kwargs)
-
-    module.forward = types.MethodType(counted, module)
+    conditioning cache refuse the encoder: hooks can change outputs), a function of this module's that
+    captures nothing, so the conditioning key can name it."""
+    module._reusekit_counter = counter
+    module.forward = types.MethodType(_counted, module)
 
 
 _LOADED: dict[str, tuple] = {}
