@@ -172,7 +172,7 @@ def _weights(patcher):
 
 def _precision() -> tuple:
     """Autocast and what else changes an encode's bits on the same device: ComfyUI's attention
-    functions, its ``--fast`` options, TF32 and reduced-precision matmul flags, the scaled-dot-product
+    functions and their upcasting, its ``--fast`` options, TF32 and reduced-precision matmul flags, the scaled-dot-product
     backends, cuDNN's algorithm choice."""
     if torch.is_grad_enabled():
         raise Uncacheable("autograd is enabled")
@@ -209,7 +209,10 @@ def _numerics() -> tuple:
             _where_defined(getattr(attention, "optimized_attention", None)),
             _where_defined(getattr(attention, "optimized_attention_masked", None)),
             None if fast is None else tuple(sorted(str(getattr(f, "value", f)) for f in fast)),
-            None if intermediate is None else str(intermediate()))
+            None if intermediate is None else str(intermediate()),
+            # the attention functions' softmax precision (--force-upcast-attention, --dont-upcast-attention)
+            repr(getattr(attention, "FORCE_UPCAST_ATTENTION_DTYPE", None)),
+            getattr(comfy.cli_args.args, "dont_upcast_attention", None))
 
 
 def _config(obj, skip: tuple[str, ...]) -> tuple:

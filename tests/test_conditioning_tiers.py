@@ -48,6 +48,7 @@ def shared(tmp_path, monkeypatch):
         stats.reset_counters()
     yield type("Shared", (), {"cc": cc, "tiers": tiers, "settings": settings, "folder": tmp_path / "disk",
                               "files": tmp_path})
+    published()  # nothing of this test is written into the next one's folder
     monkeypatch.delenv("REUSEKIT_CACHE_SECRET", raising=False)
     settings.update(saved, trusted=True)
     tiers.TIERS.configure(settings)
@@ -230,6 +231,31 @@ def test_a_worker_started_with_fp16_intermediates_never_reads_another_workers_va
     got = second.encode(image)
     published()
     assert truth.dtype == torch.float16 and torch.equal(got, truth)
+    assert counter(shared.tiers, "disk", "hits") == 0 and len(entry_files(shared.folder)) == 2
+
+
+@pytest.mark.parametrize("flag", ["--force-upcast-attention", "--dont-upcast-attention"])
+def test_a_worker_started_with_other_attention_upcasting_never_reads_another_workers_entries(shared, monkeypatch, flag):
+    """Both flags set the softmax precision of ComfyUI's attention functions (the basic one, the CPU's
+    sub-quadratic one, the split one) that text encoders call: a worker started with one misses the
+    entries a worker without it filed, and gets what it computes."""
+    import comfy.cli_args
+    import comfy.ldm.modules.attention as attention
+
+    files = _tiny_files()
+    clip = files.load_tiny_clip_file(files.write_tiny_clip_file(str(shared.files), 0))
+    encode(clip)
+    assert len(entry_files(shared.folder)) == 1
+    shared.cc.CACHE.clear()  # the other worker: its own memory, the same disk tier
+    if flag == "--force-upcast-attention":
+        monkeypatch.setattr(attention, "FORCE_UPCAST_ATTENTION_DTYPE", {torch.float16: torch.float32})
+    else:
+        monkeypatch.setattr(comfy.cli_args.args, "dont_upcast_attention", True)
+    shared.settings.set("conditioning.enabled", False)
+    truth = clip.encode_from_tokens(clip.tokenize(TEXT), return_pooled=True)
+    shared.settings.set("conditioning.enabled", True)
+    got = encode(clip)
+    assert all(torch.equal(a, b) for a, b in zip(got, truth))
     assert counter(shared.tiers, "disk", "hits") == 0 and len(entry_files(shared.folder)) == 2
 
 
