@@ -301,6 +301,13 @@ def _host_object(value) -> bool:
             and not isinstance(value, (torch.nn.Module, torch.Tensor)) and not callable(value))
 
 
+def _may_change(value) -> bool:
+    """Whether a setting can change in place: a container, a dataclass, a host object, or a tuple holding one."""
+    if type(value) is tuple:
+        return any(map(_may_change, value))
+    return isinstance(value, (list, dict, set)) or dataclasses.is_dataclass(value) or _host_object(value)
+
+
 def _module_state(model: torch.nn.Module, patcher) -> tuple:
     """Every plain-valued setting of the encoder's modules (``enable_attention_masks``,
     ``zero_out_masked``, special tokens, ``training``...) by module path and name, as they are without
@@ -327,7 +334,7 @@ def _module_state(model: torch.nn.Module, patcher) -> tuple:
             continue
         full = f"{path}.{name}" if path else name
         field = _setting(full, value, modules=modules)
-        if method or isinstance(value, (list, dict, set)) or dataclasses.is_dataclass(value) or _host_object(value):
+        if method or _may_change(value):
             mutables.append((full, value, field))  # may change in place: compared by value on every use
         out.append((path, name, field))
     found = tree.memo["settings"] = (digest(tuple(out)), mutables, modules)  # thousands of settings in a VAE: a digest

@@ -3,6 +3,7 @@
 import collections
 import dataclasses
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -314,8 +315,6 @@ def test_a_method_set_on_an_encoder_modules_instance_is_part_of_the_key(cc, unca
     """A node's monkeypatch of one instance's method (``types.MethodType``) changes what the encoder
     computes: the encode after it is its own (a miss, then hits), and one whose function captures values,
     which a key cannot describe, is computed and counted."""
-    import types
-
     clip = tiny.tiny_clip(0)
     tokens = clip.tokenize("a red square on a blue field")
     before = clip.encode_from_tokens(tokens)
@@ -344,6 +343,28 @@ def test_a_method_set_on_an_encoder_modules_instance_is_part_of_the_key(cc, unca
         assert cc.CACHE.count("bypasses") == bypasses + 1 and cc.CACHE.count("hits.text") == 2
     finally:
         del model.encode_token_weights
+
+
+def _scaled_by_setting(self, x):  # a node's method reading its scale from a setting it set on the module
+    return type(self).forward(self, x) * self.rk_scale[0][0]
+
+
+def test_a_setting_held_in_a_tuple_that_changes_in_place_is_compared_on_every_encode(cc, uncached, tiny):
+    clip = tiny.tiny_clip(0)
+    tokens = clip.tokenize("a red square on a blue field")
+    mlp = next(m for n, m in clip.cond_stage_model.named_modules() if n.endswith("mlp"))
+    mlp.rk_scale = ([0.5],)
+    mlp.forward = types.MethodType(_scaled_by_setting, mlp)
+    try:
+        half = clip.encode_from_tokens(tokens)
+        assert same(uncached(clip.encode_from_tokens, tokens), half)
+        mlp.rk_scale[0][0] = 0.25  # in place: the same tuple on the module
+        quarter = uncached(clip.encode_from_tokens, tokens)
+        assert not torch.equal(quarter, half)
+        assert same(quarter, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 0
+        assert same(quarter, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 1
+    finally:
+        del mlp.forward, mlp.rk_scale
 
 
 def test_a_vae_encode_that_uses_randomness_is_never_stored(cc, uncached, tiny):
