@@ -47,9 +47,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import functools
 import hashlib
 import inspect
 import logging
+import operator
 import os
 import re
 import sys
@@ -308,7 +310,7 @@ def _may_change(value) -> bool:
     return isinstance(value, (list, dict, set)) or dataclasses.is_dataclass(value) or _host_object(value)
 
 
-def _module_state(model: torch.nn.Module, patcher) -> tuple:
+def _module_state(model: torch.nn.Module, patcher, wrapper) -> tuple:
     """Every plain-valued setting of the encoder's modules (``enable_attention_masks``,
     ``zero_out_masked``, special tokens, ``training``...) by module path and name, as they are without
     ComfyUI's object patches (patches/module_tree.py; a patcher's own object patches are keyed by
@@ -323,9 +325,10 @@ def _module_state(model: torch.nn.Module, patcher) -> tuple:
     tree = module_tree.tree(model, patcher)
     if tree.hooked is not None:
         raise Uncacheable(f"hooks on encoder module {tree.hooked!r}")
+    classes = _classes_state(tree, wrapper)
     found = tree.memo.get("settings")
     if found is not None and all(_setting(path, value, modules=found[2]) == field for path, value, field in found[1]):
-        return found[0]
+        return found[0], classes
     modules = {id(m): path for path, m in model.named_modules()}
     out, mutables = [], []
     for path, name, value in tree.settings:
@@ -338,7 +341,194 @@ def _module_state(model: torch.nn.Module, patcher) -> tuple:
             mutables.append((full, value, field))  # may change in place: compared by value on every use
         out.append((path, name, field))
     found = tree.memo["settings"] = (digest(tuple(out)), mutables, modules)  # thousands of settings in a VAE: a digest
-    return found[0]
+    return found[0], classes
+
+
+_STDLIB, _TORCH = (os.path.dirname(os.path.realpath(m.__file__)) + os.sep for m in (os, torch))
+_PACK = __name__.rsplit(".", 2)[0]  # this pack's package, as ComfyUI imported it
+_origins: dict[str, str] = {}  # module name -> "host", "library" or "other"
+
+
+def _origin(module: str | None) -> str:
+    """Where a module's code comes from: "host" (ComfyUI outside its custom_nodes, or this pack), "library"
+    (the standard library, torch, an installed package) or "other" (another custom node, a script)."""
+    found = _origins.get(module)
+    if found is None:
+        path = getattr(sys.modules.get(module), "__file__", None)
+        path = os.path.realpath(path) if path else None
+        root = os.path.dirname(os.path.dirname(os.path.realpath(sys.modules["comfy.model_management"].__file__))) + os.sep
+        if module == _PACK or (module or "").startswith(_PACK + "."):
+            found = "host"
+        elif path is None:  # builtins, a frozen module; a module no longer imported
+            found = "library" if module in sys.builtin_module_names or module in sys.modules else "other"
+        elif path.startswith(root) and not path[len(root):].startswith("custom_nodes" + os.sep):
+            found = "host"
+        elif path.startswith(_TORCH) or path.startswith(_STDLIB) or "-packages" + os.sep in path:
+            found = "library"
+        else:
+            found = "other"
+        _origins[module] = found
+    return found
+
+
+def _foreign(cls: type, module: str | None) -> bool:
+    """Code of another custom node or script than the class's own package."""
+    return (module or "").split(".")[0] != cls.__module__.split(".")[0] and _origin(module) == "other"
+
+
+def _captured(cls: type, name: str, value, gaps: list, depth: int):
+    """A value a library function captures (a decorator's function and arguments: ``torch.autocast``'s
+    dtype), or a method's object, as far as a key can tell it; what it cannot is named in ``gaps``."""
+    if type(value) in (bool, int, float, str, bytes, type(None)):
+        return value
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    if isinstance(value, type):
+        return ("class", value.__module__, value.__qualname__)
+    if isinstance(value, types.FunctionType):
+        return _class_code(cls, name, value, gaps, depth + 1)
+    if isinstance(value, types.MethodType):
+        return ("method", _captured(cls, name, value.__func__, gaps, depth + 1),
+                _captured(cls, name, value.__self__, gaps, depth + 1))
+    if depth < 4 and type(value) in (tuple, list):
+        return (type(value).__name__, tuple(_captured(cls, name, v, gaps, depth + 1) for v in value))
+    if depth < 4 and type(value) is dict and all(type(k) is str for k in value):
+        return ("dict", tuple((k, _captured(cls, name, value[k], gaps, depth + 1)) for k in sorted(value)))
+    if depth < 4 and type(getattr(value, "__dict__", None)) is dict \
+            and not isinstance(value, (torch.nn.Module, torch.Tensor)) and not _foreign(cls, type(value).__module__):
+        return ("object", type(value).__module__, type(value).__qualname__,
+                tuple((k, _captured(cls, name, v, gaps, depth + 1)) for k, v in sorted(vars(value).items())))
+    gaps.append(f"{cls.__qualname__}.{name} holds a {type(value).__qualname__}")
+    return ("?", type(value).__module__, type(value).__qualname__)
+
+
+def _class_code(cls: type, name: str, fn, gaps: list, depth: int = 0) -> tuple:
+    """A function a class holds by where it is defined (module and name), through the functions it wraps
+    (``torch.no_grad``, ``functools.wraps``), a library function with what it captures. Uncacheable where
+    it comes from another custom node or script than the class's own package (a node's class-level
+    monkeypatch): what it reads is not in the key."""
+    module = fn.__globals__.get("__name__")
+    if _foreign(cls, module):
+        raise Uncacheable(f"{cls.__qualname__}.{name} on the encoder's class is code from {module}")
+    if depth > 8:
+        gaps.append(f"{cls.__qualname__}.{name} wraps too deep")
+        return ("f", module, fn.__qualname__)
+    cells = None
+    if fn.__closure__ and _origin(module) == "library":  # the host's own closures follow from its code and files
+        cells = tuple(_captured(cls, name, c.cell_contents, gaps, depth) if v != "__class__" else None
+                      for v, c in zip(fn.__code__.co_freevars, fn.__closure__, strict=True))
+    inner = getattr(fn, "__wrapped__", None)
+    return ("f", module, fn.__qualname__, fn.__code__.co_name, cells,
+            _class_code(cls, name, inner, gaps, depth + 1) if isinstance(inner, types.FunctionType) else None)
+
+
+def _class_value(cls: type, name: str, value, gaps: list):
+    if isinstance(value, types.FunctionType):
+        return _class_code(cls, name, value, gaps)
+    if isinstance(value, (staticmethod, classmethod)):
+        return (type(value).__name__, _class_value(cls, name, value.__func__, gaps))
+    if isinstance(value, property):
+        return ("property", *(None if f is None else _class_value(cls, name, f, gaps)
+                              for f in (value.fget, value.fset, value.fdel)))
+    if isinstance(value, (functools.partial, functools.partialmethod)):
+        return ("partial", _class_value(cls, name, value.func, gaps), _captured(cls, name, value.args, gaps, 1),
+                _captured(cls, name, value.keywords, gaps, 1))
+    if isinstance(getattr(value, "__wrapped__", None), types.FunctionType):  # functools.lru_cache
+        return (type(value).__qualname__, _class_code(cls, name, value.__wrapped__, gaps))
+    if isinstance(value, types.MethodType):
+        if _foreign(cls, getattr(value.__func__, "__module__", None)) or _foreign(cls, type(value.__self__).__module__):
+            raise Uncacheable(f"{cls.__qualname__}.{name} on the encoder's class is a method of another node")
+    return _captured(cls, name, value, gaps, 0)
+
+
+# attributes Python itself sets or caches on a class (copy's __slotnames__, abc's registry), and code an
+# encode never runs (what builds a module is seen in what it built: its settings and weights)
+_NOT_CODE = frozenset({"__dict__", "__weakref__", "__doc__", "__module__", "__qualname__", "__annotations__",
+                       "__firstlineno__", "__static_attributes__", "__abstractmethods__", "_abc_impl", "__slots__",
+                       "__slotnames__", "__init__", "__new__", "__init_subclass__", "__set_name__", "__repr__",
+                       "extra_repr"})
+_classes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # class -> [next number, [(bases, attributes, field)]]: weak
+_classes_lock = threading.Lock()
+_ROUTES: set = set()  # (class, name) of the methods ReuseKit routes (its own install changes them)
+
+
+def _weakly(value):
+    """What identifies a class attribute without keeping anything alive that may reach the class (a
+    property's function can capture a module of it: torch's parametrizations)."""
+    if isinstance(value, (staticmethod, classmethod)):
+        return (type(value), _weakly(value.__func__))
+    if isinstance(value, property):
+        return (property, *(None if f is None else _weakly(f) for f in (value.fget, value.fset, value.fdel)))
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return value  # plain values and containers
+
+
+def _same(held, value) -> bool:
+    if isinstance(held, weakref.ref):
+        found = held()
+        return found is not None and found is value  # a dead reference: changed
+    if isinstance(held, tuple) and held and held[0] in (staticmethod, classmethod, property):
+        if held[0] is property:
+            return type(value) is property and all(
+                h is None if f is None else h is not None and _same(h, f)
+                for h, f in zip(held[1:], (value.fget, value.fset, value.fdel), strict=True))
+        return type(value) is held[0] and _same(held[1], value.__func__)
+    return held is value
+
+
+def _class_state(cls: type, describe: bool) -> tuple:
+    """A class as a key field, ``(where, description, gaps, state)``: where it is defined, what it holds
+    (:func:`_class_value`; with ``describe``), what the description cannot tell (``gaps``), and which of
+    the states this process has seen it in it is (an attribute set, added or removed, new bases make
+    another; back as it was, the same), which tells apart what the description cannot. Compared with the
+    states this process recorded of it by identity; described again only in a new one."""
+    items = [(k, v) for k, v in vars(cls).items() if k not in _NOT_CODE and (cls, k) not in _ROUTES]
+    bases = cls.__mro__[1:]
+    record = _classes.get(cls)
+    for seen_bases, seen_items, field in reversed(record[1] if record is not None else ()):
+        if len(seen_bases) == len(bases) and all(r() is c for r, c in zip(seen_bases, bases, strict=True)) \
+                and len(seen_items) == len(items) \
+                and all(k == h[0] and _same(h[1], v) for (k, v), h in zip(items, seen_items, strict=True)):
+            return field
+    gaps: list = []
+    held = tuple((k, _class_value(cls, k, v, gaps)) for k, v in items) if describe else None
+    with _classes_lock:  # one number per state: two states never share one
+        record = _classes.setdefault(cls, [0, []])
+        field = (f"{cls.__module__}.{cls.__qualname__}", held, tuple(gaps), record[0])
+        record[0] += 1
+        record[1] = [*record[1][-(_STATES - 1):], (tuple(map(weakref.ref, bases)),
+                                                     tuple((k, _weakly(v)) for k, v in items), field)]
+    return field
+
+
+_STATES = 8  # the states of one class remembered (a node switching a patch on and off)
+
+
+def _classes_state(tree, wrapper) -> tuple:
+    """The classes of the encoder's modules (:func:`_class_state`) and of its ComfyUI wrapper (``CLIP``,
+    ``VAE``: their states only), as ``(digest of the descriptions, states, why not shared or None)``: the
+    states count only where a description has gaps, and for the wrapper, which is not described (another
+    state than the first this worker saw is not shared). Per encode one identity pass over the classes'
+    attributes, kept with the tree; a difference, or a new tree, asks :func:`_class_state`."""
+    wrappers = type(wrapper).__mro__[:-1]
+    found = tree.memo.get("classes")
+    if found is not None and found[2] == wrappers and all(
+            c.__mro__ is mro and tuple(vars(c)) == names and all(map(operator.is_, vars(c).values(), values))
+            for c, names, values, mro in found[0]):
+        return found[1]
+    classes = (*tree.classes, *wrappers)
+    snapshot = [(c, tuple(vars(c)), tuple(vars(c).values()), c.__mro__) for c in classes]
+    fields = tuple(_class_state(c, i < len(tree.classes)) for i, c in enumerate(classes))
+    described = fields[:len(tree.classes)]
+    gaps = [g for f in described for g in f[2]]
+    changes = tuple(f[3] for f in described if f[2]) + tuple(f[3] for f in fields[len(tree.classes):])
+    local = gaps[0] if gaps else (f"ComfyUI's {type(wrapper).__qualname__} class changed since this process first saw it"
+                                  if any(changes) else None)
+    state = (digest(tuple(f[:3] for f in described) + tuple(f[0] for f in fields[len(tree.classes):])), changes, local)
+    tree.memo["classes"] = (snapshot, state, wrappers)
+    return state
 
 
 def _weights_loaded(module, patcher, started_ns: int | None = None) -> None:
@@ -392,6 +582,7 @@ def _options(extra: dict) -> tuple:
 
 # where each kind's key fields hold the in-process weight generation (left out of a shared key)
 _GENERATION_AT = {"text": 3, "vision": 2, "vae": 2}
+_MODULE_STATE_AT = {"text": 11, "vision": 8, "vae": 8}  # _module_state's field: its class changes stay in the process
 
 
 def text_key(clip, tokens, return_pooled, return_dict, extra: dict | None = None) -> Key:
@@ -402,7 +593,7 @@ def text_key(clip, tokens, return_pooled, return_dict, extra: dict | None = None
     fields = ("encode_from_tokens", type(model).__module__, type(model).__qualname__, generation,
               encode(clip.patcher.load_device),  # where it runs: CPU and GPU results differ in bits
               encode(clip.layer_idx), encode(return_pooled), encode(return_dict),
-              _options(extra or {}), _precision(), _patcher_fields(clip.patcher), _module_state(model, clip.patcher),
+              _options(extra or {}), _precision(), _patcher_fields(clip.patcher), _module_state(model, clip.patcher, clip),
               encode(tokens))
     return Key("text", fields, owners=(serial,), weights=(_weights(clip.patcher),))
 
@@ -412,7 +603,7 @@ def vision_key(clip_vision, image, crop, extra: dict | None = None) -> Key:
     serial, generation = _owner(model, clip_vision.patcher)
     fields = ("encode_image", type(model).__qualname__, generation, encode(crop), _options(extra or {}),
               _precision(), _config(clip_vision, ("patcher", "model")), _patcher_fields(clip_vision.patcher),
-              _module_state(model, clip_vision.patcher), encode(image))
+              _module_state(model, clip_vision.patcher, clip_vision), encode(image))
     return Key("vision", fields, owners=(serial,), weights=(_weights(clip_vision.patcher),))
 
 
@@ -422,7 +613,7 @@ def vae_key(vae, method: str, pixels, options: tuple, extra: dict | None = None)
         raise Uncacheable("invalid VAE")
     serial, generation = _owner(model, vae.patcher)
     fields = (method, type(model).__qualname__, generation, encode(options), _options(extra or {}), _precision(),
-              _config(vae, ("patcher", "first_stage_model")), _patcher_fields(vae.patcher), _module_state(model, vae.patcher),
+              _config(vae, ("patcher", "first_stage_model")), _patcher_fields(vae.patcher), _module_state(model, vae.patcher, vae),
               encode(pixels))
     return Key("vae", fields, owners=(serial,), weights=(_weights(vae.patcher),))
 
@@ -605,8 +796,11 @@ def shared_key(key: Key, module, patcher=None) -> SharedKey:
     if None in hashes:
         raise LocalOnly("a weight file is being hashed (in the background, once per file; shared after) "
                         "or changed just now")
-    at = _GENERATION_AT[key.kind]
-    fields = key.fields[:at] + key.fields[at + 1:]
+    settings, (classes, _, local) = key.fields[_MODULE_STATE_AT[key.kind]]
+    if local is not None:
+        raise LocalOnly(f"the key cannot tell this state of the encoder's classes in another process: {local}")
+    fields = tuple((settings, classes) if i == _MODULE_STATE_AT[key.kind] else f
+                   for i, f in enumerate(key.fields) if i != _GENERATION_AT[key.kind])
     tree = (FORMAT, key.kind, _host_versions(), (source[1], hashes, source[3]), _weight_layout(module, patcher),
             tuple(_patch_digest(w) for w in key.weights), fields)
     text = repr(tree)  # written out once: the fields hold hundreds of token values
@@ -888,6 +1082,7 @@ def install() -> bool:
             return False
         loaders = [m for m in _loader_methods() if (m[0], m[1]) not in _originals]
         loaders = [m for m in loaders if host.check(SHARED_FEATURE, _where(m[0], m[1]), _current(m[0], m[1]), m[3])]
+        _ROUTES.update((owner, name) for owner, name, *_ in (*methods, *loaders))
         for owner, name, fn, *_ in (*methods, *loaders):
             _originals[(owner, name)] = _current(owner, name)
             fn.__reusekit__ = True
@@ -897,6 +1092,7 @@ def install() -> bool:
     encoder_weights.install()
     if lazy_clip.install():
         lazy_clip.when_changed(_new_generation)
+        _ROUTES.update(lazy_clip.routed())
     _configure_tiers()
     return True
 

@@ -515,6 +515,11 @@ def _before_load(patcher, *args, **kwargs) -> None:
         materialise(patcher.model, patcher)
 
 
+def routed() -> list[tuple[object, str]]:
+    """(owner, name) of every method this module replaces while installed."""
+    return [(owner, name) for owner, name, *_ in _methods()]
+
+
 def install() -> bool:
     """Put the seams in place (idempotent); False when the host's differ (no lazy encoder is then built)."""
     global _active

@@ -8,7 +8,7 @@ attribute a patch added as ``comfy.utils.ATTR_UNSET``).
 
 A tree is walked once per module and reused while :meth:`ModuleTree.fresh` holds: the object-patch
 backup has the same entries, every module's attribute dict the same size, every plain attribute and
-child module the same object (modules and bound methods by weak reference), every parameter and
+child module the same object (modules and bound methods by weak reference, of the same class), every parameter and
 buffer table the same size, and no hook table has an entry. A plain attribute set, a child swapped, a
 weight added or removed, a hook or an object patch makes it stale: the next call walks again. The
 check costs one pass over those references, nothing that grows with the weights' bytes. Within one
@@ -48,17 +48,20 @@ def _held(value):
 
 class ModuleTree:
     """A module tree as walked: ``settings`` (module path, attribute name, value as without object
-    patches), ``slots`` (parameter or buffer table, key, full name) of the weights, ``hooked`` (the path
-    of a module with hooks, or None) and ``memo``, where readers keep what they derive from it."""
+    patches), ``slots`` (parameter or buffer table, key, full name) of the weights, ``classes`` (the
+    classes its modules are instances of and their bases short of ``torch.nn.Module``, each once), ``hooked`` (the
+    path of a module with hooks, or None) and ``memo``, where readers keep what they derive from it."""
 
-    __slots__ = ("settings", "slots", "hooked", "memo", "_refs", "_sizes", "_hooks", "_backup")
+    __slots__ = ("settings", "slots", "classes", "hooked", "memo", "_root", "_refs", "_sizes", "_hooks", "_backup")
 
     def __init__(self) -> None:
         self.settings: list[tuple[str, str, object]] = []
         self.slots: list[tuple[dict, str, str]] = []
+        self.classes: list[type] = []
         self.hooked: str | None = None
         self.memo: dict = {}
-        self._refs: list[tuple[dict, str, object, bool]] = []
+        self._root: tuple[weakref.ref, type] | None = None
+        self._refs: list[tuple[dict, str, object, type | None]] = []
         self._sizes: list[tuple[dict, int]] = []
         self._hooks: list[dict] = []
         self._backup: list[tuple[str, object]] = []
@@ -68,22 +71,32 @@ class ModuleTree:
             return False
         if any(len(d) != n for d, n in self._sizes) or any(self._hooks):
             return False
-        for d, name, held, weak in self._refs:
-            if d.get(name, _MISSING) is not (held() if weak else held):
+        root, cls = self._root
+        if type(root()) is not cls:
+            return False
+        for d, name, held, cls in self._refs:  # cls: a weakly held value's class (a module's swapped class changes it)
+            if cls is None:
+                if d.get(name, _MISSING) is not held:
+                    return False
+            elif (value := d.get(name, _MISSING)) is not held() or type(value) is not cls:
                 return False
         return True
 
     def _walk(self, module: torch.nn.Module, backup: dict) -> None:
         unset = getattr(sys.modules.get("comfy.utils"), "ATTR_UNSET", _MISSING)  # an object patch's "was absent"
-        seen_modules, seen_weights = set(), set()
+        seen_modules, seen_weights, classes = set(), set(), {}
 
         def remember(d, name, value):
-            self._refs.append((d, name, _held(value), isinstance(value, (torch.nn.Module, types.MethodType))))
+            weak = isinstance(value, (torch.nn.Module, types.MethodType))
+            self._refs.append((d, name, _held(value), type(value) if weak else None))
 
         def walk(m: torch.nn.Module, path: str) -> None:
             if id(m) in seen_modules:
                 return
             seen_modules.add(id(m))
+            for cls in type(m).__mro__:
+                if cls is not torch.nn.Module and cls is not object:
+                    classes.setdefault(cls, None)
             prefix = f"{path}." if path else ""
             d = vars(m)
             self._sizes.append((d, len(d)))
@@ -120,7 +133,9 @@ class ModuleTree:
                     walk(child, prefix + name)
 
         self._backup = list(backup.items())
+        self._root = (weakref.ref(module), type(module))
         walk(module, "")
+        self.classes = list(classes)
 
 
 _trees: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

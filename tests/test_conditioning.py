@@ -367,6 +367,150 @@ def test_a_setting_held_in_a_tuple_that_changes_in_place_is_compared_on_every_en
         del mlp.forward, mlp.rk_scale
 
 
+_THROUGH = {}  # what the class-level patch below calls through to
+
+
+def _halved_mlp(self, x):  # a node's class-level patch: every MLP's output halved
+    return _THROUGH["forward"](self, x) * 0.5
+
+
+def _halved_by_subclass(self, x):  # a subclass a node swaps a module into
+    return super(type(self), self).forward(x) * 0.5
+
+
+def _mlp_class(clip):
+    return type(next(m for n, m in clip.cond_stage_model.named_modules() if n.endswith("mlp")))
+
+
+def test_a_function_another_module_sets_on_an_encoder_modules_class_is_never_answered_from_the_cache(cc, uncached, tiny):
+    """A node that replaces a method on the class of the encoder's modules (``CLIPMLP.forward = f``) with
+    its own code changes what every encoder of that class computes, through values the key cannot see
+    (what ``f`` reads): each encode is computed and counted with its reason. Undone, the class is as the
+    first entry saw it: a hit."""
+    clip = tiny.tiny_clip(0)
+    tokens = clip.tokenize("a red square on a blue field")
+    before = clip.encode_from_tokens(tokens)
+    cls = _mlp_class(clip)
+    original = _THROUGH["forward"] = cls.forward
+    cls.forward = _halved_mlp
+    try:
+        truth = uncached(clip.encode_from_tokens, tokens)
+        assert not torch.equal(truth, before)
+        assert same(truth, clip.encode_from_tokens(tokens)) and same(truth, clip.encode_from_tokens(tokens))
+        assert cc.CACHE.count("bypasses.text") == 2 and cc.CACHE.count("hits.text") == 0
+        assert any("CLIPMLP.forward on the encoder's class is code from" in r["reason"] for r in cc.CACHE.bypass_reasons())
+    finally:
+        cls.forward = original
+    assert same(before, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 1
+
+
+def test_library_code_set_on_an_encoder_modules_class_is_part_of_the_key(cc, uncached, tiny):
+    """torch's own code set on the class (``CLIPMLP.forward = torch.nn.Identity.forward``), then the same
+    forward under two autocast decorators that only their arguments tell apart: each state is its own
+    (a miss equal to an uncached encode, then a hit); with the original back, the first entry hits."""
+    clip = tiny.tiny_clip(0)
+    tokens = clip.tokenize("a red square on a blue field")
+    before = clip.encode_from_tokens(tokens)
+    cls = _mlp_class(clip)
+    original = cls.forward
+    truths, hits = [], 0
+    try:
+        for replacement in (torch.nn.Identity.forward, torch.autocast("cpu", dtype=torch.bfloat16)(original),
+                            torch.autocast("cpu", dtype=torch.float16)(original)):
+            cls.forward = replacement
+            truth = uncached(clip.encode_from_tokens, tokens)
+            assert all(not torch.equal(truth, t) for t in (before, *truths))
+            assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == hits
+            assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == hits + 1
+            truths.append(truth)
+            hits += 1
+    finally:
+        cls.forward = original
+    assert same(before, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 4
+    assert cc.CACHE.count("misses.text") == 4 and cc.CACHE.count("bypasses") == 0
+
+
+def test_a_module_swapped_into_another_class_is_a_miss(cc, uncached, tiny):
+    """A node that swaps one module's class (``module.__class__ = Subclass``) changes what it computes
+    without setting any attribute: the next encode misses, equal to an uncached encode, then hits; swapped
+    back, the first entry hits."""
+    clip = tiny.tiny_clip(0)
+    tokens = clip.tokenize("a red square on a blue field")
+    before = clip.encode_from_tokens(tokens)
+    mlp = next(m for n, m in clip.cond_stage_model.named_modules() if n.endswith("mlp"))
+    original = type(mlp)
+    mlp.__class__ = type("HalvedMLP", (original,), {"forward": _halved_by_subclass})
+    try:
+        truth = uncached(clip.encode_from_tokens, tokens)
+        assert not torch.equal(truth, before)
+        assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 0
+        assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 1
+    finally:
+        mlp.__class__ = original
+    assert same(before, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 2
+
+
+def test_what_python_caches_on_a_class_is_not_a_change(cc, tiny):
+    """``copy.copy`` of the VAE wrapper (what a Cached VAE node does) makes Python cache ``__slotnames__``
+    on ``comfy.sd.VAE``: the entries from before still hit."""
+    import copy
+
+    import comfy.sd
+
+    vae = tiny.tiny_vae(0)
+    img = image(3)
+    if "__slotnames__" in vars(comfy.sd.VAE):
+        del comfy.sd.VAE.__slotnames__  # as a fresh process has it
+    before = vae.encode(img)
+    copy.copy(vae)
+    assert "__slotnames__" in vars(comfy.sd.VAE)
+    assert same(before, vae.encode(img)) and cc.CACHE.count("hits.vae") == 1
+
+
+def test_classes_made_for_one_module_are_not_kept_alive(cc, tiny):
+    """torch's parametrizations (weight norm: ComfyUI's audio VAEs) make a class per module whose property
+    reaches that module: once the encoder is gone, so are both."""
+    import gc
+    import weakref
+
+    def encoder():
+        clip = tiny.tiny_clip(0)
+        linear = next(m for m in clip.cond_stage_model.modules() if isinstance(m, torch.nn.Linear))
+        torch.nn.utils.parametrizations.weight_norm(linear)
+        tokens = clip.tokenize("a red square")
+        assert same(clip.encode_from_tokens(tokens), clip.encode_from_tokens(tokens))
+        assert cc.CACHE.count("hits.text") == 1
+        return weakref.ref(linear), weakref.ref(type(linear))
+
+    module, cls = encoder()
+    cc.CACHE.clear()
+    gc.collect()
+    assert module() is None and cls() is None
+
+
+def _halved_pixels(self, pixels):  # a node's replacement of the VAE wrapper's pixel preparation
+    return _THROUGH["crop"](self, pixels) * 0.5
+
+
+def test_a_method_set_on_the_vae_wrappers_class_at_run_time_is_a_miss(cc, uncached, tiny):
+    """ComfyUI's VAE class is followed by its states alone: a method a node sets on it makes the next
+    encode a miss equal to an uncached encode; set back, the first entry hits."""
+    import comfy.sd
+
+    vae = tiny.tiny_vae(0)
+    img = image(3)
+    before = vae.encode(img)
+    original = _THROUGH["crop"] = comfy.sd.VAE.vae_encode_crop_pixels
+    comfy.sd.VAE.vae_encode_crop_pixels = _halved_pixels
+    try:
+        truth = uncached(vae.encode, img)
+        assert not torch.equal(truth, before)
+        assert same(truth, vae.encode(img)) and cc.CACHE.count("hits.vae") == 0
+    finally:
+        comfy.sd.VAE.vae_encode_crop_pixels = original
+    assert same(before, vae.encode(img)) and cc.CACHE.count("hits.vae") == 1  # as it was: the first entry
+
+
 def test_a_vae_encode_that_uses_randomness_is_never_stored(cc, uncached, tiny):
     """A sampling posterior must draw on every request: same seeds, same outputs as without cache."""
     import comfy.ldm.models.autoencoder as ae

@@ -5,6 +5,7 @@ with the host's real tokenizers. A repeat is a hit bit-identical to the pack bei
 depends on (text, template, images in the prompt, the encoder's config) makes a miss."""
 
 import logging
+import types
 
 import pytest
 import rkharness
@@ -122,18 +123,21 @@ def test_an_llm_config_changed_in_place_misses_and_gives_what_comfyui_gives(cc):
     assert same(before, _off(lambda: (setattr(config, "rms_norm_eps", 1e-6), clip.encode_from_tokens_scheduled(tokens))[1]))
 
 
+_VISUAL_CALLS = []
+
+
+def _counted_visual(self, *args, **kwargs):
+    _VISUAL_CALLS.append(1)
+    return type(self).forward(self, *args, **kwargs)
+
+
 @pytest.mark.parametrize("name", ["qwen_image.QwenImageTEModel_"])
 def test_images_in_the_prompt_are_keyed_by_content_and_the_vision_tower_runs_only_on_a_miss(cc, name):
     clip = _build(_one(name))
     visual = clip.cond_stage_model.qwen25_7b.transformer.visual
-    calls = []  # counted through the class (a module hook would make the cache refuse the encoder)
-    forward = type(visual).forward
-
-    def counted(self, *a, **kw):
-        calls.append(1)
-        return forward(self, *a, **kw)
-
-    type(visual).forward = counted
+    calls = _VISUAL_CALLS  # counted by a method on the instance (a module hook would make the cache refuse it)
+    calls.clear()
+    visual.forward = types.MethodType(_counted_visual, visual)
     try:
         def encode(img, text="make the sky green"):
             return clip.encode_from_tokens_scheduled(clip.tokenize(text, images=[img]))
@@ -151,7 +155,7 @@ def test_images_in_the_prompt_are_keyed_by_content_and_the_vision_tower_runs_onl
         assert same(other, _off(lambda: encode(changed)))
         assert not same(other, reference)
     finally:
-        type(visual).forward = forward
+        del visual.forward
     assert cc.CACHE.bypass_reasons() == []
 
 

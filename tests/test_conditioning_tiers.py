@@ -259,6 +259,31 @@ def test_a_worker_started_with_other_attention_upcasting_never_reads_another_wor
     assert counter(shared.tiers, "disk", "hits") == 0 and len(entry_files(shared.folder)) == 2
 
 
+def test_workers_whose_classes_differ_only_in_a_decorators_arguments_never_share(shared):
+    """Two workers whose nodes wrapped an encoder class's method in ``torch.autocast`` at start-up, one to
+    bfloat16 and one to float16: the second misses the first one's entry and gets what it computes."""
+    files = _tiny_files()
+    clip = files.load_tiny_clip_file(files.write_tiny_clip_file(str(shared.files), 0))
+    cls = type(next(m for n, m in clip.cond_stage_model.named_modules() if n.endswith("mlp")))
+    conditioning = rkharness.pack("patches.conditioning")
+    original = cls.forward
+    try:
+        cls.forward = torch.autocast("cpu", dtype=torch.bfloat16)(original)
+        first = encode(clip)
+        assert len(entry_files(shared.folder)) == 1
+        shared.cc.CACHE.clear()  # the other worker: its own memory and its own record of the classes
+        conditioning._classes.clear()
+        cls.forward = torch.autocast("cpu", dtype=torch.float16)(original)
+        shared.settings.set("conditioning.enabled", False)
+        truth = clip.encode_from_tokens(clip.tokenize(TEXT), return_pooled=True)
+        shared.settings.set("conditioning.enabled", True)
+        got = encode(clip)
+        assert not torch.equal(truth[0], first[0]) and all(torch.equal(a, b) for a, b in zip(got, truth))
+        assert counter(shared.tiers, "disk", "hits") == 0 and len(entry_files(shared.folder)) == 2
+    finally:
+        cls.forward = original
+
+
 def test_an_encoder_without_a_known_file_never_uses_the_shared_tiers(shared):
     encode(rkharness.TINY.tiny_clip(0))
     assert shared.cc.CACHE.count("encodes") == 1
