@@ -459,16 +459,30 @@ def _weakly(value):
         return (type(value), _weakly(value.__func__))
     if isinstance(value, property):
         return (property, *(None if f is None else _weakly(f) for f in (value.fget, value.fset, value.fdel)))
+    if type(value) in _CONTAINERS:  # changed in place or not: compared by value too
+        return (_CONTAINERS, value, copy.copy(value))
     try:
         return weakref.ref(value)
     except TypeError:
-        return value  # plain values and containers
+        return value  # plain values
+
+
+_CONTAINERS = (list, dict, set, bytearray)
+
+
+def _equal(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # contents that do not compare (tensors): changed
+        return False
 
 
 def _same(held, value) -> bool:
     if isinstance(held, weakref.ref):
         found = held()
         return found is not None and found is value  # a dead reference: changed
+    if isinstance(held, tuple) and held and held[0] is _CONTAINERS:
+        return held[1] is value and _equal(held[2], value)
     if isinstance(held, tuple) and held and held[0] in (staticmethod, classmethod, property):
         if held[0] is property:
             return type(value) is property and all(
@@ -478,12 +492,27 @@ def _same(held, value) -> bool:
     return held is value
 
 
-def _class_state(cls: type, describe: bool) -> tuple:
+def _described(cls: type, name: str, value, gaps: list, strict: bool):
+    """:func:`_class_value`, with what fails to read as a gap; and without ``strict`` (ComfyUI's wrapper
+    classes: most of their methods never run in an encode) another node's code as a gap too."""
+    try:
+        return _class_value(cls, name, value, gaps)
+    except Uncacheable as exc:
+        if strict:
+            raise
+        gaps.append(str(exc))
+    except Exception as exc:  # an attribute that fails to read (a __getattr__ that raises)
+        gaps.append(f"{cls.__qualname__}.{name} could not be read: {type(exc).__name__}")
+    return ("?",)
+
+
+def _class_state(cls: type, strict: bool) -> tuple:
     """A class as a key field, ``(where, description, gaps, state)``: where it is defined, what it holds
-    (:func:`_class_value`; with ``describe``), what the description cannot tell (``gaps``), and which of
-    the states this process has seen it in it is (an attribute set, added or removed, new bases make
-    another; back as it was, the same), which tells apart what the description cannot. Compared with the
-    states this process recorded of it by identity; described again only in a new one."""
+    (its bases, :func:`_described`), what the description cannot tell (``gaps``), and which of
+    the states this process has seen it in it is (an attribute set, added or removed, new bases, a
+    container changed in place make another; back as it was, the same), which tells apart what the
+    description cannot. Compared with the states this process recorded of it (by identity, containers by
+    value too); described again only in a new one."""
     items = [(k, v) for k, v in vars(cls).items() if k not in _NOT_CODE and (cls, k) not in _ROUTES]
     bases = cls.__mro__[1:]
     record = _classes.get(cls)
@@ -493,7 +522,8 @@ def _class_state(cls: type, describe: bool) -> tuple:
                 and all(k == h[0] and _same(h[1], v) for (k, v), h in zip(items, seen_items, strict=True)):
             return field
     gaps: list = []
-    held = tuple((k, _class_value(cls, k, v, gaps)) for k, v in items) if describe else None
+    held = (tuple(f"{b.__module__}.{b.__qualname__}" for b in bases),
+            tuple((k, _described(cls, k, v, gaps, strict)) for k, v in items))
     with _classes_lock:  # one number per state: two states never share one
         record = _classes.setdefault(cls, [0, []])
         field = (f"{cls.__module__}.{cls.__qualname__}", held, tuple(gaps), record[0])
@@ -507,27 +537,27 @@ _STATES = 8  # the states of one class remembered (a node switching a patch on a
 
 
 def _classes_state(tree, wrapper) -> tuple:
-    """The classes of the encoder's modules (:func:`_class_state`) and of its ComfyUI wrapper (``CLIP``,
-    ``VAE``: their states only), as ``(digest of the descriptions, states, why not shared or None)``: the
-    states count only where a description has gaps, and for the wrapper, which is not described (another
-    state than the first this worker saw is not shared). Per encode one identity pass over the classes'
-    attributes, kept with the tree; a difference, or a new tree, asks :func:`_class_state`."""
+    """The classes of the encoder's modules (:func:`_class_state`, their bases followed as they are now)
+    and of its ComfyUI wrapper (``CLIP``, ``VAE``: another node's code there only keeps the encode in the
+    process), as ``(digest of the descriptions, state numbers where a description has gaps, why not
+    shared or None)``. Per encode one identity pass over the classes' attributes, their containers also
+    by value, kept with the tree; a difference, or a new tree, asks :func:`_class_state`."""
     wrappers = type(wrapper).__mro__[:-1]
     found = tree.memo.get("classes")
     if found is not None and found[2] == wrappers and all(
             c.__mro__ is mro and tuple(vars(c)) == names and all(map(operator.is_, vars(c).values(), values))
-            for c, names, values, mro in found[0]):
+            for c, names, values, mro in found[0]) and all(_equal(held, value) for value, held in found[3]):
         return found[1]
-    classes = (*tree.classes, *wrappers)
+    own = tuple(dict.fromkeys(b for c in tree.classes for b in c.__mro__ if b is not torch.nn.Module and b is not object))
+    classes = (*own, *wrappers)
     snapshot = [(c, tuple(vars(c)), tuple(vars(c).values()), c.__mro__) for c in classes]
-    fields = tuple(_class_state(c, i < len(tree.classes)) for i, c in enumerate(classes))
-    described = fields[:len(tree.classes)]
-    gaps = [g for f in described for g in f[2]]
-    changes = tuple(f[3] for f in described if f[2]) + tuple(f[3] for f in fields[len(tree.classes):])
-    local = gaps[0] if gaps else (f"ComfyUI's {type(wrapper).__qualname__} class changed since this process first saw it"
-                                  if any(changes) else None)
-    state = (digest(tuple(f[:3] for f in described) + tuple(f[0] for f in fields[len(tree.classes):])), changes, local)
-    tree.memo["classes"] = (snapshot, state, wrappers)
+    containers = [(v, copy.copy(v)) for c in classes for k, v in vars(c).items()
+                  if type(v) in _CONTAINERS and k not in _NOT_CODE]
+    fields = tuple(_class_state(c, i < len(own)) for i, c in enumerate(classes))
+    gaps = [g for f in fields for g in f[2]]
+    state = (digest(tuple(f[:3] for f in fields)), tuple(f[3] for f in fields if f[2]),
+             gaps[0] if gaps else None)
+    tree.memo["classes"] = (snapshot, state, wrappers, containers)
     return state
 
 

@@ -488,6 +488,65 @@ def test_classes_made_for_one_module_are_not_kept_alive(cc, tiny):
     assert module() is None and cls() is None
 
 
+class _DoublingMixin:  # a node's mixin put into a host class's bases
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs) * 2
+
+
+def test_new_bases_of_an_encoder_modules_class_are_part_of_the_key(cc, uncached, tiny):
+    """A node that puts a mixin into the bases of the class of the encoder's linear layers changes what
+    they compute: the next encode misses, equal to an uncached encode; the bases put back, the first
+    entry hits."""
+    clip = tiny.tiny_clip(0)
+    tokens = clip.tokenize("a red square on a blue field")
+    before = clip.encode_from_tokens(tokens)
+    cls = next(type(m) for m in clip.cond_stage_model.modules()
+               if isinstance(m, torch.nn.Linear) and "forward" not in vars(type(m)))
+    bases = cls.__bases__
+    cls.__bases__ = (_DoublingMixin, *bases)
+    try:
+        truth = uncached(clip.encode_from_tokens, tokens)
+        assert not torch.equal(truth, before)
+        assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 0
+    finally:
+        cls.__bases__ = bases
+    assert same(before, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 1
+
+
+class _ReadsAsAttributes(dict):  # a class attribute whose every attribute read raises
+    __getattr__ = dict.__getitem__
+
+
+def _scaled_by_class_list(self, x):  # a forward reading a list its class holds
+    out = super(type(self), self).forward(x)
+    for scale in type(self).rk_scales:
+        out = out * scale
+    return out
+
+
+def test_a_list_an_encoder_modules_class_holds_is_compared_on_every_encode(cc, uncached, tiny):
+    """A class-level list changed in place changes what the class computes: the next encode misses, equal
+    to an uncached encode. A class attribute the key cannot read (its ``__getattr__`` raises) is no error:
+    the encode is keyed, only kept out of the shared tiers."""
+    clip = tiny.tiny_clip(0)
+    tokens = clip.tokenize("a red square on a blue field")
+    mlp = next(m for n, m in clip.cond_stage_model.named_modules() if n.endswith("mlp"))
+    original = type(mlp)
+    mlp.__class__ = type("ScaledMLP", (original,), {"forward": _scaled_by_class_list, "rk_scales": [],
+                                                    "rk_odd": _ReadsAsAttributes()})
+    try:
+        plain = clip.encode_from_tokens(tokens)
+        assert same(plain, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 1
+        type(mlp).rk_scales.append(0.5)  # in place: the same list on the class
+        truth = uncached(clip.encode_from_tokens, tokens)
+        assert not torch.equal(truth, plain)
+        assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 1
+        assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 2
+        assert cc.CACHE.count("bypasses") == 0
+    finally:
+        mlp.__class__ = original
+
+
 def _halved_pixels(self, pixels):  # a node's replacement of the VAE wrapper's pixel preparation
     return _THROUGH["crop"](self, pixels) * 0.5
 

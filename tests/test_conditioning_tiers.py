@@ -284,6 +284,34 @@ def test_workers_whose_classes_differ_only_in_a_decorators_arguments_never_share
         cls.forward = original
 
 
+_THROUGH = {}
+
+
+def _loading_clip(self, *args, **kwargs):  # a node's code on ComfyUI's CLIP class
+    return _THROUGH["load_model"](self, *args, **kwargs)
+
+
+def test_another_nodes_code_on_comfyuis_clip_class_keeps_the_encode_in_the_process(shared):
+    """Code another node set on ``comfy.sd.CLIP`` runs in every encode, and what it reads is not in the
+    key: the encode still hits in this process but is never shared, with the reason counted."""
+    import comfy.sd
+
+    files = _tiny_files()
+    clip = files.load_tiny_clip_file(files.write_tiny_clip_file(str(shared.files), 0))
+    original = _THROUGH["load_model"] = comfy.sd.CLIP.load_model
+    comfy.sd.CLIP.load_model = _loading_clip
+    try:
+        first = encode(clip)
+        assert all(torch.equal(a, b) for a, b in zip(encode(clip), first))
+        assert shared.cc.CACHE.count("hits.text") == 1 and entry_files(shared.folder) == []
+        assert any("CLIP.load_model on the encoder's class is code from" in r["reason"]
+                   for r in shared.cc.CACHE.bypass_reasons())
+    finally:
+        comfy.sd.CLIP.load_model = original
+    encode(clip, "another prompt")
+    assert len(entry_files(shared.folder)) == 1
+
+
 def test_an_encoder_without_a_known_file_never_uses_the_shared_tiers(shared):
     encode(rkharness.TINY.tiny_clip(0))
     assert shared.cc.CACHE.count("encodes") == 1
