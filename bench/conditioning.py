@@ -87,40 +87,26 @@ def scenarios(lora_name: str, text: str = "tiny") -> dict[str, tuple[int, list[d
     }
 
 
-_CALLS = [0]
-
-
-def _counted_forward(self, *args, **kwargs):
-    """An SDClipModel's forward, counted: set on each instance, as a node would (a function set on the
-    class from another package makes ReuseKit refuse the encoder: what it reads is not in the key)."""
-    _CALLS[0] += 1
-    return type(self).forward(self, *args, **kwargs)
-
-
 @contextlib.contextmanager
 def counting_encoder_forwards():
-    """Counts real text-encoder forward calls (comfy.sd1_clip.SDClipModel.forward) of the text encoders
-    built meanwhile (``comfy.sd.CLIP``'s, as the loaders build them)."""
-    import types
+    """Counts real text-encoder forward calls: each runs ComfyUI's CLIP transformer (``CLIPEncoder``)
+    once, which asks ``comfy.clip_model.optimized_attention_for_device`` once; counted there. (A function
+    set on an encoder's class from this package would make ReuseKit refuse the encoder, one set on its
+    modules would change their key.)"""
+    import comfy.clip_model
 
-    import comfy.sd
-    import comfy.sd1_clip
+    calls = [0]
+    original = comfy.clip_model.optimized_attention_for_device
 
-    _CALLS[0] = 0
-    original = comfy.sd.CLIP.__init__
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
 
-    def init(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        model = getattr(self, "cond_stage_model", None)  # none on a clone (built with no_init)
-        for module in model.modules() if model is not None else ():
-            if isinstance(module, comfy.sd1_clip.SDClipModel):
-                module.forward = types.MethodType(_counted_forward, module)
-
-    comfy.sd.CLIP.__init__ = init
+    comfy.clip_model.optimized_attention_for_device = counted
     try:
-        yield _CALLS
+        yield calls
     finally:
-        comfy.sd.CLIP.__init__ = original
+        comfy.clip_model.optimized_attention_for_device = original
 
 
 def run_scenario(rkharness, prompts, mode: str, reusekit: bool) -> tuple[int, float]:
