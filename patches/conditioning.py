@@ -355,20 +355,37 @@ def _origin(module: str | None) -> str:
     found = _origins.get(module)
     if found is None:
         path = getattr(sys.modules.get(module), "__file__", None)
-        path = os.path.realpath(path) if path else None
-        root = os.path.dirname(os.path.dirname(os.path.realpath(sys.modules["comfy.model_management"].__file__))) + os.sep
         if module == _PACK or (module or "").startswith(_PACK + "."):
             found = "host"
         elif path is None:  # builtins, a frozen module; a module no longer imported
             found = "library" if module in sys.builtin_module_names or module in sys.modules else "other"
-        elif path.startswith(root) and not path[len(root):].startswith("custom_nodes" + os.sep):
-            found = "host"
-        elif path.startswith(_TORCH) or path.startswith(_STDLIB) or "-packages" + os.sep in path:
-            found = "library"
         else:
-            found = "other"
+            found = _file_origin(path)
         _origins[module] = found
     return found
+
+
+def _file_origin(path: str) -> str:
+    """Where a source file is, as :func:`_origin` tells a module's code."""
+    path = os.path.realpath(path)
+    root = os.path.dirname(os.path.dirname(os.path.realpath(sys.modules["comfy.model_management"].__file__))) + os.sep
+    if path.startswith(root) and not path[len(root):].startswith("custom_nodes" + os.sep):
+        return "host"
+    if path.startswith(_TORCH) or path.startswith(_STDLIB) or "-packages" + os.sep in path:
+        return "library"
+    return "other"
+
+
+def _compiled_from(fn, module: str | None) -> str | None:
+    """The file a function's code was compiled from where that is not its module's source (a node's
+    ``fn.__code__ = other.__code__``), else None; None too where it cannot be told (a module without a
+    source file, code made by ``exec``)."""
+    file = fn.__code__.co_filename
+    source = getattr(sys.modules.get(module), "__file__", None)
+    if not source or not source.endswith(".py") or not os.path.isabs(file) \
+            or os.path.realpath(file) == os.path.realpath(source):
+        return None
+    return file
 
 
 def _foreign(cls: type, module: str | None) -> bool:
@@ -378,13 +395,16 @@ def _foreign(cls: type, module: str | None) -> bool:
 
 def _captured(cls: type, name: str, value, gaps: list, depth: int):
     """A value a library function captures (a decorator's function and arguments: ``torch.autocast``'s
-    dtype), or a method's object, as far as a key can tell it; what it cannot is named in ``gaps``."""
+    dtype), a method's object or a function's defaults, as far as a key can tell it; what it cannot is
+    named in ``gaps``."""
     if type(value) in (bool, int, float, str, bytes, type(None)):
         return value
     if isinstance(value, (torch.dtype, torch.device)):
         return str(value)
     if isinstance(value, type):
         return ("class", value.__module__, value.__qualname__)
+    if isinstance(value, types.BuiltinFunctionType):
+        return ("builtin", getattr(value, "__module__", None), value.__qualname__)
     if isinstance(value, types.FunctionType):
         return _class_code(cls, name, value, gaps, depth + 1)
     if isinstance(value, types.MethodType):
@@ -403,13 +423,18 @@ def _captured(cls: type, name: str, value, gaps: list, depth: int):
 
 
 def _class_code(cls: type, name: str, fn, gaps: list, depth: int = 0) -> tuple:
-    """A function a class holds by where it is defined (module and name), through the functions it wraps
-    (``torch.no_grad``, ``functools.wraps``), a library function with what it captures. Uncacheable where
-    it comes from another custom node or script than the class's own package (a node's class-level
-    monkeypatch): what it reads is not in the key."""
+    """A function a class holds by where it is defined (module and name) with its defaults, through the
+    functions it wraps (``torch.no_grad``, ``functools.wraps``), a library function with what it captures.
+    Uncacheable where its code comes from another custom node or script than the class's own package (a
+    node's class-level monkeypatch, or code put into the host's function): what it reads is not in the key."""
     module = fn.__globals__.get("__name__")
     if _foreign(cls, module):
         raise Uncacheable(f"{cls.__qualname__}.{name} on the encoder's class is code from {module}")
+    elsewhere = _compiled_from(fn, module)
+    if elsewhere is not None:
+        if _file_origin(elsewhere) == "other":
+            raise Uncacheable(f"{cls.__qualname__}.{name} on the encoder's class runs code from {elsewhere}")
+        gaps.append(f"{cls.__qualname__}.{name} runs code compiled from another file")
     if depth > 8:
         gaps.append(f"{cls.__qualname__}.{name} wraps too deep")
         return ("f", module, fn.__qualname__)
@@ -417,8 +442,9 @@ def _class_code(cls: type, name: str, fn, gaps: list, depth: int = 0) -> tuple:
     if fn.__closure__ and _origin(module) == "library":  # the host's own closures follow from its code and files
         cells = tuple(_captured(cls, name, c.cell_contents, gaps, depth) if v != "__class__" else None
                       for v, c in zip(fn.__code__.co_freevars, fn.__closure__, strict=True))
+    defaults = tuple(_captured(cls, name, d, gaps, depth + 1) for d in (fn.__defaults__, _kwdefaults(fn)))
     inner = getattr(fn, "__wrapped__", None)
-    return ("f", module, fn.__qualname__, fn.__code__.co_name, cells,
+    return ("f", module, fn.__qualname__, fn.__code__.co_name, defaults, cells,
             _class_code(cls, name, inner, gaps, depth + 1) if isinstance(inner, types.FunctionType) else None)
 
 
@@ -452,15 +478,50 @@ _classes_lock = threading.Lock()
 _ROUTES: set = set()  # (class, name) of the methods ReuseKit routes (its own install changes them)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Container:
+    """A list, dict, set or bytearray a class holds: itself and a copy of what it held (changed in place
+    or not, compared by value too)."""
+
+    value: object
+    held: object
+
+
+@dataclasses.dataclass(frozen=True)
+class _Function:
+    """A function a class holds, weakly, with what can be set on it in place: its code and its defaults
+    (``forward.__code__ = ...``), and the function it wraps (``__wrapped__``), the same way."""
+
+    ref: weakref.ref
+    code: weakref.ref
+    defaults: tuple | None
+    kwdefaults: tuple | None
+    inner: _Function | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Wrapper:
+    """A staticmethod, classmethod or property: its kind and its functions (None where a property has none)."""
+
+    kind: type
+    parts: tuple
+
+
 def _weakly(value):
     """What identifies a class attribute without keeping anything alive that may reach the class (a
     property's function can capture a module of it: torch's parametrizations)."""
     if isinstance(value, (staticmethod, classmethod)):
-        return (type(value), _weakly(value.__func__))
+        return _Wrapper(type(value), (_weakly(value.__func__),))
     if isinstance(value, property):
-        return (property, *(None if f is None else _weakly(f) for f in (value.fget, value.fset, value.fdel)))
-    if type(value) in _CONTAINERS:  # changed in place or not: compared by value too
-        return (_CONTAINERS, value, copy.copy(value))
+        return _Wrapper(property, tuple(None if f is None else _weakly(f) for f in (value.fget, value.fset, value.fdel)))
+    if type(value) in _CONTAINERS:
+        return _Container(value, _snapshot(value))
+    if isinstance(value, types.FunctionType):
+        kw, inner = _kwdefaults(value), getattr(value, "__wrapped__", None)
+        return _Function(weakref.ref(value), weakref.ref(value.__code__),
+                         None if value.__defaults__ is None else tuple(map(_weakly, value.__defaults__)),
+                         None if kw is None else (kw[0], tuple(map(_weakly, kw[1]))),
+                         _weakly(inner) if isinstance(inner, types.FunctionType) else None)
     try:
         return weakref.ref(value)
     except TypeError:
@@ -468,6 +529,19 @@ def _weakly(value):
 
 
 _CONTAINERS = (list, dict, set, bytearray)
+
+
+def _snapshot(value):
+    """A copy of a class-level container to compare it with later: deep where it holds only plain values
+    and containers (a list inside a list changed in place), else shallow (never a copy of a tensor)."""
+    def plain(v, depth=0):
+        if type(v) in (list, tuple, set, frozenset):
+            return depth < 4 and all(plain(x, depth + 1) for x in v)
+        if type(v) is dict:
+            return depth < 4 and all(plain(k, depth + 1) and plain(x, depth + 1) for k, x in v.items())
+        return type(v) in _PLAIN or type(v) is bytearray
+
+    return copy.deepcopy(value) if plain(value) else copy.copy(value)
 
 
 def _equal(a, b) -> bool:
@@ -481,15 +555,52 @@ def _same(held, value) -> bool:
     if isinstance(held, weakref.ref):
         found = held()
         return found is not None and found is value  # a dead reference: changed
-    if isinstance(held, tuple) and held and held[0] is _CONTAINERS:
-        return held[1] is value and _equal(held[2], value)
-    if isinstance(held, tuple) and held and held[0] in (staticmethod, classmethod, property):
-        if held[0] is property:
-            return type(value) is property and all(
-                h is None if f is None else h is not None and _same(h, f)
-                for h, f in zip(held[1:], (value.fget, value.fset, value.fdel), strict=True))
-        return type(value) is held[0] and _same(held[1], value.__func__)
+    if isinstance(held, _Container):
+        return held.value is value and _equal(held.held, value)
+    if isinstance(held, _Function):
+        inner = getattr(value, "__wrapped__", None)
+        return held.ref() is value and held.code() is value.__code__ \
+            and _same_parts(held.defaults, value.__defaults__) and _same_kwdefaults(held.kwdefaults, _kwdefaults(value)) \
+            and _same_parts((held.inner,), (inner if isinstance(inner, types.FunctionType) else None,))
+    if isinstance(held, _Wrapper):
+        if held.kind is property:
+            return type(value) is property and _same_parts(held.parts, (value.fget, value.fset, value.fdel))
+        return type(value) is held.kind and _same(held.parts[0], value.__func__)
     return held is value
+
+
+def _same_parts(held: tuple | None, values: tuple | None) -> bool:
+    """Held parts (None where one is absent) against the values now."""
+    if held is None or values is None:
+        return held is values
+    return len(held) == len(values) and all(v is None if h is None else v is not None and _same(h, v)
+                                            for h, v in zip(held, values, strict=True))
+
+
+def _same_kwdefaults(held: tuple | None, now: tuple | None) -> bool:
+    if held is None or now is None:
+        return held is now
+    return held[0] == now[0] and _same_parts(held[1], now[1])
+
+
+def _functions(value) -> list:
+    """The functions a class attribute holds (itself, a static or class method's, a property's accessors)
+    and those they wrap (``__wrapped__``): what can change in place (their code, their defaults)."""
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    if isinstance(value, property):
+        return [f for part in (value.fget, value.fset, value.fdel) for f in _functions(part)]
+    out = []
+    while isinstance(value, types.FunctionType) and len(out) <= 8:
+        out.append(value)
+        value = getattr(value, "__wrapped__", None)
+    return out
+
+
+def _kwdefaults(fn) -> tuple | None:
+    """A function's keyword-only defaults as (names, values), or None."""
+    kw = fn.__kwdefaults__
+    return None if kw is None else (tuple(kw), tuple(kw.values()))
 
 
 def _described(cls: type, name: str, value, gaps: list, strict: bool):
@@ -540,24 +651,27 @@ def _classes_state(tree, wrapper) -> tuple:
     """The classes of the encoder's modules (:func:`_class_state`, their bases followed as they are now)
     and of its ComfyUI wrapper (``CLIP``, ``VAE``: another node's code there only keeps the encode in the
     process), as ``(digest of the descriptions, state numbers where a description has gaps, why not
-    shared or None)``. Per encode one identity pass over the classes' attributes, their containers also
-    by value, kept with the tree; a difference, or a new tree, asks :func:`_class_state`."""
+    shared or None)``. Per encode one identity pass over the classes' attributes and their functions' code
+    and defaults, their containers also by value, kept with the tree; a difference, or a new tree, asks
+    :func:`_class_state`."""
     wrappers = type(wrapper).__mro__[:-1]
     found = tree.memo.get("classes")
     if found is not None and found[2] == wrappers and all(
             c.__mro__ is mro and tuple(vars(c)) == names and all(map(operator.is_, vars(c).values(), values))
-            for c, names, values, mro in found[0]) and all(_equal(held, value) for value, held in found[3]):
+            for c, names, values, mro in found[0]) and all(_equal(held, value) for value, held in found[3]) \
+            and all(f.__code__ is code and f.__defaults__ is d and f.__kwdefaults__ is kw for f, code, d, kw in found[4]):
         return found[1]
     own = tuple(dict.fromkeys(b for c in tree.classes for b in c.__mro__ if b is not torch.nn.Module and b is not object))
     classes = (*own, *wrappers)
     snapshot = [(c, tuple(vars(c)), tuple(vars(c).values()), c.__mro__) for c in classes]
-    containers = [(v, copy.copy(v)) for c in classes for k, v in vars(c).items()
-                  if type(v) in _CONTAINERS and k not in _NOT_CODE]
+    attributes = [v for c in classes for k, v in vars(c).items() if k not in _NOT_CODE]
+    containers = [(v, _snapshot(v)) for v in attributes if type(v) in _CONTAINERS]
+    functions = [(f, f.__code__, f.__defaults__, f.__kwdefaults__) for v in attributes for f in _functions(v)]
     fields = tuple(_class_state(c, i < len(own)) for i, c in enumerate(classes))
     gaps = [g for f in fields for g in f[2]]
     state = (digest(tuple(f[:3] for f in fields)), tuple(f[3] for f in fields if f[2]),
              gaps[0] if gaps else None)
-    tree.memo["classes"] = (snapshot, state, wrappers, containers)
+    tree.memo["classes"] = (snapshot, state, wrappers, containers, functions)
     return state
 
 

@@ -513,37 +513,108 @@ def test_new_bases_of_an_encoder_modules_class_are_part_of_the_key(cc, uncached,
     assert same(before, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 1
 
 
-class _ReadsAsAttributes(dict):  # a class attribute whose every attribute read raises
-    __getattr__ = dict.__getitem__
-
-
-def _scaled_by_class_list(self, x):  # a forward reading a list its class holds
+def _scaled_by_class_lists(self, x):  # a forward reading lists its class holds
     out = super(type(self), self).forward(x)
     for scale in type(self).rk_scales:
         out = out * scale
-    return out
+    return out * type(self).rk_nested[0][0]
 
 
-def test_a_list_an_encoder_modules_class_holds_is_compared_on_every_encode(cc, uncached, tiny):
-    """A class-level list changed in place changes what the class computes: the next encode misses, equal
-    to an uncached encode. A class attribute the key cannot read (its ``__getattr__`` raises) is no error:
-    the encode is keyed, only kept out of the shared tiers."""
+def test_lists_an_encoder_modules_class_holds_are_compared_on_every_encode(cc, uncached, tiny):
+    """A class-level list changed in place, or a list inside one, changes what the class computes: the
+    next encode misses, equal to an uncached encode, then hits."""
     clip = tiny.tiny_clip(0)
     tokens = clip.tokenize("a red square on a blue field")
     mlp = next(m for n, m in clip.cond_stage_model.named_modules() if n.endswith("mlp"))
     original = type(mlp)
-    mlp.__class__ = type("ScaledMLP", (original,), {"forward": _scaled_by_class_list, "rk_scales": [],
-                                                    "rk_odd": _ReadsAsAttributes()})
+    mlp.__class__ = type("ScaledMLP", (original,), {"forward": _scaled_by_class_lists, "rk_scales": [],
+                                                    "rk_nested": [[1.0]]})
     try:
-        plain = clip.encode_from_tokens(tokens)
-        assert same(plain, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 1
-        type(mlp).rk_scales.append(0.5)  # in place: the same list on the class
-        truth = uncached(clip.encode_from_tokens, tokens)
-        assert not torch.equal(truth, plain)
-        assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 1
-        assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 2
+        before = clip.encode_from_tokens(tokens)
+        assert same(before, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 1
+        hits = 1
+        for change in (lambda c: c.rk_scales.append(0.5), lambda c: c.rk_nested[0].__setitem__(0, 0.25)):
+            change(type(mlp))  # in place: the same lists on the class
+            truth = uncached(clip.encode_from_tokens, tokens)
+            assert not torch.equal(truth, before)
+            assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == hits
+            assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == hits + 1
+            before, hits = truth, hits + 1
         assert cc.CACHE.count("bypasses") == 0
     finally:
+        mlp.__class__ = original
+
+
+def _halved_forward(self, x):  # code a node compiles into the host's own function (its __code__ replaced)
+    return self.fc2(self.activation(self.fc1(x))) * 0.5
+
+
+def test_code_another_module_puts_into_an_encoder_classs_function_is_never_answered_from_the_cache(cc, uncached,
+                                                                                                  tiny):
+    """A node that replaces the code inside the host's function (``CLIPMLP.forward.__code__ = ...``) leaves
+    the function object, its module and its name as they were: each encode is computed and counted with
+    its reason. Put back, the first entry hits."""
+    clip = tiny.tiny_clip(0)
+    tokens = clip.tokenize("a red square on a blue field")
+    before = clip.encode_from_tokens(tokens)
+    forward = _mlp_class(clip).forward
+    original = forward.__code__
+    forward.__code__ = _halved_forward.__code__
+    try:
+        truth = uncached(clip.encode_from_tokens, tokens)
+        assert not torch.equal(truth, before)
+        assert same(truth, clip.encode_from_tokens(tokens)) and same(truth, clip.encode_from_tokens(tokens))
+        assert cc.CACHE.count("bypasses.text") == 2 and cc.CACHE.count("hits.text") == 0
+        assert any("CLIPMLP.forward on the encoder's class runs code from" in r["reason"]
+                   for r in cc.CACHE.bypass_reasons())
+    finally:
+        forward.__code__ = original
+    assert same(before, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 1
+
+
+def test_library_code_put_into_an_encoder_classs_function_is_part_of_the_key(cc, uncached, tiny):
+    """torch's code put into the host's function (``CLIPMLP.forward.__code__ = Identity.forward.__code__``):
+    a miss equal to an uncached encode, then a hit; put back, the first entry hits."""
+    clip = tiny.tiny_clip(0)
+    tokens = clip.tokenize("a red square on a blue field")
+    before = clip.encode_from_tokens(tokens)
+    forward = _mlp_class(clip).forward
+    original = forward.__code__
+    forward.__code__ = torch.nn.Identity.forward.__code__
+    try:
+        truth = uncached(clip.encode_from_tokens, tokens)
+        assert not torch.equal(truth, before)
+        assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 0
+        assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 1
+    finally:
+        forward.__code__ = original
+    assert same(before, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 2
+    assert cc.CACHE.count("bypasses") == 0
+
+
+def _scaled_by_default(self, x, scale=0.5):  # a forward whose scale is its default
+    return super(type(self), self).forward(x) * scale
+
+
+def test_defaults_set_on_an_encoder_classs_function_are_part_of_the_key(cc, uncached, tiny):
+    """A function's defaults set anew (``forward.__defaults__ = ...``) change what the class computes: a
+    miss equal to an uncached encode, then a hit; set back, the first entry hits."""
+    clip = tiny.tiny_clip(0)
+    tokens = clip.tokenize("a red square on a blue field")
+    mlp = next(m for n, m in clip.cond_stage_model.named_modules() if n.endswith("mlp"))
+    original = type(mlp)
+    mlp.__class__ = type("ScaledMLP", (original,), {"forward": _scaled_by_default})
+    try:
+        before = clip.encode_from_tokens(tokens)
+        _scaled_by_default.__defaults__ = (0.25,)
+        truth = uncached(clip.encode_from_tokens, tokens)
+        assert not torch.equal(truth, before)
+        assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 0
+        assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 1
+        _scaled_by_default.__defaults__ = (0.5,)
+        assert same(before, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 2
+    finally:
+        _scaled_by_default.__defaults__ = (0.5,)
         mlp.__class__ = original
 
 

@@ -312,6 +312,28 @@ def test_another_nodes_code_on_comfyuis_clip_class_keeps_the_encode_in_the_proce
     assert len(entry_files(shared.folder)) == 1
 
 
+class _ReadsAsAttributes(dict):  # a class attribute whose every attribute read raises
+    __getattr__ = dict.__getitem__
+
+
+def test_a_class_attribute_the_key_cannot_read_keeps_the_encode_in_the_process(shared):
+    """A class attribute of an encoder module the key cannot read (its ``__getattr__`` raises) is no
+    error: the encode is keyed and hits in this process, but is never shared, with the reason counted."""
+    files = _tiny_files()
+    clip = files.load_tiny_clip_file(files.write_tiny_clip_file(str(shared.files), 0))
+    mlp = next(m for n, m in clip.cond_stage_model.named_modules() if n.endswith("mlp"))
+    original = type(mlp)
+    mlp.__class__ = type("OddMLP", (original,), {"rk_odd": _ReadsAsAttributes()})
+    try:
+        first = encode(clip)
+        assert all(torch.equal(a, b) for a, b in zip(encode(clip), first))
+        assert shared.cc.CACHE.count("hits.text") == 1 and shared.cc.CACHE.count("bypasses") == 0
+        assert entry_files(shared.folder) == []
+        assert any("OddMLP.rk_odd could not be read" in r["reason"] for r in shared.cc.CACHE.bypass_reasons())
+    finally:
+        mlp.__class__ = original
+
+
 def test_an_encoder_without_a_known_file_never_uses_the_shared_tiers(shared):
     encode(rkharness.TINY.tiny_clip(0))
     assert shared.cc.CACHE.count("encodes") == 1
