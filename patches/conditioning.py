@@ -403,8 +403,8 @@ def _captured(cls: type, name: str, value, gaps: list, depth: int):
         return str(value)
     if isinstance(value, type):
         return ("class", value.__module__, value.__qualname__)
-    if isinstance(value, types.BuiltinFunctionType):
-        return ("builtin", getattr(value, "__module__", None), value.__qualname__)
+    if isinstance(value, types.BuiltinFunctionType) and inspect.ismodule(getattr(value, "__self__", None)):
+        return ("builtin", value.__module__, value.__qualname__)  # a module's (a method bound to an object: a gap)
     if isinstance(value, types.FunctionType):
         return _class_code(cls, name, value, gaps, depth + 1)
     if isinstance(value, types.MethodType):
@@ -442,10 +442,28 @@ def _class_code(cls: type, name: str, fn, gaps: list, depth: int = 0) -> tuple:
     if fn.__closure__ and _origin(module) == "library":  # the host's own closures follow from its code and files
         cells = tuple(_captured(cls, name, c.cell_contents, gaps, depth) if v != "__class__" else None
                       for v, c in zip(fn.__code__.co_freevars, fn.__closure__, strict=True))
-    defaults = tuple(_captured(cls, name, d, gaps, depth + 1) for d in (fn.__defaults__, _kwdefaults(fn)))
+    defaults = tuple(_captured(cls, name, d, gaps, depth + 1) for d in (fn.__defaults__, fn.__kwdefaults__))
     inner = getattr(fn, "__wrapped__", None)
-    return ("f", module, fn.__qualname__, fn.__code__.co_name, defaults, cells,
+    return ("f", module, fn.__qualname__, _code_digest(fn.__code__), defaults, cells,
             _class_code(cls, name, inner, gaps, depth + 1) if isinstance(inner, types.FunctionType) else None)
+
+
+def _code_digest(code: types.CodeType) -> str:
+    """What a code object runs, without where it was compiled (file, lines): its bytecode, names and
+    constants, the code it nests included (code put into a function from the same file, or from ``exec``)."""
+    def const(c):
+        if isinstance(c, types.CodeType):
+            return ("code", _code_digest(c))
+        if type(c) is tuple:
+            return tuple(map(const, c))
+        if type(c) is frozenset:  # its order follows the process's string hashes
+            return ("frozenset", tuple(sorted(map(repr, c))))
+        return repr(c)
+
+    parts = (code.co_name, code.co_code, code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars,
+             code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount, code.co_flags,
+             tuple(map(const, code.co_consts)))
+    return hashlib.blake2b(repr(parts).encode(), digest_size=16).hexdigest()
 
 
 def _class_value(cls: type, name: str, value, gaps: list):
@@ -490,58 +508,88 @@ class _Container:
 @dataclasses.dataclass(frozen=True)
 class _Function:
     """A function a class holds, weakly, with what can be set on it in place: its code and its defaults
-    (``forward.__code__ = ...``), and the function it wraps (``__wrapped__``), the same way."""
+    (``forward.__code__ = ...``, held as :func:`_weakly` holds anything), and the function it wraps
+    (``__wrapped__``), the same way."""
 
     ref: weakref.ref
     code: weakref.ref
-    defaults: tuple | None
-    kwdefaults: tuple | None
-    inner: _Function | None
+    defaults: object
+    kwdefaults: object
+    inner: object
 
 
 @dataclasses.dataclass(frozen=True)
 class _Wrapper:
-    """A staticmethod, classmethod or property: its kind and its functions (None where a property has none)."""
+    """What holds functions: a staticmethod, classmethod or property (its functions, None where a property
+    has none), a tuple (its items), a partial or a cache (itself and the function it calls)."""
 
     kind: type
     parts: tuple
 
 
-def _weakly(value):
-    """What identifies a class attribute without keeping anything alive that may reach the class (a
-    property's function can capture a module of it: torch's parametrizations)."""
-    if isinstance(value, (staticmethod, classmethod)):
-        return _Wrapper(type(value), (_weakly(value.__func__),))
-    if isinstance(value, property):
-        return _Wrapper(property, tuple(None if f is None else _weakly(f) for f in (value.fget, value.fset, value.fdel)))
+_DEPTH = 8  # how deep what a class holds is followed (a function that wraps itself ends there)
+
+
+def _weakly(value, depth: int = 0):
+    """What identifies a class attribute, and what can change inside it, without keeping anything alive
+    that may reach the class (a property's function can capture a module of it: torch's parametrizations)."""
+    if depth < _DEPTH:
+        deeper = functools.partial(_weakly, depth=depth + 1)
+        if isinstance(value, (staticmethod, classmethod)):
+            return _Wrapper(type(value), (deeper(value.__func__),))
+        if isinstance(value, property):
+            return _Wrapper(property, tuple(None if f is None else deeper(f) for f in (value.fget, value.fset, value.fdel)))
+        if type(value) is tuple:
+            return _Wrapper(tuple, tuple(map(deeper, value)))
+        if isinstance(value, types.FunctionType):
+            inner = getattr(value, "__wrapped__", None)
+            return _Function(weakref.ref(value), weakref.ref(value.__code__), deeper(value.__defaults__),
+                             deeper(value.__kwdefaults__), deeper(inner) if isinstance(inner, types.FunctionType) else None)
+        inner = _called(value)
+        if inner is not None:
+            return _Wrapper(type(value), (_reference(value), deeper(inner)))
     if type(value) in _CONTAINERS:
         return _Container(value, _snapshot(value))
-    if isinstance(value, types.FunctionType):
-        kw, inner = _kwdefaults(value), getattr(value, "__wrapped__", None)
-        return _Function(weakref.ref(value), weakref.ref(value.__code__),
-                         None if value.__defaults__ is None else tuple(map(_weakly, value.__defaults__)),
-                         None if kw is None else (kw[0], tuple(map(_weakly, kw[1]))),
-                         _weakly(inner) if isinstance(inner, types.FunctionType) else None)
+    return _reference(value)
+
+
+def _reference(value):
     try:
         return weakref.ref(value)
-    except TypeError:
-        return value  # plain values
+    except TypeError:  # plain values as they are; anything else is never kept (it may reach the class): changed
+        return value if _plain(value) else _UNKNOWN
+
+
+_UNKNOWN = object()
+
+
+def _called(value):
+    """The function a partial or a cache (``functools.lru_cache``) calls, or None."""
+    if isinstance(value, (functools.partial, functools.partialmethod)):
+        return value.func
+    try:
+        inner = None if isinstance(value, types.FunctionType) else getattr(value, "__wrapped__", None)
+    except Exception:  # an attribute that fails to read (a __getattr__ that raises): described as a gap
+        return None
+    return inner if isinstance(inner, types.FunctionType) else None
 
 
 _CONTAINERS = (list, dict, set, bytearray)
 
 
+def _plain(value, depth: int = 0) -> bool:
+    """Plain values, and containers of them: what holds no object."""
+    if type(value) in (list, tuple, set, frozenset):
+        return depth < 4 and all(_plain(x, depth + 1) for x in value)
+    if type(value) is dict:
+        return depth < 4 and all(_plain(k, depth + 1) and _plain(x, depth + 1) for k, x in value.items())
+    return type(value) in _PLAIN or type(value) in (bytes, bytearray)
+
+
 def _snapshot(value):
     """A copy of a class-level container to compare it with later: deep where it holds only plain values
     and containers (a list inside a list changed in place), else shallow (never a copy of a tensor)."""
-    def plain(v, depth=0):
-        if type(v) in (list, tuple, set, frozenset):
-            return depth < 4 and all(plain(x, depth + 1) for x in v)
-        if type(v) is dict:
-            return depth < 4 and all(plain(k, depth + 1) and plain(x, depth + 1) for k, x in v.items())
-        return type(v) in _PLAIN or type(v) is bytearray
-
-    return copy.deepcopy(value) if plain(value) else copy.copy(value)
+    return copy.deepcopy(value) if _plain(value) else copy.copy(value)
 
 
 def _equal(a, b) -> bool:
@@ -552,55 +600,57 @@ def _equal(a, b) -> bool:
 
 
 def _same(held, value) -> bool:
+    """Whether ``value`` is what :func:`_weakly` made ``held`` of, unchanged."""
     if isinstance(held, weakref.ref):
         found = held()
         return found is not None and found is value  # a dead reference: changed
+    if isinstance(held, _Function):
+        if held.ref() is not value or held.code() is not value.__code__:
+            return False
+        inner = getattr(value, "__wrapped__", None)
+        return _same(held.defaults, value.__defaults__) and _same(held.kwdefaults, value.__kwdefaults__) \
+            and _same(held.inner, inner if isinstance(inner, types.FunctionType) else None)
     if isinstance(held, _Container):
         return held.value is value and _equal(held.held, value)
-    if isinstance(held, _Function):
-        inner = getattr(value, "__wrapped__", None)
-        return held.ref() is value and held.code() is value.__code__ \
-            and _same_parts(held.defaults, value.__defaults__) and _same_kwdefaults(held.kwdefaults, _kwdefaults(value)) \
-            and _same_parts((held.inner,), (inner if isinstance(inner, types.FunctionType) else None,))
     if isinstance(held, _Wrapper):
+        if type(value) is not held.kind:
+            return False
         if held.kind is property:
-            return type(value) is property and _same_parts(held.parts, (value.fget, value.fset, value.fdel))
-        return type(value) is held.kind and _same(held.parts[0], value.__func__)
+            now = (value.fget, value.fset, value.fdel)
+        elif held.kind in (staticmethod, classmethod):
+            now = (value.__func__,)
+        elif held.kind is tuple:
+            now = value
+        else:
+            now = (value, _called(value))
+        return len(now) == len(held.parts) and all(map(_same, held.parts, now))
     return held is value
 
 
-def _same_parts(held: tuple | None, values: tuple | None) -> bool:
-    """Held parts (None where one is absent) against the values now."""
-    if held is None or values is None:
-        return held is values
-    return len(held) == len(values) and all(v is None if h is None else v is not None and _same(h, v)
-                                            for h, v in zip(held, values, strict=True))
-
-
-def _same_kwdefaults(held: tuple | None, now: tuple | None) -> bool:
-    if held is None or now is None:
-        return held is now
-    return held[0] == now[0] and _same_parts(held[1], now[1])
-
-
-def _functions(value) -> list:
-    """The functions a class attribute holds (itself, a static or class method's, a property's accessors)
-    and those they wrap (``__wrapped__``): what can change in place (their code, their defaults)."""
+def _watch(value, functions: list, containers: list, depth: int = 0) -> None:
+    """What can change inside a class attribute while the attribute stays the same object, as :func:`_same`
+    compares it: the functions it holds (their code, defaults and what they wrap, by identity) into
+    ``functions``, its containers (with a copy, compared by value) into ``containers``."""
+    if depth >= _DEPTH:
+        return
+    deeper = functools.partial(_watch, functions=functions, containers=containers, depth=depth + 1)
     if isinstance(value, (staticmethod, classmethod)):
-        value = value.__func__
-    if isinstance(value, property):
-        return [f for part in (value.fget, value.fset, value.fdel) for f in _functions(part)]
-    out = []
-    while isinstance(value, types.FunctionType) and len(out) <= 8:
-        out.append(value)
-        value = getattr(value, "__wrapped__", None)
-    return out
-
-
-def _kwdefaults(fn) -> tuple | None:
-    """A function's keyword-only defaults as (names, values), or None."""
-    kw = fn.__kwdefaults__
-    return None if kw is None else (tuple(kw), tuple(kw.values()))
+        deeper(value.__func__)
+    elif isinstance(value, property):
+        for f in (value.fget, value.fset, value.fdel):
+            deeper(f)
+    elif type(value) is tuple:
+        for v in value:
+            deeper(v)
+    elif isinstance(value, types.FunctionType):
+        inner = getattr(value, "__wrapped__", None)
+        functions.append((value, value.__code__, value.__defaults__, value.__kwdefaults__, inner))
+        for v in (value.__defaults__, value.__kwdefaults__, inner if isinstance(inner, types.FunctionType) else None):
+            deeper(v)
+    elif type(value) in _CONTAINERS:
+        containers.append((value, _snapshot(value)))
+    elif (inner := _called(value)) is not None:
+        deeper(inner)
 
 
 def _described(cls: type, name: str, value, gaps: list, strict: bool):
@@ -651,22 +701,25 @@ def _classes_state(tree, wrapper) -> tuple:
     """The classes of the encoder's modules (:func:`_class_state`, their bases followed as they are now)
     and of its ComfyUI wrapper (``CLIP``, ``VAE``: another node's code there only keeps the encode in the
     process), as ``(digest of the descriptions, state numbers where a description has gaps, why not
-    shared or None)``. Per encode one identity pass over the classes' attributes and their functions' code
-    and defaults, their containers also by value, kept with the tree; a difference, or a new tree, asks
-    :func:`_class_state`."""
+    shared or None)``. Per encode one identity pass over the classes' attributes and what can change inside
+    them (:func:`_watch`: functions' code and defaults by identity, containers by value), kept with the
+    tree; a difference, or a new tree, asks :func:`_class_state`."""
     wrappers = type(wrapper).__mro__[:-1]
     found = tree.memo.get("classes")
     if found is not None and found[2] == wrappers and all(
             c.__mro__ is mro and tuple(vars(c)) == names and all(map(operator.is_, vars(c).values(), values))
             for c, names, values, mro in found[0]) and all(_equal(held, value) for value, held in found[3]) \
-            and all(f.__code__ is code and f.__defaults__ is d and f.__kwdefaults__ is kw for f, code, d, kw in found[4]):
+            and all(f.__code__ is code and f.__defaults__ is d and f.__kwdefaults__ is kw
+                    and getattr(f, "__wrapped__", None) is inner for f, code, d, kw, inner in found[4]):
         return found[1]
     own = tuple(dict.fromkeys(b for c in tree.classes for b in c.__mro__ if b is not torch.nn.Module and b is not object))
     classes = (*own, *wrappers)
     snapshot = [(c, tuple(vars(c)), tuple(vars(c).values()), c.__mro__) for c in classes]
-    attributes = [v for c in classes for k, v in vars(c).items() if k not in _NOT_CODE]
-    containers = [(v, _snapshot(v)) for v in attributes if type(v) in _CONTAINERS]
-    functions = [(f, f.__code__, f.__defaults__, f.__kwdefaults__) for v in attributes for f in _functions(v)]
+    functions, containers = [], []
+    for c in classes:
+        for k, v in vars(c).items():
+            if k not in _NOT_CODE:
+                _watch(v, functions, containers)
     fields = tuple(_class_state(c, i < len(own)) for i, c in enumerate(classes))
     gaps = [g for f in fields for g in f[2]]
     state = (digest(tuple(f[:3] for f in fields)), tuple(f[3] for f in fields if f[2]),

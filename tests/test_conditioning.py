@@ -2,6 +2,7 @@
 
 import collections
 import dataclasses
+import functools
 import threading
 import types
 
@@ -616,6 +617,131 @@ def test_defaults_set_on_an_encoder_classs_function_are_part_of_the_key(cc, unca
     finally:
         _scaled_by_default.__defaults__ = (0.5,)
         mlp.__class__ = original
+
+
+def _by_kwdefault(self, x, *, scale=0.5):  # a forward whose scale is a keyword-only default
+    return super(type(self), self).forward(x) * scale
+
+
+def _by_list_default(self, x, scale=[0.5]):  # noqa: B006  a forward reading a list it holds as a default
+    return super(type(self), self).forward(x) * scale[0]
+
+
+def _half(x):
+    return x * 0.5
+
+
+def _quarter(x):
+    return x * 0.25
+
+
+def _by_default_function(self, x, post=_half):  # a forward calling a function it holds as a default
+    return post(super(type(self), self).forward(x))
+
+
+def _by_argument(self, x, scale):  # a forward a partialmethod calls
+    return super(type(self), self).forward(x) * scale
+
+
+def _by_argument_squared(self, x, scale):
+    return super(type(self), self).forward(x) * scale * scale
+
+
+def _set_inside(name):
+    """(class attributes, a change made inside what the class holds, its undoing) for each case below."""
+    if name == "keyword default in place":
+        return ({"forward": _by_kwdefault}, lambda: _by_kwdefault.__kwdefaults__.__setitem__("scale", 0.25),
+                lambda: _by_kwdefault.__kwdefaults__.__setitem__("scale", 0.5))
+    if name == "list default in place":
+        return ({"forward": _by_list_default}, lambda: _by_list_default.__defaults__[0].__setitem__(0, 0.25),
+                lambda: _by_list_default.__defaults__[0].__setitem__(0, 0.5))
+    code = _half.__code__
+    if name == "code of a function held as a default":
+        return ({"forward": _by_default_function}, lambda: setattr(_half, "__code__", _quarter.__code__),
+                lambda: setattr(_half, "__code__", code))
+    code = _by_argument.__code__
+    return ({"forward": functools.partialmethod(_by_argument, scale=0.5)},
+            lambda: setattr(_by_argument, "__code__", _by_argument_squared.__code__),
+            lambda: setattr(_by_argument, "__code__", code))
+
+
+@pytest.mark.parametrize("name", ["keyword default in place", "list default in place",
+                                  "code of a function held as a default", "code of a function a partial calls"])
+def test_what_changes_inside_a_function_an_encoder_modules_class_holds_is_part_of_the_key(cc, uncached, tiny, name):
+    """A change made inside what the class holds, with every attribute the same object (a default edited in
+    place, the code of a function it calls through a default or a partial): a miss equal to an uncached
+    encode, then a hit; undone, the first entry hits."""
+    clip = tiny.tiny_clip(0)
+    tokens = clip.tokenize("a red square on a blue field")
+    mlp = next(m for n, m in clip.cond_stage_model.named_modules() if n.endswith("mlp"))
+    original = type(mlp)
+    attributes, change, undo = _set_inside(name)
+    mlp.__class__ = type("ChangedMLP", (original,), attributes)
+    try:
+        before = clip.encode_from_tokens(tokens)
+        change()
+        truth = uncached(clip.encode_from_tokens, tokens)
+        assert not torch.equal(truth, before)
+        assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 0
+        assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 1
+        undo()
+        assert same(before, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 2
+        assert cc.CACHE.count("bypasses") == 0
+    finally:
+        undo()
+        mlp.__class__ = original
+
+
+def test_code_compiled_as_if_from_the_hosts_own_file_is_part_of_the_key(cc, uncached, tiny):
+    """Code put into the host's function that names the host's own file (a source-rewriting node, a hot
+    reloader) cannot be told by where it comes from: it is keyed by what it runs, a miss equal to an
+    uncached encode; put back, the first entry hits."""
+    import comfy.clip_model
+
+    clip = tiny.tiny_clip(0)
+    tokens = clip.tokenize("a red square on a blue field")
+    before = clip.encode_from_tokens(tokens)
+    forward = _mlp_class(clip).forward
+    original = forward.__code__
+    forward.__code__ = _halved_forward.__code__.replace(co_filename=comfy.clip_model.__file__, co_name="forward")
+    try:
+        truth = uncached(clip.encode_from_tokens, tokens)
+        assert not torch.equal(truth, before)
+        assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 0
+        assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 1
+    finally:
+        forward.__code__ = original
+    assert same(before, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 2
+    assert cc.CACHE.count("bypasses") == 0
+
+
+def _wraps_itself(self, x):
+    return super(type(self), self).forward(x)
+
+
+def test_a_class_that_holds_a_default_referring_to_it_or_a_function_wrapping_itself_is_no_error_nor_kept(cc, tiny):
+    """A function whose defaults hold its class, or that names itself as what it wraps: encodes hit, and
+    once the module is gone so is its class."""
+    import gc
+    import weakref
+
+    def encoder():
+        clip = tiny.tiny_clip(0)
+        mlp = next(m for n, m in clip.cond_stage_model.named_modules() if n.endswith("mlp"))
+        forward = types.FunctionType(_wraps_itself.__code__, _wraps_itself.__globals__, "forward", ((None,),))
+        forward.__wrapped__ = forward
+        cls = type("SelfishMLP", (type(mlp),), {"forward": forward})
+        forward.__defaults__ = ((cls,),)
+        mlp.__class__ = cls
+        tokens = clip.tokenize("a red square")
+        assert same(clip.encode_from_tokens(tokens), clip.encode_from_tokens(tokens))
+        assert cc.CACHE.count("hits.text") == 1 and cc.CACHE.count("bypasses") == 0
+        return weakref.ref(cls)
+
+    cls = encoder()
+    cc.CACHE.clear()
+    gc.collect()
+    assert cls() is None
 
 
 def _halved_pixels(self, pixels):  # a node's replacement of the VAE wrapper's pixel preparation
