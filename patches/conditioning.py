@@ -520,8 +520,7 @@ class _Function:
 
 @dataclasses.dataclass(frozen=True)
 class _Wrapper:
-    """What holds functions: a staticmethod, classmethod or property (its functions, None where a property
-    has none), a tuple (its items), a partial or a cache (itself and the function it calls)."""
+    """A holder of functions (:func:`_parts`): its type and what it holds, each as :func:`_weakly` holds it."""
 
     kind: type
     parts: tuple
@@ -535,19 +534,13 @@ def _weakly(value, depth: int = 0):
     that may reach the class (a property's function can capture a module of it: torch's parametrizations)."""
     if depth < _DEPTH:
         deeper = functools.partial(_weakly, depth=depth + 1)
-        if isinstance(value, (staticmethod, classmethod)):
-            return _Wrapper(type(value), (deeper(value.__func__),))
-        if isinstance(value, property):
-            return _Wrapper(property, tuple(None if f is None else deeper(f) for f in (value.fget, value.fset, value.fdel)))
-        if type(value) is tuple:
-            return _Wrapper(tuple, tuple(map(deeper, value)))
         if isinstance(value, types.FunctionType):
             inner = getattr(value, "__wrapped__", None)
             return _Function(weakref.ref(value), weakref.ref(value.__code__), deeper(value.__defaults__),
                              deeper(value.__kwdefaults__), deeper(inner) if isinstance(inner, types.FunctionType) else None)
-        inner = _called(value)
-        if inner is not None:
-            return _Wrapper(type(value), (_reference(value), deeper(inner)))
+        parts = _parts(value)
+        if parts is not None:
+            return _Wrapper(type(value), tuple(map(deeper, parts)))
     if type(value) in _CONTAINERS:
         return _Container(value, _snapshot(value))
     return _reference(value)
@@ -563,15 +556,25 @@ def _reference(value):
 _UNKNOWN = object()
 
 
-def _called(value):
-    """The function a partial or a cache (``functools.lru_cache``) calls, or None."""
+def _parts(value) -> tuple | None:
+    """What a holder of functions holds now, or None for anything else: a staticmethod's or classmethod's
+    function, a property's accessors, a tuple's items, a partial's function, arguments and keywords, the
+    function a cache (``functools.lru_cache``) wraps."""
+    if isinstance(value, (staticmethod, classmethod)):
+        return (value.__func__,)
+    if isinstance(value, property):
+        return (value.fget, value.fset, value.fdel)
+    if type(value) is tuple:
+        return value
     if isinstance(value, (functools.partial, functools.partialmethod)):
-        return value.func
+        return (value.func, value.args, value.keywords)
+    if isinstance(value, types.FunctionType):
+        return None
     try:
-        inner = None if isinstance(value, types.FunctionType) else getattr(value, "__wrapped__", None)
+        inner = getattr(value, "__wrapped__", None)
     except Exception:  # an attribute that fails to read (a __getattr__ that raises): described as a gap
         return None
-    return inner if isinstance(inner, types.FunctionType) else None
+    return (inner,) if isinstance(inner, types.FunctionType) else None
 
 
 _CONTAINERS = (list, dict, set, bytearray)
@@ -613,44 +616,31 @@ def _same(held, value) -> bool:
     if isinstance(held, _Container):
         return held.value is value and _equal(held.held, value)
     if isinstance(held, _Wrapper):
-        if type(value) is not held.kind:
-            return False
-        if held.kind is property:
-            now = (value.fget, value.fset, value.fdel)
-        elif held.kind in (staticmethod, classmethod):
-            now = (value.__func__,)
-        elif held.kind is tuple:
-            now = value
-        else:
-            now = (value, _called(value))
-        return len(now) == len(held.parts) and all(map(_same, held.parts, now))
+        now = _parts(value) if type(value) is held.kind else None
+        return now is not None and len(now) == len(held.parts) and all(map(_same, held.parts, now))
     return held is value
 
 
-def _watch(value, functions: list, containers: list, depth: int = 0) -> None:
+def _watch(value, functions: list, containers: list, holders: list, depth: int = 0) -> None:
     """What can change inside a class attribute while the attribute stays the same object, as :func:`_same`
     compares it: the functions it holds (their code, defaults and what they wrap, by identity) into
-    ``functions``, its containers (with a copy, compared by value) into ``containers``."""
+    ``functions``, its containers (with a copy, compared by value) into ``containers``, what its holders of
+    functions hold (:func:`_parts`, by identity) into ``holders``."""
     if depth >= _DEPTH:
         return
-    deeper = functools.partial(_watch, functions=functions, containers=containers, depth=depth + 1)
-    if isinstance(value, (staticmethod, classmethod)):
-        deeper(value.__func__)
-    elif isinstance(value, property):
-        for f in (value.fget, value.fset, value.fdel):
-            deeper(f)
-    elif type(value) is tuple:
-        for v in value:
-            deeper(v)
-    elif isinstance(value, types.FunctionType):
+    deeper = functools.partial(_watch, functions=functions, containers=containers, holders=holders, depth=depth + 1)
+    if isinstance(value, types.FunctionType):
         inner = getattr(value, "__wrapped__", None)
         functions.append((value, value.__code__, value.__defaults__, value.__kwdefaults__, inner))
         for v in (value.__defaults__, value.__kwdefaults__, inner if isinstance(inner, types.FunctionType) else None):
             deeper(v)
     elif type(value) in _CONTAINERS:
         containers.append((value, _snapshot(value)))
-    elif (inner := _called(value)) is not None:
-        deeper(inner)
+    elif (parts := _parts(value)) is not None:
+        if type(value) is not tuple:  # a tuple's items never change
+            holders.append((value, parts))
+        for v in parts:
+            deeper(v)
 
 
 def _described(cls: type, name: str, value, gaps: list, strict: bool):
@@ -710,21 +700,22 @@ def _classes_state(tree, wrapper) -> tuple:
             c.__mro__ is mro and tuple(vars(c)) == names and all(map(operator.is_, vars(c).values(), values))
             for c, names, values, mro in found[0]) and all(_equal(held, value) for value, held in found[3]) \
             and all(f.__code__ is code and f.__defaults__ is d and f.__kwdefaults__ is kw
-                    and getattr(f, "__wrapped__", None) is inner for f, code, d, kw, inner in found[4]):
+                    and getattr(f, "__wrapped__", None) is inner for f, code, d, kw, inner in found[4]) \
+            and all(all(map(operator.is_, _parts(v), parts)) for v, parts in found[5]):
         return found[1]
     own = tuple(dict.fromkeys(b for c in tree.classes for b in c.__mro__ if b is not torch.nn.Module and b is not object))
     classes = (*own, *wrappers)
     snapshot = [(c, tuple(vars(c)), tuple(vars(c).values()), c.__mro__) for c in classes]
-    functions, containers = [], []
+    functions, containers, holders = [], [], []
     for c in classes:
         for k, v in vars(c).items():
             if k not in _NOT_CODE:
-                _watch(v, functions, containers)
+                _watch(v, functions, containers, holders)
     fields = tuple(_class_state(c, i < len(own)) for i, c in enumerate(classes))
     gaps = [g for f in fields for g in f[2]]
     state = (digest(tuple(f[:3] for f in fields)), tuple(f[3] for f in fields if f[2]),
              gaps[0] if gaps else None)
-    tree.memo["classes"] = (snapshot, state, wrappers, containers, functions)
+    tree.memo["classes"] = (snapshot, state, wrappers, containers, functions, holders)
     return state
 
 

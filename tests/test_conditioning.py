@@ -573,15 +573,26 @@ def test_code_another_module_puts_into_an_encoder_classs_function_is_never_answe
     assert same(before, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 1
 
 
-def test_library_code_put_into_an_encoder_classs_function_is_part_of_the_key(cc, uncached, tiny):
-    """torch's code put into the host's function (``CLIPMLP.forward.__code__ = Identity.forward.__code__``):
-    a miss equal to an uncached encode, then a hit; put back, the first entry hits."""
+def _code_put_in(name):
+    import comfy.clip_model
+
+    if name == "torch's":  # a library file's code: kept in the process
+        return torch.nn.Identity.forward.__code__
+    # a source-rewriting node or a hot reloader: code that names the host's own file, told by what it runs
+    return _halved_forward.__code__.replace(co_filename=comfy.clip_model.__file__, co_name="forward")
+
+
+@pytest.mark.parametrize("name", ["torch's", "as if from the host's own file"])
+def test_code_put_into_an_encoder_classs_function_from_a_library_or_the_host_is_part_of_the_key(cc, uncached, tiny,
+                                                                                                name):
+    """Code put into the host's function (``CLIPMLP.forward.__code__ = ...``), torch's or compiled as if from
+    the host's own file: a miss equal to an uncached encode, then a hit; put back, the first entry hits."""
     clip = tiny.tiny_clip(0)
     tokens = clip.tokenize("a red square on a blue field")
     before = clip.encode_from_tokens(tokens)
     forward = _mlp_class(clip).forward
     original = forward.__code__
-    forward.__code__ = torch.nn.Identity.forward.__code__
+    forward.__code__ = _code_put_in(name)
     try:
         truth = uncached(clip.encode_from_tokens, tokens)
         assert not torch.equal(truth, before)
@@ -659,18 +670,25 @@ def _set_inside(name):
     if name == "code of a function held as a default":
         return ({"forward": _by_default_function}, lambda: setattr(_half, "__code__", _quarter.__code__),
                 lambda: setattr(_half, "__code__", code))
+    partial = functools.partialmethod(_by_argument, scale=0.5)
+    if name == "keywords of a partial in place":
+        return ({"forward": partial}, lambda: partial.keywords.__setitem__("scale", 0.25),
+                lambda: partial.keywords.__setitem__("scale", 0.5))
+    if name == "function of a partial set anew":
+        return ({"forward": partial}, lambda: setattr(partial, "func", _by_argument_squared),
+                lambda: setattr(partial, "func", _by_argument))
     code = _by_argument.__code__
-    return ({"forward": functools.partialmethod(_by_argument, scale=0.5)},
-            lambda: setattr(_by_argument, "__code__", _by_argument_squared.__code__),
+    return ({"forward": partial}, lambda: setattr(_by_argument, "__code__", _by_argument_squared.__code__),
             lambda: setattr(_by_argument, "__code__", code))
 
 
 @pytest.mark.parametrize("name", ["keyword default in place", "list default in place",
-                                  "code of a function held as a default", "code of a function a partial calls"])
+                                  "code of a function held as a default", "keywords of a partial in place",
+                                  "function of a partial set anew", "code of a function a partial calls"])
 def test_what_changes_inside_a_function_an_encoder_modules_class_holds_is_part_of_the_key(cc, uncached, tiny, name):
     """A change made inside what the class holds, with every attribute the same object (a default edited in
-    place, the code of a function it calls through a default or a partial): a miss equal to an uncached
-    encode, then a hit; undone, the first entry hits."""
+    place, a partial's keywords or function, the code of a function it calls through a default or a
+    partial): a miss equal to an uncached encode, then a hit; undone, the first entry hits."""
     clip = tiny.tiny_clip(0)
     tokens = clip.tokenize("a red square on a blue field")
     mlp = next(m for n, m in clip.cond_stage_model.named_modules() if n.endswith("mlp"))
@@ -690,29 +708,6 @@ def test_what_changes_inside_a_function_an_encoder_modules_class_holds_is_part_o
     finally:
         undo()
         mlp.__class__ = original
-
-
-def test_code_compiled_as_if_from_the_hosts_own_file_is_part_of_the_key(cc, uncached, tiny):
-    """Code put into the host's function that names the host's own file (a source-rewriting node, a hot
-    reloader) cannot be told by where it comes from: it is keyed by what it runs, a miss equal to an
-    uncached encode; put back, the first entry hits."""
-    import comfy.clip_model
-
-    clip = tiny.tiny_clip(0)
-    tokens = clip.tokenize("a red square on a blue field")
-    before = clip.encode_from_tokens(tokens)
-    forward = _mlp_class(clip).forward
-    original = forward.__code__
-    forward.__code__ = _halved_forward.__code__.replace(co_filename=comfy.clip_model.__file__, co_name="forward")
-    try:
-        truth = uncached(clip.encode_from_tokens, tokens)
-        assert not torch.equal(truth, before)
-        assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 0
-        assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 1
-    finally:
-        forward.__code__ = original
-    assert same(before, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 2
-    assert cc.CACHE.count("bypasses") == 0
 
 
 def _wraps_itself(self, x):
