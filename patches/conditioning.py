@@ -701,7 +701,8 @@ def _classes_state(tree, wrapper) -> tuple:
             for c, names, values, mro in found[0]) and all(_equal(held, value) for value, held in found[3]) \
             and all(f.__code__ is code and f.__defaults__ is d and f.__kwdefaults__ is kw
                     and getattr(f, "__wrapped__", None) is inner for f, code, d, kw, inner in found[4]) \
-            and all(all(map(operator.is_, _parts(v), parts)) for v, parts in found[5]):
+            and all((now := _parts(v)) is not None and len(now) == len(parts) and all(map(operator.is_, now, parts))
+                    for v, parts in found[5]):
         return found[1]
     own = tuple(dict.fromkeys(b for c in tree.classes for b in c.__mro__ if b is not torch.nn.Module and b is not object))
     classes = (*own, *wrappers)
