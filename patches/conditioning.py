@@ -435,7 +435,7 @@ def _class_code(cls: type, name: str, fn, gaps: list, depth: int = 0) -> tuple:
         if _file_origin(elsewhere) == "other":
             raise Uncacheable(f"{cls.__qualname__}.{name} on the encoder's class runs code from {elsewhere}")
         gaps.append(f"{cls.__qualname__}.{name} runs code compiled from another file")
-    if depth > 8:
+    if depth > _DEPTH:
         gaps.append(f"{cls.__qualname__}.{name} wraps too deep")
         return ("f", module, fn.__qualname__)
     cells = None
