@@ -431,6 +431,21 @@ def test_library_code_set_on_an_encoder_modules_class_is_part_of_the_key(cc, unc
     assert cc.CACHE.count("misses.text") == 4 and cc.CACHE.count("bypasses") == 0
 
 
+def _a_miss_then_a_hit_then_back(cc, uncached, clip, tokens, before, change, undo):
+    """After ``change``: a miss equal to an uncached encode that differs from ``before``, then a hit; after
+    ``undo`` (run whatever happens): the entry from before hits."""
+    hits = cc.CACHE.count("hits.text")
+    change()
+    try:
+        truth = uncached(clip.encode_from_tokens, tokens)
+        assert not torch.equal(truth, before)
+        assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == hits
+        assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == hits + 1
+    finally:
+        undo()
+    assert same(before, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == hits + 2
+
+
 def test_a_module_swapped_into_another_class_is_a_miss(cc, uncached, tiny):
     """A node that swaps one module's class (``module.__class__ = Subclass``) changes what it computes
     without setting any attribute: the next encode misses, equal to an uncached encode, then hits; swapped
@@ -440,15 +455,10 @@ def test_a_module_swapped_into_another_class_is_a_miss(cc, uncached, tiny):
     before = clip.encode_from_tokens(tokens)
     mlp = next(m for n, m in clip.cond_stage_model.named_modules() if n.endswith("mlp"))
     original = type(mlp)
-    mlp.__class__ = type("HalvedMLP", (original,), {"forward": _halved_by_subclass})
-    try:
-        truth = uncached(clip.encode_from_tokens, tokens)
-        assert not torch.equal(truth, before)
-        assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 0
-        assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 1
-    finally:
-        mlp.__class__ = original
-    assert same(before, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 2
+    _a_miss_then_a_hit_then_back(
+        cc, uncached, clip, tokens, before,
+        lambda: setattr(mlp, "__class__", type("HalvedMLP", (original,), {"forward": _halved_by_subclass})),
+        lambda: setattr(mlp, "__class__", original))
 
 
 def test_what_python_caches_on_a_class_is_not_a_change(cc, tiny):
@@ -592,15 +602,9 @@ def test_code_put_into_an_encoder_classs_function_from_a_library_or_the_host_is_
     before = clip.encode_from_tokens(tokens)
     forward = _mlp_class(clip).forward
     original = forward.__code__
-    forward.__code__ = _code_put_in(name)
-    try:
-        truth = uncached(clip.encode_from_tokens, tokens)
-        assert not torch.equal(truth, before)
-        assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 0
-        assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 1
-    finally:
-        forward.__code__ = original
-    assert same(before, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 2
+    _a_miss_then_a_hit_then_back(cc, uncached, clip, tokens, before,
+                                 lambda: setattr(forward, "__code__", _code_put_in(name)),
+                                 lambda: setattr(forward, "__code__", original))
     assert cc.CACHE.count("bypasses") == 0
 
 
@@ -678,16 +682,9 @@ def test_what_changes_inside_a_function_an_encoder_modules_class_holds_is_part_o
     mlp.__class__ = type("ChangedMLP", (original,), attributes)
     try:
         before = clip.encode_from_tokens(tokens)
-        change()
-        truth = uncached(clip.encode_from_tokens, tokens)
-        assert not torch.equal(truth, before)
-        assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 0
-        assert same(truth, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 1
-        undo()
-        assert same(before, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 2
+        _a_miss_then_a_hit_then_back(cc, uncached, clip, tokens, before, change, undo)
         assert cc.CACHE.count("bypasses") == 0
     finally:
-        undo()
         mlp.__class__ = original
 
 
