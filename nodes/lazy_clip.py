@@ -44,10 +44,19 @@ class _LazyLoader(io.ComfyNode):
 
     @classmethod
     def _spec(cls) -> list[tuple[str, list, bool, dict]]:
-        """(name, options, optional, extra) of the host node's inputs, in its order."""
+        """(name, options, optional, extra) of the host node's inputs, in its order: a classic node lists a
+        combo's options first, a V3 node (TripleCLIPLoader) says ``"COMBO"`` and keeps them in ``options``."""
         spec = cls._host().INPUT_TYPES()
-        return [(name, list(entry[0]), section == "optional", entry[1] if len(entry) > 1 else {})
-                for section in ("required", "optional") for name, entry in spec.get(section, {}).items()]
+        out = []
+        for section in ("required", "optional"):
+            for name, entry in spec.get(section, {}).items():
+                extra = entry[1] if len(entry) > 1 else {}
+                options = extra.get("options") if entry[0] == "COMBO" else entry[0]
+                if not isinstance(options, (list, tuple)):
+                    raise TypeError(f"{cls.DISPLAY}: {cls.HOST}'s input {name!r} is not a list of choices "
+                                    f"({entry[0]!r}); this ComfyUI's loader is not one ReuseKit knows")
+                out.append((name, list(options), section == "optional", extra))
+        return out
 
     @classmethod
     def define_schema(cls) -> io.Schema:

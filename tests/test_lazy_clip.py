@@ -453,6 +453,53 @@ def test_the_lazy_clip_loader_node_on_a_clip_l_file(lazy, tmp_path):
     assert equal(encode(stock, "a prompt never seen"), new) and equal(encode(stock), seen)
 
 
+@pytest.mark.parametrize("lazy_id, host_id", [("ReuseKitLazyCLIPLoader", "CLIPLoader"),
+                                              ("ReuseKitLazyDualCLIPLoader", "DualCLIPLoader"),
+                                              ("ReuseKitLazyTripleCLIPLoader", "TripleCLIPLoader")])
+def test_each_lazy_loader_offers_its_host_loaders_choices_and_takes_the_same_prompt(tmp_path, lazy_id, host_id):
+    """Each lazy loader lists the host loader's inputs with the same choices (the text encoder files, the
+    types), whether the host node is a classic one or a V3 one (TripleCLIPLoader, whose inputs read
+    ``"COMBO"``): ComfyUI's own validation takes the same prompt for both, and a file that is not there is
+    refused naming the node and the input."""
+    import asyncio
+    import uuid
+
+    import execution
+    import folder_paths
+
+    import nodes
+
+    rkharness.load_extra_nodes()
+    folder = tmp_path / "text_encoders"
+    folder.mkdir()
+    names = ["rk_a.safetensors", "rk_b.safetensors", "rk_c.safetensors"]
+    for name in names:
+        (folder / name).write_bytes(b"")
+    folder_paths.add_model_folder_path("text_encoders", str(folder))
+    lazy_node, host_node = nodes.NODE_CLASS_MAPPINGS[lazy_id], nodes.NODE_CLASS_MAPPINGS[host_id]
+    host_inputs = {name: (entry[1]["options"] if entry[0] == "COMBO" else entry[0])
+                   for section in host_node.INPUT_TYPES().values() for name, entry in section.items()}
+    lazy_inputs = {name: list(entry[0]) if isinstance(entry[0], list) else entry[1]["options"]
+                   for section in lazy_node.INPUT_TYPES().values() for name, entry in section.items()}
+    assert lazy_inputs == {name: list(options) for name, options in host_inputs.items()}
+    clip_names = [n for n in host_inputs if n.startswith("clip_name")]
+    assert clip_names and all(set(names) <= set(host_inputs[n]) for n in clip_names)
+
+    def validate(class_type, **changed):
+        inputs = {n: names[i] for i, n in enumerate(clip_names)}
+        inputs.update({n: options[0] for n, options in host_inputs.items() if n not in inputs}, **changed)
+        prompt = {"1": {"class_type": class_type, "inputs": inputs},
+                  "2": {"class_type": "ReuseKitCacheStats", "inputs": {"after": ["1", 0]}}}
+        return asyncio.run(execution.validate_prompt(str(uuid.uuid4()), prompt, None))
+
+    assert validate(host_id)[0] and validate(lazy_id)[0]
+    refused = validate(lazy_id, **{clip_names[-1]: "rk_missing.safetensors"})
+    assert not refused[0]
+    details = [e.get("details", "") for n in refused[3].values() for e in n["errors"]]
+    assert any(f"{lazy_node.DISPLAY}: {clip_names[-1]}: 'rk_missing.safetensors' is not one of" in d
+               for d in details), details
+
+
 # ---- across restarts: real servers ---------------------------------------------------------------
 
 def _run(server, prompt) -> None:
