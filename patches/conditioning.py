@@ -1099,8 +1099,11 @@ def _make_methods():
         return out
 
     def encode_from_tokens_scheduled(self, tokens, *args, **kwargs):
-        if self.patcher.forced_hooks is not None and self.use_clip_schedule and _active and _routed(self.patcher):
-            CACHE.bypass("text", "hook-scheduled encode", encoder_name(self.cond_stage_model))
+        if self.patcher.forced_hooks is not None and self.use_clip_schedule:  # ComfyUI encodes it itself
+            # a lazy encoder reads its weights before ComfyUI sets its options (clip skip) on the module
+            lazy_clip.materialise(self.cond_stage_model, self.patcher)
+            if _active and _routed(self.patcher):
+                CACHE.bypass("text", "hook-scheduled encode", encoder_name(self.cond_stage_model))
         return _orig(CLIP, "encode_from_tokens_scheduled")(self, tokens, *args, **kwargs)
 
     def vae_encode(self, pixel_samples, *more, **extra):
@@ -1197,20 +1200,22 @@ def _loader(owner, name: str, parts, paths, lazy=False):
             log.debug("ReuseKit: no source recorded for %s: %s", name, exc)
             return orig(*args, **kwargs)
         result = (lazy_clip.build(orig, bound.arguments) if lazy else None) or orig(*args, **kwargs)
-        recorded = False
+        recorded, unrecorded = False, "options"
         try:
             options = {k: _enums_by_name(v) for k, v in bound.arguments.items() if k not in _NOT_OPTIONS}
             if any(FileHashes.stamp(f) != st for f, st in before.items()):
                 log.info("ReuseKit: a file changed while %s read it; its encoders stay out of the shared tiers", name)
-                return result
-            for encoder, files, role in parts(bound.arguments, result):
-                if encoder is not None:
-                    recorded = register_source(encoder, files, f"{owner.__name__}.{name}:{role}", options,
-                                               stamps=[before[f] for f in files])
+                unrecorded = "changed"
+            else:
+                for encoder, files, role in parts(bound.arguments, result):
+                    if encoder is not None:
+                        recorded = register_source(encoder, files, f"{owner.__name__}.{name}:{role}", options,
+                                                   stamps=[before[f] for f in files])
         except Exception as exc:  # never break a load: the encoder only misses the shared tiers
             log.debug("ReuseKit: no source recorded for %s: %s", name, exc)
+            unrecorded = "error"
         if lazy:
-            lazy_clip.settle(result, recorded)
+            lazy_clip.settle(result, None if recorded else unrecorded)
         return result
     return load
 

@@ -21,11 +21,13 @@ other: the output is a function of the base file's content and the patches, both
 weights are needed only to compute it (on a miss, ComfyUI applies the patches at load as usual).
 
 Loading (materialising), on the first encode that misses every tier or anything else that needs the
-weights (ComfyUI's patcher loading the model, ``CLIP.load_sd``, ``get_sd``, ``get_key_patches``,
-``state_dict_for_saving``): ComfyUI's ``load_clip`` runs again with the same arguments, for real (its
-model built on the offload device, as ComfyUI does when VRAM is short), its patcher is detached (what
-ComfyUI does to unload it), and the lazy encoder's module takes the loaded module's state in place:
-every attribute (children, weights, settings) but the few its own patchers keep on it. Clones made
+weights (``CLIP.load_model``, ``load_sd``, ``get_sd``, ``get_key_patches``, ``state_dict_for_saving``,
+``generate``, a hook-scheduled encode: each before ComfyUI's code sets anything on the module; ComfyUI's
+patcher loading the model by another way): ComfyUI's ``load_clip`` runs again with the same arguments, for
+real (its model built on the offload device, as ComfyUI does when VRAM is short), its patcher is detached
+(what ComfyUI does to unload it), and the lazy encoder's module takes the loaded module's state in place:
+every attribute (children, weights, settings) but the few its own patchers keep on it; the object patches
+the loading patcher had put on it (it patches before it loads) are put on again. Clones made
 before (a LoraLoader's) share the module, so they see it. From then on it is an ordinary loaded encoder
 (its weights fingerprinted as the reference of the edit checks). A file that changed since the build
 is loaded as it is now; the encode that asked is then neither stored nor shared, and the encoder
@@ -254,6 +256,8 @@ def build(load, arguments: dict):
     when it cannot be lazy (the caller loads it as usual). Called by the loader wrapper of
     patches/conditioning.py, which then records the encoder's files like any other load."""
     if not wanted():
+        if getattr(_local, "requested", 0) > 0:  # a Lazy CLIP Loader node, on a host whose seams differ
+            _eager("host_seams_differ")
         return None
     close_dead_files()
     try:
@@ -348,17 +352,17 @@ def _close(fds) -> None:
             os.close(fd)
 
 
-def settle(clip, recorded: bool) -> None:
-    """After the loader wrapper recorded (or could not record) a lazy encoder's files: counted as lazy;
-    or, without a shared identity (options a key cannot hold...) it could never answer without its
-    weights: loaded now."""
+def settle(clip, unrecorded: str | None) -> None:
+    """After the loader wrapper recorded a lazy encoder's files (``unrecorded`` None): counted as lazy; or,
+    without a shared identity (``unrecorded`` says why: options a key cannot hold, a file that changed
+    while it was read...) it could never answer without its weights: loaded now."""
     module = getattr(clip, "cond_stage_model", None)
     found = _pending.get(module) if module is not None else None
     if found is None:
         return
-    if not recorded:
+    if unrecorded is not None:
         materialise(module, clip.patcher)
-        _eager("options")
+        _eager(unrecorded)
         return
     found.counted = True
     STATS.incr("lazy_encoders")
@@ -382,6 +386,19 @@ def _adopt(module: torch.nn.Module, loaded: torch.nn.Module) -> None:
     d.update(state)
     d.update(own)
     vars(loaded).update(_parameters={}, _buffers={}, _modules={})
+
+
+def _patch_again(module, patcher) -> None:
+    """The object patches ``patcher`` had put on ``module`` before its weights were read (ComfyUI's
+    ``patch_model`` sets them before it loads): put on the adopted state too, each one's backup now what that
+    state held, which an unpatch puts back (ComfyUI 0.33 deletes an attribute that was unset)."""
+    import comfy.utils
+
+    backup, patches = getattr(patcher, "object_patches_backup", None), getattr(patcher, "object_patches", {})
+    if getattr(patcher, "model", None) is not module or not backup:
+        return
+    for key in [k for k in backup if k in patches]:
+        backup[key] = comfy.utils.set_attr(module, key, patches[key])
 
 
 def materialise(module, patcher) -> None:
@@ -408,6 +425,7 @@ def materialise(module, patcher) -> None:
                                f"not the {type(module).__name__} built from their header")
         loaded.patcher.detach()  # undo whatever ComfyUI's load did with its own patcher
         _adopt(module, fresh)
+        _patch_again(module, patcher)
         problems = []
         if kept:  # the very files built from, but their ctime moved with their names: nothing vouches for them
             problems.append("its files were moved or deleted since it was built (read as kept open)")
@@ -504,8 +522,10 @@ def _methods():
         (comfy.utils, "load_torch_file", load_torch_file, ("ckpt", "safe_load", "device", "return_metadata"), True),
         (comfy.model_management, "text_encoder_initial_device", text_encoder_initial_device,
          ("load_device", "offload_device"), True),
-        *[(comfy.sd.CLIP, name, needs_weights(name), ("self",), name != "state_dict_for_saving")
-          for name in ("get_sd", "get_key_patches", "state_dict_for_saving")],
+        # load_model: before ComfyUI's model manager patches the module (CLIPSave, a node's load); generate
+        # (TextGenerate, newer hosts): before it sets its options on the module
+        *[(comfy.sd.CLIP, name, needs_weights(name), ("self",), name not in ("state_dict_for_saving", "generate"))
+          for name in ("get_sd", "get_key_patches", "state_dict_for_saving", "load_model", "generate")],
     ]
 
 

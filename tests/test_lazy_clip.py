@@ -394,6 +394,90 @@ def test_whatever_else_needs_the_weights_reads_them_first(lazy):
     assert count(lazy, "weights_loaded") == 3
 
 
+@pytest.mark.parametrize("load", ["load_model", "load_models_gpu"])
+def test_a_lazy_clip_loaded_by_the_model_manager_keeps_its_object_patches_and_unloads(lazy, load):
+    """ComfyUI's model manager reads a lazy encoder's weights first (CLIPSave's ``load_model``, a node's
+    ``load_models_gpu``, which patches the module before it loads): the object patches its patcher set stay
+    in force, and unloading puts the module back as it was (ComfyUI 0.33 deletes an attribute that was
+    unset, such as the ``manual_cast_dtype`` it patches onto every CLIP); its encodes before and after the
+    unload are those of an eagerly loaded CLIP with the same patch."""
+    import comfy.model_management
+
+    path = files().write_tiny_clip_l(str(lazy.files), 0)
+
+    def run(lazily):
+        clip = files().load(path, lazy=lazily)
+        clip.patcher.add_object_patch("clip_l.enable_attention_masks", True)
+        clip.load_model() if load == "load_model" else comfy.model_management.load_models_gpu([clip.patcher])
+        assert not lazy.lc.pending(clip.cond_stage_model)
+        first = encode(clip, "a new prompt")
+        comfy.model_management.unload_all_models()
+        return first, encode(clip, "another new prompt")
+
+    lazy_outputs = run(True)
+    lazy.cc.CACHE.clear()
+    lazy.settings.set("conditioning.disk.enabled", False)  # the eager CLIP computes too
+    eager_outputs = run(False)
+    assert all(equal(a, b) for a, b in zip(lazy_outputs, eager_outputs, strict=True))
+    assert not equal(eager_outputs[0], files().reference(path, "a new prompt"))  # the patch is in force
+
+
+def test_a_hook_scheduled_encode_of_a_lazy_clip_keeps_its_clip_skip(lazy):
+    """CLIPSetLastLayer then SetClipHooks with the CLIP scheduled: ComfyUI encodes it itself, setting the
+    clip skip on the module before it loads it; a lazy encoder reads its weights before that, so its
+    encode is the eager one's."""
+    import comfy.hooks
+    import comfy.model_management
+    import comfy.utils
+
+    import nodes
+
+    rkharness.load_extra_nodes()
+    from comfy_extras.nodes_hooks import SetClipHooks
+
+    path = files().write_tiny_clip_l(str(lazy.files), 0)
+    name = loras().write_lora("rk_lazy_lora.safetensors", seed=4, width=rkharness.TINY.TEXT_DIM, flux=False)
+    lora = comfy.utils.load_torch_file(os.path.join(loras().lora_dir(), name))
+
+    def scheduled(clip, layer):
+        (clip,) = nodes.CLIPSetLastLayer().set_last_layer(clip, layer)
+        hooks = comfy.hooks.create_hook_lora(lora, strength_model=1.0, strength_clip=1.0)
+        (clip,) = SetClipHooks().apply_hooks(clip, schedule_clip=True, apply_to_conds=False, hooks=hooks)
+        out = nodes.CLIPTextEncode().encode(clip, TEXT)[0][0][0]
+        comfy.model_management.unload_all_models()
+        return out
+
+    lazy_out = scheduled(files().load(path), -2)
+    eager_out = scheduled(files().load(path, lazy=False), -2)
+    assert torch.equal(lazy_out, eager_out)
+    assert not torch.equal(eager_out, scheduled(files().load(path, lazy=False), -1))  # the clip skip is in force
+    assert count(lazy, "weights_loaded") == 1
+
+
+def test_a_lazy_encoder_the_loader_cannot_record_loads_now_and_says_why(lazy, monkeypatch):
+    """A file that changes right after the lazy build (before the loader records it), and a host whose
+    seams the lazy loading does not fit: the encoder loads as CLIPLoader loads it, counted with the reason."""
+    path = files().write_tiny_clip_l(str(lazy.files), 0)
+    build = lazy.lc.build
+
+    def build_then_touch(*args, **kwargs):
+        clip = build(*args, **kwargs)
+        stat = os.stat(path)
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+        return clip
+
+    monkeypatch.setattr(lazy.lc, "build", build_then_touch)
+    clip = files().load(path)
+    assert not lazy.lc.pending(clip.cond_stage_model)
+    assert count(lazy, "eager.changed") == 1 and count(lazy, "lazy_encoders") == 0
+    assert equal(encode(clip), files().reference(path, TEXT))
+    monkeypatch.setattr(lazy.lc, "build", build)
+    monkeypatch.setattr(lazy.lc, "_active", False)  # as when the host's functions are not the ones it wraps
+    clip = files().load(path)
+    assert not lazy.lc.pending(clip.cond_stage_model) and count(lazy, "eager.host_seams_differ") == 1
+    assert count(lazy, "eager_loads") == 2
+
+
 def test_weights_replaced_before_they_were_read_are_refused_with_a_clear_error(lazy):
     path = files().write_tiny_clip_l(str(lazy.files), 0)
     clip = files().load(path)
