@@ -8,7 +8,7 @@ On CUDA: tiny Flux/Wan at two resolutions, a small realistic Flux (real width 30
 where it runs (REUSEKIT_BENCH_COMPILE=0 skips it). Each config runs through the real sampler
 (cfg 2, cond and uncond batched): a warm run (captures), then a timed run; a step is one
 apply_model call timed between two synchronizations, the median over the timed run.
-On CPU it measures the check, and (both) ReuseKit TeaCache alone vs TeaCache + capture. Last line: RESULT step_replay_over_eager=<ratio|n/a> check_us=<µs>.
+On CPU it measures the check, and (both) ReuseKit Step Cache alone vs TeaCache + capture. Last line: RESULT step_replay_over_eager=<ratio|n/a> check_us=<µs>.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def host_check_cost() -> tuple[float, float] | None:
 
 
 def with_teacache(c) -> None:
-    """ReuseKit TeaCache alone vs TeaCache + capture on the trained Flux (10 steps, threshold 0.4),
+    """ReuseKit Step Cache alone vs TeaCache + capture on the trained Flux (10 steps, threshold 0.4),
     whole runs interleaved, median of 5: on CUDA computed steps replay; on a CPU the capture runs
     decisions only, so the ratio is what the eager probe up to TeaCache's first block costs."""
     import importlib

@@ -112,7 +112,10 @@ class ConditioningCacheSettings(io.ComfyNode):
                                      "0 disables it."),
                 io.Int.Input("max_entries", default=128, min=0, max=1 << 20,
                              tooltip="Entries the cache may hold; 0 disables it."),
-                io.Boolean.Input("clear", default=False, tooltip="Drop every entry now."),
+                io.Boolean.Input("clear", default=False,
+                                 tooltip="Drop every entry when this node applies its settings: when clear is "
+                                         "switched on, or another input changes while it is on. Queuing the "
+                                         "same inputs again clears nothing."),
             ],
             outputs=[io.String.Output(display_name="text", tooltip="The cache's stats after the change.")],
             is_output_node=True,

@@ -31,17 +31,18 @@ def switches(enable_name: str) -> list:
             io.Boolean.Input("keep_graphs", default=True, optional=True, tooltip=KEEP_TOOLTIP)]
 
 
-def _check(node: str, enable, max_graphs, keep_graphs=True) -> None:
+def _check(node: str, enable_name: str, enable, max_graphs, keep_graphs=True) -> None:
     if not isinstance(enable, bool):
-        raise ValueError(f"{node}: 'enable' must be true or false, got {enable!r}")
+        raise ValueError(f"{node}: {enable_name!r} must be true or false, got {enable!r}")
     if not isinstance(keep_graphs, bool):
         raise ValueError(f"{node}: 'keep_graphs' must be true or false, got {keep_graphs!r}")
     if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or not 1 <= max_graphs <= MAX_GRAPHS:
         raise ValueError(f"{node}: 'max_graphs' must be a whole number from 1 to {MAX_GRAPHS}, got {max_graphs!r}")
 
 
-def with_capture(node: str, model, enable: bool, max_graphs: int, keep_graphs: bool = True):
-    _check(node, enable, max_graphs, keep_graphs)
+def with_capture(node: str, enable_name: str, model, enable: bool, max_graphs: int, keep_graphs: bool = True):
+    """``model`` cloned with graph capture on or off; ``enable_name``: the node's name for its switch."""
+    _check(node, enable_name, enable, max_graphs, keep_graphs)
     if model is None or not hasattr(model, "clone") or not hasattr(model, "model_options"):
         raise ValueError(f"{node}: 'model' must be a MODEL, got {type(model).__name__}")
     model = model.clone()
@@ -77,7 +78,7 @@ class GraphCaptureNode(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, enable=True, max_graphs=2, keep_graphs=True) -> io.NodeOutput:
-        return io.NodeOutput(with_capture("ReuseKit Graph Capture", model, enable, max_graphs, keep_graphs))
+        return io.NodeOutput(with_capture("ReuseKit Graph Capture", "enable", model, enable, max_graphs, keep_graphs))
 
 
 class GraphKSamplerNode(SamplerInputs, io.ComfyNode):
@@ -103,7 +104,7 @@ class GraphKSamplerNode(SamplerInputs, io.ComfyNode):
     def execute(cls, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
                 denoise=1.0, enable_graphs=True, max_graphs=2, keep_graphs=True) -> io.NodeOutput:
         cls.check_sampler(sampler_name, scheduler)
-        model = with_capture(cls.NODE, model, enable_graphs, max_graphs, keep_graphs)
+        model = with_capture(cls.NODE, "enable_graphs", model, enable_graphs, max_graphs, keep_graphs)
         (latent,) = comfy_nodes.common_ksampler(model, seed, steps, cfg, sampler_name, scheduler, positive,
                                                 negative, latent_image, denoise=denoise)
         return io.NodeOutput(latent)

@@ -200,7 +200,7 @@ class TeaCacheNode(io.ComfyNode):
     def execute(cls, model, model_type="auto", threshold=LEFT_OUT, start_percent=0.0, end_percent=1.0,
                 max_consecutive_skips=0, cache_device="device", residual_mode=LEFT_OUT, rule=LEFT_OUT,
                 interval_power=1.0, first_blocks=1, **linked_old) -> io.NodeOutput:
-        node = "ReuseKit TeaCache"
+        node = "ReuseKit Step Cache"
         threshold, rule, residual_mode = given_inputs(cls, node, threshold, rule, residual_mode, linked_old)
         config = make_config(node, model_type, threshold, start_percent, end_percent,
                              max_consecutive_skips, cache_device, residual_mode, rule=rule,

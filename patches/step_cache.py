@@ -398,7 +398,7 @@ class _Call:
             signals = signal.chunk(len(self.keys))
         except (AttributeError, TypeError, IndexError, KeyError, RuntimeError, ValueError) as exc:
             # a variant we do not know: compute, never skip
-            host.say_once(f"teacache-modulated:{self.family.name}", "ReuseKit TeaCache: cannot read the modulated "
+            host.say_once(f"teacache-modulated:{self.family.name}", "ReuseKit Step Cache: cannot read the modulated "
                           "input of this %s model (%s: %s); computing every step", self.family.name,
                           type(exc).__name__, exc, level=logging.WARNING)
             stats().count_reason("bypass", f"cannot read the modulated input of this model ({type(exc).__name__}): "
@@ -606,9 +606,9 @@ def replaced_reason(to: dict, settings: Settings) -> str | None:
     replaced = [key for key in settings.blocks if not getattr(dit.get(key), "_reusekit_block", False)]
     if not replaced:
         return None
-    reason = (f"another node replaced the patch of {replaced[0][0]} {replaced[0][1]} after ReuseKit TeaCache; "
-              "computing every step (put ReuseKit TeaCache after that node to skip steps)")
-    host.say_once(f"teacache-replaced:{settings.family.name}:{replaced[0]}", "ReuseKit TeaCache: %s", reason,
+    reason = (f"another node replaced the patch of {replaced[0][0]} {replaced[0][1]} after ReuseKit Step Cache; "
+              "computing every step (put ReuseKit Step Cache after that node to skip steps)")
+    host.say_once(f"teacache-replaced:{settings.family.name}:{replaced[0]}", "ReuseKit Step Cache: %s", reason,
                   level=logging.WARNING)
     return reason
 
@@ -652,7 +652,7 @@ def _diffusion_model(executor, *args, **kwargs):
     dm = dm.diffusion_model if settings.family.call_wrapper == "APPLY_MODEL" else dm  # a BaseModel there
     unreached = None if settings.family.layer_forward is None else _unreached_layer(settings.family, dm)
     if unreached is not None:
-        host.say_once(f"teacache-layer:{type(dm).__name__}", "ReuseKit TeaCache: %s", unreached, level=logging.WARNING)
+        host.say_once(f"teacache-layer:{type(dm).__name__}", "ReuseKit Step Cache: %s", unreached, level=logging.WARNING)
         stats().count_reason("bypass", unreached, source=settings.family.name)
         run.calls_computed += 1
         run.unhooked += 1
@@ -666,7 +666,7 @@ def _diffusion_model(executor, *args, **kwargs):
         out = executor(*args, **kwargs)
     dt = time.perf_counter() - t0
     if call.skip is None:  # our first block never saw this call: computed, and the run says so
-        host.say_once(f"teacache-unreached:{type(executor.class_obj).__name__}", "ReuseKit TeaCache: the blocks of "
+        host.say_once(f"teacache-unreached:{type(executor.class_obj).__name__}", "ReuseKit Step Cache: the blocks of "
                       "this %s never reached the step cache (called without transformer_options or under other "
                       "names); computing every step",
                       type(executor.class_obj).__name__, level=logging.WARNING)
@@ -781,7 +781,7 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None, steps:
     if table is None:
         stats().count_reason("refused", f"no calibration of this model yet ({variant}, {cfg.rule}): run it once "
                              "through ReuseKit TeaCache Calibrate", source=family.name)
-        raise ValueError(f"ReuseKit TeaCache: model_type: no calibration for this {family.name} model yet "
+        raise ValueError(f"ReuseKit Step Cache: model_type: no calibration for this {family.name} model yet "
                          f"({variant}, {cfg.rule}); run it once through ReuseKit TeaCache Calibrate (or pick "
                          "published coefficients)")
     return plan(variant, table)
@@ -852,7 +852,7 @@ def _report(*args) -> None:
     try:
         _finish(*args)
     except Exception:
-        log.exception("ReuseKit TeaCache: could not report the run")
+        log.exception("ReuseKit Step Cache: could not report the run")
 
 
 def _outcome(exc: BaseException) -> str:
@@ -888,7 +888,7 @@ def _finish(run: tc.RunState, settings: Settings, plan: Plan, total_steps: int |
         reason = (f"no call of this {settings.family.name} model reached the step cache in a whole run (its sampler "
                   "calls it outside ComfyUI's diffusion-model wrapper, as ar_video does): nothing was skipped")
         if s.count_reason("bypass", reason, source=settings.family.name):
-            log.warning("ReuseKit TeaCache: %s", reason)
+            log.warning("ReuseKit Step Cache: %s", reason)
     for lab, c in summary["conds"].items():
         s.incr(f"{lab}_computed", c["computed"])
         s.incr(f"{lab}_skipped", c["skipped"])
@@ -906,7 +906,7 @@ def _finish(run: tc.RunState, settings: Settings, plan: Plan, total_steps: int |
     models = {k: v for k, v in (s.snapshot()["info"].get("models") or {}).items() if k != summary["model"]}
     models[summary["model"]] = summary
     s.set_info("models", dict(list(models.items())[-MODEL_REPORTS:]))
-    log.info("ReuseKit TeaCache (%s, %s, %s %.3g, %s)%s: computed %d of %d model calls (%.2fx fewer; per cond %s), "
+    log.info("ReuseKit Step Cache (%s, %s, %s %.3g, %s)%s: computed %d of %d model calls (%.2fx fewer; per cond %s), "
              "~%.2f s saved", settings.family.name, used_type, run.config.rule, run.config.threshold,
              run.config.residual_mode,
              "" if outcome == "completed" else f", {outcome}", run.calls_computed,

@@ -124,7 +124,7 @@ def test_rel_l1_thresh_is_mapped_with_one_log_line(caplog):
 
 @pytest.mark.parametrize("value", [-0.1, float("nan"), "0.4", True])
 def test_a_bad_rel_l1_thresh_is_an_error_naming_it(value):
-    with pytest.raises(AssertionError, match=r"ReuseKit TeaCache: rel_l1_thresh \(now threshold\) must be"):
+    with pytest.raises(AssertionError, match=r"ReuseKit Step Cache: rel_l1_thresh \(now threshold\) must be"):
         run(_legacy(value))
 
 

@@ -581,7 +581,7 @@ def test_a_high_threshold_skips_steps_and_reports_them(flux, conds, caplog):
     for c in run["conds"].values():
         assert c["skipped"] == run["calls_skipped"] and len(c["trace"]) == STEPS
         assert c["pattern"][0] == "C" and c["pattern"].count("S") == c["skipped"]
-    lines = [r.getMessage() for r in caplog.records if "ReuseKit TeaCache (flux" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "ReuseKit Step Cache (flux" in r.getMessage()]
     assert len(lines) == 1 and f"computed {run['calls_computed']} of {STEPS}" in lines[0]
     assert not torch.equal(out, ref) and rel_err(out, ref) < 0.5  # approximate, not broken
     snap = P().stats().snapshot()
@@ -892,18 +892,18 @@ def test_bad_inputs_raise_value_errors_naming_node_and_input(flux, kwargs, needl
     """Named in the error, and counted in the stats as a refusal with the same words (the panel shows it)."""
     args = {"thresh": 0.4} | kwargs
     P().stats().reset_counters()  # the reason rows are bounded: start from none
-    with pytest.raises(ValueError, match=f"ReuseKit TeaCache: {needle}") as err:
+    with pytest.raises(ValueError, match=f"ReuseKit Step Cache: {needle}") as err:
         teacache(flux, **args)
     refused = [r for r in P().stats().reasons() if r["event"] == "refused"]
     assert sum(r["count"] for r in refused) == 1
-    said = str(err.value).removeprefix("ReuseKit TeaCache: ")
+    said = str(err.value).removeprefix("ReuseKit Step Cache: ")
     assert any(r["reason"] == rkharness.pack("caching.stats").clip_reason(said) for r in refused)
 
 
 # ---- calibration -----------------------------------------------------------------------
 
 def test_calibration_fits_a_polynomial_that_the_next_run_uses(flux, conds, _isolated_calibrations):
-    with pytest.raises(ValueError, match="ReuseKit TeaCache: model_type: no calibration"):
+    with pytest.raises(ValueError, match="ReuseKit Step Cache: model_type: no calibration"):
         sample(teacache(flux, 0.2, model_type="calibrated"), conds)
     (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
     ref = sample(cal, conds)
@@ -1131,7 +1131,7 @@ def test_an_interrupted_run_is_reported_interrupted_and_the_next_run_is_clean(fl
         sample(fail_at(model, 5), conds)
     run = last_run()
     assert run["outcome"] == "interrupted" and run["calls_computed"] + run["calls_skipped"] == 4
-    lines = [r.getMessage() for r in caplog.records if "ReuseKit TeaCache (flux" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "ReuseKit Step Cache (flux" in r.getMessage()]
     assert len(lines) == 1 and ", interrupted:" in lines[0]
     assert torch.equal(sample(model, conds), clean)
     assert last_run()["outcome"] == "completed"
@@ -1237,7 +1237,7 @@ def test_other_families_calibrate_and_skip_through_the_real_ksampler(tiny, conds
         exact = sample(teacache(model, 0.0, model_type="auto"), conds, steps=6, shape=shape)
         assert torch.equal(exact, ref) and last_run()["model_type"] == PUBLISHED_DEFAULT[family]
     else:  # no published coefficients: a clear error until calibrated
-        with pytest.raises(ValueError, match="ReuseKit TeaCache: model_type: no calibration"):
+        with pytest.raises(ValueError, match="ReuseKit Step Cache: model_type: no calibration"):
             sample(teacache(model, 0.0, model_type="auto"), conds, steps=6, shape=shape)
     (cal,) = N().TeaCacheCalibrateNode.execute(model).args
     sample(cal, conds, steps=6, shape=shape)
@@ -1419,7 +1419,7 @@ def test_families_of_the_current_host_calibrate_then_skip_through_the_real_ksamp
         extra = {"reference_latents": [ref], **extra}
     conds = tuple([[c, {**e, **extra}] for c, e in cond] for cond in conds)
     ref_out = sample(model, conds, steps=6, shape=shape, fill=fill)
-    with pytest.raises(ValueError, match="ReuseKit TeaCache: model_type: no calibration"):
+    with pytest.raises(ValueError, match="ReuseKit Step Cache: model_type: no calibration"):
         sample(teacache(model, 0.0, model_type="auto"), conds, steps=6, shape=shape, fill=fill)
     (cal,) = N().TeaCacheCalibrateNode.execute(model).args
     assert torch.equal(sample(cal, conds, steps=6, shape=shape, fill=fill), ref_out)
@@ -1468,7 +1468,7 @@ def test_a_family_without_block_seams_is_a_clear_error_at_the_node(name, cls):
     node says so, naming itself and the input."""
     model = H().family_spec(name).build(0)
     for node in (N().TeaCacheNode, ):
-        with pytest.raises(ValueError, match=f"ReuseKit TeaCache: model: .*does not support {cls}"):
+        with pytest.raises(ValueError, match=f"ReuseKit Step Cache: model: .*does not support {cls}"):
             node.execute(model, "auto", 0.4, 0.0, 1.0, 0, "device", "reuse")
     with pytest.raises(ValueError, match=f"ReuseKit TeaCache Calibrate: model: .*does not support {cls}"):
         N().TeaCacheCalibrateNode.execute(model)

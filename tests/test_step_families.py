@@ -41,7 +41,7 @@ def _isolated_calibrations(monkeypatch, tmp_path):
 
 
 def step_cache(model, model_type="auto", threshold=1.0, rule="teacache"):
-    """ReuseKit TeaCache by keyword (the TeaCache rule by default: what the calibration fits), plain reuse."""
+    """ReuseKit Step Cache by keyword (the TeaCache rule by default: what the calibration fits), plain reuse."""
     (m,) = N().TeaCacheNode.execute(model, model_type=model_type, threshold=threshold, start_percent=0.0,
                                     end_percent=1.0, max_consecutive_skips=0, cache_device="device",
                                     residual_mode="reuse", rule=rule).args
@@ -114,7 +114,7 @@ def test_calibrates_then_skips_through_the_real_ksampler(conds, name):
         conds = tuple([[c, {**e, "attention_mask": torch.ones(c.shape[:2], dtype=torch.long)}] for c, e in cond] for cond in conds)
     ref = sample(model, conds, shape)
     if SF().detect_family(model).default_type == "calibrated":
-        with pytest.raises(ValueError, match="ReuseKit TeaCache: model_type: no calibration"):
+        with pytest.raises(ValueError, match="ReuseKit Step Cache: model_type: no calibration"):
             sample(step_cache(model, threshold=0.0), conds, shape)
     else:  # published coefficients (LTXV, Mochi): runs before any calibration, exact at threshold 0
         assert torch.equal(sample(step_cache(model, threshold=0.0), conds, shape), ref)
@@ -205,7 +205,7 @@ def test_a_family_the_cache_cannot_hook_is_a_clear_error_that_says_why(name, cls
     """The families whose forward has no block seam: both nodes refuse it naming themselves, the model
     class and the reason, never a run that silently skips nothing."""
     model = helpers().family_spec(name).build(0)
-    with pytest.raises(ValueError, match=f"ReuseKit TeaCache: model: .*does not support {cls} models .*{why}"):
+    with pytest.raises(ValueError, match=f"ReuseKit Step Cache: model: .*does not support {cls} models .*{why}"):
         step_cache(model)
     with pytest.raises(ValueError, match=f"ReuseKit TeaCache Calibrate: model: .*does not support {cls}"):
         N().TeaCacheCalibrateNode.execute(model)
@@ -357,7 +357,7 @@ def test_the_wan22_14b_experts_never_share_a_calibration(conds):
     sample(cal, conds, shape)
     sample(step_cache(high, model_type="calibrated", threshold=0.0), conds, shape)
     assert last_run()["model_type"] == "calibrated"
-    with pytest.raises(ValueError, match="ReuseKit TeaCache: model_type: no calibration"):
+    with pytest.raises(ValueError, match="ReuseKit Step Cache: model_type: no calibration"):
         sample(step_cache(low, model_type="calibrated", threshold=0.0), conds, shape)
     assert P().model_fingerprint(high, wan) != P().model_fingerprint(low, wan)
 
@@ -675,7 +675,7 @@ def test_wan_s2v_skips_where_its_blocks_get_the_options_else_the_node_says_why(c
     h = helpers()
     model = h.tiny_wan_s2v(0)
     if not block_patch_gets_options(model):
-        with pytest.raises(ValueError, match="ReuseKit TeaCache: model: .*does not support WanModel_S2V models "
+        with pytest.raises(ValueError, match="ReuseKit Step Cache: model: .*does not support WanModel_S2V models "
                                              ".*no transformer_options"):
             step_cache(model)
         return
