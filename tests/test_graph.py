@@ -930,7 +930,7 @@ def test_example_workflow_runs_on_tiny_models_with_the_same_image(gc):
     prompt = rkharness.workflow_to_prompt(workflow, overrides={"7": {"width": 64, "height": 64}})
     del prompt["11"]  # SaveImage: the tests write no files
     assert prompt["4"] == {"class_type": "ReuseKitGraphCapture",
-                           "inputs": {"model": ["1", 0], "enable": True, "max_graphs": 2}}
+                           "inputs": {"model": ["1", 0], "enable": True, "max_graphs": 2, "keep_graphs": True}}
     assert prompt["8"]["inputs"]["model"] == ["4", 0] and prompt["8"]["inputs"]["steps"] == 4
     ex = rkharness.Executor()
     text = ex.run(prompt)["outputs"]["12"]["text"][0]

@@ -4,6 +4,7 @@ runs through the real server, the demo with every layer on, compared with the pa
 import importlib
 import importlib.util
 import json
+import math
 import urllib.parse
 
 import pytest
@@ -213,6 +214,46 @@ LOADERS = {"UNETLoader": (1, "diffusion_models"), "DualCLIPLoader": (2, "text_en
            "ReuseKitLazyTripleCLIPLoader": (3, "text_encoders")}
 
 
+SEED_CONTROLS = {"fixed", "increment", "decrement", "randomize"}
+FILES = (".safetensors", ".ckpt", ".pt", ".pth", ".gguf", ".png", ".jpg", ".jpeg", ".webp")
+WIDGET_KINDS = {"INT": (int,), "FLOAT": (int, float), "BOOLEAN": (bool,), "STRING": (str,), "COMBO": (str, int, float)}
+
+
+def _widgets(class_type: str) -> list[tuple[str, str, dict, list | None]]:
+    """(name, kind, options, choices) of a node's widgets in the order the front end saves their values: a
+    seed's control value after it, an image upload's after the image (ComfyUI's widgets_values)."""
+    import nodes
+
+    out = []
+    for section in ("required", "optional"):
+        for name, entry in nodes.NODE_CLASS_MAPPINGS[class_type].INPUT_TYPES().get(section, {}).items():
+            kind, extra = entry[0], (entry[1] if len(entry) > 1 and isinstance(entry[1], dict) else {})
+            choices = kind if isinstance(kind, list) else extra.get("options") if kind == "COMBO" else None
+            kind = "COMBO" if choices is not None or kind == "COMBO" else kind
+            if kind not in WIDGET_KINDS or extra.get("forceInput"):
+                continue  # a socket
+            out.append((name, kind, extra, choices))
+            if extra.get("control_after_generate") or (kind == "INT" and name in ("seed", "noise_seed")):
+                out.append((f"{name} control", "CONTROL", {}, sorted(SEED_CONTROLS)))
+            if extra.get("image_upload"):
+                out.append(("upload", "UPLOAD", {}, None))
+    return out
+
+
+def _widget_problem(name: str, kind: str, extra: dict, choices, value) -> str | None:
+    if kind == "UPLOAD":
+        return None
+    if kind in ("CONTROL", "COMBO"):
+        if value in (choices or ()) or (kind == "COMBO" and isinstance(value, str) and value.endswith(FILES)):
+            return None  # a choice, or a model or picture file this machine has not
+        return f"{name}: {value!r} is not one of its choices"
+    if isinstance(value, bool) != (kind == "BOOLEAN") or not isinstance(value, WIDGET_KINDS[kind]):
+        return f"{name}: {value!r} is not a {kind}"
+    if kind in ("INT", "FLOAT") and not extra.get("min", -math.inf) <= value <= extra.get("max", math.inf):
+        return f"{name}: {value!r} is outside {extra.get('min')}..{extra.get('max')}"
+    return None
+
+
 def test_there_are_the_demo_and_at_least_six_real_model_workflows():
     assert "ReuseKit demo (no downloads).json" in WORKFLOWS and len(WORKFLOWS) >= 7
 
@@ -249,6 +290,14 @@ def test_every_workflow_is_well_formed(name):
     assert notes, f"{name}: no note node"
     thumb = rkharness.ROOT / "workflows" / (name[:-5] + ".jpg")
     assert thumb.is_file() and thumb.read_bytes()[:2] == b"\xff\xd8", f"{name}: no .jpg thumbnail"
+    for n in wf["nodes"]:  # the saved values fill the widgets in order: one too few or too many shifts them
+        values = n.get("widgets_values")
+        if n["type"] in FRONTEND_ONLY or not isinstance(values, list):
+            continue  # none saved (or by name): every widget keeps its default
+        widgets = _widgets(n["type"])
+        assert len(values) == len(widgets), (name, n["id"], n["type"], [w[0] for w in widgets], values)
+        problems = [_widget_problem(*w, v) for w, v in zip(widgets, values, strict=True)]
+        assert not any(problems), (name, n["id"], n["type"], [p for p in problems if p])
     for n in wf["nodes"]:
         if n["type"] in LOADERS:
             count, folder = LOADERS[n["type"]]
