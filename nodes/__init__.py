@@ -1,7 +1,8 @@
 """The pack's V3 nodes, gathered into one ComfyExtension.
 
 Each module in NODE_MODULES lists its node classes in ``NODES``. A module that cannot load on this
-host (a missing ComfyUI feature) is skipped with one warning; the rest still load.
+host (a missing ComfyUI feature), or a node whose schema cannot be built on it (a host loader whose inputs
+changed shape), is skipped with one warning; the rest still load.
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ def load_node_classes() -> list[type[io.ComfyNode]]:
             log.warning("ReuseKit: the %s nodes are unavailable on this ComfyUI (%s: %s)",
                         name, type(exc).__name__, exc)
             continue
-        classes.extend(module.NODES)
+        for cls in module.NODES:
+            try:
+                cls.GET_SCHEMA()  # ComfyUI registers a pack's nodes in one pass: one that raises ends it
+            except Exception as exc:
+                log.warning("ReuseKit: the node %s is unavailable on this ComfyUI (%s: %s)",
+                            cls.__name__, type(exc).__name__, exc)
+                continue
+            classes.append(cls)
     return classes
 
 

@@ -5,7 +5,7 @@ maps it to the new one, and a removed one whose value no longer matters is accep
 either with one log line. ComfyUI hands ``execute`` only the inputs the schema
 declares, plus every linked one (``validate_prompt`` and the executor never refuse an input they
 do not know, on 0.3.75 as on 0.33 and 0.38), so an old input written as a value is read here from
-the prompt itself: the node declares the hidden PROMPT input (:data:`HIDDEN`; it leaves ComfyUI's
+the prompt itself: the node declares the hidden PROMPT input (:func:`hidden`; it leaves ComfyUI's
 cache keys as they are, unlike UNIQUE_ID) and :func:`old_inputs` finds the executing node's entry.
 
 UI workflows keep widget values by position, not by name: web/compat.js maps the old layouts when
@@ -20,8 +20,11 @@ from comfy_api.latest import io
 
 from ..patches import host
 
-HIDDEN = [io.Hidden.prompt]
-"""The hidden inputs of a node with old inputs to read."""
+
+def hidden() -> list:
+    """The hidden inputs of a node with old inputs to read: a list of its own (ComfyUI adds an output
+    node's extra_pnginfo to the list its schema holds)."""
+    return [io.Hidden.prompt]
 
 
 def _executing_node() -> str | None:

@@ -38,7 +38,7 @@ class CachedCLIP(io.ComfyNode):
                 io.Clip.Input("clip", tooltip="The text encoder to cache; it is cloned, never changed."),
             ],
             outputs=[io.Clip.Output(display_name="CLIP", tooltip="A clone routed through the cache.")],
-            hidden=compat.HIDDEN,
+            hidden=compat.hidden(),
         )
 
     @classmethod
@@ -119,7 +119,7 @@ class ConditioningCacheSettings(io.ComfyNode):
             ],
             outputs=[io.String.Output(display_name="text", tooltip="The cache's stats after the change.")],
             is_output_node=True,
-            hidden=compat.HIDDEN,
+            hidden=compat.hidden(),
         )
 
     @classmethod

@@ -193,7 +193,7 @@ class TeaCacheNode(io.ComfyNode):
                                                     "LTX-2, Mochi, Lumina 2, Z-Image, Cosmos Predict2, Anima).")]
             + _cache_inputs(),
             outputs=[io.Model.Output(tooltip="A copy of the model with the step cache attached.")],
-            hidden=compat.HIDDEN,
+            hidden=compat.hidden(),
         )
 
     @classmethod
@@ -249,7 +249,7 @@ class CachedKSamplerNode(SamplerInputs, io.ComfyNode):
                 *ksampler_inputs(cfg=3.5, sampler="euler", scheduler="simple"),
             ] + _cache_inputs(),
             outputs=[io.Latent.Output(tooltip="The denoised latent.")],
-            hidden=compat.HIDDEN,
+            hidden=compat.hidden(),
         )
 
     @classmethod

@@ -77,6 +77,39 @@ def test_missing_host_feature_logs_one_warning_and_loads_the_rest(monkeypatch, c
     assert len(warnings) == 1 and "no_such_module" in warnings[0].getMessage()
 
 
+def test_a_node_whose_schema_cannot_be_built_is_skipped_with_one_warning_and_the_rest_load(monkeypatch, caplog):
+    """ComfyUI registers a pack's nodes in one pass: a node whose schema raises on this host (a host loader
+    whose inputs changed shape) would hide every node after it."""
+    nodes_pkg, lazy = rkharness.pack("nodes"), rkharness.pack("nodes.lazy_clip")
+
+    def changed_shape(cls):
+        raise TypeError("TripleCLIPLoader's input 'clip_name1' is not a list of choices")
+
+    monkeypatch.setattr(nodes_pkg, "NODE_MODULES", ("lazy_clip", "stats"))
+    monkeypatch.setattr(lazy.LazyDualCLIPLoader, "_spec", classmethod(changed_shape))
+    with caplog.at_level("WARNING", logger="reusekit"):
+        classes = nodes_pkg.load_node_classes()
+    assert [c.GET_SCHEMA().node_id for c in classes] == ["ReuseKitLazyCLIPLoader", "ReuseKitLazyTripleCLIPLoader",
+                                                         "ReuseKitCacheStats"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "reusekit"]
+    assert len(warnings) == 1 and "LazyDualCLIPLoader" in warnings[0] and "not a list of choices" in warnings[0]
+
+
+def test_every_node_declares_its_own_hidden_inputs():
+    """ComfyUI adds extra_pnginfo to an output node's hidden inputs, in the list its schema holds: a list
+    shared by several nodes would give it to all of them."""
+    from comfy_api.latest import io
+
+    classes = rkharness.pack("nodes").load_node_classes()
+    for _ in range(2):  # every schema built after every other
+        schemas = [c.GET_SCHEMA() for c in classes]
+        for schema in schemas:
+            if not schema.is_output_node:
+                assert io.Hidden.extra_pnginfo not in (schema.hidden or []), schema.node_id
+        lists = [id(schema.hidden) for schema in schemas if schema.hidden]
+        assert len(lists) == len(set(lists))
+
+
 def test_clip_text_encode_and_vae_round_trip_on_tiny_models(tiny):
     import nodes
 
