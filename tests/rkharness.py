@@ -12,6 +12,7 @@ import asyncio
 import atexit
 import contextlib
 import importlib
+import inspect
 import json
 import os
 import shutil
@@ -129,7 +130,14 @@ class Executor:
 
         if Executor._server is None:
             load_extra_nodes()
-            Executor._server = server.PromptServer(asyncio.new_event_loop())
+            loop = asyncio.new_event_loop()
+            takes = inspect.signature(server.PromptServer).parameters
+            if "asset_manager" in takes and takes["asset_manager"].default is inspect.Parameter.empty:
+                from app.assets.manager import default_asset_manager  # ComfyUI 0.38+
+
+                Executor._server = server.PromptServer(loop, default_asset_manager())
+            else:
+                Executor._server = server.PromptServer(loop)
         cache_args = {"classic": {"lru": 0, "ram": 0}, "lru": {"lru": lru_size, "ram": 0},
                       "ram": {"lru": 0, "ram": 4.0}, "none": {"lru": 0, "ram": 0}}[cache]
         cache_args["ram_inactive"] = 0  # read by ComfyUI 0.33's executor, ignored by 0.3.75's
