@@ -8,8 +8,13 @@ Routes (ComfyUI also serves each under ``/api``):
 - ``POST /reusekit/settings``  ``{key: value, ...}``, validated all or nothing: 400 with the message on
   a bad value, and then nothing changes
 
-A POST body is read up to :data:`MAX_BODY_BYTES` (413 beyond); a body that is not a JSON object, or
-is nested too deeply, is a 400; an error echoes at most :data:`MAX_ECHO_CHARS` of what was sent.
+A POST must say ``Content-Type: application/json`` (415 otherwise): a page of another site can send a
+form or a plain-text body without asking, but a JSON body only after a CORS preflight, which ComfyUI grants
+only with ``--enable-cors-header``; without that flag a browser's cross-site request
+(``Sec-Fetch-Site: cross-site``) is a 403 too. So no other site a user visits can change settings or clear
+caches, whatever address ComfyUI listens on. A POST body is read up to :data:`MAX_BODY_BYTES` (413
+beyond); a body that is not a JSON object, or is nested too deeply, is a 400; an error echoes at most
+:data:`MAX_ECHO_CHARS` of what was sent.
 
 Every change in the registry tells :class:`StatsPusher`, which sends one ``reusekit.stats`` event
 (the snapshot) at most every :data:`PUSH_INTERVAL_S`, from the server's event loop: no polling
@@ -67,8 +72,10 @@ class StatsPusher:
 
     ``notify`` may be called from any thread (it is the registry's listener): it only sets a flag
     and, for the first change of a burst, schedules :meth:`_flush` on ``loop``. The flush runs on
-    the loop, at least ``interval`` after the previous push, takes one snapshot and sends it, so
-    the last state of a burst is always pushed.
+    the loop, at least ``interval`` after the previous push, and takes one snapshot in a worker thread
+    (a snapshot waits on the caches' and the settings' locks, which a sampling run or a settings change
+    may hold for seconds: the loop never does); the loop sends it. One snapshot at a time: a change
+    meanwhile is pushed after it, so the last state of a burst is always pushed, and in order.
     """
 
     def __init__(self, send: Callable[[str, Any], None], loop: asyncio.AbstractEventLoop,
@@ -81,6 +88,7 @@ class StatsPusher:
         self._pending = False
         self._last_push = float("-inf")
         self._pushed_version = -1
+        self._taking = False  # a snapshot is being taken (on the loop only)
         self.pushes = 0
 
     def notify(self) -> None:
@@ -102,6 +110,8 @@ class StatsPusher:
             self._flush()
 
     def _flush(self) -> None:
+        if self._taking:  # the snapshot under way ends with another flush
+            return
         with self._lock:
             self._pending = False
         self._last_push = time.monotonic()
@@ -109,11 +119,23 @@ class StatsPusher:
         if version == self._pushed_version:
             return
         self._pushed_version = version
+        self._taking = True
         try:
-            self._send(STATS_EVENT, json_ready(self._registry.snapshot()))
+            taken = self._loop.run_in_executor(None, lambda: json_ready(self._registry.snapshot()))
+        except RuntimeError:  # the loop is closing: the server is shutting down
+            self._taking = False
+            return
+        taken.add_done_callback(self._taken)
+
+    def _taken(self, taken: asyncio.Future) -> None:
+        self._taking = False
+        try:
+            self._send(STATS_EVENT, taken.result())
             self.pushes += 1
         except Exception:  # a push must never break the registry's caller
             log.exception("ReuseKit: could not push the cache stats")
+        if self._registry.version != self._pushed_version:
+            self._schedule()  # what changed while the snapshot was taken
 
     def close(self) -> None:
         self._registry.remove_listener(self.notify)
@@ -135,24 +157,43 @@ def _shown(value: Any) -> str:
     return text if len(text) <= MAX_ECHO_CHARS // 2 else f"{text[:MAX_ECHO_CHARS // 2]}... ({len(text)} characters)"
 
 
-class _TooLarge(Exception):
-    pass
+class _Refused(Exception):
+    """A request refused before its body is read as settings: its HTTP status and message."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def _cors_allowed() -> bool:
+    """Whether ComfyUI was started to answer other sites (``--enable-cors-header``)."""
+    try:
+        from comfy.cli_args import args
+    except ImportError:
+        return False
+    return bool(getattr(args, "enable_cors_header", None))
 
 
 async def _body(request) -> bytes:
-    """The request body, read up to :data:`MAX_BODY_BYTES`; _TooLarge beyond."""
+    """The request body, read up to :data:`MAX_BODY_BYTES`; refused (413) beyond."""
+    too_large = _Refused(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
     if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
-        raise _TooLarge
+        raise too_large
     data = bytearray()
     async for chunk in request.content.iter_any():
         data += chunk
         if len(data) > MAX_BODY_BYTES:
-            raise _TooLarge
+            raise too_large
     return bytes(data)
 
 
 async def _json_object(request) -> dict:
-    """The request's JSON body, which must be an object; ValueError with a message otherwise."""
+    """The request's JSON body, which must be an object; refused (a browser's request from another site,
+    a body not sent as JSON, too large), or ValueError with a message."""
+    if request.headers.get("Sec-Fetch-Site", "").lower() == "cross-site" and not _cors_allowed():
+        raise _Refused(403, "a request from another site may not change ReuseKit")
+    if request.content_type != "application/json":
+        raise _Refused(415, "send the body as JSON, with Content-Type: application/json")
     raw = await _body(request)
     try:
         body = json.loads(raw)
@@ -163,10 +204,6 @@ async def _json_object(request) -> dict:
     if not isinstance(body, dict):
         raise ValueError("the body must be a JSON object")
     return body
-
-
-def _too_large():
-    return _error(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
 
 
 def _out_of_range(body: dict) -> str | None:
@@ -199,8 +236,8 @@ async def post_clear(request):
             target = name
         else:
             raise ValueError('send {"cache": "<name>"} to clear one cache or {"all": true} to clear all')
-    except _TooLarge:
-        return _too_large()
+    except _Refused as exc:
+        return _error(exc.status, str(exc))
     except ValueError as exc:
         return _error(400, str(exc))
     try:
@@ -230,8 +267,8 @@ async def post_settings(request):
         if out_of_range:
             raise ValueError(out_of_range)
         applied = await asyncio.to_thread(SETTINGS.update, body)
-    except _TooLarge:
-        return _too_large()
+    except _Refused as exc:
+        return _error(exc.status, str(exc))
     except ValueError as exc:
         return _error(400, str(exc))
     payload = {**await asyncio.to_thread(settings_payload), "applied": applied}

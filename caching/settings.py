@@ -111,7 +111,8 @@ class SettingsRegistry:
 
     def update(self, values: dict[str, Any], *, trusted: bool = False) -> dict[str, Any]:
         """Validate every value first, then apply them in order; nothing changes if one is bad,
-        and a callback that raises undoes the settings already applied. ``trusted``: the pack's
+        and a callback that raises undoes the settings already applied (ValueError naming the
+        setting, whatever the callback raised: a folder it cannot read...). ``trusted``: the pack's
         own code in this process (tests, the bench) may change ``env_only`` settings; the routes
         and nodes never pass it."""
         with self._lock:
@@ -130,15 +131,23 @@ class SettingsRegistry:
                         try:
                             if setting.on_change is not None:
                                 setting.on_change(value)
-                        except Exception:
+                        except Exception as exc:
                             setting.value = previous  # this cache refused the value
-                            raise
+                            if isinstance(exc, ValueError):
+                                raise
+                            said = str(exc) if len(str(exc)) <= 160 else str(exc)[:160] + "..."
+                            raise ValueError(f"setting {key!r} could not be applied: {type(exc).__name__}: "
+                                             f"{said}") from exc
                         applied.append((setting, previous))
             except Exception:
                 for setting, previous in reversed(applied):  # put back what was already applied
                     setting.value = previous
                     if setting.on_change is not None:
-                        setting.on_change(previous)
+                        try:
+                            setting.on_change(previous)
+                        except Exception:  # the others are still put back
+                            log.exception("ReuseKit: setting %r could not be put back to %s", setting.key,
+                                          _shown(previous))
                 raise
             return validated
 

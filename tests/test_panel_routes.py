@@ -310,6 +310,58 @@ def test_a_burst_from_another_thread_gives_few_pushes_and_the_last_state():
     assert len(sent) == pusher.pushes
 
 
+async def until(done, timeout: float = 10.0) -> None:
+    """Run the loop until ``done()`` (a push is sent from a worker thread's snapshot), at most ``timeout`` s."""
+    end = time.monotonic() + timeout
+    while not done() and time.monotonic() < end:
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.hardening
+def test_a_snapshot_that_waits_on_a_lock_never_holds_the_event_loop():
+    """A snapshot waits on the caches' and settings' locks, which a sampling run or a settings change (a
+    Redis tier reconnecting) may hold for seconds: the push takes it in a worker thread, the loop goes on
+    serving, and the state that changed meanwhile is pushed after it, last."""
+    routes = rkharness.pack("routes")
+    registry = rkharness.pack("caching.stats").StatsRegistry()
+    handle = registry.register("slow", "step")
+    held = threading.Lock()
+    taken = registry.snapshot
+
+    def snapshot():
+        with held:
+            return taken()
+
+    registry.snapshot = snapshot
+    loop = asyncio.new_event_loop()
+    sent = []
+    pusher = routes.StatsPusher(lambda event, data: sent.append(data), loop, interval=0.0, registry=registry)
+    registry.add_listener(pusher.notify)
+
+    async def main():
+        held.acquire()
+        threading.Timer(1.0, held.release).start()  # the other holder lets go in 1 s
+        handle.incr("hits")
+        gaps, last = [], time.monotonic()
+        while time.monotonic() - last < 2 and len(gaps) < 60:  # the loop's own ticks: a held loop shows here
+            await asyncio.sleep(0.02)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+            if len(gaps) == 10:
+                handle.incr("hits")  # a change while the first snapshot waits
+        await until(lambda: sent and sent[-1]["caches"][0]["counters"]["hits"] == 2)
+        return max(gaps)
+
+    try:
+        longest = loop.run_until_complete(main())
+    finally:
+        pusher.close()
+        loop.close()
+    assert longest < 0.5, longest  # not the 1 s the snapshot waited
+    assert sent[-1]["caches"][0]["counters"]["hits"] == 2 and len(sent) <= 2
+
+
 @pytest.mark.hardening
 def test_pushed_and_served_snapshots_are_strict_json_whatever_a_cache_puts_in_info():
     """One unserialisable event would stop ComfyUI's websocket publish loop for every client."""
@@ -325,7 +377,7 @@ def test_pushed_and_served_snapshots_are_strict_json_whatever_a_cache_puts_in_in
     pusher = routes.StatsPusher(lambda event, data: sent.append(data), loop, interval=0.0, registry=registry)
     try:
         pusher.notify()
-        loop.run_until_complete(asyncio.sleep(0.05))
+        loop.run_until_complete(until(lambda: sent))
     finally:
         loop.close()
     (data,) = sent
@@ -359,7 +411,7 @@ def test_a_push_is_scheduled_in_an_empty_context_never_a_copy_of_the_callers():
         worker = threading.Thread(target=sampling)
         worker.start()
         worker.join()
-        loop.run_until_complete(asyncio.sleep(0.05))
+        loop.run_until_complete(until(lambda: seen))
     finally:
         pusher.close()
         loop.close()
@@ -394,6 +446,47 @@ def test_a_server_without_the_seams_gets_one_warning_and_no_routes(caplog):
         assert routes.register(OldServer()) is False
     (record,) = [r for r in caplog.records if r.name == "reusekit"]
     assert "routes, send_sync, loop" in record.getMessage() and routes._server is None
+
+
+@pytest.mark.hardening
+def test_a_post_from_another_site_or_not_sent_as_json_changes_nothing():
+    """A page of another site can send a form or a plain-text body without a CORS preflight: the routes
+    take only JSON bodies (which a browser sends cross-site only after a preflight ComfyUI answers only
+    with --enable-cors-header) and refuse a browser's cross-site request."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    routes = rkharness.pack("routes")
+    settings = rkharness.pack("caching.settings").SETTINGS
+    app = web.Application()
+    app.router.add_post("/reusekit/settings", routes.post_settings)
+    app.router.add_post("/reusekit/clear", routes.post_clear)
+    key, before = "conditioning.max_entries", settings.get("conditioning.max_entries")
+    body = json.dumps({key: 3})
+
+    async def main():
+        async with TestClient(TestServer(app)) as client:
+            answers = []
+            for headers in ({"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"},
+                            {}, {"Content-Type": "application/json", "Sec-Fetch-Site": "cross-site",
+                                 "Origin": "http://elsewhere.example"}):
+                response = await client.post("/reusekit/settings", data=body, headers=headers)
+                answers.append((response.status, (await response.json())["error"], settings.get(key)))
+            response = await client.post("/reusekit/clear", data=json.dumps({"all": True}),
+                                         headers={"Content-Type": "text/plain"})
+            answers.append((response.status, (await response.json())["error"], None))
+            response = await client.post("/reusekit/settings", data=body,
+                                         headers={"Content-Type": "application/json", "Sec-Fetch-Site": "same-origin"})
+            return answers, response.status, settings.get(key)
+
+    try:
+        answers, status, after = asyncio.run(main())
+    finally:
+        settings.set(key, before)
+    assert [a[0] for a in answers] == [415, 415, 415, 403, 415]
+    assert all(a[2] in (before, None) for a in answers)
+    assert "Content-Type: application/json" in answers[0][1] and "another site" in answers[3][1]
+    assert status == 200 and after == 3
 
 
 @pytest.mark.hardening

@@ -183,19 +183,29 @@ def test_settings_validate_before_anything_changes():
         reg.define("step.mode", str, "auto")
 
 
-def test_a_failing_callback_undoes_the_whole_update():
+def test_a_failing_callback_undoes_the_whole_update_and_names_the_setting():
+    """Whatever a cache's callback raises (a folder it cannot read), the update is a ValueError naming the
+    setting, so the panel's route answers 400 with it; a callback that fails again while put back does not
+    stop the others from being put back."""
     settings = rkharness.pack("caching.settings")
     reg = settings.SettingsRegistry()
-    seen = []
+    seen, fragile = [], []
     reg.define("a", int, 1, on_change=seen.append)
 
-    def refuse(value):
-        raise RuntimeError("the cache cannot take that now")
+    def put_back_fails(value):
+        fragile.append(value)
+        if value == 1:
+            raise OSError("the disk went away")
 
+    def refuse(value):
+        raise PermissionError("the cache cannot read its folder")
+
+    reg.define("f", int, 1, on_change=put_back_fails)
     reg.define("b", int, 1, on_change=refuse)
-    with pytest.raises(RuntimeError):
-        reg.update({"a": 2, "b": 3})
-    assert reg.get("a") == 1 and reg.get("b") == 1 and seen == [2, 1]
+    with pytest.raises(ValueError, match="setting 'b' could not be applied: PermissionError: the cache cannot"):
+        reg.update({"a": 2, "f": 2, "b": 3})
+    assert (reg.get("a"), reg.get("f"), reg.get("b")) == (1, 1, 1)
+    assert seen == [2, 1] and fragile == [2, 1]
 
 
 @pytest.mark.hardening
