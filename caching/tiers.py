@@ -758,6 +758,8 @@ class SharedTiers:
                 "conditioning_redis", "conditioning",
                 "The conditioning cache's Redis tier: entries shared across hosts."),
         }
+        for stats in self.stats.values():  # asked only what the conditioning cache's memory missed
+            stats.set_info("answers_misses_of", "conditioning")
 
     @property
     def active(self) -> bool:

@@ -15,6 +15,7 @@ Saves test-artifacts/panel.png and panel_step.png (docs/ holds copies).
 import contextlib
 import json
 import re
+import time
 
 import pytest
 import rkharness
@@ -169,6 +170,15 @@ def open_panel(page) -> None:
     button.click()
 
 
+def server_setting(server, key: str, value, timeout: float = 10.0) -> None:
+    """Wait until the server holds ``value`` for the setting ``key`` (a change the page sent); fail after
+    ``timeout`` s. (Playwright's wait_for_function takes an async function's promise as a true value.)"""
+    end = time.monotonic() + timeout
+    while (held := server.get("/reusekit/settings")["settings"][key]["value"]) != value:
+        assert time.monotonic() < end, f"{key} is {held!r} on the server, not {value!r}"
+        time.sleep(0.05)
+
+
 def test_panel_fills_with_real_numbers_and_clear_drops_memory(comfy_server, browser):
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
@@ -309,12 +319,28 @@ def test_panel_fills_with_real_numbers_and_clear_drops_memory(comfy_server, brow
         entries = page.locator('[data-rk-setting="rktest.memo_max_entries"]')
         entries.fill("0")
         entries.press("Enter")
-        page.locator("[data-rk=setting-error]").filter(has_text="at least").wait_for()
+        refused = page.locator("[data-rk=setting-error]").filter(has_text="at least")
+        refused.wait_for()
         assert comfy_server.get("/reusekit/settings")["settings"]["rktest.memo_max_entries"]["value"] == 8
+        memo_entries = page.locator(f'[data-rk-cache="{MEMO}"] [data-rk-counter=entries] span')
+        assert memo_entries.inner_text() != "0"
+        comfy_server.post("/reusekit/clear", {"cache": MEMO})  # a change in the stats: a push repaints the cards
+        page.wait_for_function(f"""() => document.querySelector('[data-rk-cache="{MEMO}"] [data-rk-counter=entries] span')
+            ?.textContent === '0'""")
+        assert refused.count() == 1  # the server's message stays until that setting applies
         entries.fill("4")
         entries.press("Enter")
-        page.wait_for_function("""async () => (await (await fetch('/reusekit/settings')).json())
-            .settings['rktest.memo_max_entries'].value === 4""")
+        server_setting(comfy_server, "rktest.memo_max_entries", 4)
+        # a box ticked off and on again while it keeps the focus sends both changes
+        key = "pe_cache.default_enabled"
+        was = comfy_server.get("/reusekit/settings")["settings"][key]["value"]
+        toggle = page.locator(f'[data-rk-setting="{key}"]')
+        assert toggle.is_checked() == was
+        toggle.focus()
+        for value in (not was, was):
+            page.keyboard.press("Space")
+            server_setting(comfy_server, key, value)
+            page.wait_for_timeout(300)  # the settings push has come (and left the focused row as it was)
         if "conditioning.budget_mib" in comfy_server.get("/reusekit/settings")["settings"]:
             assert page.get_by_text("Conditioning budget (MiB)").count() == 1
 

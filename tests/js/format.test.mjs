@@ -4,6 +4,7 @@ import { test } from "node:test";
 
 import {
   aggregate,
+  hitRate,
   chartPath,
   counterRows,
   formatBytes,
@@ -104,6 +105,21 @@ test("memory rows: against the budget, or against the largest unbudgeted row", (
     ["cond", "cpu", 0.5, false], ["cond", "device", 1, true], ["pe", "device", 0.25, false], ["graph", "device", 1, false]]);
   const zeroBudget = memoryRows([cache("z", "step", { bytes: { cpu: 0 }, budgets: { cpu: 0 } })]);
   assert.equal(zeroBudget[0].fraction, 0);
+});
+
+test("the conditioning hit rate counts what its shared tiers answered, each lookup once", () => {
+  // 20 encodes: 5 answered by the memory, 10 of its 15 misses by the disk tier, 1 of the 5 left by Redis
+  const tiers = [
+    cache("conditioning", "conditioning", { counters: { hits: 5, misses: 15 } }),
+    cache("conditioning_disk", "conditioning", { counters: { hits: 10, misses: 5 }, info: { answers_misses_of: "conditioning" } }),
+    cache("conditioning_redis", "conditioning", { counters: { hits: 1, misses: 4 }, info: { answers_misses_of: "conditioning" } }),
+  ];
+  assert.equal(hitRate(tiers), 16 / 20);
+  const agg = aggregate({ caches: [...tiers, cache("pe", "pe", { counters: { hits: 30, misses: 10 } })] });
+  assert.equal(agg.groups[0].hitRate, 16 / 20);
+  assert.equal(agg.hitRate, 46 / 60);
+  assert.equal(hitRate(tiers.slice(1)), 11 / 20); // a tier alone: its own lookups
+  assert.equal(hitRate([]), null);
 });
 
 test("aggregate groups by kind in a fixed order, unknown kinds last, with totals", () => {

@@ -137,15 +137,22 @@ export function counterRows(cache) {
   return [...COUNTER_ORDER, ...rest].map((k) => [k, counters[k] ?? 0]);
 }
 
-/** Hit rate of a set of caches (null when nothing was looked up). */
+/**
+ * Hit rate of a set of caches (null when nothing was looked up): what they answered over what was asked.
+ * A cache asked only what another of the set missed (`info.answers_misses_of`: the conditioning cache's
+ * disk and Redis tiers, behind its memory) adds its hits to what was answered but asks nothing new: its
+ * lookups are that cache's misses.
+ */
 export function hitRate(caches) {
-  let hits = 0;
-  let misses = 0;
+  const names = new Set(caches.map((c) => c.name));
+  let answered = 0;
+  let asked = 0;
   for (const c of caches) {
-    hits += c.counters?.hits ?? 0;
-    misses += c.counters?.misses ?? 0;
+    const hits = c.counters?.hits ?? 0;
+    answered += hits;
+    if (!names.has(c.info?.answers_misses_of)) asked += hits + (c.counters?.misses ?? 0);
   }
-  return hits + misses ? hits / (hits + misses) : null;
+  return asked ? Math.min(1, answered / asked) : null;
 }
 
 /** Memory bars: one per (cache, tier), fraction of the budget (or of the largest bar without one). */

@@ -234,7 +234,8 @@ function runView(summary) {
  */
 export function createPanel(root, { actions, history }) {
   ensureStyle();
-  const state = { snapshot: null, settings: null, error: null };
+  // settingErrors: the server's message per setting, kept until that setting applies (a push rebuilds rows)
+  const state = { snapshot: null, settings: null, error: null, settingErrors: new Map() };
   const status = el("div", { class: "rk-sub", "data-rk": "status", text: "Loading…" });
   const kpis = el("div", { class: "rk-kpis" });
   const tiers = el("div", { "data-rk": "tiers" });
@@ -308,7 +309,7 @@ export function createPanel(root, { actions, history }) {
 
   function settingRow(key, s) {
     const label = key === BUDGET_KEY ? "Conditioning budget (MiB)" : humanize(key);
-    const error = el("div", { class: "rk-error", "data-rk": "setting-error" });
+    const error = el("div", { class: "rk-error", "data-rk": "setting-error", text: state.settingErrors.get(key) ?? "" });
     let input;
     if (s.type === "bool") {
       input = el("input", { type: "checkbox" });
@@ -335,12 +336,15 @@ export function createPanel(root, { actions, history }) {
       if (s.type === "bool") value = input.checked;
       else if (s.type === "int" || s.type === "float") value = input.value.trim() === "" ? null : Number(input.value);
       else value = input.value;
-      if (value === s.value) return;
+      // against the server's value now: a row kept while focused holds the value it was built with
+      if (value === (state.settings?.[key] ?? s).value) return;
       error.textContent = "";
+      state.settingErrors.delete(key);
       try {
         await actions.setSetting(key, value);
       } catch (exc) {
         error.textContent = exc?.message ?? String(exc);
+        state.settingErrors.set(key, error.textContent);
         input.blur();
       }
     };
@@ -409,8 +413,7 @@ export function createPanel(root, { actions, history }) {
     return card;
   }
 
-  function render() {
-    renderSettings();
+  function render() { // the stats: a push never rebuilds the settings rows (updateSettings does)
     renderChart();
     if (state.error) {
       status.textContent = state.error;
@@ -449,6 +452,7 @@ export function createPanel(root, { actions, history }) {
   }
 
   const ticker = setInterval(renderChart, 5000);
+  renderSettings();
   render();
   return {
     element: panel,
