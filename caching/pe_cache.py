@@ -334,8 +334,9 @@ _serial = 0
 _orphaned: deque[PECache] = deque()  # caches whose owner died (appended by the owner's finalizer)
 
 
-def _settle() -> None:
-    """Close the caches whose owner died (at the next cache_for and before every stats snapshot)."""
+def close_orphaned() -> None:
+    """Close the caches whose owner died (at the next cache_for, before every stats snapshot and before
+    ComfyUI loads a model: patches/rope.py)."""
     while _orphaned:
         try:
             cache = _orphaned.popleft()
@@ -350,7 +351,7 @@ def cache_for(owner: Any, label: str | None = None, create: bool = True) -> PECa
     It is registered in the stats registry as ``pe:<label>#<n>`` and closed (entries dropped, stats
     unregistered) after the owner is garbage-collected, at the next call or stats snapshot."""
     global _serial
-    _settle()
+    close_orphaned()
     with _CACHES_LOCK:
         cache = _CACHES.get(owner)
         if cache is not None or not create:
@@ -366,4 +367,4 @@ def cache_for(owner: Any, label: str | None = None, create: bool = True) -> PECa
         return cache
 
 
-REGISTRY.add_settler(_settle)
+REGISTRY.add_settler(close_orphaned)

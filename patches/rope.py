@@ -27,7 +27,8 @@ The builder runs unchanged (counted as a bypass, with its reason) when its input
 while a CUDA graph is being warmed up or captured (no host sync, no tensor from the graph's pool kept).
 
 A listener on ``ModelPatcher.detach`` (patches/lifecycle.py) drops a model's device-held tables
-when ComfyUI unloads it from its device.
+when ComfyUI unloads it from its device; one on ``load`` closes the caches of models that died first (a
+model dropped while loaded is only detached as a clone's swap), so the model that loads gets their memory.
 
 Each patch has one install and one uninstall (idempotent, guarded by a probe that the host has
 the function and by a shape check of its parameters, :func:`patches.host.check`: a builder a newer
@@ -47,7 +48,7 @@ from typing import Any
 import torch
 
 from ..caching.keys import Uncacheable, tensor_meta, tensors_in
-from ..caching.pe_cache import PECacheKey, cache_for, default_enabled
+from ..caching.pe_cache import PECacheKey, cache_for, close_orphaned, default_enabled
 from ..caching.protocol import capturing, transformer_options
 from . import host, lifecycle, rope_seams
 from .host import Patch
@@ -243,24 +244,49 @@ def _add_bound(key: PECacheKey, bind: _Binder, args, kwargs, skip: tuple = (),
 
 # ---- patch plumbing ------------------------------------------------------------------------
 
+def _called_by_name(*where: tuple[str, str]) -> Callable[[], None]:
+    """A check that the module-level functions a builder's host code calls by name (flux's ``rope``)
+    are still the ones they were when the builder was patched: it raises :class:`Uncached` once one is
+    not (another node rebound it, as packs do for an fp32 ``rope``; the key does not hold it)."""
+    recorded = []
+    for module, name in where:
+        namespace = vars(importlib.import_module(module))
+        if name in namespace:
+            recorded.append((namespace, module, name, namespace[name]))
+
+    def check() -> None:
+        for namespace, module, name, fn in recorded:
+            if namespace.get(name) is not fn:
+                raise Uncached(f"{module}.{name} was replaced after the PE cache was installed")
+    return check
+
+
 # ---- the builders --------------------------------------------------------------------------
 
 def _embednd(builder: str):
     """flux.layers.EmbedND / hidream.EmbedND ``forward(self, ids)``: keyed by theta and axes and,
     when the model's own embedder is called inside its family forward (``rope_seams``), by that
     forward's geometry, the call's order in it and the ids' shape, dtype and device (host values
-    only). Anywhere else the ids are keyed by value, on the CPU only (:func:`_add_value`)."""
+    only), unless the embedder's class overrides ``forward`` (a node's subclass may change the ids
+    before it calls this one, by settings of its own). Anywhere else the ids are keyed by value, on the
+    CPU only (:func:`_add_value`)."""
     def make(original):
+        rope_unchanged = _called_by_name((original.__module__, "rope"))
+
         def forward(self, ids):
             def key(k):
+                rope_unchanged()
                 k.add(type(self).__qualname__).add(self.theta).add(list(self.axes_dim))
                 geometry = rope_seams.current()
                 if geometry is not None and geometry.owns(self):
-                    if geometry.fields is not None:
+                    why = geometry.why
+                    if type(self).forward is not forward:
+                        why = f"{builder}: {type(self).__qualname__} overrides its forward"
+                    elif geometry.fields is not None:
                         k.add_encoded(geometry.fields).add(geometry.next_call()).add_encoded(tensor_meta(ids))
                         return
                     if ids.device.type not in VALUE_KEYS_ON:
-                        raise Uncached(geometry.why)
+                        raise Uncached(why)
                 _add_value(k, ids, f"{builder} ids")
             return cached(builder, key, lambda: original(self, ids), (ids,))
         return forward
@@ -279,9 +305,11 @@ def _wan_rope_encode(original):
     (e.g. RIFLEx, with its own k and frame count) runs every call."""
     bind = _Binder(original)
     host_embednd = importlib.import_module("comfy.ldm.flux.layers").EmbedND
+    rope_unchanged = _called_by_name(("comfy.ldm.flux.layers", "rope"), ("comfy.ldm.wan.model", "rope"))
 
     def rope_encode(self, *args, **kwargs):
         def key(k):
+            rope_unchanged()
             if type(self.rope_embedder) is not host_embednd:
                 return False
             a = bind((self, *args), kwargs)
@@ -353,9 +381,11 @@ def _omnigen2_rope(original):
     table and its split; also keyed by the module's theta, axes, lengths, patch size and embedder."""
     bind = _Binder(original)
     host_embednd = importlib.import_module("comfy.ldm.flux.layers").EmbedND
+    rope_unchanged = _called_by_name(("comfy.ldm.flux.layers", "rope"))
 
     def forward(self, *args, **kwargs):
         def key(k):
+            rope_unchanged()
             emb = self.rope_embedder
             if type(emb) is not host_embednd:
                 return False
@@ -440,6 +470,11 @@ def release_device_tables(patcher, unpatch_all=True, *args, **kwargs) -> None:
             cache.clear()
 
 
+def _close_orphaned(patcher, *args, **kwargs) -> None:
+    """Before ComfyUI loads a model (a lifecycle listener): the PE caches of models that died close now."""
+    close_orphaned()
+
+
 GLOBAL_PATCHES = (SCOPE_PATCH,)
 
 
@@ -449,6 +484,7 @@ def install() -> list[str]:
     for p in GLOBAL_PATCHES:
         p.install()
     lifecycle.add_listener("detach", release_device_tables)
+    lifecycle.add_listener("load", _close_orphaned)
     covered = [p.family for p in PATCHES if p.install()]
     off = [f"{p.family} off: {p.module}.{p.attr} {p.off}" for p in (*GLOBAL_PATCHES, *PATCHES) if p.off]
     for seam in rope_seams.SEAMS:  # installed, but its embedder keeps the value rules (no hit on a GPU)
@@ -467,6 +503,7 @@ def uninstall() -> None:
     for p in (*PATCHES, *GLOBAL_PATCHES):
         p.uninstall()
     lifecycle.remove_listener("detach", release_device_tables)
+    lifecycle.remove_listener("load", _close_orphaned)
 
 
 def installed() -> bool:

@@ -342,6 +342,79 @@ def test_wan_with_a_rope_embedder_the_key_cannot_describe_runs_it_every_call(fam
         compare(model, [call, call], cached_options(rope), rope)
 
 
+def test_an_embedder_subclass_that_moves_the_ids_never_gets_an_old_table(families, rope):
+    """A node's EmbedND subclass put on the model (an object patch) that moves the ids by a setting of its
+    own, then calls EmbedND.forward: the forward's geometry does not hold that setting, so the subclass's
+    tables are keyed by the ids themselves (on the CPU): a new setting never gets the old table."""
+    import comfy.ldm.flux.layers as layers
+
+    class ShiftedEmbedND(layers.EmbedND):
+        def __init__(self, base, shift):
+            super().__init__(base.dim, base.theta, list(base.axes_dim))
+            self.shift = shift
+
+        def forward(self, ids):
+            ids = ids.clone()
+            ids[..., 1] += self.shift
+            return super().forward(ids)
+
+    spec = families.family_spec("flux")
+    model = spec.build(0)
+    dm = model.model.diffusion_model
+    host = dm.pe_embedder
+    call = spec.inputs(spec.sizes[0], 1)
+    outputs = []
+    try:
+        for shift in (0.0, 5.0, 0.0):
+            dm._modules["pe_embedder"] = ShiftedEmbedND(host, shift)
+            cache = compare(model, [call, call], cached_options(rope), rope)
+            outputs.append(run(model, call, {}))
+    finally:
+        dm._modules["pe_embedder"] = host
+    assert not torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+    assert sum(s["hits"] for s in cache.name_stats().values()) >= 3  # keyed by the ids: still reused
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_a_rope_function_another_node_rebinds_is_never_read_from_an_old_table(family, families, rope, monkeypatch):
+    """EmbedND.forward calls ``rope`` by name from its module: a pack that rebinds it (an fp32 rope, a
+    scaled one) after a table was stored must not get that table back; such calls run uncached, counted."""
+    import comfy.ldm.flux.layers as layers
+
+    host_rope = layers.rope
+    spec = families.family_spec(family)
+    model = spec.build(0)
+    call = spec.inputs(spec.sizes[0], 1)
+    cache = compare(model, [call, call], cached_options(rope), rope)  # tables stored with the host's rope
+    plain = run(model, call, {})
+    monkeypatch.setattr(layers, "rope", lambda pos, dim, theta: host_rope(pos, dim, theta * 2))
+    compare(model, [call, call], cached_options(rope), rope)
+    assert not torch.equal(run(model, call, {}), plain)  # the rebound rope changes the picture
+    assert any("comfy.ldm.flux.layers.rope was replaced" in reason for reason in cache.bypass_reasons())
+
+
+def test_a_dropped_models_tables_are_freed_before_the_next_model_loads(families, rope):
+    """A model ComfyUI drops while it is still loaded is detached only as a clone's swap, and its PE cache
+    goes through its finalizer, which only records: the tables are freed at the next safe point, at the
+    latest before ComfyUI loads the next model (which needs that memory)."""
+    import gc
+    import weakref
+
+    import comfy.model_management
+
+    spec = families.family_spec("wan")
+    model = spec.build(0)
+    compare(model, [spec.inputs(spec.sizes[0], 1)], cached_options(rope), rope)
+    cache = rope.model_cache(model.model)
+    table = weakref.ref(cache.entry(cache.names()[0])[1])
+    del cache, model
+    gc.collect()
+    assert table() is not None  # the finalizer only recorded its cache
+    comfy.model_management.load_models_gpu([families.family_spec("flux").build(0)])
+    gc.collect()
+    assert table() is None
+
+
 def test_causal_wan_under_the_ar_video_sampler_keys_each_frame_blocks_rope_by_its_start(rope, conds):
     """Causal-WAN's ar_video sampler builds RoPE per frame block from its start frame: through the PE
     cache two whole runs are ComfyUI's latent bit for bit, each block's steps hit its own table and a new
