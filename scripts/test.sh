@@ -2,7 +2,7 @@
 # The whole suite on every host of the matrix, one after the other: the bundled ComfyUI 0.3.75 and
 # the current ComfyUI 0.33.0 (from ../shared/hosts; said and skipped on a clone without it).
 #   REUSEKIT_HOST=0.33 scripts/test.sh     one host only (0.3.75 or 0.33), for quick runs
-#   COMFYUI_PATH=/path/to/ComfyUI          your own checkout only (in .venv/)
+#   COMFYUI_PATH=/path/to/ComfyUI          your own checkout only (in .venv-user/)
 # Arguments go to pytest (e.g. -m conditioning, -k wan, -x). Exits non-zero if any host failed.
 # Never hangs: a test past pyproject.toml's timeout fails with every thread's stack, and each host's whole
 # run is stopped after REUSEKIT_HOST_TIMEOUT s (default 2400) with a stack dump (SIGABRT: faulthandler); either
@@ -24,7 +24,7 @@ timed_out() {
 }
 
 if [ -n "${COMFYUI_PATH:-}" ]; then
-  hosts=(0.3.75)   # .venv/ around the user's checkout
+  hosts=(0.3.75)   # .venv-user/ around the user's checkout
 else
   hosts=(${REUSEKIT_HOST:-0.3.75 0.33})
 fi
@@ -38,7 +38,7 @@ for host in "${hosts[@]}"; do
     continue
   fi
   scripts/setup.sh --test --host "$host" || { failed+=("$host (setup)"); continue; }
-  read -r venv dir < <(scripts/setup.sh --print-host "$host")
+  IFS=$'\t' read -r venv dir < <(scripts/setup.sh --print-host "$host")
   label=$host
   [ -n "${COMFYUI_PATH:-}" ] && label="your checkout at $COMFYUI_PATH"
   echo "[reusekit test] ===== ComfyUI $label ($dir) ====="
