@@ -94,6 +94,13 @@ class CacheStats:
             self._info[key] = value
         self._registry._changed()
 
+    def update_info(self, key: str, change: Callable[[Any], Any]) -> None:
+        """Replace the fact ``key`` by ``change(its value or None)``, with no other change in between (two
+        samplers finishing at once both keep theirs). ``change`` only computes: it never calls the stats."""
+        with self._lock:
+            self._info[key] = change(self._info.get(key))
+        self._registry._changed()
+
     def count_reason(self, event: str, reason: str, n: int = 1, source: str = "") -> bool:
         """Count ``n`` calls (runs, models...) the cache did not serve as it usually does, and why: ``event``
         says what it did instead (``bypass``: ran them uncached or eagerly; ``refused``: would not take a

@@ -63,11 +63,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,6 +79,8 @@ import torch
 from . import step_schedule
 from .step_schedule import ResidualTable
 from .weights_identity import WeightsIdentity
+
+log = logging.getLogger("reusekit")
 
 # Published rescale polynomials (highest power first), from ali-vilab/TeaCache via the ComfyUI
 # TeaCache pack: see docs/step_cache.md. Facts, not code.
@@ -414,6 +418,8 @@ class RunState:
         self.time_computed = 0.0
         self.time_skipped = 0.0
         self.resets = 0
+        self.windowed = False  # its calls ran in context windows (each window a state of its own)
+        self.partial: str | None = None  # calibration: why the run does not cover the model's whole schedule
         self.disabled_reason: str | None = None  # why every step of this run is computed, if one is
         self.started = time.perf_counter()
         # schedule: the plan (made at the run's start), its steps' sigmas (CPU), and the cond-minus-uncond
@@ -930,11 +936,17 @@ class Calibration:
                    table)
 
 
+class _Unreadable(Exception):
+    """The calibration file exists but is not a JSON object (cut short, edited by hand)."""
+
+
 class CalibrationStore:
     """Calibrations per weight structure, each beside the identity of the weights it was made on, in
     memory and in a JSON file (when given a path). A lookup returns the calibration whose identity
     matches (:meth:`WeightsIdentity.matches`: precision copies do, fine-tunes do not), one made in the
-    same dtypes first; each dtype keeps its own entry."""
+    same dtypes first, in memory or in the file; each dtype keeps its own entry. Writes take a lock on a
+    file beside it (POSIX), so two ComfyUI processes calibrating at once keep both; a file that cannot be
+    read is moved aside (``.unreadable-<time>``), never overwritten."""
 
     def __init__(self, path: Path | None = None):
         self.path = path
@@ -942,13 +954,41 @@ class CalibrationStore:
         self._memory: dict[str, list[dict[str, Any]]] = {}
 
     def _read(self) -> dict[str, Any]:
+        """The file's calibrations ({} without a file); _Unreadable where it holds no JSON object."""
         if self.path is None or not self.path.is_file():
             return {}
         try:
             data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
+        except OSError:
             return {}
-        return data if isinstance(data, dict) else {}
+        except ValueError as exc:
+            raise _Unreadable(str(exc)) from None
+        if not isinstance(data, dict):
+            raise _Unreadable(f"it holds a {type(data).__name__}, not an object")
+        return data
+
+    def _readable(self) -> dict[str, Any]:
+        try:
+            return self._read()
+        except _Unreadable:
+            return {}
+
+    @contextmanager
+    def _file_lock(self):
+        """Held around a read-modify-replace of the file: another process's write waits (POSIX; elsewhere
+        none, as before)."""
+        try:
+            import fcntl
+        except ImportError:
+            yield
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
     @staticmethod
     def _find(entries: Any, ident: WeightsIdentity, same_dtypes: bool = False) -> int | None:
@@ -963,12 +1003,15 @@ class CalibrationStore:
         return min(found)[1] if found else None
 
     def get(self, key: str, ident: WeightsIdentity) -> Calibration | None:
-        """The calibration made on these weights, else on a copy of them in other dtypes."""
+        """The calibration made on these weights in their dtypes (this process's, else the file's), else
+        one made on a copy of them in other dtypes."""
         with self._lock:
-            for entries in (self._memory.get(key), self._read().get(key)):
-                i = self._find(entries, ident)
-                if i is not None:
-                    return Calibration.from_json(entries[i])
+            sources = (self._memory.get(key), self._readable().get(key))
+            for same_dtypes in (True, False):
+                for entries in sources:
+                    i = self._find(entries, ident, same_dtypes=same_dtypes)
+                    if i is not None:
+                        return Calibration.from_json(entries[i])
         return None
 
     def put(self, key: str, ident: WeightsIdentity, calibration: Calibration, **info: Any) -> None:
@@ -991,17 +1034,24 @@ class CalibrationStore:
             self._memory[key] = add(self._memory.get(key))
             if self.path is None:
                 return
-            data = self._read()
-            data[key] = add(data.get(key))
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".teacache-", suffix=".json")
-            try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump(data, f, indent=1)
-                os.replace(tmp, self.path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            with self._file_lock():
+                try:
+                    data = self._read()
+                except _Unreadable as exc:  # keep what it holds for the user; start a new file
+                    aside = self.path.with_name(f"{self.path.name}.unreadable-{int(time.time())}")
+                    os.replace(self.path, aside)
+                    log.warning("ReuseKit: the calibration file %s could not be read (%s); it is kept as %s and a "
+                                "new one is started", self.path, exc, aside)
+                    data = {}
+                data[key] = add(data.get(key))
+                fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".teacache-", suffix=".json")
+                try:
+                    with os.fdopen(fd, "w") as f:
+                        json.dump(data, f, indent=1)
+                    os.replace(tmp, self.path)
+                except BaseException:
+                    Path(tmp).unlink(missing_ok=True)
+                    raise
 
 
 def identity_digest(ident: WeightsIdentity) -> str:

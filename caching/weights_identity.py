@@ -112,3 +112,46 @@ def identity(named_weights: Iterable[tuple[str, torch.Tensor]]) -> WeightsIdenti
             parts[i] = values
     samples = torch.cat(parts).tolist() if parts else []
     return WeightsIdentity(h.hexdigest()[:32], tuple(dtypes), tuple(counts), tuple(samples))
+
+
+_PATCH_DEPTH = 6  # how deep a patch's value is walked (ComfyUI's adapters nest a tuple or two)
+
+
+def _patch_parts(value: Any, out: list, depth: int = 0) -> None:
+    """What a weight patch's value is, in a stable form: its tensors by shape, dtype and sampled values,
+    plain values by repr, functions and adapter classes by name (never by address)."""
+    if depth > _PATCH_DEPTH:
+        out.append(("deep",))
+    elif isinstance(value, torch.Tensor):
+        out.append(("t", tuple(value.shape), str(value.dtype),
+                    tuple(_sample(value).cpu().tolist()) if value.is_floating_point() and value.numel() else ()))
+    elif isinstance(value, (bool, int, float, str, bytes, type(None))):
+        out.append(("v", repr(value)))
+    elif isinstance(value, (tuple, list)):
+        out.append(("[", len(value)))
+        for v in value:
+            _patch_parts(v, out, depth + 1)
+    elif isinstance(value, dict):
+        for k in sorted(value, key=repr):
+            out.append(("k", repr(k)))
+            _patch_parts(value[k], out, depth + 1)
+    elif isinstance(value, (set, frozenset)):
+        out.append(("s", tuple(sorted(map(repr, value)))))
+    elif callable(value) and hasattr(value, "__qualname__"):
+        out.append(("f", getattr(value, "__module__", None), value.__qualname__))
+    else:  # an adapter (ComfyUI's LoRAAdapter...): its class and what it holds
+        out.append(("o", type(value).__module__, type(value).__qualname__))
+        _patch_parts(dict(getattr(value, "__dict__", {})), out, depth + 1)
+
+
+def patches_digest(patches: dict) -> str | None:
+    """A digest of the weight patches a model's clone carries (ComfyUI's ``ModelPatcher.patches``: a LoRA's
+    keys, strengths, and SAMPLES values of every tensor), so another LoRA or another strength digests
+    otherwise; None without patches."""
+    if not patches:
+        return None
+    out: list = []
+    for key in sorted(patches, key=repr):
+        out.append(("key", repr(key)))
+        _patch_parts(patches[key], out)
+    return hashlib.sha256(repr(out).encode()).hexdigest()[:32]

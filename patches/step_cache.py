@@ -85,6 +85,14 @@ def model_identity(model_patcher, family: Family) -> tuple[str, WeightsIdentity]
     return f"{family.name}:{ident.structure}", ident
 
 
+def calibration_keys(model_patcher, base_key: str) -> tuple[str, str | None]:
+    """(the key this clone's calibration is kept under, the base model's key to read where it has none):
+    a clone with weight patches (a LoRA) keeps its own, under its patches' digest, so calibrating it never
+    replaces the base model's; (base_key, None) without patches."""
+    patched = weights_identity.patches_digest(getattr(model_patcher, "patches", None) or {})
+    return (base_key, None) if patched is None else (f"{base_key}:patches {patched}", base_key)
+
+
 def model_fingerprint(model_patcher, family: Family) -> str:
     """A model's name in the stats and reports: a digest of its weights' identity."""
     return tc.identity_digest(model_identity(model_patcher, family)[1])
@@ -159,6 +167,11 @@ def _attach(model_patcher, config: tc.StepCacheConfig):
         if config.model_type not in table:
             raise ValueError(f"model_type: {config.model_type!r} has no published {rule} table (use auto or "
                              "calibrated)")
+    earlier: Settings | None = model_patcher.model_options.get("transformer_options", {}).get(KEY)
+    if earlier is not None and earlier.config.calibrate and not config.calibrate:
+        raise ValueError("model: it comes from ReuseKit TeaCache Calibrate, whose run would then skip steps and "
+                         "calibrate nothing; sample the calibrating model without the step cache, then use the "
+                         "step cache on the model itself")
     from comfy.patcher_extension import WrappersMP
 
     m = model_patcher.clone()
@@ -583,7 +596,7 @@ class _Call:
                           for key, part in zip(self.keys, out.chunk(len(self.keys)), strict=True)])
 
 
-def _labels(to: dict, n: int) -> list[str]:
+def _labels(to: dict, n: int, window: tuple | None = None) -> list[str]:
     names = {0: "cond", 1: "uncond"}
     raw = [names.get(c, f"cond{c}") for c in (to.get("cond_or_uncond") or [])]
     if len(raw) != n:
@@ -593,17 +606,33 @@ def _labels(to: dict, n: int) -> list[str]:
     for lab in raw:
         seen[lab] = seen.get(lab, 0) + 1
         out.append(lab if seen[lab] == 1 else f"{lab}#{seen[lab]}")
+    if window:  # a context window's calls: frames first-last
+        out = [f"{lab} [{window[0]}-{window[-1]}]" for lab in out]
     return out
+
+
+def _window(to: dict) -> tuple | None:
+    """The frames of the context window this call computes (ComfyUI's context windows call the model once
+    per window at every step, each with the same conds), or None."""
+    window = to.get("context_window")
+    if window is None:
+        return None
+    return (getattr(window, "dim", None), *(getattr(window, "index_list", None) or ()))
+
+
+def _replaced_blocks(to: dict, settings: Settings) -> list:
+    """The stack's blocks whose patch in this call's options is not the cache's (another node's)."""
+    if settings.family.layer_forward is not None:  # its blocks are not block patches
+        return []
+    dit = (to.get("patches_replace") or {}).get("dit") or {}
+    return [key for key in settings.blocks if not getattr(dit.get(key), "_reusekit_block", False)]
 
 
 def replaced_reason(to: dict, settings: Settings) -> str | None:
     """Why the cache must compute every step of this run, or None: a block patch it installed is no
     longer its own (a later node replaced it: a skip would then run that node's block on the stack
     input). Says so once."""
-    if settings.family.layer_forward is not None:  # its blocks are not block patches
-        return None
-    dit = (to.get("patches_replace") or {}).get("dit") or {}
-    replaced = [key for key in settings.blocks if not getattr(dit.get(key), "_reusekit_block", False)]
+    replaced = _replaced_blocks(to, settings)
     if not replaced:
         return None
     reason = (f"another node replaced the patch of {replaced[0][0]} {replaced[0][1]} after ReuseKit Step Cache; "
@@ -648,6 +677,17 @@ def _diffusion_model(executor, *args, **kwargs):
         out = executor(*args, **kwargs)
         run.calls_computed += 1
         return out
+    replaced = _replaced_blocks(to, settings)
+    if replaced:  # a pass of this step with blocks of its own (SkipLayerGuidance's): neither skipped nor kept
+        stats().count_reason("bypass", f"a call whose {replaced[0][0]} {replaced[0][1]} is another node's patch "
+                             "(SkipLayerGuidance's pass) was computed and left the cache's state as it was",
+                             source=settings.family.name)
+        run.calls_computed += 1
+        return executor(*args, **kwargs)
+    window = _window(to)
+    if window is not None:  # each context window is a call of its own, with a state of its own
+        keys = [(key, "window", window) for key in keys]
+        run.windowed = True
     dm = executor.class_obj
     dm = dm.diffusion_model if settings.family.call_wrapper == "APPLY_MODEL" else dm  # a BaseModel there
     unreached = None if settings.family.layer_forward is None else _unreached_layer(settings.family, dm)
@@ -657,7 +697,7 @@ def _diffusion_model(executor, *args, **kwargs):
         run.calls_computed += 1
         run.unhooked += 1
         return executor(*args, **kwargs)
-    labels = _labels(to, len(keys))
+    labels = _labels(to, len(keys), window and window[1:])
     probe = _gain_probe(run, settings, dm, keys, labels, sigma, executor, args, kwargs, to) \
         if run.config.calibrate else None
     call = _Call(run, settings.family, dm, keys, labels, may_skip, sigma)
@@ -733,7 +773,8 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None, steps:
     rule needs a calibration it lacks."""
     family = settings.family
     cfg = resolved_config(settings.config, family, steps)
-    key, ident = model_identity(model_patcher, family)
+    base, ident = model_identity(model_patcher, family)
+    key, base_key = calibration_keys(model_patcher, base)
     variant = step_families.model_variant(family, model_patcher, conds or {})
 
     def plan(used_type, table=None):
@@ -752,6 +793,8 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None, steps:
     if cfg.model_type not in ("auto", "calibrated"):
         return plan(cfg.model_type, published(cfg.model_type))
     stored = STORE.get(key, ident)
+    if stored is None and base_key is not None:  # a LoRA'd clone not calibrated itself: its base model's
+        stored = STORE.get(base_key, ident)
     upgrade, upgrade_mode = tc.CALIBRATED_RULES.get(family.name, (None, None))
     if (upgrade is not None and stored is not None and getattr(stored, tc.TABLE_FIELDS[upgrade]) is not None
             and settings.config.rule == "auto" and settings.config.threshold < 0 and cfg.model_type == "auto"
@@ -799,9 +842,12 @@ def _outer_sample(executor, *args, **kwargs):
     steps = len(sigmas) - 1 if sigmas is not None else None
     plan = resolve(settings, guider.model_patcher, getattr(guider, "conds", None), steps)
     cfg = plan.config
-    ms = guider.model_patcher.model.model_sampling
+    ms = guider.model_patcher.get_model_object("model_sampling")  # with its object patches (ModelSamplingSD3...)
     run = tc.RunState(cfg, plan.coefficients, float(ms.percent_to_sigma(cfg.start_percent)),
                       float(ms.percent_to_sigma(cfg.end_percent)), plan.magnitudes)
+    top = getattr(ms, "sigma_max", None)
+    if cfg.calibrate and sigmas is not None and top is not None and float(sigmas[0]) < 0.99 * float(top):
+        run.partial = f"it started at sigma {float(sigmas[0]):.3g}, below the model's {float(top):.3g} (denoise under 1)"
     run.disabled_reason = replaced_reason(orig.get("transformer_options", {}), settings)
     if run.disabled_reason is not None:
         stats().count_reason("disabled", run.disabled_reason, source=settings.family.name)
@@ -862,7 +908,7 @@ def _outcome(exc: BaseException) -> str:
     return "interrupted" if isinstance(exc, comfy.model_management.InterruptProcessingException) else "failed"
 
 
-MODEL_REPORTS = 8  # the last runs kept per model in the stats ("models"), most recent last
+MODEL_REPORTS = 8  # the models whose last run the stats keep ("models"), the most recent last
 
 
 def model_label(family: Family, fp: str) -> str:
@@ -900,12 +946,20 @@ def _finish(run: tc.RunState, settings: Settings, plan: Plan, total_steps: int |
     if run.config.calibrate and outcome != "completed":
         log.warning("ReuseKit TeaCache Calibrate (%s): the run was %s; nothing is saved (calibration comes "
                     "from complete runs only)", settings.family.name, outcome)
+    elif run.config.calibrate and (run.windowed or run.partial):
+        why = run.partial or "it sampled in context windows, each window a part of the picture"
+        reason = f"calibration: {why}; nothing is saved (calibrate with a whole run: denoise 1, no context windows)"
+        s.count_reason("refused", reason, source=settings.family.name)
+        log.warning("ReuseKit TeaCache Calibrate (%s): %s", settings.family.name, reason)
     elif run.config.calibrate:
         _save_calibration(run, settings, plan, summary)
     s.set_info("last_run", summary)
-    models = {k: v for k, v in (s.snapshot()["info"].get("models") or {}).items() if k != summary["model"]}
-    models[summary["model"]] = summary
-    s.set_info("models", dict(list(models.items())[-MODEL_REPORTS:]))
+    def with_this_run(models: dict | None) -> dict:  # each model's last run, the most recent model last
+        kept = {k: v for k, v in (models or {}).items() if k != summary["model"]}
+        kept[summary["model"]] = summary
+        return dict(list(kept.items())[-MODEL_REPORTS:])
+
+    s.update_info("models", with_this_run)
     log.info("ReuseKit Step Cache (%s, %s, %s %.3g, %s)%s: computed %d of %d model calls (%.2fx fewer; per cond %s), "
              "~%.2f s saved", settings.family.name, used_type, run.config.rule, run.config.threshold,
              run.config.residual_mode,

@@ -162,6 +162,26 @@ def test_format_snapshot_is_readable(stats):
     assert "cpu 3.0 MiB/512.0 MiB" in text
 
 
+def test_a_fact_updated_from_several_threads_keeps_every_change(stats):
+    """Samplers finishing at once each add their run to the same fact (the step cache's per-model reports):
+    none is lost to another's read-modify-write."""
+    cache = stats.StatsRegistry().register("step", "step_cache")
+    barrier = threading.Barrier(4)
+
+    def add_runs(who):
+        barrier.wait()
+        for i in range(300):
+            cache.update_info("runs", lambda runs, item=(who, i): [*(runs or []), item])
+
+    threads = [threading.Thread(target=add_runs, args=(who,)) for who in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    runs = cache.snapshot()["info"]["runs"]
+    assert sorted(runs) == sorted((who, i) for who in range(4) for i in range(300))
+
+
 def test_settings_validate_before_anything_changes():
     settings = rkharness.pack("caching.settings")
     reg = settings.SettingsRegistry()

@@ -917,6 +917,143 @@ def test_calibration_fits_a_polynomial_that_the_next_run_uses(flux, conds, _isol
     assert rel_err(out, ref) < 0.3
 
 
+def test_a_skip_layer_guidance_pass_is_computed_and_never_mixed_with_the_conds_state(flux, conds):
+    """SkipLayerGuidanceDiT calls the model a second time for the cond in each step, with one block
+    patched away: that pass is computed every step and leaves the cond's state alone, so its guidance
+    stays in the picture (it read the cond's own output, and the guidance term fell to nothing)."""
+    import comfy_extras.nodes_slg as slg
+
+    def with_slg(m):
+        return slg.SkipLayerGuidanceDiT.execute(m, 3.0, 0.0, 1.0, double_layers="1", single_layers="").args[0]
+
+    reference, plain = sample(with_slg(flux), conds), sample(flux, conds)
+    assert torch.equal(sample(with_slg(teacache(flux, 0.0, model_type="auto")), conds), reference)
+    before = P().stats().counter("calls_computed")
+    out = sample(with_slg(teacache(flux, 0.3, model_type="auto", mode="reuse")), conds)
+    run = last_run()
+    assert all(len(c["pattern"]) == STEPS for c in run["conds"].values()) and run["calls_skipped"] >= 2
+    assert P().stats().counter("calls_computed") - before == run["calls_computed"] >= STEPS + 2
+    assert any("SkipLayerGuidance's pass" in r["reason"] for r in P().stats().snapshot()["reasons"])
+    assert rel_err(out, reference) < rel_err(out, plain)
+
+
+def test_each_context_window_keeps_a_state_of_its_own(conds):
+    """ComfyUI's context windows call the model once per window at every step, with the same conds: each
+    window is a call of its own, whose steps are computed and forecast on its own frames (the second
+    window used to be handed the first one's residual at every step)."""
+    import inspect
+
+    import comfy_extras.nodes_context_windows as cw
+
+    wan = rkharness.TINY.tiny_wan(0, num_layers=2)
+    manual = cw.ContextWindowsManualNode.execute
+    extra = {"freenoise": False} if "freenoise" in inspect.signature(manual).parameters else {}
+
+    def windowed(m):
+        return manual(m, 2, 0, "standard_static", 1, False, "flat", 2, **extra).args[0]
+
+    shape = (1, 16, 4, 8, 8)
+    reference = sample(windowed(wan), conds, shape=shape)
+    assert torch.equal(sample(windowed(teacache(wan, 0.0, model_type="auto")), conds, shape=shape), reference)
+    out = sample(windowed(teacache(wan, 2.0, model_type="auto", rule="interval", mode="reuse")), conds, shape=shape)
+    run = last_run()
+    if run["resets"]:
+        pytest.skip("this ComfyUI's windows of this video differ in shape: each call starts clean anyway")
+    assert {c["pattern"] for c in run["conds"].values()} == {"CS" * (STEPS // 2)}
+    assert {label.split(" [")[1] for label in run["conds"]} == {"0-1]", "2-3]"}
+    first, second = (rel_err(out[:, :, i:i + 2], reference[:, :, i:i + 2]) for i in (0, 2))
+    assert 0 < first < 0.2 and 0 < second < 0.2
+
+
+def test_a_calibration_from_a_partial_pass_is_not_saved(flux, conds, _isolated_calibrations):
+    """A second pass at denoise under 1 (a hires pass) sees only the low sigmas: saved, later runs took the
+    curve as flat beyond it and skipped the start. It is refused, counted, and nothing is written."""
+    import nodes
+
+    (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
+    first = sample(flux, conds)
+    (out,) = nodes.common_ksampler(cal, 3, STEPS, 3.0, "euler", "simple", *conds, {"samples": first.clone()},
+                                   denoise=0.5)
+    assert last_run()["outcome"] == "completed" and "calibration" not in last_run()
+    assert not _isolated_calibrations.path.exists()
+    assert any("denoise under 1" in r["reason"] and r["event"] == "refused"
+               for r in P().stats().snapshot()["reasons"])
+
+
+def test_the_window_in_percent_reads_the_models_patched_sampling_on_its_first_run(conds):
+    """ModelSamplingSD3 (an object patch) moves the sigmas; start_percent is read through it on the very
+    first run, before ComfyUI loads the model: two identical runs give the same pattern and latent."""
+    import comfy_extras.nodes_model_advanced as advanced
+
+    wan = rkharness.TINY.tiny_wan(0, num_layers=2)
+    shifted = advanced.ModelSamplingSD3().patch(teacache(wan, 2.0, model_type="auto", rule="interval",
+                                                         mode="reuse", start=0.5), 1.0)[0]
+    outs, patterns = [], []
+    for _ in range(2):
+        outs.append(sample(shifted, conds, shape=(1, 16, 2, 8, 8)))
+        patterns.append(last_run()["conds"]["cond"]["pattern"])
+    assert patterns[0] == patterns[1] and torch.equal(outs[0], outs[1])
+
+
+def test_a_lora_clones_calibration_is_its_own_and_the_base_models_stays(flux, conds, _isolated_calibrations):
+    """Calibrating a LoRA'd clone keeps its own entry (its patches' digest in the key); the base model keeps
+    and reads its own; a LoRA clone never calibrated reads the base model's."""
+    (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
+    sample(cal, conds)
+    base = last_run()["calibration"]["coefficients"]
+    lora = flux.clone()
+    weight = flux.model.diffusion_model.img_in.weight
+    lora.add_patches({"diffusion_model.img_in.weight": (torch.randn(weight.shape,
+                                                                    generator=torch.Generator().manual_seed(1)) * 0.5,)},
+                     1.0)
+    (cal,) = N().TeaCacheCalibrateNode.execute(lora).args
+    sample(cal, conds)
+    own = last_run()["calibration"]["coefficients"]
+    assert own != base and len(json.loads(_isolated_calibrations.path.read_text())) == 2
+    family = SF().detect_family(flux)
+
+    def coefficients(model):
+        return P().resolve(teacache(model, 0.3, model_type="calibrated").model_options["transformer_options"][P().KEY],
+                           model).coefficients
+
+    assert list(coefficients(flux)) == base and list(coefficients(lora)) == own
+    other = flux.clone()
+    other.add_patches({"diffusion_model.img_in.weight": (torch.ones(weight.shape) * 0.01,)}, 1.0)
+    assert list(coefficients(other)) == base
+    assert P().calibration_keys(other, P().model_identity(other, family)[0])[1] is not None
+
+
+def test_a_calibrating_model_given_to_the_step_cache_is_refused_by_name(flux):
+    (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
+    with pytest.raises(ValueError, match="ReuseKit Step Cache: model: it comes from ReuseKit TeaCache Calibrate"):
+        teacache(cal, 0.3, model_type="auto")
+
+
+def test_the_calibration_store_reads_each_dtype_first_keeps_both_writers_and_never_overwrites_a_bad_file(tmp_path):
+    """This process's bf16 calibration never hides the fp32 model's own on file; two stores writing one file
+    (two ComfyUI processes) keep both; a file that cannot be read is moved aside, not replaced."""
+    wi = rkharness.pack("caching.weights_identity")
+    weights = [("w", torch.linspace(-1, 1, 64))]
+    fp32, bf16 = wi.identity(weights), wi.identity([(n, t.to(torch.bfloat16)) for n, t in weights])
+    path = tmp_path / "cal.json"
+    a, b = tc().CalibrationStore(path), tc().CalibrationStore(path)
+
+    def calibration(c):
+        return tc().Calibration((c, 0.0, 0.0, 1.0, 0.0), None, None)
+
+    b.put("flux:x", fp32, calibration(1.0))
+    a.put("flux:x", bf16, calibration(2.0))
+    assert a.get("flux:x", fp32).coefficients[0] == 1.0 and a.get("flux:x", bf16).coefficients[0] == 2.0
+    a.put("flux:y", fp32, calibration(3.0))
+    b.put("flux:z", fp32, calibration(4.0))
+    assert sorted(json.loads(path.read_text())) == ["flux:x", "flux:y", "flux:z"]
+    path.write_text('{"flux:x": [1, 2,]}')
+    a.put("flux:w", fp32, calibration(5.0))
+    aside = list(tmp_path.glob("cal.json.unreadable-*"))
+    assert len(aside) == 1 and aside[0].read_text() == '{"flux:x": [1, 2,]}'
+    assert list(json.loads(path.read_text())) == ["flux:w"]
+
+
 def test_one_calibration_run_serves_teacache_and_magcache_per_cond(flux, conds, _isolated_calibrations):
     (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
     sample(cal, conds)
@@ -1062,7 +1199,8 @@ def test_a_calibration_file_that_cannot_be_written_keeps_the_run_and_the_calibra
     assert last_run()["calibration"]["points"] == STEPS - 1
     sample(teacache(flux, 0.3, model_type="calibrated"), conds)  # kept in memory for this process
     assert last_run()["model_type"] == "calibrated"
-    assert list(target.parent.iterdir()) == [target] and not any(target.iterdir())  # no temporary file left
+    left = sorted(p.name for p in target.parent.iterdir())  # beside it only the writers' lock: no temporary file
+    assert left == [target.name, f"{target.name}.lock"] and not any(target.iterdir())
 
 
 def test_a_calibration_is_found_whichever_lora_clone_of_the_model_sampled_before(conds):
