@@ -84,7 +84,8 @@ class Setting:
 
 class SettingsRegistry:
     def __init__(self) -> None:
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the settings and their values: held for a read or an assignment only
+        self._applying = threading.RLock()  # one update at a time, through its callbacks
         self._settings: dict[str, Setting] = {}
 
     def define(self, key: str, kind: type, default: Any, description: str = "", *,
@@ -114,8 +115,9 @@ class SettingsRegistry:
         and a callback that raises undoes the settings already applied (ValueError naming the
         setting, whatever the callback raised: a folder it cannot read...). ``trusted``: the pack's
         own code in this process (tests, the bench) may change ``env_only`` settings; the routes
-        and nodes never pass it."""
-        with self._lock:
+        and nodes never pass it. Callbacks run outside the values' lock: a reader (a sampling thread) never
+        waits on one (a Redis server reconnecting); it sees a new value from the moment it is assigned."""
+        with self._applying:
             for key in values:
                 env = self._lookup(key).env_only
                 if env is not None and not trusted:
@@ -127,12 +129,14 @@ class SettingsRegistry:
                 for key, value in validated.items():
                     setting = self._settings[key]
                     if value != setting.value:
-                        previous, setting.value = setting.value, value
+                        with self._lock:
+                            previous, setting.value = setting.value, value
                         try:
                             if setting.on_change is not None:
                                 setting.on_change(value)
                         except Exception as exc:
-                            setting.value = previous  # this cache refused the value
+                            with self._lock:
+                                setting.value = previous  # this cache refused the value
                             if isinstance(exc, ValueError):
                                 raise
                             said = str(exc) if len(str(exc)) <= 160 else str(exc)[:160] + "..."
@@ -141,7 +145,8 @@ class SettingsRegistry:
                         applied.append((setting, previous))
             except Exception:
                 for setting, previous in reversed(applied):  # put back what was already applied
-                    setting.value = previous
+                    with self._lock:
+                        setting.value = previous
                     if setting.on_change is not None:
                         try:
                             setting.on_change(previous)

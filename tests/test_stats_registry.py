@@ -228,6 +228,37 @@ def test_a_failing_callback_undoes_the_whole_update_and_names_the_setting():
     assert seen == [2, 1] and fragile == [2, 1]
 
 
+def test_a_slow_callback_never_holds_a_reader_nor_a_snapshot():
+    """A callback that takes its time (the Redis tier reconnecting to a server that does not answer) runs
+    while a sampling thread reads settings and the panel takes a snapshot: neither waits for it; a second
+    update waits its turn."""
+    settings = rkharness.pack("caching.settings")
+    reg = settings.SettingsRegistry()
+    entered, release = threading.Event(), threading.Event()
+    reg.define("slow", int, 1, on_change=lambda _value: (entered.set(), release.wait(30)))
+    reg.define("other", int, 5)
+    updating = threading.Thread(target=reg.set, args=("slow", 2))
+    updating.start()
+    try:
+        assert entered.wait(10)
+        seen = {}
+        reader = threading.Thread(target=lambda: seen.update(other=reg.get("other"), slow=reg.get("slow"),
+                                                             shown=reg.snapshot()["slow"]["value"]))
+        reader.start()
+        reader.join(10)
+        assert not reader.is_alive(), "a read waited for another setting's callback"
+        assert seen == {"other": 5, "slow": 2, "shown": 2}
+        second = threading.Thread(target=reg.set, args=("other", 6))
+        second.start()
+        second.join(0.2)
+        assert second.is_alive() and reg.get("other") == 5  # updates are applied one at a time
+    finally:
+        release.set()
+        updating.join(10)
+    second.join(10)
+    assert (reg.get("slow"), reg.get("other")) == (2, 6)
+
+
 @pytest.mark.hardening
 def test_a_setting_refuses_huge_numbers_with_a_short_message_and_changes_nothing():
     settings = rkharness.pack("caching.settings")
