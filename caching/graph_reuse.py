@@ -179,10 +179,16 @@ class _Walker:
                 self.fields.append((path, "value", keys.encode(v)))
             return v
         if isinstance(v, (list, tuple)):
+            named = isinstance(v, tuple) and hasattr(type(v), "_make")  # a namedtuple: built from its fields
+            if type(v) not in (list, tuple) and not named:  # a subclass the walk could not rebuild
+                self.fail("uncapturable_input", f"{path} is a {type(v).__qualname__}")
+                return v
             if self.sub is None:
-                self.fields.append((path, "seq", (type(v).__name__, len(v))))
+                self.fields.append((path, "seq", (type(v).__qualname__ if named else type(v).__name__, len(v))))
             items = [self.value(f"{path}[{i}]", x, in_options) for i, x in enumerate(v)]
-            return type(v)(items) if self.sub is not None else v
+            if self.sub is None:
+                return v
+            return type(v)._make(items) if named else type(v)(items)
         if isinstance(v, dict) and all(isinstance(k, str) for k in v):
             if self.sub is None:
                 self.fields.append((path, "dict", tuple(v)))

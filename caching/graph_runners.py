@@ -49,6 +49,18 @@ def _clone_tree(out):
     raise TypeError(f"the forward returned a {type(out).__name__}, not tensors")
 
 
+def _fresh(v):
+    """``v`` in new lists, tuples and dicts holding the same leaves: what a forward is handed, as it may
+    empty a list it is given (ComfyUI's UNet pops each ControlNet residual from ``control`` as it adds it)."""
+    if type(v) is list:
+        return [_fresh(x) for x in v]
+    if type(v) is tuple:
+        return tuple(_fresh(x) for x in v)
+    if type(v) is dict:
+        return {k: _fresh(x) for k, x in v.items()}
+    return v
+
+
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -121,15 +133,15 @@ class StaticRunner:
         self.shared = {} if shared is None else shared
         self.n_pos = n_pos
         self.static = [torch.empty_like(t).copy_(t) for t in spec.tensors]
-        self.args = substitute(named, self.static, device)
+        self.args = substitute(named, self.static, self.device)
         self.hook = step_hook(self.args)
         self.nbytes = _nbytes(self.static)
 
     def _call(self):
         """The forward on the static buffers: its output, and with a step hook ``(output,
         tensors the hook's patches made)``."""
-        pos = [v for _, v in self.args[:self.n_pos]]
-        kw = dict(self.args[self.n_pos:])
+        pos = [_fresh(v) for _, v in self.args[:self.n_pos]]
+        kw = {k: _fresh(v) for k, v in self.args[self.n_pos:]}
         out = self.fn(*pos, **kw)
         if self.hook is None:
             return out

@@ -375,6 +375,7 @@ def _capture(gs: gr.GraphSet, call: _Call, decision: gr.Decision):
         host.say_once(f"graph:fail:{failure}", "ReuseKit graph: could not capture this forward, it runs "
                       "eagerly: %s", failure, level=logging.WARNING)
         call.note(f"capture failed: {failure}")
+        out = call.eager(out)  # the capture's warm-up ran the forward eagerly: counted as such
         entry = gr.Entry(call.spec.signature, failed=failure)
     else:
         STATS.incr("captures")

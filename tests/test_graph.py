@@ -115,6 +115,33 @@ def test_python_side_objects_in_options_count_by_type_and_patches_bypass_unless_
     assert odd.bypass == "uncapturable_input" and "extra_arg" in odd.detail
 
 
+def test_a_namedtuple_among_the_inputs_is_rebuilt_and_another_sequence_type_runs_eagerly():
+    """A custom node's namedtuple in the options is keyed and rebuilt on the buffers (it once crashed the
+    sampling run when the runner was built); a sequence subclass the walk cannot rebuild is refused."""
+    import collections
+
+    gr, runners = rkharness.pack("caching.graph_reuse"), rkharness.pack("caching.graph_runners")
+    pair = collections.namedtuple("Pair", "a b")
+
+    def forward(x, transformer_options):
+        return x + transformer_options["extra"].a * transformer_options["extra"].b
+
+    named = [("x", torch.zeros(2)), ("transformer_options", {"extra": pair(torch.ones(2), 2.0)})]
+    spec = gr.analyse_call(named, (), torch.device("cpu"))
+    runner = runners.StaticRunner(forward, named, 1, spec, "cpu")
+    out, failure = runner.capture(1)
+    assert failure == "" and torch.equal(out, torch.full((2,), 2.0))
+    other = [("x", torch.zeros(2)), ("transformer_options", {"extra": pair(torch.full((2,), 3.0), 2.0)})]
+    assert gr.can_reuse(spec.signature, gr.analyse_call(other, (), torch.device("cpu")).signature)[0]
+    assert torch.equal(runner.replay(gr.analyse_call(other, (), torch.device("cpu")).tensors), torch.full((2,), 6.0))
+
+    class Row(list):
+        pass
+
+    odd = gr.analyse_call([("x", torch.zeros(2)), ("transformer_options", {"rows": Row([torch.ones(2)])})])
+    assert odd.bypass == "uncapturable_input" and "transformer_options.rows is a" in odd.detail
+
+
 def test_tensors_off_the_model_device_are_compared_by_value_not_buffered():
     gr = rkharness.pack("caching.graph_reuse")
     meta = torch.device("meta")  # stands for the model's device: every CPU tensor here is "foreign"

@@ -3,6 +3,7 @@ trace replayed, so (unlike ``emulate``, which re-runs the Python forward) a repl
 have happened gives a wrong output."""
 
 import pytest
+import rkharness
 import torch
 from graph_helpers import LATENTS, capture, conds_fixture, gc_fixture, last_run, sample  # noqa: F401  (the fixtures gc and conds)
 
@@ -71,3 +72,44 @@ def test_resolution_batch_lora_and_object_patch_changes_rebuild_and_stay_correct
     assert torch.equal(sample(patched, conds), sample(plain, conds))
     assert last_run(gc)["rebuilds"] == {"object_patches": 1}
     assert torch.equal(sample(captured, conds), sample(model, conds))
+
+
+@pytest.mark.parametrize("backend", ["trace", "emulate"])
+def test_a_controlnets_residuals_reach_every_replay_of_an_sd_unet(gc, monkeypatch, tiny, conds, backend):
+    """SD1.5's UNet pops each ControlNet residual from the lists it is handed as it adds it: a capture's
+    warm-up once emptied the buffers' lists, and every replay then ran without the control (25 apart on
+    this tiny model; the trace backend failed its capture). Each call now gets lists of its own."""
+    import nodes
+
+    monkeypatch.setattr(gc, "FORCE_BACKEND", backend)
+    model = tiny.tiny_sd15(0)
+    image = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(5))
+    controlled = nodes.ControlNetApplyAdvanced().apply_controlnet(*conds, tiny.tiny_controlnet(3), image, 1.0, 0.0,
+                                                                  1.0)[:2]
+    expected = sample(model, controlled, (1, 4, 8, 8), steps=3)
+    assert not torch.equal(expected, sample(model, conds, (1, 4, 8, 8), steps=3))  # the control matters here
+    for seed in (7, 11):  # the second run replays every step
+        assert torch.equal(sample(capture(model), controlled, (1, 4, 8, 8), steps=3, seed=seed),
+                           sample(model, controlled, (1, 4, 8, 8), steps=3, seed=seed))
+    run = last_run(gc)
+    assert (run["captures"], run["replays"], run["bypasses"]) == (0, 3, {}), run
+
+
+def test_a_forward_no_capture_can_follow_runs_eagerly_and_each_of_its_steps_is_counted(gc, tiny, conds):
+    """A block patch that reads a value on the host cannot be traced (nor captured on a GPU): the capture
+    fails, its warm-up's output is the step's, and every step of the run is counted eager."""
+    protocol = rkharness.pack("caching.protocol")
+
+    def reads_the_host(args, extra):
+        out = extra["original_block"](args)
+        return {**out, "img": out["img"] * (1.0 + 0.0 * out["img"].abs().max().item())}
+
+    setattr(reads_the_host, protocol.GRAPH_SAFE, True)
+    model = tiny.tiny_flux(0)
+    plain, captured = model.clone(), capture(model)
+    for m in (plain, captured):
+        m.set_model_patch_replace(reads_the_host, "dit", "double_block", 0)
+    assert torch.equal(sample(captured, conds, steps=3), sample(plain, conds, steps=3))
+    run = last_run(gc)
+    assert (run["captures"], run["bypasses"], run["eager_steps"], run["steps"]) == (0, {"capture_failed": 2}, 3, 3)
+    assert gc.STATS.handle.snapshot()["counters"]["capture_failures"] == 1

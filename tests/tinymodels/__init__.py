@@ -86,6 +86,33 @@ def tiny_wan(seed: int = 0, **overrides):
     return _from_config(comfy.supported_models.WAN21_T2V, cfg, seed)
 
 
+SD15_UNET = dict(use_checkpoint=False, image_size=32, out_channels=4, use_spatial_transformer=True, legacy=False,
+                 adm_in_channels=None, in_channels=4, model_channels=32, num_res_blocks=[1, 1],
+                 transformer_depth=[1, 1], transformer_depth_output=[1, 1, 1, 1], channel_mult=[1, 2],
+                 transformer_depth_middle=1, use_linear_in_transformer=False, context_dim=TEXT_DIM, num_heads=2,
+                 num_head_channels=-1)
+
+
+def tiny_sd15(seed: int = 0):
+    """SD1.5's UNet (ComfyUI's openaimodel) at 32 channels, two levels, cross-attention on the tiny CLIP."""
+    import comfy.supported_models
+
+    return _from_config(comfy.supported_models.SD15, dict(SD15_UNET), seed)
+
+
+def tiny_controlnet(seed: int = 0):
+    """A real ``comfy.controlnet.ControlNet`` over ComfyUI's cldm ControlNet, shaped for :func:`tiny_sd15`
+    (its residuals are what the UNet adds per level)."""
+    import comfy.cldm.cldm
+    import comfy.controlnet
+    import comfy.model_management as mm
+
+    cfg = {k: v for k, v in SD15_UNET.items() if k != "out_channels"}
+    control = comfy.cldm.cldm.ControlNet(hint_channels=3, dtype=torch.float32, device="cpu", **cfg)
+    fill_weights(control, seed)
+    return comfy.controlnet.ControlNet(control, load_device=mm.get_torch_device(), manual_cast_dtype=None)
+
+
 def tiny_clip(seed: int = 0):
     """A real ``comfy.sd.CLIP`` (SD1-style CLIP-L with ComfyUI's own tokenizer files), width 32: the
     demo models' text encoder at ``seed`` 0."""
