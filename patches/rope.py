@@ -26,8 +26,8 @@ why (the stats' ``reasons``).
 The builder runs unchanged (counted as a bypass, with its reason) when its inputs require grad, and
 while a CUDA graph is being warmed up or captured (no host sync, no tensor from the graph's pool kept).
 
-A listener on ``ModelPatcher.detach`` (patches/lifecycle.py) drops a model's device-held tables
-when ComfyUI unloads it from its device; one on ``load`` closes the caches of models that died first (a
+Listeners on ``ModelPatcher.detach`` and ``partially_unload`` (patches/lifecycle.py) drop a model's
+device-held tables when ComfyUI unloads it from its device or frees part of its VRAM; one on ``load`` closes the caches of models that died first (a
 model dropped while loaded is only detached as a clone's swap), so the model that loads gets their memory.
 
 Each patch has one install and one uninstall (idempotent, guarded by a probe that the host has
@@ -470,6 +470,14 @@ def release_device_tables(patcher, unpatch_all=True, *args, **kwargs) -> None:
             cache.clear()
 
 
+def release_for_memory(patcher, device_to=None, memory_to_free=0, *args, **kwargs) -> None:
+    """Before ``ModelPatcher.partially_unload`` (a lifecycle listener): ComfyUI frees part of a loaded model's
+    VRAM for another model, which is how dynamic VRAM (ComfyUI 0.16 and newer, the default on NVIDIA)
+    unloads a model and how any host makes room under pressure; the model's device-held tables go too."""
+    if memory_to_free and memory_to_free > 0:
+        release_device_tables(patcher, unpatch_all=True)
+
+
 def _close_orphaned(patcher, *args, **kwargs) -> None:
     """Before ComfyUI loads a model (a lifecycle listener): the PE caches of models that died close now."""
     close_orphaned()
@@ -484,6 +492,7 @@ def install() -> list[str]:
     for p in GLOBAL_PATCHES:
         p.install()
     lifecycle.add_listener("detach", release_device_tables)
+    lifecycle.add_listener("partially_unload", release_for_memory)
     lifecycle.add_listener("load", _close_orphaned)
     covered = [p.family for p in PATCHES if p.install()]
     off = [f"{p.family} off: {p.module}.{p.attr} {p.off}" for p in (*GLOBAL_PATCHES, *PATCHES) if p.off]
@@ -503,6 +512,7 @@ def uninstall() -> None:
     for p in (*PATCHES, *GLOBAL_PATCHES):
         p.uninstall()
     lifecycle.remove_listener("detach", release_device_tables)
+    lifecycle.remove_listener("partially_unload", release_for_memory)
     lifecycle.remove_listener("load", _close_orphaned)
 
 

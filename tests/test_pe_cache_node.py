@@ -190,6 +190,19 @@ def test_unloading_the_model_from_its_device_drops_device_tables_only(tiny, with
     assert rkharness.pack("patches.lifecycle").listening("detach", rope.release_device_tables)
 
 
+def test_freeing_part_of_a_models_vram_drops_its_device_tables(tiny):
+    """Dynamic VRAM (ComfyUI 0.16+) and any host under pressure free a loaded model's VRAM by
+    ``partially_unload``, never ``detach``: the PE cache's device tables go with it."""
+    model = tiny.tiny_flux(0)
+    cache = rope.model_cache(model.model)
+    cache.get_or_create(pc.PECacheKey("device table").add(1), lambda: torch.zeros(8, device="meta"))
+    model.partially_unload(model.offload_device, 0)  # nothing asked for: kept
+    assert cache.names() == ["device table"]
+    model.partially_unload(model.offload_device, 1 << 20)
+    assert cache.names() == [] and cache.nbytes() == {}
+    assert rkharness.pack("patches.lifecycle").listening("partially_unload", rope.release_for_memory)
+
+
 @pytest.mark.hardening
 def test_grad_requiring_inputs_bypass_the_cache():
     import comfy.ldm.genmo.joint_model.asymm_models_joint as mochi
