@@ -460,16 +460,16 @@ class ConditioningCache:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._remove(old)
-            new_pins = sum(w.nbytes for w in key.weights if id(w) not in self._pinned)
-            need = entry.own_bytes + new_pins
+            # its weight sets count whole, pinned by others or not: making room may evict those others
+            need = entry.own_bytes + sum(w.nbytes for w in {id(w): w for w in key.weights}.values())
             if need > self.budget_bytes:
                 self._count("rejected", key.kind)
                 log.debug("ReuseKit conditioning: %s entry of %d bytes exceeds the budget", key.kind, need)
                 admitted = False
             else:
-                self._shrink(need, 1)
+                self._add(entry)  # counted, its weights pinned, first: evicting another user of them keeps them
+                self._shrink(0, 1)
                 self._entries[key] = entry
-                self._add(entry)
                 admitted = True
         self._publish()
         return admitted

@@ -1223,6 +1223,23 @@ def test_weight_sets_are_interned_by_content(cc):
     assert cc.intern_weights({}) is None
 
 
+def test_an_entry_whose_weights_another_entry_pinned_stays_within_the_budget(cc):
+    """A LoRA'd encoder's weight set counts once, held by every entry made with it: evicting the other
+    entry that held it, to make room for a new one with the same set, keeps the set and the budget."""
+    cache = cc.ConditioningCache(budget_bytes=20000, max_entries=100)
+    lora = cc.intern_weights({"k": [(1.0, (torch.arange(2000, dtype=torch.float32),), 1.0, None, None)]})
+
+    def key(i, weights):
+        return cc.Key("text", (("i", i),), owners=(1,), weights=weights)
+
+    assert cache.store(key(0, (lora,)), torch.zeros(1000), 0.1) and cache.store(key(1, ()), torch.zeros(1500), 0.1)
+    assert cache.store(key(2, (lora,)), torch.zeros(2500), 0.1)
+    assert cache.total_bytes() <= cache.budget_bytes
+    assert torch.equal(cache.lookup(key(2, (lora,))), torch.zeros(2500))
+    assert not cache.store(key(3, (lora,)), torch.zeros(3000), 0.1)  # with its weights, over the whole budget
+    assert cache.total_bytes() == sum(e.own_bytes for e in cache._entries.values()) + lora.nbytes
+
+
 def test_dead_encoders_drop_their_entries(cc, tiny):
     import gc
 
