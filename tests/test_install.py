@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import urllib.parse
 import zipfile
+from pathlib import Path
 
 import pytest
 import rkharness
@@ -32,13 +33,13 @@ def git(*args: str, cwd) -> str:
 
 def ships(name: str) -> bool:
     """Whether a file of the repository belongs in the archive: what the pack reads at run time, the
-    README, licence and text docs; the demo models are the only weights."""
+    README, licence and the docs with their pictures; the demo models are the only weights."""
     if name.endswith(".safetensors"):
         return name in DEMO_MODELS
     top = name.split("/")[0]
     return (name in ("__init__.py", "routes.py", "pyproject.toml", "README.md", "LICENSE")
             or top in ("caching", "nodes", "patches", "web", "workflows")
-            or (top == "docs" and name.endswith(".md")))
+            or (top == "docs" and name.endswith((".md", ".png"))))
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +92,14 @@ def test_the_registry_archive_holds_the_pack_its_demo_and_nothing_else(snapshot,
     assert len(workflows) >= 14 and workflows <= names  # every workflow with its thumbnail
     assert {*DEMO_MODELS, "nodes/demo_models/shapes.py", "__init__.py", "web/reusekit.js", "pyproject.toml",
             "LICENSE"} <= names
-    left_out = {n for n in tracked if n.split("/")[0] in ("tests", "bench", "scripts", ".ci")
-                or n == "Makefile" or n.startswith("docs/") and n.endswith(".png")}
+    left_out = {n for n in tracked if n.split("/")[0] in ("tests", "bench", "scripts", ".ci") or n == "Makefile"}
     assert left_out and not left_out & names and not [n for n in names if n.endswith(".pyc")]
+    pictures = {(doc, str(Path(doc).parent / link).removeprefix("./"))
+                for doc in names if doc.endswith(".md")
+                for link in re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", (snapshot / doc).read_text())
+                if "://" not in link}
+    assert {picture for _, picture in pictures} >= {"docs/panel.png", "docs/demo.png"}  # the README's
+    assert not [(doc, picture) for doc, picture in pictures if picture not in names]  # a doc reads whole
     size = archive.stat().st_size
     print(f"\nnode.zip: {len(names)} files, {size / 1e6:.2f} MB")
     assert size < 3e6
