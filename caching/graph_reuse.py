@@ -180,7 +180,7 @@ class _Walker:
             return v
         if isinstance(v, (list, tuple)):
             named = isinstance(v, tuple) and hasattr(type(v), "_make")  # a namedtuple: built from its fields
-            if type(v) not in (list, tuple) and not named:  # a subclass the walk could not rebuild
+            if type(v) not in (list, tuple, torch.Size) and not named:  # a subclass the walk could not rebuild
                 self.fail("uncapturable_input", f"{path} is a {type(v).__qualname__}")
                 return v
             if self.sub is None:
