@@ -17,6 +17,7 @@ import inspect
 import logging
 import numbers
 import os
+import threading
 import traceback
 import weakref
 from typing import Any
@@ -454,6 +455,21 @@ globals are cleared, freeing them would abort the process as it ends."""
 ctypes.pythonapi.Py_IncRef(ctypes.py_object(_PARKED))
 
 
+_SIDE_STREAMS: dict = {}
+"""The warm-up and capture stream of each (device, thread), for the life of the process: torch keeps a
+cuBLAS workspace (32 MiB on an H200) per stream that ran a matmul, and a new stream after every release
+(a reload, a LoRA change, ``keep_graphs`` off) took a new one, up to torch's 32 pooled streams."""
+
+
+def side_stream(device):
+    """This thread's capture stream on ``device`` (each sampling thread its own: captures never share one)."""
+    key = (device, threading.get_ident())
+    side = _SIDE_STREAMS.get(key)
+    if side is None:
+        side = _SIDE_STREAMS[key] = torch.cuda.Stream(device)
+    return side
+
+
 _CAPTURES_OFF: set = set()
 """Devices where a capture failed under cudaMallocAsync: torch still tracks the addresses of what that
 capture made and kept (parked here, or held where the pack cannot see, such as a C++ buffer), and CUDA
@@ -551,12 +567,10 @@ class CudaGraphRunner(StaticRunner):
 
     def _capture(self, device, warmup: int):
         current = torch.cuda.current_stream(device)
-        # one side stream per model and device, like the pool: the caching allocator hands a
-        # block only to the stream it was made on, so a capture on a new stream could not reuse
-        # the blocks an earlier graph's intermediates left in the shared pool
-        side = self.shared.get(("stream", device))
-        if side is None:
-            side = self.shared[("stream", device)] = torch.cuda.Stream(device)
+        # one side stream per device (and thread), kept: the caching allocator hands a block only to
+        # the stream it was made on, so a capture on a new stream could not reuse the blocks an earlier
+        # graph's intermediates left in the shared pool; and each stream costs a cuBLAS workspace
+        side = side_stream(device)
         uploads = ConstantUploads()
         out, synced_at = self._warm_up(current, side, uploads, warmup)
         eager_out = _clone_tree(out)

@@ -217,6 +217,7 @@ def _fresh_process_state(gc, monkeypatch):
     monkeypatch.setattr(gc.graph_runners, "_FAILED_CAPTURE", {})
     monkeypatch.setattr(gc.graph_runners, "_PARKED", [])
     monkeypatch.setattr(gc.graph_runners, "_CAPTURES_OFF", set())
+    monkeypatch.setattr(gc.graph_runners, "_SIDE_STREAMS", {})
 
 
 def runner_for(gc, fn, named, shared=None):
@@ -742,6 +743,10 @@ def test_a_models_pool_starts_anew_once_no_graph_holds_it(gc, tiny, conds, monke
         sample(model, conds, (1, 16, 8, 12), steps=1)  # shares the live one
     pools = fake.graph_pools()
     assert len(pools) == 3 and pools[0] != pools[1] == pools[2]
+    # one stream still, and for another model too: torch keeps a cuBLAS workspace per stream for good
+    with torch.inference_mode():
+        sample(capture(tiny.tiny_flux(1)), conds, (1, 16, 8, 8), steps=1)
+    assert len(fake.graph_pools()) == 4 and fake.side_streams == 1
 
 
 def test_after_a_failed_capture_under_cuda_malloc_async_that_gpu_captures_no_more(gc, tiny, conds, monkeypatch, caplog):
