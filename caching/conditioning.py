@@ -364,7 +364,7 @@ class ConditioningCache:
     # -- the one entry point for encoders
     def fetch(self, key: Key, compute: Callable[[], Any], *, check_rng: bool = False, admit: Callable[[], str | None] | None = None,
               shared: Callable[[], SharedKey] | None = None, encoder: str = "",
-              vouch: Callable[[Callable[[], None], Callable[[], None]], None] | None = None) -> Any:
+              vouch: Callable[[Callable[[], None], Callable[..., None]], None] | None = None) -> Any:
         """The cached result for ``key`` (a private copy), or ``compute()`` stored on a miss.
 
         ``check_rng``: when the computation moves torch's global random state, its result depends
@@ -382,7 +382,7 @@ class ConditioningCache:
             return found
         skey = self._shared_key(shared, key.kind, encoder)
         if skey is not None:
-            got = _shared_get(skey)
+            got = self._shared_get(skey, key.kind, encoder)
             if got is not None:
                 stored, seconds = got
                 self._admit(Entry(key, stored, _held_bytes(stored), seconds))
@@ -405,18 +405,22 @@ class ConditioningCache:
             kind = key.kind
 
             def publish() -> None:
-                TIERS.put(skey, stored, seconds, _CONTAINERS)
+                try:
+                    TIERS.put(skey, stored, seconds, _CONTAINERS)
+                except Exception as exc:  # a shared tier never fails an encode: counted, the result kept here
+                    self.kept_local(kind, f"the shared write failed: {type(exc).__name__}: {exc}", encoder)
+                    return
                 with self._lock:
                     self._count("published", kind)
 
-            def drop() -> None:
-                self.kept_local(kind, "its encoder's weights differed from their reference in full after the "
-                                      "encode (an edit the cheap check missed)", encoder)
+            def drop(why: str = "its encoder's weights differed from their reference in full after the encode "
+                                "(an edit the cheap check missed)") -> None:
+                self.kept_local(kind, why, encoder)
 
             try:
                 publish() if vouch is None else vouch(publish, drop)
-            except Exception as exc:  # a shared tier never fails an encode
-                log.debug("ReuseKit conditioning: shared write failed: %s", exc)
+            except Exception as exc:  # a shared tier never fails an encode: counted, the result kept here
+                self.kept_local(kind, f"the shared write failed: {type(exc).__name__}: {exc}", encoder)
         return result
 
     def lookup(self, key: Key) -> Any:
@@ -462,15 +466,18 @@ class ConditioningCache:
                 self._remove(old)
             # its weight sets count whole, pinned by others or not: making room may evict those others
             need = entry.own_bytes + sum(w.nbytes for w in {id(w): w for w in key.weights}.values())
-            if need > self.budget_bytes:
+            budget = self.budget_bytes
+            admitted = need <= budget
+            if not admitted:
                 self._count("rejected", key.kind)
-                log.debug("ReuseKit conditioning: %s entry of %d bytes exceeds the budget", key.kind, need)
-                admitted = False
             else:
                 self._add(entry)  # counted, its weights pinned, first: evicting another user of them keeps them
                 self._shrink(0, 1)
                 self._entries[key] = entry
-                admitted = True
+        if not admitted:
+            self.stats.count_reason("refused", f"an entry of {need / MIB:.1f} MiB (with its weight sets) is larger "
+                                    f"than the whole budget ({budget / MIB:.1f} MiB): not kept; raise the budget",
+                                    source=key.kind)
         self._publish()
         return admitted
 
@@ -505,6 +512,15 @@ class ConditioningCache:
         except Exception as exc:  # a key the shared tiers cannot build: this encode stays in the process
             self.kept_local(kind, f"no shared key: {type(exc).__name__}: {exc}", encoder)
         return None
+
+    def _shared_get(self, key: SharedKey, kind: str, encoder: str) -> tuple[Any, float] | None:
+        """A shared tiers' entry (frozen value, compute seconds), or None; a failure the tiers did not count
+        themselves is a miss counted here with its reason."""
+        try:
+            return TIERS.get(key, {name: cls for cls, name in _CONTAINERS.items()}, key.local)
+        except Exception as exc:  # a shared tier never fails an encode
+            self.kept_local(kind, f"the shared read failed: {type(exc).__name__}: {exc}", encoder)
+            return None
 
     def bypass_reasons(self) -> list[dict]:
         """Every bypass and not-shared reason seen since the counts were reset, most frequent first, read from
@@ -594,15 +610,6 @@ class ConditioningCache:
             self._counts.clear()
         self.stats.reset_counters()
         self._publish()
-
-
-def _shared_get(key: SharedKey) -> tuple[Any, float] | None:
-    """A shared tiers' entry (frozen value, compute seconds), or None; their failures are misses."""
-    try:
-        return TIERS.get(key, {name: cls for cls, name in _CONTAINERS.items()}, key.local)
-    except Exception as exc:  # a shared tier never fails an encode
-        log.debug("ReuseKit conditioning: shared read failed: %s", exc)
-        return None
 
 
 def _held_bytes(stored: Any) -> int:

@@ -844,12 +844,9 @@ class SharedTiers:
         return None
 
     def put(self, key: SharedKey, stored: Any, seconds: float, names: dict[type, str]) -> None:
-        """Write an entry through to every enabled tier (Redis in the background)."""
-        try:
-            data = pack(key, stored, seconds, self.secret, names)
-        except Exception as exc:  # a value safetensors cannot hold (or a container not registered): not shared
-            log.debug("ReuseKit: entry not shared: %s", exc)
-            return
+        """Write an entry through to every enabled tier (Redis in the background). A value the entry format
+        cannot hold (a container not registered...) raises: the caller counts it, not shared."""
+        data = pack(key, stored, seconds, self.secret, names)
         disk, redis = self.disk, self.redis  # the settings may rebuild the tiers meanwhile
         if disk is not None and len(data) <= disk.max_bytes:
             self._write_disk(disk, key.name, data)

@@ -201,7 +201,7 @@ _waiting = [0]  # encodes waiting, in all (the stats show it; tests and servers 
 _worker: list[threading.Thread] = []
 
 
-def vouch(module: torch.nn.Module, patcher, publish: Callable[[], None], drop: Callable[[], None]) -> None:
+def vouch(module: torch.nn.Module, patcher, publish: Callable[[], None], drop: Callable[..., None]) -> None:
     """An encode's result goes to the shared tiers only after a full fingerprint of the encoder's weights,
     taken after the encode, equals its reference: an edit the cheap check missed never reaches another
     worker. The check runs on a background thread (the encode and every hit do not wait), once for all the
@@ -210,7 +210,7 @@ def vouch(module: torch.nn.Module, patcher, publish: Callable[[], None], drop: C
     reference (never fingerprinted) drops at once."""
     enc = _encoders.get(module)
     if enc is None or not enc.watch.ready:
-        drop()
+        drop("its encoder's weights have no full fingerprint to compare with yet")
         return
     with _queue_cond:
         enc.waiting.append((publish, drop))
@@ -239,7 +239,10 @@ def _publish_loop() -> None:
         with _queue_cond:
             _queue_cond.wait_for(lambda: bool(_queue))
             module, patcher = _queue.pop(next(iter(_queue)))
-        _publication_check(module, patcher)
+        try:
+            _publication_check(module, patcher)
+        except Exception:  # never ends the thread: every later encode would wait for it forever
+            log.exception("ReuseKit: a publication check failed")
         del module, patcher
 
 
@@ -253,18 +256,24 @@ def _publication_check(module, patcher) -> None:
     with enc.lock:
         with _queue_cond:
             waited, enc.waiting = enc.waiting, []
-        named, patched = _base_weights(module, patcher)
-        reference = enc.watch.reference()
+        try:
+            named, patched = _base_weights(module, patcher)
+            reference = enc.watch.reference()
+        except Exception as exc:  # a module tree it cannot walk now (ComfyUI loading it meanwhile)
+            named, patched, reference = exc, None, None
+    failed = None
     try:
+        if isinstance(named, Exception):
+            raise named
         same = matches_reference(named, patched, reference)
     except Exception as exc:  # weights it cannot read now: nothing vouches for what waited
         log.warning("ReuseKit: the publication check of an encoder failed: %s", exc)
-        same = False
+        same, failed = False, f"the check of its encoder's weights after the encode failed: {type(exc).__name__}"
     if not same:
         enc.suspect = True  # the next encode checks in full: an edit starts a new generation there
     for publish, drop in waited:
         try:
-            (publish if same else drop)()
+            publish() if same else drop(failed) if failed else drop()
         except Exception as exc:  # a shared tier's write never fails anything
             log.debug("ReuseKit: publishing an entry failed: %s", exc)
     with _queue_cond:

@@ -107,7 +107,7 @@ class ModuleTree:
                     if table and self.hooked is None:
                         self.hooked = path or type(m).__name__
             reset = RESET_OPTIONS if hasattr(m, "reset_clip_options") else ()
-            for name, value in d.items():
+            for name, value in list(d.items()):  # ComfyUI may set or delete attributes meanwhile (a load)
                 if name.startswith("_") or name in LOAD_STATE or name in reset:
                     continue
                 remember(d, name, value)
@@ -118,7 +118,7 @@ class ModuleTree:
             for table_name in ("_parameters", "_buffers"):
                 table = d.get(table_name) or {}
                 self._sizes.append((table, len(table)))
-                for key, t in table.items():
+                for key, t in list(table.items()):
                     full = prefix + key
                     t = backup.get(full, t)
                     if isinstance(t, torch.Tensor) and id(t) not in seen_weights:  # a tied weight once
@@ -126,7 +126,7 @@ class ModuleTree:
                         self.slots.append((table, key, full))
             children = d.get("_modules") or {}
             self._sizes.append((children, len(children)))
-            for name, child in children.items():
+            for name, child in list(children.items()):
                 remember(children, name, child)
                 child = backup.get(prefix + name, child)
                 if isinstance(child, torch.nn.Module):

@@ -1237,6 +1237,8 @@ def test_an_entry_whose_weights_another_entry_pinned_stays_within_the_budget(cc)
     assert cache.total_bytes() <= cache.budget_bytes
     assert torch.equal(cache.lookup(key(2, (lora,))), torch.zeros(2500))
     assert not cache.store(key(3, (lora,)), torch.zeros(3000), 0.1)  # with its weights, over the whole budget
+    (refused,) = [r for r in cache.stats.reasons() if r["event"] == "refused"]
+    assert refused["source"] == "text" and "larger than the whole budget" in refused["reason"]
     assert cache.total_bytes() == sum(e.own_bytes for e in cache._entries.values()) + lora.nbytes
 
 

@@ -479,6 +479,56 @@ def test_a_corrupted_or_truncated_file_is_a_counted_miss(shared, damage):
 
 
 @pytest.mark.hardening
+def test_a_shared_write_or_read_that_fails_keeps_the_result_and_says_why(shared, monkeypatch):
+    """A value the entry format cannot take, or a tier read failing in a way it does not count itself: the
+    encode's result is the plain one, and the stats' reasons say the entry was not shared, and why."""
+    files = _tiny_files()
+    clip = files.load_tiny_clip_file(files.write_tiny_clip_file(str(shared.files), 0))
+
+    def cannot_pack(*args, **kwargs):
+        raise TypeError("no container registered for this value")
+
+    pack = shared.tiers.pack
+    monkeypatch.setattr(shared.tiers, "pack", cannot_pack)
+    assert equal(encode(clip), reference(0)) and not entry_files(shared.folder)
+    monkeypatch.setattr(shared.tiers, "pack", pack)
+    shared.cc.CACHE.clear()
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("the tier's index is inconsistent")
+
+    monkeypatch.setattr(shared.tiers.TIERS, "get", fails)
+    assert equal(encode(clip), reference(0)) and shared.cc.CACHE.count("encodes") == 2
+    reasons = [r["reason"] for r in shared.cc.CACHE.stats.reasons() if r["event"] == "not shared"]
+    assert any(r.startswith("the shared write failed: TypeError: no container registered") for r in reasons)
+    assert any(r.startswith("the shared read failed: RuntimeError: the tier's index") for r in reasons), reasons
+
+
+@pytest.mark.hardening
+def test_a_publication_check_that_fails_drops_its_entries_and_the_next_ones_publish(shared, monkeypatch):
+    """The background check walks the encoder's modules while ComfyUI may be loading them (a dict changing
+    size under it): a failed round drops what waited, counted, and the thread lives on; it once died,
+    and every later encode waited for it forever."""
+    ew = rkharness.pack("patches.encoder_weights")
+    files = _tiny_files()
+    clip = files.load_tiny_clip_file(files.write_tiny_clip_file(str(shared.files), 0))
+    walk = ew._base_weights
+
+    def changing(*args, **kwargs):  # on the publication thread only: the encode's own checks go on
+        if threading.current_thread().name == "reusekit-publish":
+            raise RuntimeError("dictionary changed size during iteration")
+        return walk(*args, **kwargs)
+
+    monkeypatch.setattr(ew, "_base_weights", changing)
+    assert equal(encode(clip), reference(0)) and entry_files(shared.folder) == []  # encode() waited for it
+    (row,) = shared.cc.CACHE.bypass_reasons()
+    assert row["reason"] == "not shared: the check of its encoder's weights after the encode failed: RuntimeError"
+    monkeypatch.setattr(ew, "_base_weights", walk)
+    assert equal(encode(clip, "another prompt"), reference(0, "another prompt"))
+    assert len(entry_files(shared.folder)) == 1
+
+
+@pytest.mark.hardening
 def test_a_foreign_entry_under_the_same_name_is_a_counted_miss(shared):
     clip, path = _stored_entry(shared)
     encode(clip, "a different prompt")
