@@ -13,8 +13,8 @@ what a check reads and compares.
   weight's fingerprint, dtype and shape, the whole bytes of small tensors, values at fixed sampled
   positions of large ones and, for large embedding tables (where sparse edits land: a textual
   inversion, a token merge), each row's share of the fingerprint. :meth:`WeightWatch.quick` is the
-  check an encode pays: the same small bytes, the samples, and the rows of the tokens this encode
-  looks up, gathered on each device into one buffer and brought over in one small transfer (CPU
+  check an encode pays: the same small bytes, the samples, and the rows this encode looks up (its
+  tokens' ids and its positions, the caller's ``token_ids``), gathered on each device into one buffer and brought over in one small transfer (CPU
   weights: read where they lie, small ones whole and all samples in one gather). Its cost follows the
   number of tensors and tokens, never the weights' bytes. What it cannot see is an
   edit of a few values of a large non-embedding tensor away from the sampled positions: the full

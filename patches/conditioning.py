@@ -496,6 +496,12 @@ _classes_lock = threading.Lock()
 _ROUTES: set = set()  # (class, name) of the methods ReuseKit routes (its own install changes them)
 
 
+def _our_route(cls: type, name: str, value) -> bool:
+    """Whether ``cls.name`` is still ReuseKit's own route (left out of the class's key: its install and
+    uninstall never make another key); another node's code set over it is keyed as any other code."""
+    return (cls, name) in _ROUTES and type(value) is types.FunctionType and value.__dict__.get("__reusekit__") is True
+
+
 @dataclasses.dataclass(frozen=True)
 class _Container:
     """A list, dict, set or bytearray a class holds: itself and a copy of what it held (changed in place
@@ -664,7 +670,7 @@ def _class_state(cls: type, strict: bool) -> tuple:
     container changed in place make another; back as it was, the same), which tells apart what the
     description cannot. Compared with the states this process recorded of it (by identity, containers by
     value too); described again only in a new one."""
-    items = [(k, v) for k, v in vars(cls).items() if k not in _NOT_CODE and (cls, k) not in _ROUTES]
+    items = [(k, v) for k, v in vars(cls).items() if k not in _NOT_CODE and not _our_route(cls, k, v)]
     bases = cls.__mro__[1:]
     record = _classes.get(cls)
     for seen_bases, seen_items, field in reversed(record[1] if record is not None else ()):
@@ -751,17 +757,20 @@ def _owner(module, patcher, token_ids=()) -> tuple[int, int]:
 
 
 def _token_ids(tokens) -> list[int]:
-    """The integer token ids of a tokenized prompt (``{name: [[(token, weight, ...), ...], ...]}``):
-    the embedding rows an encode reads. Anything else in it is keyed by value and checked otherwise."""
-    ids = []
+    """The embedding rows an encode reads: the integer token ids of a tokenized prompt (``{name: [[(token,
+    weight, ...), ...], ...]}``), and the positions 0 to its longest sequence's length (a learned position
+    table, CLIP's, is read by position). Anything else in it is keyed by value and checked otherwise."""
+    ids, longest = [], 0
     if isinstance(tokens, dict):
         for batches in tokens.values():
             for batch in batches if isinstance(batches, list) else ():
+                if isinstance(batch, list):
+                    longest = max(longest, len(batch))
                 for item in batch if isinstance(batch, list) else ():
                     token = item[0] if isinstance(item, tuple) and item else None
                     if type(token) is int:
                         ids.append(token)
-    return ids
+    return [*ids, *range(longest)]
 
 
 def _options(extra: dict) -> tuple:

@@ -253,6 +253,24 @@ def test_an_in_place_edit_between_two_node_runs_is_seen_under_events(cc, what, t
     assert cc.CACHE.count("hits.text") == 0
 
 
+def test_an_in_place_edit_of_a_position_row_is_seen(cc):
+    """CLIP's learned position table is read by position, not by token id: a row of it no sample reads,
+    edited in place between two encodes, once gave the first encode's output on a hit."""
+    we = rkharness.pack("caching.weight_edits")
+    clip = _files().clip_l_sized(0, _files().CLIP_HEADS)
+    table = clip.cond_stage_model.clip_l.transformer.text_model.embeddings.position_embedding.weight
+    assert table.numel() * table.element_size() > we.SMALL  # not read whole by the cheap check
+    sampled = set((we._positions(table.numel()) // table.shape[1]).tolist())
+    tokens = clip.tokenize("a photo of a cat")
+    row = next(r for r in range(1, 8) if r not in sampled and r not in {t[0] for b in tokens["l"] for t in b})
+    with torch.inference_mode():
+        first = clip.encode_from_tokens(tokens)
+        table[row] += 0.5
+        edited = clip.encode_from_tokens(tokens)
+    assert not torch.equal(edited, first) and torch.equal(edited, uncached(clip.encode_from_tokens, tokens))
+    assert cc.CACHE.count("hits.text") == 0
+
+
 @pytest.mark.parametrize("mode,edit", [("events", "dense"), ("every_encode", "sparse")])
 def test_an_edit_between_two_encodes_of_one_custom_node_is_seen(cc, mode, edit):
     """A custom node encodes, edits the weights in place and encodes again, all in one node run; the second
