@@ -1,4 +1,5 @@
-"""The step cache benchmark's arithmetic (bench/step_cache.py, bench/step_cache_curves.py): the quality
+"""The step cache benchmark (bench/step_cache.py, bench/step_cache_curves.py): the protocol its sweeps keep (each run set
+used where it belongs, calibration at unscored step counts, the same search for every method), the quality
 metric, the Pareto curve and the speedup read off it by interpolation, the tuning pick, the methods it
 ranks and the RESULT it prints."""
 
@@ -270,6 +271,143 @@ def test_an_intervals_walk_goes_on_past_a_miss_as_its_quality_is_not_monotone_in
     kept.clear()  # every threshold misses: the walk ends at the grid's first, with nothing to refine
     bench.tune(FakeBench(), dict(teacache, combos=["free"]), 50, TUNING, {})
     assert tried == [bench.grid(teacache, quick=False)[0]]
+
+
+class SweepBench(FakeBench):
+    """A Bench as ``sweep`` and ``default_points`` build one: the calibrations it is asked for recorded, the
+    stand-in's magnitude curves and shipped tables stubbed; every run goes through ``measure``."""
+
+    def __init__(self, family, quick, cfg):
+        import types
+
+        self.family, self.quick, self.cfg, self.calibrated, self.model = family, quick, cfg, [], None
+        self.S = types.SimpleNamespace(calibrated_magnitudes=lambda *a: {}, curve_match=lambda *a: 0.0,
+                                       PUBLISHED_STEPS={"flux": 50, "wan": 50})
+        self.schedule = types.SimpleNamespace(shipped_table=lambda family: None)
+        SweepBench.made.append(self)
+
+    def calibrate(self, steps):
+        self.calibrated.append(steps)
+        return {}
+
+
+@pytest.fixture
+def swept(bench, monkeypatch):
+    """``sweep`` and ``default_points`` on SweepBench: each ``measure`` call recorded as (method, runs), in order;
+    quality falls along each method's grid as in ``measured``."""
+    calls = []
+
+    def measure(_bench, setting, steps, runs, refs):
+        assert set(runs) <= set(refs)  # every run has its uncached reference
+        calls.append((setting["name"], tuple(runs)))
+        th = setting.get("threshold") or 0.0
+        lo, *_, hi = bench.grid(setting, quick=False) if setting.get("grid") else (0.0, 1.0)
+        r = min(max((th - lo) / (hi - lo), 0.0), 1.0)
+        return {"x": 1.0 + 4 * r, "x_lo": 1.0, "x_hi": 1.0, "deep_x": 1.0, "cpu_x": 1.0, "psnr": 45.0 - 20 * r,
+                "worst": 40.0 - 20 * r, "ssim": 1.0, "err": 0.0, "threshold": setting.get("threshold")}
+
+    SweepBench.made = []
+    monkeypatch.setattr(bench, "Bench", SweepBench)
+    monkeypatch.setattr(bench, "measure", measure)
+    monkeypatch.setattr(bench, "references", lambda _b, steps, runs: {r: (None, 10.0, 1.0) for r in runs})
+    return calls
+
+
+@pytest.mark.parametrize("setup", ["flux", "flux-cfg1", "wan"])
+def test_a_sweep_calibrates_unscored_tunes_on_tuning_runs_and_scores_each_pick_once_on_evaluation(bench, swept,
+                                                                                                 setup):
+    """The whole sweep of a setup, as the bench runs it: its one calibration at an unscored step count; every
+    method's settings measured on the tuning runs only, then its pick once on the evaluation runs, after
+    its tuning; the published rows on the evaluation runs alone."""
+    tuning = tuple(bench.tuning_runs(quick=False))
+    evals = tuple((p, s) for p in bench.EVAL_PROMPTS for s in bench.SEEDS)
+    assert not set(tuning) & set(evals) and len(evals) == 32
+    for steps in bench.STEP_COUNTS:
+        swept.clear()
+        out = bench.sweep(setup, steps, quick=False)
+        (made,) = SweepBench.made[-1:]
+        assert made.calibrated == [bench.calibration_steps(steps)] and steps not in made.calibrated
+        rows = out["steps"][steps]["rows"]
+        for row in rows:
+            mine = [runs for name, runs in swept if name == row["name"]]
+            if row["kind"] == "information":  # published: scored as published, never tuned
+                assert mine == [evals], row["name"]
+                continue
+            scored = [i for i, runs in enumerate(mine) if runs == evals]
+            assert all(runs in (tuning, evals) for runs in mine), row["name"]
+            assert scored == ([len(mine) - 1] if row["picked"] is not None else []), row["name"]
+            assert row["picked"] is None or row["picked"]["threshold"] is None or row["picked"] in row["tune"]
+
+
+def test_the_default_candidates_are_walked_on_the_tuning_runs_alone(bench, swept):
+    tuning = tuple(bench.tuning_runs(quick=False))
+    bench.default_points("flux", 28)
+    assert swept and all(runs == tuning for _, runs in swept)
+    assert {name for name, _ in swept} == {f"{rule} {mode}" for rule, mode in bench.DEFAULT_CANDIDATES}
+
+
+def test_every_ranked_method_gets_the_same_search_over_skip_limits_and_windows(bench):
+    """Every threshold rule sweeps every combo (skip limits, windows, the last step); the placed beats are
+    the interval rule's alone (ReuseKit's: a placement TaylorSeer and FoCa do not define); both core nodes
+    get the same two windows."""
+    for family in bench.FAMILIES:
+        every = [c for c in bench.combos(family) if c not in bench.PLACED]
+        for m in bench.methods(family):
+            if m.get("defaults"):
+                continue
+            if "core" in m:
+                assert m["combos"] == ["0-1", ".15-.95"], m["name"]
+                continue
+            assert [c for c in m["combos"] if c not in bench.PLACED] == every, m["name"]
+            placed = [c for c in m["combos"] if c in bench.PLACED]
+            assert placed == ([*bench.PLACED] if m["name"] == "ReuseKit interval, output forecast" else []), m["name"]
+
+
+def test_each_core_node_samples_with_its_copy_of_the_input_outermost(bench, tiny):
+    """EasyCache and LazyCache add their cached residual into their input in place: the bench's wrapper,
+    outside theirs, gives them a copy, so a skip never changes the sampler's latent."""
+    import types
+
+    import comfy.patcher_extension
+
+    host = types.SimpleNamespace(model=tiny.tiny_flux(0))
+    for m in [m for m in bench.methods("flux") if "core" in m]:
+        built = bench.Bench.build(host, dict(m, combo=m["combos"][0], threshold=0.1), 20)
+        wrappers = built.wrappers[comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL]
+        assert list(wrappers)[0] == "rk_bench_clone_input" and wrappers["rk_bench_clone_input"] == [bench.clone_input]
+
+
+def test_a_reference_row_runs_with_the_signed_polynomial_and_every_other_with_reusekits(bench):
+    """``measure`` itself puts the TeaCache reference's signed accumulation in place around its runs (and
+    only theirs): the rescale each run of a row sees."""
+    tc = rkharness.pack("caching.step_cache")
+
+    class Recording(FakeBench):
+        def __init__(self):
+            self.tc, self.seen = tc, []
+
+        def build(self, setting, steps):
+            return None
+
+        def store_for(self, setting, steps):
+            return None
+
+        def run(self, model, prompt, seed, steps, store, deep_first=1):
+            self.seen.append(self.tc.rescale)
+            return torch.zeros(1), 10.0, 10.0, 1.0
+
+        def metrics(self, out, ref):
+            return 40.0, 1.0, 0.0
+
+    refs = {r: (None, 10.0, 1.0) for r in TUNING}
+    own = tc.rescale
+    for m in [m for m in bench.methods("flux") if m.get("rule") == "teacache"] + \
+            [r for r in bench.published_rows("flux") if r["rule"] == "teacache"]:
+        rec = Recording()
+        bench.measure(rec, dict(m, combo=bench.combos("flux")["free"], threshold=0.1), 28, TUNING, refs)
+        assert rec.seen == [tc.polynomial if m.get("signed") else own] * len(TUNING), m["name"]
+    assert tc.rescale is own
+    assert {m["name"] for m in bench.methods("flux") if m.get("signed")} == {"TeaCache"}
 
 
 def test_calibration_step_counts_are_never_scored(bench):
