@@ -419,6 +419,8 @@ class RunState:
         self.time_skipped = 0.0
         self.resets = 0
         self.windowed = False  # its calls ran in context windows (each window a state of its own)
+        self._timestep: torch.Tensor | None = None  # the timestep tensor of the step being sampled (one per step)
+        self._step_keys: set = set()  # the cond keys computed or skipped at that step
         self.partial: str | None = None  # calibration: why the run does not cover the model's whole schedule
         self.disabled_reason: str | None = None  # why every step of this run is computed, if one is
         self.started = time.perf_counter()
@@ -435,6 +437,20 @@ class RunState:
         # interval with interval_power: the run's step sigmas and which steps compute, per device
         self.beat: tuple[torch.Tensor, torch.Tensor] | None = None
         self._beat_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def again_this_step(self, keys: list, timestep: torch.Tensor | None) -> bool:
+        """Whether one of ``keys`` was already called at this step: a guidance pass after the step's own call
+        (SkipLayerGuidance, LTXV's STG and modality guidance, a reference-free pass: the same cond with
+        other options), never the cond's next step. ComfyUI hands every call of one step the same timestep
+        tensor and makes a new one for each model evaluation; told apart by identity, with no host sync."""
+        if timestep is None:
+            return False
+        if self._timestep is not timestep:  # (held: no other tensor takes its address meanwhile)
+            self._timestep, self._step_keys = timestep, set()
+        if any(k in self._step_keys for k in keys):
+            return True
+        self._step_keys.update(keys)
+        return False
 
     def in_window(self, sigma: torch.Tensor) -> torch.Tensor:
         """Whether skipping is allowed at ``sigma``, as a tensor on its device (no host sync)."""

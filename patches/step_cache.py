@@ -350,8 +350,9 @@ class _Call:
     in the graph (:meth:`graph_outputs` / :meth:`take_graph_outputs`)."""
 
     def __init__(self, run: tc.RunState, family: Family, dm, keys: list, labels: list[str], may_skip: bool,
-                 sigma: torch.Tensor | None):
+                 sigma: torch.Tensor | None, half: bool = True):
         self.run, self.family, self.dm, self.sigma = run, family, dm, sigma
+        self.may_half = family.half and half  # cond-only steps possible for this call
         self.keys, self.labels, self.may_skip = keys, labels, may_skip
         self.after_first = run.config.rule == "first_block"  # decides on the first blocks' output
         # the block whose output decides (first_block: the last of its first_blocks), and whose residual
@@ -424,7 +425,7 @@ class _Call:
         chunk = (stack.shape[0] // len(self.keys), *stack.shape[1:])
         if rule == "schedule":
             self.roles = self.run.decide_scheduled(self.keys, self.labels, list(signals), chunk, self.sigma,
-                                                   half=self.family.half)
+                                                   half=self.may_half)
             self.skip = "C" not in self.roles
             self.half = not self.skip and "E" in self.roles
             return
@@ -565,8 +566,9 @@ class _Call:
                                                       and not self.on_output) else self.residual
             roles = self.roles or ["C"] * len(self.keys)
             n = len(self.keys)
-            outs = [None] * n if probe is None or probe[0].shape != probe[1].shape else list(
-                zip(probe[0].chunk(n), probe[1].chunk(n), strict=True))
+            first, last = (None, None) if probe is None else map(_first_output, probe)
+            outs = [None] * n if first is None or last is None or first.shape != last.shape else list(
+                zip(first.chunk(n), last.chunk(n), strict=True))
             for key, r, role, pair in zip(self.keys, residual.chunk(n), roles, outs, strict=True):
                 gain = None
                 if pair is not None and self.run.conds[key].residual is not None:
@@ -594,6 +596,14 @@ class _Call:
         passed through, gave)."""
         return torch.cat([self.run.residual(key, part, self.sigma)
                           for key, part in zip(self.keys, out.chunk(len(self.keys)), strict=True)])
+
+
+def _first_output(out):
+    """A model call's output as a tensor: itself, or the first stream of one that returns several (LTX-2's
+    video and audio: the gain is measured on the video); None for anything else."""
+    if isinstance(out, (list, tuple)):
+        out = next((o for o in out if isinstance(o, torch.Tensor)), None)
+    return out if isinstance(out, torch.Tensor) else None
 
 
 def _labels(to: dict, n: int, window: tuple | None = None) -> list[str]:
@@ -688,6 +698,12 @@ def _diffusion_model(executor, *args, **kwargs):
     if window is not None:  # each context window is a call of its own, with a state of its own
         keys = [(key, "window", window) for key in keys]
         run.windowed = True
+    if run.again_this_step(keys, sigmas):  # another pass of a cond this step already had: neither skipped nor kept
+        stats().count_reason("bypass", "a second call of a cond at one step (a guidance pass: LTXV's STG or "
+                             "modality guidance, a reference-free pass) was computed and left the cache's state "
+                             "as it was", source=settings.family.name)
+        run.calls_computed += 1
+        return executor(*args, **kwargs)
     dm = executor.class_obj
     dm = dm.diffusion_model if settings.family.call_wrapper == "APPLY_MODEL" else dm  # a BaseModel there
     unreached = None if settings.family.layer_forward is None else _unreached_layer(settings.family, dm)
@@ -700,7 +716,12 @@ def _diffusion_model(executor, *args, **kwargs):
     labels = _labels(to, len(keys), window and window[1:])
     probe = _gain_probe(run, settings, dm, keys, labels, sigma, executor, args, kwargs, to) \
         if run.config.calibrate else None
-    call = _Call(run, settings.family, dm, keys, labels, may_skip, sigma)
+    scoped = [name for name in settings.family.scoped if kwargs.get(name) is not None]
+    if scoped and run.config.rule == "schedule" and settings.family.half:
+        stats().count_reason("fallback", f"no cond-only step for a call with {scoped[0]}: the blocks read it from "
+                             "the model's forward, where it cannot be cut to the cond's rows (a planned cond-only "
+                             "step is computed whole)", source=settings.family.name)
+    call = _Call(run, settings.family, dm, keys, labels, may_skip, sigma, half=not scoped)
     t0 = time.perf_counter()
     with _calling(to, call):
         out = executor(*args, **kwargs)

@@ -125,6 +125,9 @@ class Family:
     call_wrapper: str = "DIFFUSION_MODEL"  # the WrappersMP kind around one model call (APPLY_MODEL: Mochi's
     # forward runs no DIFFUSION_MODEL wrapper)
     half: bool = True  # its blocks' inputs can be cut to some rows (the schedule rule's cond-only steps)
+    # forward inputs its block wrapper reads from the forward's scope, not from the block's args, so a
+    # cond-only step cannot cut them (HuMo's audio, Qwen-Image's text mask): a call carrying one has none
+    scoped: tuple[str, ...] = ()
     # (diffusion model) -> the attributes under it (dicts) whose ``.get(block index)`` names a block the
     # forward runs outside the seam whose output a skipped call discards (VACE's control blocks): on a
     # skipped call they name none
@@ -253,8 +256,9 @@ FAMILIES = (
     Family("wan22", "calibrated", WAN, _wan_modulated, _wan_blocks, bases=("comfy.model_base:WAN22",),
            known=WAN_KNOWN, side_maps=_vace_maps),
     Family("wan", "wan2.1_t2v_1.3B_ret_mode", WAN, _wan_modulated, _wan_blocks, variant=_wan_variant,
-           known=WAN_KNOWN, side_maps=_vace_maps),
-    Family("qwen_image", "calibrated", QWEN, _qwen_modulated, _transformer_blocks, seams=QWEN_MODULATE),
+           known=WAN_KNOWN, side_maps=_vace_maps, scoped=("audio_embed",)),
+    Family("qwen_image", "calibrated", QWEN, _qwen_modulated, _transformer_blocks, seams=QWEN_MODULATE,
+           scoped=("attention_mask",)),
     # LTX-2's blocks carry (video, audio): the cache keeps both residuals and decides once; its timestep
     # embeddings are packed objects the cache does not cut by rows, so no cond-only steps
     Family("ltx2", "calibrated", LTX2, _ltx2_modulated, _transformer_blocks, half=False,

@@ -617,6 +617,7 @@ def test_an_area_cond_and_the_uncond_core_makes_for_it_keep_separate_state(flux,
                P().RUN_KEY: call_state(to)})
     with torch.inference_mode():
         computed = m.model.apply_model(x, sigma, c_crossattn=context, y=pooled, transformer_options=to)
+        to["sigmas"] = sigma.clone()  # the next step: a timestep tensor of its own, as a sampler makes one
         skipped = m.model.apply_model(x, sigma, c_crossattn=context, y=pooled, transformer_options=to)
     assert torch.allclose(skipped, computed, atol=1e-5), rel_err(skipped, computed)
     assert all(s.pattern == ["C", "S"] for s in to[P().RUN_KEY].conds.values())
@@ -856,6 +857,7 @@ def test_a_skipped_call_adds_controlnet_once_not_again_on_top_of_the_residual(fl
     with torch.inference_mode():
         computed = m.model.apply_model(x, sigma, c_crossattn=context, y=pooled, control=control,
                                        transformer_options=to)
+        to["sigmas"] = sigma.clone()  # the next step
         skipped = m.model.apply_model(x, sigma, c_crossattn=context, y=pooled, control=control,
                                       transformer_options=to)
     assert [s.pattern for s in to[P().RUN_KEY].conds.values()] == [["C", "S"]]
@@ -935,6 +937,18 @@ def test_a_skip_layer_guidance_pass_is_computed_and_never_mixed_with_the_conds_s
     assert P().stats().counter("calls_computed") - before == run["calls_computed"] >= STEPS + 2
     assert any("SkipLayerGuidance's pass" in r["reason"] for r in P().stats().snapshot()["reasons"])
     assert rel_err(out, reference) < rel_err(out, plain)
+
+
+def test_a_second_call_of_a_cond_at_one_step_is_told_from_the_conds_next_step():
+    """ComfyUI hands every call of one step the same timestep tensor (a guidance pass after the cfg: LTXV's
+    STG, modality guidance) and makes a new one for each model evaluation: by identity, no sync."""
+    tc = rkharness.pack("caching.step_cache")
+    run = tc.RunState(tc.StepCacheConfig(None, "auto", 0.3), None, 1.0, 0.0)
+    step = torch.tensor([0.5])
+    assert not run.again_this_step([("c", 0), ("c", 1)], step)  # the step's own batch
+    assert run.again_this_step([("c", 0)], step)  # the cond once more at this step: a guidance pass
+    assert not run.again_this_step([("c", 0), ("c", 1)], step.clone())  # the next step, the same sigma value
+    assert not run.again_this_step([("c", 0)], None)  # no timestep: never told apart
 
 
 def test_each_context_window_keeps_a_state_of_its_own(conds):

@@ -128,6 +128,32 @@ def test_calibrates_then_skips_through_the_real_ksampler(conds, name):
     assert out.shape == ref.shape and torch.isfinite(out).all()
 
 
+def test_ltx2_calibrates_through_the_real_ksampler_then_skips_on_its_table():
+    """LTX-2's model returns its video and audio streams as a list: the calibration's gain is measured on the
+    video (it read ``.shape`` of the list and every calibration run failed); calibrating changes nothing,
+    and the calibrated table then skips."""
+    import comfy.nested_tensor
+
+    import nodes
+
+    model = helpers().family_spec("ltx2").build(0)
+    gen = torch.Generator().manual_seed(5)
+    pos, neg = [[torch.randn((1, 7, 64), generator=gen), {}]], [[torch.randn((1, 7, 64), generator=gen), {}]]
+
+    def run(m):
+        latent = comfy.nested_tensor.NestedTensor([torch.zeros((1, 128, 2, 2, 2)), torch.zeros((1, 8, 4, 16))])
+        (out,) = nodes.common_ksampler(m, 3, 8, 3.0, "euler", "simple", pos, neg, {"samples": latent})
+        return torch.cat([t.flatten() for t in out["samples"].tensors])
+
+    with torch.inference_mode():
+        ref = run(model)
+        assert torch.equal(run(N().TeaCacheCalibrateNode.execute(model).args[0]), ref)
+        assert last_run()["calibration"]["points"] >= 2
+        out = run(step_cache(model, model_type="calibrated", threshold=3.0))
+    summary = last_run()
+    assert summary["model_type"] == "calibrated" and summary["calls_skipped"] >= 1 and torch.isfinite(out).all()
+
+
 def test_rule_auto_without_a_table_runs_first_block_until_calibrated(conds, caplog):
     """A family with no published table (Chroma): the node's defaults (rule auto) run First-Block, which
     needs none, exact at threshold 0, saying so once; after a calibration auto is TeaCache again. An
@@ -239,6 +265,7 @@ def test_ltx2_skips_add_both_streams_residuals_decided_once(conds):
                P().RUN_KEY: run})
     with torch.inference_mode():
         cached.model.apply_model(x, sigma, transformer_options=to, **kwargs)
+        to["sigmas"] = sigma.clone()  # the next step: a timestep tensor of its own, as a sampler makes one
         skipped = cached.model.apply_model(moved, sigma, transformer_options=to, **kwargs)
     assert [s.pattern for s in run.conds.values()] == [["C", "S"]] * 2 and len(seen) == 1
     (vin, ain), (vout, aout) = seen[0]
@@ -275,6 +302,48 @@ def run_variant(model, conds, shape):
     sample(m, conds, shape, steps=1)
     (variant,) = seen
     return variant
+
+
+def test_ltxvs_guidance_pass_never_shares_the_conds_state_and_its_guidance_stays():
+    """LTXV Spatio-Temporal Guidance calls the cond once more at each step with a block's self-attention left
+    out: only its options differ. That pass was taken for the cond's next step and skipped, giving the cond's
+    own output, so the guidance vanished (and, computed, its residual became the cond's). It is computed and
+    leaves the cond's state alone, counted; the cond's own steps still skip."""
+    import comfy.nested_tensor
+
+    import nodes
+
+    lt = pytest.importorskip("comfy_extras.nodes_lt")
+    if not hasattr(lt, "LTXVSpatioTemporalGuidance"):
+        pytest.skip("this ComfyUI has no LTXV Spatio-Temporal Guidance")
+    model = helpers().family_spec("ltx2").build(0)
+    gen = torch.Generator().manual_seed(5)
+    pos, neg = [[torch.randn((1, 7, 64), generator=gen), {}]], [[torch.randn((1, 7, 64), generator=gen), {}]]
+    latent = comfy.nested_tensor.NestedTensor([torch.zeros((1, 128, 2, 2, 2)), torch.zeros((1, 8, 4, 16))])
+
+    def picture(m, scale):
+        m = lt.LTXVSpatioTemporalGuidance.execute(m, scale, "0", 0.0, 1.0).args[0]
+        (out,) = nodes.common_ksampler(m, 3, 10, 3.0, "euler", "simple", pos, neg, {"samples": latent})
+        return torch.cat([t.flatten() for t in out["samples"].tensors])
+
+    def cached():
+        return N().TeaCacheNode.execute(model, model_type="auto", threshold=2.0, start_percent=0.0,
+                                        end_percent=1.0, max_consecutive_skips=0, cache_device="device",
+                                        residual_mode="reuse", rule="interval").args[0]
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+
+    with torch.inference_mode():
+        plain = {scale: picture(model, scale) for scale in (0.0, 3.0)}
+        skipping = {scale: picture(cached(), scale) for scale in (0.0, 3.0)}
+    run = last_run()
+    assert {c["skipped"] for c in run["conds"].values()} == {5}  # a step in 2 for cond and uncond alike
+    guidance = rel(plain[3.0], plain[0.0])
+    assert guidance > 0.05 and rel(skipping[3.0], skipping[0.0]) > 0.5 * guidance
+    assert rel(skipping[3.0], plain[3.0]) < rel(skipping[3.0], plain[0.0])
+    reasons = [r["reason"] for r in P().stats().reasons() if r["event"] == "bypass"]
+    assert any(r.startswith("a second call of a cond at one step") for r in reasons), reasons
 
 
 def test_flux_with_reference_latents_is_flux_kontext(tiny, conds):
@@ -623,6 +692,26 @@ def test_wans_variants_skip_through_the_same_seam_and_read_wan21s_table(config, 
     first, again, run = h.two_calls(cached, *h.batched(x, torch.full((1,), 0.7), kwargs))
     assert [s.pattern for s in run.conds.values()] == [["C", "S"]] * 2
     assert torch.allclose(again, first, atol=1e-5, rtol=1e-5), rel_err(again, first)
+
+
+def test_wan_humos_audio_never_gets_a_cond_only_step_with_the_unconds_audio():
+    """HuMo's blocks read the audio from its forward's scope, where a cond-only step cannot cut it to the
+    cond's rows: the cond then attended to both rows' audio (15% off the computed output). With audio the
+    planned cond-only step is computed whole, counted; without, it runs as planned."""
+    h = helpers()
+    model = h.tiny_wan_subclass("WAN21_HuMo")
+    gen = torch.Generator().manual_seed(0)
+    kwargs = {"c_crossattn": torch.randn((1, 7, rkharness.TINY.TEXT_DIM), generator=gen),
+              "audio_embed": torch.randn((1, 2, 8, 5, 1280), generator=gen)}
+    x = torch.randn((1, 16, 2, 8, 8), generator=gen)
+    cached = step_cache(model, rule="schedule")
+    for audio in (False, True):
+        kw = kwargs if audio else {"c_crossattn": kwargs["c_crossattn"]}
+        first, again, run = h.two_calls(cached, *h.batched(x, torch.full((1,), 0.7), kw), second="H")
+        assert [s.pattern for s in run.conds.values()] == ([["C", "C"]] * 2 if audio else [["C", "C"], ["C", "S"]])
+        assert torch.allclose(again, first, atol=1e-5, rtol=1e-5), rel_err(again, first)
+    reasons = [r["reason"] for r in P().stats().reasons() if r["event"] == "fallback"]
+    assert any(r.startswith("no cond-only step for a call with audio_embed") for r in reasons), reasons
 
 
 def test_causal_wan_under_the_ar_video_sampler_computes_every_call_and_says_why(conds):

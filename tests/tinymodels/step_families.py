@@ -213,6 +213,7 @@ def two_calls(model, x, sigma, kwargs, keys=("c", "u"), second="S"):
         with torch.inference_mode():
             first = model.model.apply_model(x, sigma, transformer_options=to, **kwargs)
             run.plan = schedule.Plan((second,), (0.0,))
+            to["sigmas"] = sigma.clone()  # the next step: a timestep tensor of its own, as a sampler makes one
             second = model.model.apply_model(x, sigma, transformer_options=to, **kwargs)
     finally:
         model.unpatch_model(unpatch_weights=False)
