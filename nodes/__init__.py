@@ -13,6 +13,13 @@ import logging
 from comfy_api.latest import ComfyExtension, io
 
 CATEGORY = "ReuseKit"
+
+
+def refusal(stats, node: str, what: str) -> ValueError:
+    """A node's bad input (``what``: the input and why), counted in its cache's ``stats`` as a refusal from
+    ``node``, so the panel shows it beside the error; the ValueError the node raises."""
+    stats.count_reason("refused", what, source=node)
+    return ValueError(f"{node}: {what}")
 NODE_MODULES = ("stats", "conditioning", "lazy_clip", "pe_cache", "step_cache", "graph", "demo")
 
 log = logging.getLogger("reusekit")

@@ -11,7 +11,7 @@ from ..caching.conditioning import CACHE
 from ..caching.settings import SETTINGS
 from ..caching.stats import REGISTRY, format_snapshot
 from ..patches.conditioning import cached_copy, install, mark
-from . import CATEGORY, compat
+from . import CATEGORY, compat, refusal
 
 AREA = f"{CATEGORY}/conditioning"
 # Inputs removed on 2026-11-30 (d91176a): the cache holds CPU copies returned on the encoder's device
@@ -20,8 +20,8 @@ DEVICE_HOT = "entries are CPU copies, returned on the encoder's device"
 
 def _require(node: str, name: str, value, *attrs: str):
     if value is None or not all(hasattr(value, a) for a in attrs):
-        raise ValueError(f"{node}: input '{name}' is not a {name.upper().replace('_', ' ')} "
-                         f"(got {type(value).__name__})")
+        raise refusal(CACHE.stats, node, f"input '{name}' is not a {name.upper().replace('_', ' ')} "
+                                         f"(got {type(value).__name__})")
 
 
 class CachedCLIP(io.ComfyNode):
@@ -137,7 +137,7 @@ class ConditioningCacheSettings(io.ComfyNode):
                     SETTINGS.update({"conditioning.enabled": global_mode, "conditioning.budget_mib": budget_mib,
                                      "conditioning.max_entries": max_entries})
                 except ValueError as exc:
-                    raise ValueError(f"ReuseKit Conditioning Cache Settings: {exc}") from None
+                    raise refusal(CACHE.stats, "ReuseKit Conditioning Cache Settings", str(exc)) from None
                 if clear:
                     CACHE.clear()
                 _applied["inputs"] = inputs

@@ -12,8 +12,9 @@ import types
 import torch
 from comfy_api.latest import io
 
+from ..caching.conditioning import CACHE
 from ..caching.stats import REGISTRY
-from . import CATEGORY
+from . import CATEGORY, refusal
 
 AREA = f"{CATEGORY}/demo"
 STATS_NAME = "demo models"
@@ -145,9 +146,9 @@ class DemoDecode(io.ComfyNode):
             latent = latent.new_zeros((latent.shape[0], 16, *latent.shape[2:]))
         if not isinstance(latent, torch.Tensor) or latent.ndim not in (4, 5) or latent.shape[1] != 16:
             got = tuple(latent.shape) if isinstance(latent, torch.Tensor) else type(latent).__name__
-            raise ValueError(f"{node}: samples must be a demo model's 16-channel latent, got {got}")
+            raise refusal(_stats(), node, f"samples must be a demo model's 16-channel latent, got {got}")
         if isinstance(scale, bool) or not isinstance(scale, int) or not 1 <= scale <= 64:
-            raise ValueError(f"{node}: scale must be a whole number from 1 to 64, got {scale!r}")
+            raise refusal(_stats(), node, f"scale must be a whole number from 1 to 64, got {scale!r}")
         if latent.ndim == 5:  # Wan: (B, C, T, H, W), its own latent statistics; frames become images
             x = comfy.latent_formats.Wan21().process_in(latent.float())
             x = x.permute(0, 2, 1, 3, 4).reshape(-1, 16, *latent.shape[-2:])
@@ -183,10 +184,10 @@ class PromptBatch(io.ComfyNode):
     def execute(cls, prompts, negative="") -> io.NodeOutput:
         node = "ReuseKit Prompt Batch"
         if not isinstance(prompts, str) or not isinstance(negative, str):
-            raise ValueError(f"{node}: prompts and negative must be text")
+            raise refusal(CACHE.stats, node, "prompts and negative must be text")  # its prompts feed the encodes
         lines = [line.strip() for line in prompts.splitlines() if line.strip()]
         if not lines:
-            raise ValueError(f"{node}: prompts has no prompt (one per line)")
+            raise refusal(CACHE.stats, node, "prompts has no prompt (one per line)")
         return io.NodeOutput(lines, [negative] * len(lines))
 
 

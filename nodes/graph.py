@@ -9,7 +9,7 @@ import nodes as comfy_nodes
 
 from ..caching.graph_reuse import DISABLE_ENV
 from ..patches import graph_capture, host
-from . import CATEGORY, SamplerInputs, ksampler_inputs
+from . import CATEGORY, SamplerInputs, ksampler_inputs, refusal
 
 MAX_GRAPHS = 8
 EXPERIMENTAL = "Experimental: never run on a GPU yet. "
@@ -31,20 +31,24 @@ def switches(enable_name: str) -> list:
             io.Boolean.Input("keep_graphs", default=True, optional=True, tooltip=KEEP_TOOLTIP)]
 
 
+def _refused(node: str, what: str) -> ValueError:
+    return refusal(graph_capture.STATS.handle, node, what)
+
+
 def _check(node: str, enable_name: str, enable, max_graphs, keep_graphs=True) -> None:
     if not isinstance(enable, bool):
-        raise ValueError(f"{node}: {enable_name!r} must be true or false, got {enable!r}")
+        raise _refused(node, f"{enable_name!r} must be true or false, got {enable!r}")
     if not isinstance(keep_graphs, bool):
-        raise ValueError(f"{node}: 'keep_graphs' must be true or false, got {keep_graphs!r}")
+        raise _refused(node, f"'keep_graphs' must be true or false, got {keep_graphs!r}")
     if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or not 1 <= max_graphs <= MAX_GRAPHS:
-        raise ValueError(f"{node}: 'max_graphs' must be a whole number from 1 to {MAX_GRAPHS}, got {max_graphs!r}")
+        raise _refused(node, f"'max_graphs' must be a whole number from 1 to {MAX_GRAPHS}, got {max_graphs!r}")
 
 
 def with_capture(node: str, enable_name: str, model, enable: bool, max_graphs: int, keep_graphs: bool = True):
     """``model`` cloned with graph capture on or off; ``enable_name``: the node's name for its switch."""
     _check(node, enable_name, enable, max_graphs, keep_graphs)
     if model is None or not hasattr(model, "clone") or not hasattr(model, "model_options"):
-        raise ValueError(f"{node}: 'model' must be a MODEL, got {type(model).__name__}")
+        raise _refused(node, f"'model' must be a MODEL, got {type(model).__name__}")
     model = model.clone()
     if enable:
         if not torch.cuda.is_available():

@@ -10,8 +10,8 @@ import inspect
 from comfy_api.latest import io
 
 from ..patches.conditioning import install, mark
-from ..patches.lazy_clip import lazily
-from . import CATEGORY
+from ..patches.lazy_clip import STATS, lazily
+from . import CATEGORY, refusal
 
 AREA = f"{CATEGORY}/conditioning"
 
@@ -74,6 +74,9 @@ class _LazyLoader(io.ComfyNode):
             value = inputs.get(name)
             if name in inputs and value not in options:  # ComfyUI 0.3.75 checks no V3 combo
                 shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:80] + "..."
+                if not options:
+                    return (f"{cls.DISPLAY}: {name}: {shown} is not there: its list is empty (no file in the models "
+                            "folder it reads; add one and refresh)")
                 return f"{cls.DISPLAY}: {name}: {shown} is not one of {', '.join(map(str, options[:8]))}" + (
                     ", ..." if len(options) > 8 else "")
         return True
@@ -82,7 +85,7 @@ class _LazyLoader(io.ComfyNode):
     def execute(cls, **inputs) -> io.NodeOutput:
         error = cls.validate_inputs(**inputs)
         if error is not True:
-            raise ValueError(error)
+            raise refusal(STATS, cls.DISPLAY, error.removeprefix(f"{cls.DISPLAY}: "))
         install()
         host = cls._host()
         with lazily():

@@ -6,10 +6,17 @@ import comfy.model_patcher
 import comfy.patcher_extension
 from comfy_api.latest import io
 
+from ..caching.stats import REGISTRY
 from ..patches import rope
-from . import CATEGORY
+from . import CATEGORY, refusal
 
 WRAPPER_KEY = "reusekit_pe_cache"
+
+
+def _refused(what: str) -> ValueError:
+    """A bad input, counted where the panel shows it (a card of its own: the input has no model's PE cache)."""
+    stats = REGISTRY.register("pe_cache_node", "pe", "Inputs the ReuseKit PE Cache node refused.")
+    return refusal(stats, "ReuseKit PE Cache", what)
 
 
 class PECacheNode(io.ComfyNode):
@@ -36,9 +43,9 @@ class PECacheNode(io.ComfyNode):
     @classmethod
     def execute(cls, model, enabled=True) -> io.NodeOutput:
         if not isinstance(model, comfy.model_patcher.ModelPatcher):
-            raise ValueError(f"ReuseKit PE Cache: input 'model' must be a MODEL, got {type(model).__name__}")
+            raise _refused(f"input 'model' must be a MODEL, got {type(model).__name__}")
         if not isinstance(enabled, bool):
-            raise ValueError(f"ReuseKit PE Cache: input 'enabled' must be true or false, got {enabled!r}")
+            raise _refused(f"input 'enabled' must be true or false, got {enabled!r}")
         rope.install()  # idempotent; the entrypoint normally did it already
         model = model.clone()
         wrappers = comfy.patcher_extension.WrappersMP

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 from comfy_api.latest import io
 
 from ..caching.step_cache import StepCacheConfig
@@ -21,6 +19,10 @@ OLD_THRESHOLD = "rel_l1_thresh"
 OLD_MEANING = {"rule": "teacache", "residual_mode": "reuse"}
 DEFAULTS = {"threshold": -1.0, "rule": "auto", "residual_mode": "auto"}
 """What an absent input means in a prompt written for today's inputs (the widgets' defaults)."""
+THRESHOLD_MAX = 100.0  # teacache & co. skip nearly everything long before; the interval rule's N up to 100
+SKIPS_MAX = 1000
+FIRST_BLOCKS_MAX = 1024
+OLD_THRESHOLD_MAX = 10.0  # rel_l1_thresh's own range
 LEFT_OUT = object()  # execute()'s default for those three: ComfyUI passes no argument for an absent input
 
 
@@ -42,7 +44,7 @@ def _cache_inputs() -> list:
                                "on a Flux or Wan model calibrated by ReuseKit TeaCache Calibrate, with threshold -1, "
                                "the schedule rule "
                                "(first_block while the rule has no published or calibrated table for this model)."),
-        io.Float.Input("threshold", default=-1.0, min=-1.0, max=10.0, step=0.01, optional=True,
+        io.Float.Input("threshold", default=-1.0, min=-1.0, max=THRESHOLD_MAX, step=0.01, optional=True,
                        tooltip="Skip while the rule's accumulated distance stays under this (teacache: rescaled "
                                "relative L1 of the modulated input; magcache: accumulated |1 - magnitude ratio|; "
                                "first_block: relative L1 change of the first block's residual; schedule: each "
@@ -62,7 +64,7 @@ def _cache_inputs() -> list:
                        tooltip="Never skip before this fraction of the schedule."),
         io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.01, optional=True,
                        tooltip="Never skip after this fraction of the schedule."),
-        io.Int.Input("max_consecutive_skips", default=0, min=0, max=1000, optional=True,
+        io.Int.Input("max_consecutive_skips", default=0, min=0, max=SKIPS_MAX, optional=True,
                      tooltip="At most this many skipped steps in a row (0: no limit; MagCache's K)."),
         io.Combo.Input("cache_device", options=["device", "cpu"], default="device", optional=True,
                        tooltip="Where stored residuals live: the model's device (fastest) or the CPU "
@@ -86,7 +88,7 @@ def _cache_inputs() -> list:
                                "1: over the beat's own span, closer together toward the start, where a model's "
                                "output changes fastest (step i at N(k - 1)(i/(k - 1))^(1/power); 0.8 at Flux "
                                "without CFG) (docs/step_cache.md, \"Rules\")."),
-        io.Int.Input("first_blocks", default=1, min=1, max=1024, optional=True,
+        io.Int.Input("first_blocks", default=1, min=1, max=FIRST_BLOCKS_MAX, optional=True,
                      tooltip="Rule first_block only: the blocks that always run, the change of whose residual "
                              "decides whether the rest is skipped. 1: First-Block-Cache. More: cache-dit's "
                              "DBCache Fn (with no trailing blocks, Bn = 0): a surer decision, a smaller saving "
@@ -113,8 +115,9 @@ def make_config(node: str, model_type: str, threshold: float, start_percent: flo
     if model_type not in patch.MODEL_TYPES:
         raise bad("model_type", f"must be one of {', '.join(patch.MODEL_TYPES)}, got {model_type!r}")
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) \
-            or not (threshold >= 0.0 or threshold == -1.0) or threshold == float("inf"):
-        raise bad("threshold", f"must be a finite number >= 0, or -1 for the family's default, got {threshold!r}")
+            or not (0.0 <= threshold <= THRESHOLD_MAX or threshold == -1.0):
+        raise bad("threshold", f"must be a number from 0 to {THRESHOLD_MAX:g}, or -1 for the family's default, got "
+                               f"{threshold!r}")
     if rule == "interval" and threshold != -1.0 and not (threshold >= 1 and float(threshold).is_integer()):
         raise bad("threshold", f"is the interval with rule interval: a whole number >= 1 (or -1), got {threshold!r}")
     for name, v in (("start_percent", start_percent), ("end_percent", end_percent)):
@@ -122,9 +125,10 @@ def make_config(node: str, model_type: str, threshold: float, start_percent: flo
             raise bad(name, f"must be within 0..1, got {v!r}")
     if start_percent >= end_percent:
         raise bad("start_percent", f"must be below end_percent ({start_percent} >= {end_percent})")
-    if isinstance(max_consecutive_skips, bool) or int(max_consecutive_skips) != max_consecutive_skips \
-            or max_consecutive_skips < 0:
-        raise bad("max_consecutive_skips", f"must be a whole number >= 0, got {max_consecutive_skips!r}")
+    if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, (int, float)) \
+            or not 0 <= max_consecutive_skips <= SKIPS_MAX or int(max_consecutive_skips) != max_consecutive_skips:
+        raise bad("max_consecutive_skips", f"must be a whole number from 0 to {SKIPS_MAX}, got "
+                                           f"{max_consecutive_skips!r}")
     if cache_device not in ("device", "cpu"):
         raise bad("cache_device", f"must be 'device' or 'cpu', got {cache_device!r}")
     if residual_mode not in patch.RESIDUAL_MODES:
@@ -136,8 +140,8 @@ def make_config(node: str, model_type: str, threshold: float, start_percent: flo
         raise bad("interval_power", f"places the steps of rule interval only (rule is {rule}): set it to 1, or "
                                     "pick rule interval")
     if isinstance(first_blocks, bool) or not isinstance(first_blocks, (int, float)) \
-            or not math.isfinite(first_blocks) or int(first_blocks) != first_blocks or first_blocks < 1:
-        raise bad("first_blocks", f"must be a whole number >= 1, got {first_blocks!r}")
+            or not 1 <= first_blocks <= FIRST_BLOCKS_MAX or int(first_blocks) != first_blocks:
+        raise bad("first_blocks", f"must be a whole number from 1 to {FIRST_BLOCKS_MAX}, got {first_blocks!r}")
     if first_blocks != 1 and rule != "first_block":
         raise bad("first_blocks", f"sets the blocks rule first_block runs before it decides (rule is {rule}): set it "
                                   "to 1, or pick rule first_block")
@@ -153,8 +157,9 @@ def given_inputs(cls, node: str, threshold, rule, residual_mode, passed: dict) -
     values = {"threshold": threshold, "rule": rule, "residual_mode": residual_mode}
     if OLD_THRESHOLD in old:
         rel = old[OLD_THRESHOLD]
-        if isinstance(rel, bool) or not isinstance(rel, (int, float)) or not (0.0 <= rel < math.inf):
-            raise refused(node, f"{OLD_THRESHOLD} (now threshold) must be a finite number >= 0, got {rel!r}")
+        if isinstance(rel, bool) or not isinstance(rel, (int, float)) or not (0.0 <= rel <= OLD_THRESHOLD_MAX):
+            raise refused(node, f"{OLD_THRESHOLD} (now threshold) must be a number from 0 to {OLD_THRESHOLD_MAX:g}, "
+                                f"got {rel!r}")
         if threshold is not LEFT_OUT and threshold != rel:
             raise refused(node, f"threshold ({threshold!r}) and its old name {OLD_THRESHOLD} ({rel!r}) disagree; "
                           "give threshold only")

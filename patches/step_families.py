@@ -326,6 +326,9 @@ def detect_family(model_patcher) -> Family:
     """The family of a ModelPatcher's diffusion model; ValueError when TeaCache does not cover it."""
     model = getattr(model_patcher, "model", None)
     dm = getattr(model, "diffusion_model", None)
+    if dm is None:  # not a diffusion model's patcher at all (a CLIP, a VAE, a latent through an any-typed link)
+        raise ValueError(f"model: expects a MODEL (a diffusion model from a loader), got a "
+                         f"{type(model_patcher).__name__}")
     for spec, why, when in REFUSED:
         cls = _resolve(spec)
         if cls is not None and isinstance(dm, cls) and (when is None or when(cls)):

@@ -282,7 +282,8 @@ def test_every_reusekit_node_input_refuses_bad_values_clearly(settings, cache):
     every ReuseKit node, through ComfyUI's real validation and executor: each of the pack's own inputs
     is refused with a message that names the node and the input, or is a value ComfyUI's validation
     coerces (a float for an INT, anything for a BOOLEAN); a sampler node's KSampler inputs fare exactly
-    as on core KSampler. A refusal changes no setting, and a good prompt runs afterwards."""
+    as on core KSampler. A node's own refusal is counted in the stats; it changes no setting, and a good
+    prompt runs afterwards."""
     executor = rkharness.Executor(cache="none")
     nodes_spec = _reusekit_nodes()
     assert len(nodes_spec) >= 10, sorted(nodes_spec)
@@ -290,10 +291,17 @@ def test_every_reusekit_node_input_refuses_bad_values_clearly(settings, cache):
 
     ksampler_spec = {k: (v[0], v[1] if len(v) > 1 else {}) for k, v in nodes.KSampler.INPUT_TYPES()["required"].items()}
     shared = _ksampler_inputs()
-    unclear, wrongly_accepted, unlike_core, tried = [], [], [], 0
+    registry = rkharness.pack("caching.stats").REGISTRY
+
+    def refusals():  # the refusals every cache counted, by the node that refused
+        return sum(r["count"] for c in registry.snapshot()["caches"] for r in c.get("reasons") or []
+                   if r["event"] == "refused")
+
+    unclear, wrongly_accepted, unlike_core, uncounted, tried = [], [], [], [], 0
     for class_type, name, value in _cases():
         inputs = nodes_spec[class_type]
         before = _state(settings, cache)
+        counted = refusals()
         where, detail = _run_bad(executor, _node_prompt(class_type, inputs, name, value))
         tried += 1
         shown = repr(value)[:40]
@@ -320,6 +328,8 @@ def test_every_reusekit_node_input_refuses_bad_values_clearly(settings, cache):
             if message[1].get("node_type") != class_type:
                 unclear.append((class_type, name, shown, "failed in " + str(message[1].get("node_type"))))
                 continue
+            if refusals() == counted:  # refused by the node itself: in the stats beside the error
+                uncounted.append((class_type, name, shown))
         if name not in text:
             unclear.append((class_type, name, shown, text[:300]))
         assert _state(settings, cache)[0] == before[0], (class_type, name, shown, "settings changed")
@@ -327,6 +337,7 @@ def test_every_reusekit_node_input_refuses_bad_values_clearly(settings, cache):
     assert not unclear, f"{len(unclear)} of {tried} refusals do not name the input: {unclear}"
     assert not wrongly_accepted, f"accepted without a refusal: {wrongly_accepted}"
     assert not unlike_core, f"sampler inputs that fare unlike core KSampler: {unlike_core}"
+    assert not uncounted, f"refused by the node but not counted in the stats: {uncounted}"
     prompt = _base_prompt() | {"9": {"class_type": "ReuseKitCacheStats", "inputs": {}}}
     assert _run_bad(executor, prompt) == (None, None)
 

@@ -584,6 +584,15 @@ def test_each_lazy_loader_offers_its_host_loaders_choices_and_takes_the_same_pro
                for d in details), details
 
 
+def test_a_choice_from_an_empty_list_says_the_list_is_empty(monkeypatch):
+    """No file in the folder a loader reads: the error says so, not "is not one of" and nothing."""
+    node = rkharness.pack("nodes.lazy_clip").LazyCLIPLoader
+    monkeypatch.setattr(node, "_spec", classmethod(lambda cls: [("clip_name", [], False, {})]))
+    said = node.validate_inputs(clip_name="t5xxl.safetensors")
+    assert said == ("ReuseKit Lazy CLIP Loader: clip_name: 't5xxl.safetensors' is not there: its list is empty (no "
+                    "file in the models folder it reads; add one and refresh)")
+
+
 # ---- across restarts: real servers ---------------------------------------------------------------
 
 def _run(server, prompt) -> None:

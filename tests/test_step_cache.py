@@ -871,7 +871,11 @@ def test_a_skipped_call_adds_controlnet_once_not_again_on_top_of_the_residual(fl
     ({"rule": "fastest"}, "rule"),
     ({"rule": "magcache", "model_type": "wan2.1_t2v_14B_ret_mode"}, "model_type"),
     ({"start": 0.7, "end": 0.3}, "start_percent"),
+    ({"thresh": 100.5}, "threshold"),  # over the widget's range: a linked value is not checked by ComfyUI
+    ({"thresh": float("inf")}, "threshold"),
     ({"max_skips": -1}, "max_consecutive_skips"),
+    ({"max_skips": 10 ** 6}, "max_consecutive_skips"),
+    ({"max_skips": 2.5}, "max_consecutive_skips"),
     ({"device": "gpu"}, "cache_device"),
     ({"mode": "guess"}, "residual_mode"),
     ({"rule": "interval", "thresh": 2.5}, "threshold"),
@@ -885,6 +889,7 @@ def test_a_skipped_call_adds_controlnet_once_not_again_on_top_of_the_residual(fl
     ({"rule": "first_block", "first_blocks": 1.5}, "first_blocks"),
     ({"rule": "first_block", "first_blocks": float("nan")}, "first_blocks"),
     ({"rule": "first_block", "first_blocks": float("inf")}, "first_blocks"),
+    ({"rule": "first_block", "first_blocks": 1025}, "first_blocks"),
     ({"rule": "first_block", "first_blocks": 4}, "first_blocks: 4 runs every block of this flux model .4."),
     ({"first_blocks": 2}, "first_blocks"),  # the TeaCache rule decides before the first block
     ({"model_type": "wan2.1_t2v_14B_ret_mode"}, "model_type"),

@@ -237,6 +237,16 @@ def test_a_family_the_cache_cannot_hook_is_a_clear_error_that_says_why(name, cls
         N().TeaCacheCalibrateNode.execute(model)
 
 
+def test_a_clip_or_a_vae_given_as_the_model_is_named_as_the_wrong_input(tiny):
+    """Through an any-typed link a node may get a CLIP or a VAE as its model: the error says what it got, not
+    that a "NoneType" model is unsupported."""
+    for wrong, name in ((tiny.tiny_clip(0), "CLIP"), (tiny.tiny_vae(0), "VAE"), ("text", "str")):
+        with pytest.raises(ValueError, match=f"ReuseKit Step Cache: model: expects a MODEL .*got a {name}$"):
+            step_cache(wrong)
+        with pytest.raises(ValueError, match=f"ReuseKit TeaCache Calibrate: model: expects a MODEL .*got a {name}$"):
+            N().TeaCacheCalibrateNode.execute(wrong)
+
+
 def test_ltx2_skips_add_both_streams_residuals_decided_once(conds):
     """LTX-2 on a changed input: the skipped call adds the computed call's video residual to the video
     stream and its audio residual to the audio stream (one decision for both): its output is what the
