@@ -483,7 +483,8 @@ class RunState:
         return state
 
     def _curve(self, label: str) -> MagnitudeCurve | None:
-        return self.curves.get(label.split("#")[0]) or self.curves.get("cond")
+        """The branch's curve: its label without a repeat's ``#n`` or a context window's `` [a-b]``."""
+        return self.curves.get(label.split("#")[0].split(" [")[0]) or self.curves.get("cond")
 
     def _distance(self, state: CondState, signal: torch.Tensor, sigma) -> tuple[Any, Any]:
         """(the rule's accumulated distance if this call skips, the magcache ratio with it)."""

@@ -956,6 +956,16 @@ def test_a_second_call_of_a_cond_at_one_step_is_told_from_the_conds_next_step():
     assert not run.again_this_step([("c", 0)], None)  # no timestep: never told apart
 
 
+def test_a_context_windows_uncond_reads_the_unconds_magnitude_curve():
+    """A window's calls are labelled with its frames ("uncond [0-1]"): the uncond's curve, not the cond's."""
+    tc = rkharness.pack("caching.step_cache")
+    run = tc.RunState(tc.StepCacheConfig(None, "auto", 0.3, rule="magcache"), None, 1.0, 0.0,
+                      {"cond": [(1.0, 0.0), (0.5, -0.1)], "uncond": [(1.0, 0.0), (0.5, -0.3)]})
+    curves = run.curves
+    assert run._curve("uncond [0-1]") is curves["uncond"] and run._curve("uncond#2 [4-7]") is curves["uncond"]
+    assert run._curve("cond [0-1]") is curves["cond"] and run._curve("cond1") is curves["cond"]
+
+
 def test_each_context_window_keeps_a_state_of_its_own(conds):
     """ComfyUI's context windows call the model once per window at every step, with the same conds: each
     window is a call of its own, whose steps are computed and forecast on its own frames (the second
