@@ -229,11 +229,12 @@ def grid(method: dict, quick: bool) -> list[float]:
 
 def beyond(method: dict, th: float, steps: int, quick: bool) -> float | None:
     """The setting after ``th``, past the top of the method's grid: one grid step on (an interval's next
-    integer, below the step count; None past it)."""
+    integer, below the step count; None past it, or past the node's threshold range)."""
     if method["grid"] == "interval":
         return float(int(th) + 1) if int(th) + 1 < steps else None
     *_, below, top = grid(method, quick)
-    return float(f"{th * top / below:.3g}")
+    nxt = float(f"{th * top / below:.3g}")
+    return nxt if nxt <= rkharness.pack("nodes.step_cache").THRESHOLD_MAX else None  # the node's own range
 
 
 def same_beat(method: dict, combo, th: float) -> bool:

@@ -410,6 +410,15 @@ def test_a_reference_row_runs_with_the_signed_polynomial_and_every_other_with_re
     assert {m["name"] for m in bench.methods("flux") if m.get("signed")} == {"TeaCache"}
 
 
+def test_a_walk_past_a_grids_top_stops_at_the_nodes_threshold_range(bench):
+    """Every setting the bench tries is one a user can set: the walk past a grid's top ends at the node's
+    threshold range (a setting past it is refused, naming the input)."""
+    top = rkharness.pack("nodes.step_cache").THRESHOLD_MAX
+    for m in [m for m in bench.methods("flux") if m.get("grid") not in (None, "interval", "core")]:
+        assert bench.beyond(m, top * 0.9, 50, quick=False) is None, m["name"]
+        assert bench.grid(m, quick=False)[-1] < bench.beyond(m, bench.grid(m, quick=False)[-1], 50, quick=False) <= top
+
+
 def test_calibration_step_counts_are_never_scored(bench):
     assert not set(bench.CALIBRATION_STEPS) & set(bench.STEP_COUNTS)
     assert {bench.calibration_steps(s) for s in bench.STEP_COUNTS} <= set(bench.CALIBRATION_STEPS)

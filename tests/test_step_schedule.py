@@ -304,15 +304,16 @@ def test_an_uncond_called_apart_from_its_cond_is_rebuilt_from_the_conds_call_at_
     sigma = torch.tensor([0.5])
     pos, neg = conds
 
-    def call(cond, key, label):
-        opts = dict(to, sigmas=sigma, uuids=[key], cond_or_uncond=[label])
+    def call(cond, key, label, step):  # the calls of one step share its timestep tensor, as a sampler's do
+        opts = dict(to, sigmas=step, uuids=[key], cond_or_uncond=[label])
         with torch.inference_mode():
-            return m.model.apply_model(x, sigma, c_crossattn=cond[0][0], y=cond[0][1]["pooled_output"],
+            return m.model.apply_model(x, step, c_crossattn=cond[0][0], y=cond[0][1]["pooled_output"],
                                        transformer_options=opts)
 
-    first = [call(pos, "c", 0), call(neg, "u", 1)]
+    first = [call(pos, "c", 0, sigma), call(neg, "u", 1, sigma)]
     run.plan = S().Plan(("H",), (0.0,))
-    second = [call(pos, "c", 0), call(neg, "u", 1)]
+    step = sigma.clone()  # the next step, at the same sigma: a tensor of its own
+    second = [call(pos, "c", 0, step), call(neg, "u", 1, step)]
     assert [s.pattern for s in run.conds.values()] == [["C", "C"], ["C", "S"]]
     for a, b in zip(first, second, strict=True):
         assert torch.allclose(a, b, atol=1e-5)
