@@ -419,6 +419,7 @@ class RunState:
         self.time_skipped = 0.0
         self.resets = 0
         self.windowed = False  # its calls ran in context windows (each window a state of its own)
+        self.planned = "C"  # schedule: the plan's action for the last call decided (C, S or H)
         self._timestep: torch.Tensor | None = None  # the timestep tensor of the step being sampled (one per step)
         self._step_keys: set = set()  # the cond keys computed or skipped at that step
         self.partial: str | None = None  # calibration: why the run does not cover the model's whole schedule
@@ -610,7 +611,7 @@ class RunState:
                 self.delta = self.delta_step = None
             state.meta = meta
         step = self._step(sigma)
-        action = "C" if step is None or self.config.calibrate else self.plan.actions[step]
+        action = self.planned = "C" if step is None or self.config.calibrate else self.plan.actions[step]
 
         def fits(t):
             return t is not None and (residual_shape is None or tuple(t.shape) == tuple(residual_shape))

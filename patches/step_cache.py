@@ -350,9 +350,10 @@ class _Call:
     in the graph (:meth:`graph_outputs` / :meth:`take_graph_outputs`)."""
 
     def __init__(self, run: tc.RunState, family: Family, dm, keys: list, labels: list[str], may_skip: bool,
-                 sigma: torch.Tensor | None, half: bool = True):
+                 sigma: torch.Tensor | None, scoped: str | None = None):
         self.run, self.family, self.dm, self.sigma = run, family, dm, sigma
-        self.may_half = family.half and half  # cond-only steps possible for this call
+        # a forward input the blocks read from the forward's scope (Family.scoped): no cond-only step
+        self.scoped = scoped
         self.keys, self.labels, self.may_skip = keys, labels, may_skip
         self.after_first = run.config.rule == "first_block"  # decides on the first blocks' output
         # the block whose output decides (first_block: the last of its first_blocks), and whose residual
@@ -424,8 +425,13 @@ class _Call:
         stack = img if self.stack_in is None else self.stack_in
         chunk = (stack.shape[0] // len(self.keys), *stack.shape[1:])
         if rule == "schedule":
+            half = self.family.half and self.scoped is None
             self.roles = self.run.decide_scheduled(self.keys, self.labels, list(signals), chunk, self.sigma,
-                                                   half=self.may_half)
+                                                   half=half)
+            if self.family.half and not half and self.run.planned == "H":
+                stats().count_reason("fallback", f"no cond-only step for a call with {self.scoped}: the blocks read "
+                                     "it from the model's forward, where it cannot be cut to the cond's rows (the "
+                                     "planned cond-only step was computed whole)", source=self.family.name)
             self.skip = "C" not in self.roles
             self.half = not self.skip and "E" in self.roles
             return
@@ -630,19 +636,14 @@ def _window(to: dict) -> tuple | None:
     return (getattr(window, "dim", None), *(getattr(window, "index_list", None) or ()))
 
 
-def _replaced_blocks(to: dict, settings: Settings) -> list:
-    """The stack's blocks whose patch in this call's options is not the cache's (another node's)."""
-    if settings.family.layer_forward is not None:  # its blocks are not block patches
-        return []
-    dit = (to.get("patches_replace") or {}).get("dit") or {}
-    return [key for key in settings.blocks if not getattr(dit.get(key), "_reusekit_block", False)]
-
-
 def replaced_reason(to: dict, settings: Settings) -> str | None:
     """Why the cache must compute every step of this run, or None: a block patch it installed is no
     longer its own (a later node replaced it: a skip would then run that node's block on the stack
     input). Says so once."""
-    replaced = _replaced_blocks(to, settings)
+    if settings.family.layer_forward is not None:  # its blocks are not block patches
+        return None
+    dit = (to.get("patches_replace") or {}).get("dit") or {}
+    replaced = [key for key in settings.blocks if not getattr(dit.get(key), "_reusekit_block", False)]
     if not replaced:
         return None
     reason = (f"another node replaced the patch of {replaced[0][0]} {replaced[0][1]} after ReuseKit Step Cache; "
@@ -687,21 +688,14 @@ def _diffusion_model(executor, *args, **kwargs):
         out = executor(*args, **kwargs)
         run.calls_computed += 1
         return out
-    replaced = _replaced_blocks(to, settings)
-    if replaced:  # a pass of this step with blocks of its own (SkipLayerGuidance's): neither skipped nor kept
-        stats().count_reason("bypass", f"a call whose {replaced[0][0]} {replaced[0][1]} is another node's patch "
-                             "(SkipLayerGuidance's pass) was computed and left the cache's state as it was",
-                             source=settings.family.name)
-        run.calls_computed += 1
-        return executor(*args, **kwargs)
     window = _window(to)
     if window is not None:  # each context window is a call of its own, with a state of its own
         keys = [(key, "window", window) for key in keys]
         run.windowed = True
     if run.again_this_step(keys, sigmas):  # another pass of a cond this step already had: neither skipped nor kept
-        stats().count_reason("bypass", "a second call of a cond at one step (a guidance pass: LTXV's STG or "
-                             "modality guidance, a reference-free pass) was computed and left the cache's state "
-                             "as it was", source=settings.family.name)
+        stats().count_reason("bypass", "a second call of a cond at one step (a guidance pass: SkipLayerGuidance's "
+                             "pass, LTXV's STG or modality guidance, a reference-free pass) was computed and left the "
+                             "cache's state as it was", source=settings.family.name)
         run.calls_computed += 1
         return executor(*args, **kwargs)
     dm = executor.class_obj
@@ -716,12 +710,8 @@ def _diffusion_model(executor, *args, **kwargs):
     labels = _labels(to, len(keys), window and window[1:])
     probe = _gain_probe(run, settings, dm, keys, labels, sigma, executor, args, kwargs, to) \
         if run.config.calibrate else None
-    scoped = [name for name in settings.family.scoped if kwargs.get(name) is not None]
-    if scoped and run.config.rule == "schedule" and settings.family.half:
-        stats().count_reason("fallback", f"no cond-only step for a call with {scoped[0]}: the blocks read it from "
-                             "the model's forward, where it cannot be cut to the cond's rows (a planned cond-only "
-                             "step is computed whole)", source=settings.family.name)
-    call = _Call(run, settings.family, dm, keys, labels, may_skip, sigma, half=not scoped)
+    scoped = next((name for name in settings.family.scoped if kwargs.get(name) is not None), None)
+    call = _Call(run, settings.family, dm, keys, labels, may_skip, sigma, scoped)
     t0 = time.perf_counter()
     with _calling(to, call):
         out = executor(*args, **kwargs)
