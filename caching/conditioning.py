@@ -419,8 +419,8 @@ class ConditioningCache:
 
             try:
                 publish() if vouch is None else vouch(publish, drop)
-            except Exception as exc:  # a shared tier never fails an encode: counted, the result kept here
-                self.kept_local(kind, f"the shared write failed: {type(exc).__name__}: {exc}", encoder)
+            except Exception as exc:  # (publish counts its own failures) a check that could not start
+                drop(f"its publication check could not start: {type(exc).__name__}: {exc}")
         return result
 
     def lookup(self, key: Key) -> Any:

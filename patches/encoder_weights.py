@@ -253,20 +253,15 @@ def _publication_check(module, patcher) -> None:
     enc = _encoders.get(module)
     if enc is None:
         return
-    with enc.lock:
-        with _queue_cond:
-            waited, enc.waiting = enc.waiting, []
-        try:
-            named, patched = _base_weights(module, patcher)
-            reference = enc.watch.reference()
-        except Exception as exc:  # a module tree it cannot walk now (ComfyUI loading it meanwhile)
-            named, patched, reference = exc, None, None
+    with _queue_cond:  # (each finished before it was queued: before the walk below)
+        waited, enc.waiting = enc.waiting, []
     failed = None
     try:
-        if isinstance(named, Exception):
-            raise named
+        with enc.lock:
+            named, patched = _base_weights(module, patcher)
+            reference = enc.watch.reference()
         same = matches_reference(named, patched, reference)
-    except Exception as exc:  # weights it cannot read now: nothing vouches for what waited
+    except Exception as exc:  # weights it cannot read or walk now (ComfyUI loading them): nothing vouches
         log.warning("ReuseKit: the publication check of an encoder failed: %s", exc)
         same, failed = False, f"the check of its encoder's weights after the encode failed: {type(exc).__name__}"
     if not same:
