@@ -7,7 +7,7 @@ from comfy_api.latest import io
 from ..caching.step_cache import StepCacheConfig
 from ..patches import host
 from ..patches import step_cache as patch
-from . import CATEGORY, SamplerInputs, compat, ksampler_inputs
+from . import CATEGORY, SamplerInputs, compat, ksampler_inputs, refusal
 
 AREA = f"{CATEGORY}/step cache"
 
@@ -97,10 +97,8 @@ def _cache_inputs() -> list:
 
 
 def refused(node: str, what: str) -> ValueError:
-    """A bad input's error (``what``: the input and why), counted as the step cache's refusals of a model are,
-    so the panel shows it beside the error."""
-    patch.stats().count_reason("refused", what)
-    return ValueError(f"{node}: {what}")
+    """A bad input's error, counted in the step cache's stats beside its refusals of a model."""
+    return refusal(patch.stats(), node, what)
 
 
 def make_config(node: str, model_type: str, threshold: float, start_percent: float, end_percent: float,
