@@ -101,11 +101,23 @@ def model_fingerprint(model_patcher, family: Family) -> str:
 # ---- the settings the node attaches ------------------------------------------------------
 
 class Settings:
-    """The node's settings in transformer_options: the config, the family and the blocks the cache
-    patched. Immutable, so clones share it (deepcopy too); a graph's signature holds it by identity."""
+    """The node's settings in transformer_options: the config, the family, the blocks the cache patched and
+    the class of the diffusion model it patched them on. Immutable, so clones share it (deepcopy too); a
+    graph's signature holds it by identity."""
 
-    def __init__(self, config: tc.StepCacheConfig, family: Family, blocks: tuple[tuple[str, int], ...]):
-        self.config, self.family, self.blocks = config, family, blocks
+    def __init__(self, config: tc.StepCacheConfig, family: Family, blocks: tuple[tuple[str, int], ...],
+                 model_class: type):
+        self.config, self.family, self.blocks, self.model_class = config, family, blocks, model_class
+
+    def foreign(self, dm) -> str | None:
+        """Why a call on ``dm`` is not one the cache may skip: another model run under these options (the Dual
+        Model CFG Guider runs its negative model with the main model's), whose blocks are not the ones the
+        patches were placed for (a deeper model would run its blocks past our last one on top of a reused
+        residual). None where ``dm`` is of the patched class with the same blocks (a multi-GPU copy, say)."""
+        if type(dm) is self.model_class and tuple(self.family.blocks(dm)) == self.blocks:
+            return None
+        return (f"a call on another model ({type(dm).__name__}, its blocks not the {len(self.blocks)} the step cache "
+                f"patched: the Dual Model CFG Guider's negative model, say) was computed")
 
     def __deepcopy__(self, memo):
         return self
@@ -184,7 +196,8 @@ def _attach(model_patcher, config: tc.StepCacheConfig):
         stats().count_reason("bypass", f"{family.layer_forward[0]} {why}: the model runs without the step cache",
                              source=family.name)
         return m
-    m.model_options["transformer_options"][KEY] = Settings(config, family, tuple(blocks))
+    m.model_options["transformer_options"][KEY] = Settings(config, family, tuple(blocks),
+                                                           type(m.model.diffusion_model))
     call_kind = getattr(WrappersMP, family.call_wrapper)
     for kind, fn in ((WrappersMP.OUTER_SAMPLE, _outer_sample), (call_kind, _diffusion_model)):
         m.remove_wrappers_with_key(kind, KEY)  # applying twice replaces, never stacks
@@ -700,6 +713,11 @@ def _diffusion_model(executor, *args, **kwargs):
         return executor(*args, **kwargs)
     dm = executor.class_obj
     dm = dm.diffusion_model if settings.family.call_wrapper == "APPLY_MODEL" else dm  # a BaseModel there
+    foreign = settings.foreign(dm)
+    if foreign is not None:
+        stats().count_reason("bypass", foreign, source=settings.family.name)
+        run.calls_computed += 1
+        return executor(*args, **kwargs)
     unreached = None if settings.family.layer_forward is None else _unreached_layer(settings.family, dm)
     if unreached is not None:
         host.say_once(f"teacache-layer:{type(dm).__name__}", "ReuseKit Step Cache: %s", unreached, level=logging.WARNING)

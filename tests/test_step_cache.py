@@ -1628,6 +1628,61 @@ def test_the_two_wan22_experts_keep_separate_state_and_calibrations(conds):
     assert P().STORE.get(*P().model_identity(high, wan)) != P().STORE.get(*P().model_identity(low, wan))
 
 
+def test_a_call_on_another_model_under_the_cached_models_options_is_computed_as_that_model_computes_it(
+        flux, tiny, conds):
+    """The Dual Model CFG Guider (0.33) runs its negative model under the main model's options, so the step
+    cache's wrappers and block patches reach it. On a deeper model a skip decided at our first block ran the
+    blocks past our last one on top of the reused residual: on the call's own input 2.6% from what that model
+    computes. Each call on a model whose blocks are not the patched ones is computed, counted, and its output
+    is the model's own."""
+    deeper = tiny.tiny_flux(1, depth=2, depth_single_blocks=3, vec_in_dim=32, context_in_dim=32)
+    m = teacache(flux, 0.0, mode="reuse")
+    to = flux_options(m)
+    plan_every_call(to[P().RUN_KEY], "C")
+    x = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    for s in (0.9, 0.7, 0.5):
+        flux_call(m, x * s, to, conds, s)
+    to[P().RUN_KEY].config = dataclasses.replace(to[P().RUN_KEY].config, threshold=1e9)
+    plan_every_call(to[P().RUN_KEY], "S")
+    for s in (0.9, 0.5):
+        assert torch.equal(flux_call(deeper, x * s, to, conds, s), flux_call(deeper, x * s, {}, conds, s))
+    assert to[P().RUN_KEY].conds[("c", 0)].pattern == ["C", "C", "C"]  # the main model's state untouched
+    assert to[P().RUN_KEY].calls_computed == 3 + 2
+    assert any("a call on another model (Flux" in r["reason"] for r in P().stats().snapshot()["reasons"])
+    assert flux_call(m, x * 0.5, to, conds, 0.5) is not None
+    assert to[P().RUN_KEY].conds[("c", 0)].pattern == ["C", "C", "C", "S"]  # the main model still skips
+
+
+def test_the_dual_model_guiders_negative_model_is_computed_and_its_positive_model_skips(flux, tiny, conds):
+    """Through the real guider and sampler: the positive model's calls are cached, the negative model's
+    computed (before, at this threshold, 3 of its 10 were skipped); with nothing skipped the picture is the
+    uncached one."""
+    ncs = pytest.importorskip("comfy_extras.nodes_custom_sampler")
+    if not hasattr(ncs, "Guider_DualModel"):
+        pytest.skip("this ComfyUI has no Dual Model CFG Guider")
+    import comfy.sample
+    import comfy.samplers
+
+    deeper = tiny.tiny_flux(1, depth=2, depth_single_blocks=3, vec_in_dim=32, context_in_dim=32)
+
+    def guided(model):
+        guider = ncs.Guider_DualModel(model, deeper)
+        guider.set_conds(*conds)
+        guider.set_cfg(3.0)
+        latent = torch.zeros((1, 16, 8, 8))
+        sigmas = comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), "simple", STEPS)
+        return guider.sample(comfy.sample.prepare_noise(latent, 3), latent, comfy.samplers.sampler_object("euler"),
+                             sigmas, seed=3)
+
+    reference = guided(flux)
+    assert torch.equal(guided(teacache(flux, 0.0, model_type="auto")), reference)
+    guided(teacache(flux, 1.0, model_type="auto", mode="reuse"))
+    run = last_run()
+    (positive,) = run["conds"].values()  # the negative model's calls keep no state
+    assert positive["skipped"] >= 3 and run["calls_skipped"] == positive["skipped"]
+    assert run["calls_computed"] == STEPS + positive["computed"]  # every call of the negative model
+
+
 @pytest.mark.parametrize("name,cls", [("omnigen2", "OmniGen2Transformer2DModel"),
                                       ("hidream", "HiDreamImageTransformer2DModel")])
 def test_a_family_without_block_seams_is_a_clear_error_at_the_node(name, cls):
