@@ -883,7 +883,11 @@ class RunState:
         saved = max(0.0, per_call - per_skip) * self.calls_skipped
         conds = {}
         for state in self.conds.values():
-            conds[state.label] = {
+            label, n = state.label, 1
+            while label in conds:  # another cond of that label in a call of its own (an area cond, another model)
+                n += 1
+                label = f"{state.label}#{n}"
+            conds[label] = {
                 "computed": state.computed, "skipped": state.skipped, "pattern": "".join(state.pattern),
                 "trace": [round(float(v), 5) for v in state.trace],
             }

@@ -597,7 +597,8 @@ def test_cond_and_uncond_keep_separate_distances_under_cfg(flux, conds):
 
 def test_an_area_cond_and_the_uncond_core_makes_for_it_keep_separate_state(flux, conds):
     """For a cond with an area ComfyUI adds an uncond of that area carrying the cond's uuid, batched
-    with it: one state for both would hand the uncond the cond's residual on a skip."""
+    with it: one state for both would hand the uncond the cond's residual on a skip. The report lists each
+    state (it showed the last of each label)."""
     import nodes
 
     (area,) = nodes.ConditioningSetArea().append(conds[0], 32, 32, 0, 0, 1.0)
@@ -606,6 +607,7 @@ def test_an_area_cond_and_the_uncond_core_makes_for_it_keep_separate_state(flux,
     run = last_run()
     assert run["calls_skipped"] >= 1
     assert all(len(c["pattern"]) == STEPS for c in run["conds"].values()), run["conds"]
+    assert set(run["conds"]) == {"cond", "uncond", "cond#2", "uncond#2"}  # the area's call is one of its own
     # such a batch twice on the same input: the skipped second call gives each half its own output
     m = teacache(flux, 1.0, mode="reuse")
     x = torch.randn(2, 16, 8, 8, generator=torch.Generator().manual_seed(0))
