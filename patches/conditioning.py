@@ -53,6 +53,7 @@ import inspect
 import logging
 import operator
 import os
+import platform
 import re
 import sys
 import threading
@@ -1004,7 +1005,18 @@ def shared_key(key: Key, module, patcher=None) -> SharedKey:
     text = repr(tree)  # written out once: the fields hold hundreds of token values
     if _INDEXED_TEXT.search(text):
         text = repr((*tree[:-1], _portable_walk(fields)))
+    if _CPU_TEXT.search(text):  # computed on the CPU: which kernels ran follows its instruction set
+        text += repr(_cpu_kind())
     return SharedKey.of_text(text, _local_devices(patcher))
+
+
+_CPU_TEXT = re.compile(r"'cpu'")
+
+
+def _cpu_kind() -> tuple:
+    """The CPU as its kernels tell it apart (a worker on AVX2 and one on AVX-512 round alike no more than two
+    GPU models do): torch's dispatch level and the machine's architecture."""
+    return ("cpu", platform.machine(), torch.backends.cpu.get_cpu_capability())
 
 
 _local = threading.local()  # per thread: inside a plain VAE encode, and whether it fell back to tiles

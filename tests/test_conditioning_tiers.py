@@ -177,6 +177,23 @@ def test_shared_keys_name_devices_by_kind_and_model_not_index_and_leave_text_alo
             names.pop(name, None)
 
 
+def test_a_cpu_encode_is_shared_only_with_cpus_of_its_instruction_set(shared, monkeypatch):
+    """An encode on the CPU rounds as the kernels torch dispatches for that CPU do: a worker on another
+    instruction set (AVX2 beside AVX-512) reads none of its entries, as a worker on another GPU model does."""
+    path = _tiny_files().write_tiny_clip_file(str(shared.files), 0)
+    clip = _tiny_files().load_tiny_clip_file(path)
+    assert clip.patcher.load_device.type == "cpu"
+    first = encode(clip)
+    shared.cc.CACHE.clear()
+    with monkeypatch.context() as other_machine:
+        other_machine.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "ANOTHER")
+        encode(clip)
+    assert shared.cc.CACHE.count("encodes") == 2 and counter(shared.tiers, "disk", "hits") == 0
+    assert len(entry_files(shared.folder)) == 2
+    shared.cc.CACHE.clear()
+    assert equal(encode(clip), first) and counter(shared.tiers, "disk", "hits") == 1
+
+
 def test_comfyuis_vae_loader_reaches_the_disk_tier_through_its_reload_factory(shared):
     """VAELoader (ComfyUI 0.2x+ records ``cached_patcher_init`` with the file) on a tiny Wan VAE file."""
     import folder_paths
