@@ -441,7 +441,7 @@ class RunState:
 
     def again_this_step(self, keys: list, timestep: torch.Tensor | None) -> bool:
         """Whether one of ``keys`` was already called at this step: a guidance pass after the step's own call
-        (SkipLayerGuidance, LTXV's STG and modality guidance, a reference-free pass: the same cond with
+        (LTXV's STG and modality guidance, a reference-free pass: the same cond with
         other options), never the cond's next step. ComfyUI hands every call of one step the same timestep
         tensor and makes a new one for each model evaluation; told apart by identity, with no host sync."""
         if timestep is None:

@@ -649,14 +649,20 @@ def _window(to: dict) -> tuple | None:
     return (getattr(window, "dim", None), *(getattr(window, "index_list", None) or ()))
 
 
+def _replaced(to: dict, settings: Settings) -> tuple[tuple[str, int], ...]:
+    """The blocks whose patch in these options is not the step cache's. One lookup per block: the model's
+    depth, never its weights."""
+    if settings.family.layer_forward is not None:  # its blocks are not block patches
+        return ()
+    dit = (to.get("patches_replace") or {}).get("dit") or {}
+    return tuple(key for key in settings.blocks if not getattr(dit.get(key), "_reusekit_block", False))
+
+
 def replaced_reason(to: dict, settings: Settings) -> str | None:
     """Why the cache must compute every step of this run, or None: a block patch it installed is no
     longer its own (a later node replaced it: a skip would then run that node's block on the stack
     input). Says so once."""
-    if settings.family.layer_forward is not None:  # its blocks are not block patches
-        return None
-    dit = (to.get("patches_replace") or {}).get("dit") or {}
-    replaced = [key for key in settings.blocks if not getattr(dit.get(key), "_reusekit_block", False)]
+    replaced = _replaced(to, settings)
     if not replaced:
         return None
     reason = (f"another node replaced the patch of {replaced[0][0]} {replaced[0][1]} after ReuseKit Step Cache; "
@@ -705,6 +711,16 @@ def _diffusion_model(executor, *args, **kwargs):
     if window is not None:  # each context window is a call of its own, with a state of its own
         keys = [(key, "window", window) for key in keys]
         run.windowed = True
+    replaced = _replaced(to, settings)  # per call: SkipLayerGuidanceDiTSimple swaps blocks on its uncond pass only
+    if replaced and (settings.blocks[0] in replaced or settings.blocks[-1] in replaced):
+        # our first block decides and our last adds the residual: without either, the call is computed
+        stats().count_reason("bypass", f"a call whose options replace the step cache's patch of {replaced[0][0]} "
+                             f"{replaced[0][1]} (its first or last block: SkipLayerGuidanceDiTSimple's uncond pass, "
+                             "say) was computed", source=settings.family.name)
+        run.calls_computed += 1
+        return executor(*args, **kwargs)
+    if replaced:  # other blocks run in this call: a state of its own, never the conds' usual one
+        keys = [(key, "replaced", replaced) for key in keys]
     if run.again_this_step(keys, sigmas):  # another pass of a cond this step already had: neither skipped nor kept
         stats().count_reason("bypass", "a second call of a cond at one step (a guidance pass: SkipLayerGuidance's "
                              "pass, LTXV's STG or modality guidance, a reference-free pass) was computed and left the "
@@ -726,6 +742,8 @@ def _diffusion_model(executor, *args, **kwargs):
         run.unhooked += 1
         return executor(*args, **kwargs)
     labels = _labels(to, len(keys), window and window[1:])
+    if replaced:
+        labels = [f"{lab} [{len(replaced)} block{'s' if len(replaced) > 1 else ''} replaced]" for lab in labels]
     probe = _gain_probe(run, settings, dm, keys, labels, sigma, executor, args, kwargs, to) \
         if run.config.calibrate else None
     scoped = next((name for name in settings.family.scoped if kwargs.get(name) is not None), None)

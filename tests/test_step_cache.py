@@ -926,10 +926,12 @@ def test_calibration_fits_a_polynomial_that_the_next_run_uses(flux, conds, _isol
     assert rel_err(out, ref) < 0.3
 
 
-def test_a_skip_layer_guidance_pass_is_computed_and_never_mixed_with_the_conds_state(flux, conds):
+def test_a_skip_layer_guidance_pass_keeps_a_state_of_its_own_and_never_mixes_with_the_conds(flux, conds):
     """SkipLayerGuidanceDiT calls the model a second time for the cond in each step, with one block
-    patched away: that pass is computed every step and leaves the cond's state alone, so its guidance
-    stays in the picture (it read the cond's own output, and the guidance term fell to nothing)."""
+    patched away: that pass is a state of its own, skipped and forecast from its own calls only, so its
+    guidance stays in the picture (it once read the cond's own output, and the guidance term fell to
+    nothing). Skipped in step with the cond, it lands nearer the uncached picture than when it was computed
+    every step (0.58 off, 15 calls computed) or than the picture without the guidance."""
     import comfy_extras.nodes_slg as slg
 
     def with_slg(m):
@@ -940,10 +942,72 @@ def test_a_skip_layer_guidance_pass_is_computed_and_never_mixed_with_the_conds_s
     before = P().stats().counter("calls_computed")
     out = sample(with_slg(teacache(flux, 0.3, model_type="auto", mode="reuse")), conds)
     run = last_run()
-    assert all(len(c["pattern"]) == STEPS for c in run["conds"].values()) and run["calls_skipped"] >= 2
-    assert P().stats().counter("calls_computed") - before == run["calls_computed"] >= STEPS + 2
-    assert any("SkipLayerGuidance's pass" in r["reason"] for r in P().stats().snapshot()["reasons"])
-    assert rel_err(out, reference) < rel_err(out, plain)
+    assert set(run["conds"]) == {"cond", "uncond", "cond [1 block replaced]"}
+    assert all(len(c["pattern"]) == STEPS and "S" in c["pattern"] for c in run["conds"].values())
+    assert P().stats().counter("calls_computed") - before == run["calls_computed"]
+    assert run["calls_computed"] + run["calls_skipped"] == 2 * STEPS  # (cond, uncond) and the pass, each step
+    assert rel_err(out, reference) < 0.45 and rel_err(out, reference) < rel_err(out, plain) / 2
+
+
+def _skip_block(args, extra):
+    return args  # SkipLayerGuidance's replacement: the block passes its input through
+
+
+@pytest.mark.parametrize("where", [("double_block", 1), ("single_block", 0), ("double_block", 0),
+                                   ("single_block", 1)])
+def test_a_call_with_some_blocks_replaced_skips_only_onto_its_own_state(flux, conds, where):
+    """SkipLayerGuidanceDiTSimple replaces blocks on the uncond's pass inside its window only: a state keyed by
+    the uncond alone handed that pass the usual uncond's residual at the window's start (0.90 from what the
+    pass computes, on its own input) and the usual uncond the pass's after the window. A middle block
+    replaced: the pass skips onto its own calls only, giving what it computes on the same input, and the usual
+    uncond's state is left as it was. The first block (which decides) or the last (which adds the residual)
+    replaced: the pass is computed, counted."""
+    import comfy.model_patcher
+
+    m = teacache(flux, 0.0, mode="reuse")
+    to = flux_options(m)
+    to["uuids"], to["cond_or_uncond"] = ["u"], [1]
+    plan_every_call(to[P().RUN_KEY], "C")
+    slg = comfy.model_patcher.set_model_options_patch_replace({"transformer_options": to}, _skip_block, "dit",
+                                                              *where)["transformer_options"]
+    alone = comfy.model_patcher.set_model_options_patch_replace({"transformer_options": {}}, _skip_block, "dit",
+                                                                *where)["transformer_options"]
+    x = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    for s in (0.9, 0.7, 0.5):
+        flux_call(m, x * s, to, conds, s)
+    run = to[P().RUN_KEY]
+    run.config = dataclasses.replace(run.config, threshold=1e9)
+    truth = flux_call(flux, x, alone, conds, 0.5)
+    first = flux_call(m, x, slg, conds, 0.5)  # the window's first pass: computed, nothing of its own yet
+    again = flux_call(m, x, slg, conds, 0.5)
+    assert torch.equal(first, truth) and torch.allclose(again, truth, atol=1e-5), rel_err(again, truth)
+    assert run.conds[("u", 1)].pattern == ["C", "C", "C"]  # the usual uncond's state untouched
+    middle = where in (("double_block", 1), ("single_block", 0))
+    if middle:
+        (own,) = (k for k in run.conds if k != ("u", 1))
+        assert run.conds[own].pattern == ["C", "S"] and run.conds[own].label == "uncond [1 block replaced]"
+    else:
+        assert list(run.conds) == [("u", 1)]
+        assert any("its first or last block" in r["reason"] for r in P().stats().snapshot()["reasons"])
+    assert torch.allclose(flux_call(m, x * 0.5, to, conds, 0.5), flux_call(m, x * 0.5, {}, conds, 0.5), atol=1e-5)
+    assert run.conds[("u", 1)].pattern == ["C", "C", "C", "S"]  # and it skips onto its own residual
+
+
+def test_skip_layer_guidance_simple_through_the_sampler_is_exact_unskipped(flux, conds):
+    """SkipLayerGuidanceDiTSimple from 30% on: with nothing skipped the picture is the uncached one, and
+    skipping keeps its pass in a state of its own."""
+    import comfy_extras.nodes_slg as slg
+
+    def with_slg(m):
+        return slg.SkipLayerGuidanceDiTSimple.execute(m, 0.3, 1.0, double_layers="1", single_layers="").args[0]
+
+    reference = sample(with_slg(flux), conds)
+    assert torch.equal(sample(with_slg(teacache(flux, 0.0, model_type="auto")), conds), reference)
+    sample(with_slg(teacache(flux, 2.0, rule="interval", mode="reuse")), conds)
+    run = last_run()
+    assert set(run["conds"]) == {"cond", "uncond", "uncond [1 block replaced]"}
+    assert len(run["conds"]["cond"]["pattern"]) == STEPS
+    assert len(run["conds"]["uncond"]["pattern"]) + len(run["conds"]["uncond [1 block replaced]"]["pattern"]) == STEPS
 
 
 def test_a_second_call_of_a_cond_at_one_step_is_told_from_the_conds_next_step():
