@@ -45,8 +45,10 @@ Methods:
   deciding after the same share of the stand-in's blocks: 2 of Flux's 12, 3 of Wan's 10), core EasyCache
   and LazyCache (each given an input it may
   modify: EasyCache adds its residual to the diffusion model's input in place, which on a float32 model is
-  the sampler's own latent; on a real bf16 model it is a cast copy), TaylorSeer of order 1 and 2 and FoCa
-  (a full step every N, forecasts between; ReuseKit's ``interval`` rule with those residual modes);
+  the sampler's own latent; on a real bf16 model it is a cast copy), FORA (a full step every N, its blocks'
+  output reused between: the stack's residual as computed, ReuseKit's ``interval`` rule with ``reuse``),
+  TaylorSeer of order 1 and 2 and FoCa (a full step every N, forecasts between; the ``interval`` rule with
+  those residual modes);
 - ReuseKit's rules at the same calibration: the schedule rule and TeaCache with extrapolated residuals,
   TeaCache and the interval rule forecasting the whole model's output (``output``) rather than the blocks'
   residual; and the node defaults as set (no calibration, no tuning: what a
@@ -190,6 +192,7 @@ def methods(family: str) -> list[dict]:
              deep_first=DBCACHE_DEEP_FN),
         dict(name="EasyCache (core)", kind="baseline", core="easycache", combos=["0-1", ".15-.95"], grid="core"),
         dict(name="LazyCache (core)", kind="baseline", core="lazycache", combos=["0-1", ".15-.95"], grid="core"),
+        rule("FORA", "baseline", "interval", "auto", "reuse", grid="interval"),
         rule("TaylorSeer order 1", "baseline", "interval", "auto", "taylorseer1", grid="interval"),
         rule("TaylorSeer order 2", "baseline", "interval", "auto", "taylorseer2", grid="interval"),
         rule("FoCa", "baseline", "interval", "auto", "foca", grid="interval"),

@@ -477,7 +477,9 @@ def test_the_field_holds_the_published_methods_as_their_papers_define_them(bench
     baselines = [m for m in rows.values() if m["kind"] == "baseline"]
     assert len(baselines) >= 8
     assert rows["TeaCache"]["signed"] and rows["TeaCache"]["mode"] == "reuse"
-    assert {m["mode"] for m in baselines if m.get("rule") == "interval"} == {"taylorseer1", "taylorseer2", "foca"}
+    # FORA reuses what its last full step's blocks added; TaylorSeer and FoCa forecast it
+    assert {m["mode"]: m["name"] for m in baselines if m.get("rule") == "interval"} == {
+        "reuse": "FORA", "taylorseer1": "TaylorSeer order 1", "taylorseer2": "TaylorSeer order 2", "foca": "FoCa"}
     # the papers' fixed beat for the baselines; the placed one is ReuseKit's interval rule's own setting
     for placed in bench.PLACED:
         assert [m["name"] for m in rows.values() if placed in m.get("combos", ())] == [
