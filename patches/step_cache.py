@@ -113,7 +113,10 @@ class Settings:
         """Why a call on ``dm`` is not one the cache may skip: another model run under these options (the Dual
         Model CFG Guider runs its negative model with the main model's), whose blocks are not the ones the
         patches were placed for (a deeper model would run its blocks past our last one on top of a reused
-        residual). None where ``dm`` is of the patched class with the same blocks (a multi-GPU copy, say)."""
+        residual). None where ``dm`` is of the patched class with the same blocks (a multi-GPU copy, say), or is
+        such a model compiled (TorchCompileModel swaps in the OptimizedModule around it while a call runs)."""
+        inner = getattr(dm, "_orig_mod", None)
+        dm = inner if isinstance(inner, torch.nn.Module) else dm
         if type(dm) is self.model_class and tuple(self.family.blocks(dm)) == self.blocks:
             return None
         return (f"a call on another model ({type(dm).__name__}, its blocks not the {len(self.blocks)} the step cache "

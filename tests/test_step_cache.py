@@ -1719,6 +1719,20 @@ def test_a_call_on_another_model_under_the_cached_models_options_is_computed_as_
     assert to[P().RUN_KEY].conds[("c", 0)].pattern == ["C", "C", "C", "S"]  # the main model still skips
 
 
+def test_the_patched_model_compiled_or_copied_is_its_own_and_another_class_or_depth_is_not(flux, tiny):
+    """TorchCompileModel swaps the OptimizedModule in for the diffusion model while a call runs (an
+    APPLY_MODEL family's wrapper sees it); a multi-GPU copy is another object of the same class and blocks."""
+    import copy
+
+    settings = teacache(flux, 0.3).model_options["transformer_options"][P().KEY]
+    dm = flux.model.diffusion_model
+    assert settings.foreign(dm) is None and settings.foreign(copy.deepcopy(dm)) is None
+    assert settings.foreign(torch.compile(dm, backend="eager")) is None
+    deeper = tiny.tiny_flux(1, depth=2, depth_single_blocks=3, vec_in_dim=32, context_in_dim=32)
+    assert "a call on another model (Flux" in settings.foreign(deeper.model.diffusion_model)
+    assert "(WanModel" in settings.foreign(tiny.tiny_wan(0).model.diffusion_model)
+
+
 def test_the_dual_model_guiders_negative_model_is_computed_and_its_positive_model_skips(flux, tiny, conds):
     """Through the real guider and sampler: the positive model's calls are cached, the negative model's
     computed (before, at this threshold, 3 of its 10 were skipped); with nothing skipped the picture is the
