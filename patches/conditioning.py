@@ -1005,18 +1005,19 @@ def shared_key(key: Key, module, patcher=None) -> SharedKey:
     text = repr(tree)  # written out once: the fields hold hundreds of token values
     if _INDEXED_TEXT.search(text):
         text = repr((*tree[:-1], _portable_walk(fields)))
-    if _CPU_TEXT.search(text):  # computed on the CPU: which kernels ran follows its instruction set
-        text += repr(_cpu_kind())
+    if _computes_on_cpu(module, patcher):  # which kernels ran follows the CPU's instruction set
+        text += repr(("cpu", platform.machine(), torch.backends.cpu.get_cpu_capability()))
     return SharedKey.of_text(text, _local_devices(patcher))
 
 
-_CPU_TEXT = re.compile(r"'cpu'")
-
-
-def _cpu_kind() -> tuple:
-    """The CPU as its kernels tell it apart (a worker on AVX2 and one on AVX-512 round alike no more than two
-    GPU models do): torch's dispatch level and the machine's architecture."""
-    return ("cpu", platform.machine(), torch.backends.cpu.get_cpu_capability())
+def _computes_on_cpu(module, patcher) -> bool:
+    """Whether the encoder runs on the CPU (its patcher's load device; without a patcher, its first weight's
+    device). A worker on AVX2 and one on AVX-512 round alike no more than two GPU models do; inputs and
+    outputs held on the CPU beside a GPU encode say nothing of it."""
+    device = getattr(patcher, "load_device", None)
+    if device is None:
+        device = next((p.device for p in module.parameters()), None)
+    return device is not None and torch.device(device).type == "cpu"
 
 
 _local = threading.local()  # per thread: inside a plain VAE encode, and whether it fell back to tiles

@@ -192,6 +192,18 @@ def test_a_cpu_encode_is_shared_only_with_cpus_of_its_instruction_set(shared, mo
     assert len(entry_files(shared.folder)) == 2
     shared.cc.CACHE.clear()
     assert equal(encode(clip), first) and counter(shared.tiers, "disk", "hits") == 1
+    # an encode on a GPU names the GPU's model only, whatever CPU holds its inputs and outputs
+    pc = rkharness.pack("patches.conditioning")
+    tokens = clip.tokenize(TEXT)
+
+    def name(capability, device):
+        with monkeypatch.context() as machine:
+            machine.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+            machine.setattr(clip.patcher, "load_device", torch.device(device))
+            return pc.shared_key(pc.text_key(clip, tokens, False, False), clip.cond_stage_model, clip.patcher).name
+
+    assert name("AVX2", "cpu") != name("AVX512", "cpu")
+    assert name("AVX2", "cuda:0") == name("AVX512", "cuda:0") != name("AVX2", "cpu")
 
 
 def test_comfyuis_vae_loader_reaches_the_disk_tier_through_its_reload_factory(shared):
