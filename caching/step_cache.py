@@ -209,6 +209,7 @@ STEP_ORDERS = {"taylorseer1": 1, "taylorseer2": 2, "foca": 1, "output": 1}
 FOCA_MODES = ("foca", "output")
 """The call-index modes that forecast with FoCa's predictor-corrector (the rest: a Taylor series)."""
 OUTPUT_MODE = "output"
+REPLACED = "replaced"  # (key, REPLACED, blocks): a pass of a cond with some of the cache's blocks replaced
 """The mode whose stored and forecast value is the model's output, not the block stack's residual."""
 MIN_CALIBRATION_POINTS = 4  # a calibration run with fewer fitted points is discarded
 
@@ -453,6 +454,17 @@ class RunState:
         self._step_keys.update(keys)
         return False
 
+    def sat_out(self, keys: list, timestep: torch.Tensor | None) -> None:
+        """``keys``' usual calls gave way at this step to a pass with some blocks replaced
+        (SkipLayerGuidanceDiTSimple's uncond, inside its window): where a key had no call of its own at this
+        step, what its state holds is from before that, older than any rule reads, so it starts over."""
+        for key in keys:
+            state = self.conds.get(key)
+            if state is not None and not (self._timestep is timestep and key in self._step_keys):
+                state.clear()
+                self.resets += 1
+                self.delta = self.delta_step = None
+
     def in_window(self, sigma: torch.Tensor) -> torch.Tensor:
         """Whether skipping is allowed at ``sigma``, as a tensor on its device (no host sync)."""
         return (sigma > self.end_sigma) & (sigma <= self.start_sigma)
@@ -640,10 +652,12 @@ class RunState:
         return out
 
     def pair(self) -> tuple[Any, Any] | None:
-        """(cond key, uncond key) where the run has exactly one of each, else None (no H step)."""
+        """(cond key, uncond key) where the run has exactly one of each, else None (no H step). A pass with
+        some blocks replaced (SkipLayerGuidance's) is a call of its own beside them, never one of the pair."""
         by_label: dict[str, list] = {}
         for key, state in self.conds.items():
-            by_label.setdefault(state.label, []).append(key)
+            if not (isinstance(key, tuple) and len(key) == 3 and key[1] == REPLACED):
+                by_label.setdefault(state.label, []).append(key)
         if len(by_label.get("cond", ())) != 1 or len(by_label.get("uncond", ())) != 1 or len(by_label) != 2:
             return None
         return by_label["cond"][0], by_label["uncond"][0]

@@ -953,18 +953,22 @@ def _skip_block(args, extra):
     return args  # SkipLayerGuidance's replacement: the block passes its input through
 
 
-@pytest.mark.parametrize("where", [("double_block", 1), ("single_block", 0), ("double_block", 0),
-                                   ("single_block", 1)])
-def test_a_call_with_some_blocks_replaced_skips_only_onto_its_own_state(flux, conds, where):
+@pytest.mark.parametrize("where,rule,own", [(("double_block", 1), "teacache", True),
+                                            (("single_block", 0), "teacache", True),
+                                            (("double_block", 0), "teacache", False),
+                                            (("single_block", 1), "teacache", False),
+                                            (("double_block", 1), "first_block", False)])
+def test_a_call_with_some_blocks_replaced_skips_only_onto_its_own_state(flux, conds, where, rule, own):
     """SkipLayerGuidanceDiTSimple replaces blocks on the uncond's pass inside its window only: a state keyed by
     the uncond alone handed that pass the usual uncond's residual at the window's start (0.90 from what the
     pass computes, on its own input) and the usual uncond the pass's after the window. A middle block
-    replaced: the pass skips onto its own calls only, giving what it computes on the same input, and the usual
-    uncond's state is left as it was. The first block (which decides) or the last (which adds the residual)
-    replaced: the pass is computed, counted."""
+    replaced: the pass skips onto its own calls only, giving what it computes on the same input. A block
+    the decision runs through (the first; first_block with 2 first blocks: the second too) or the last (which
+    adds the residual) replaced: the pass is computed, counted. Either way the usual uncond, which sat out the
+    window, computes its next call (what it holds is from before the window), then skips onto that."""
     import comfy.model_patcher
 
-    m = teacache(flux, 0.0, mode="reuse")
+    m = teacache(flux, 0.0, mode="reuse", rule=rule, first_blocks=2 if rule == "first_block" else 1)
     to = flux_options(m)
     to["uuids"], to["cond_or_uncond"] = ["u"], [1]
     plan_every_call(to[P().RUN_KEY], "C")
@@ -981,16 +985,16 @@ def test_a_call_with_some_blocks_replaced_skips_only_onto_its_own_state(flux, co
     first = flux_call(m, x, slg, conds, 0.5)  # the window's first pass: computed, nothing of its own yet
     again = flux_call(m, x, slg, conds, 0.5)
     assert torch.equal(first, truth) and torch.allclose(again, truth, atol=1e-5), rel_err(again, truth)
-    assert run.conds[("u", 1)].pattern == ["C", "C", "C"]  # the usual uncond's state untouched
-    middle = where in (("double_block", 1), ("single_block", 0))
-    if middle:
-        (own,) = (k for k in run.conds if k != ("u", 1))
-        assert run.conds[own].pattern == ["C", "S"] and run.conds[own].label == "uncond [1 block replaced]"
+    if own:
+        (key,) = (k for k in run.conds if k != ("u", 1))
+        assert run.conds[key].pattern == ["C", "S"] and run.conds[key].label == "uncond [1 block replaced]"
     else:
-        assert list(run.conds) == [("u", 1)]
-        assert any("its first or last block" in r["reason"] for r in P().stats().snapshot()["reasons"])
-    assert torch.allclose(flux_call(m, x * 0.5, to, conds, 0.5), flux_call(m, x * 0.5, {}, conds, 0.5), atol=1e-5)
-    assert run.conds[("u", 1)].pattern == ["C", "C", "C", "S"]  # and it skips onto its own residual
+        assert list(run.conds) == [("u", 1)] and run.unhooked == 0
+        reasons = [r["reason"] for r in P().stats().snapshot()["reasons"]]
+        assert any(f"patch of {where[0]} {where[1]} (a block it decides with or the last one" in r for r in reasons)
+    after = [flux_call(m, x * 0.5, to, conds, 0.5) for _ in range(2)]
+    assert run.conds[("u", 1)].pattern == ["C", "C", "C", "C", "S"]
+    assert torch.allclose(after[1], after[0], atol=1e-5) and torch.equal(after[0], flux_call(m, x * 0.5, {}, conds, 0.5))
 
 
 def test_skip_layer_guidance_simple_through_the_sampler_is_exact_unskipped(flux, conds):
@@ -1008,6 +1012,19 @@ def test_skip_layer_guidance_simple_through_the_sampler_is_exact_unskipped(flux,
     assert set(run["conds"]) == {"cond", "uncond", "uncond [1 block replaced]"}
     assert len(run["conds"]["cond"]["pattern"]) == STEPS
     assert len(run["conds"]["uncond"]["pattern"]) + len(run["conds"]["uncond [1 block replaced]"]["pattern"]) == STEPS
+
+
+def test_a_pass_with_blocks_replaced_leaves_the_schedule_rules_cond_uncond_pair():
+    """The schedule rule's cond-only steps rebuild the uncond from its cond: a SkipLayerGuidance pass beside
+    them (a state of its own) is neither, so the pair stays and the cond-only steps go on."""
+    tc = rkharness.pack("caching.step_cache")
+    run = tc.RunState(tc.StepCacheConfig(None, "auto", 0.3, rule="schedule"), None, 1.0, 0.0)
+    run.cond(("c", 0), "cond")
+    run.cond(("u", 1), "uncond")
+    run.cond((("c", 0), tc.REPLACED, (("double_block", 1),)), "cond [1 block replaced]")
+    assert run.pair() == (("c", 0), ("u", 1))
+    run.cond(("c2", 0), "cond#2")  # another cond of its own: no pair
+    assert run.pair() is None
 
 
 def test_a_second_call_of_a_cond_at_one_step_is_told_from_the_conds_next_step():
