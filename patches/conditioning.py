@@ -97,7 +97,13 @@ def _routed(patcher) -> bool:
 
 
 def _patch_structure(value):
-    """Weight patches as primitives and tensors (adapters opened up); Uncacheable otherwise."""
+    """Weight patches as primitives and tensors (adapters opened up); Uncacheable otherwise, and for another
+    model's live weights: CLIPMergeSimple, CLIPAdd and CLIPSubtract patch with the other CLIP's own parameters,
+    which ComfyUI's hooks (and any in-place edit) change under the patch unseen, so an entry would outlive
+    them and a shared one reach other workers."""
+    if isinstance(value, torch.nn.Parameter):
+        raise Uncacheable("a weight patch holds another model's live weights (CLIPMergeSimple, CLIPAdd, "
+                          "CLIPSubtract), which can change in place unseen")
     if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
         return value
     if isinstance(value, (list, tuple)):

@@ -446,3 +446,33 @@ def test_what_comfyuis_patchers_keep_on_a_module_is_not_an_encoder_setting(cc):
         assert cc.CACHE.count("hits.text") == 1 and cc.CACHE.count("bypasses.text") == 0
     finally:
         del module.dynamic_pins, module.dynamic_vbars, module.dynamic_patchers
+
+
+def test_a_merged_clip_never_caches_what_its_second_clips_live_weights_decide(cc, tiny):
+    """CLIPMergeSimple (CLIPAdd, CLIPSubtract) patches the first CLIP with the second's own parameters, which
+    ComfyUI's hooks write in place (SetClipHooks on the second CLIP) as any in-place edit does: a hit then
+    gave the merge of the weights as they were (0.46 from the encode, cache off, under a hook LoRA), and a
+    shared entry carried it to other workers. Such an encode is computed every time, counted."""
+    import comfy_extras.nodes_model_merging as merging
+
+    import nodes
+
+    a, b = tiny.tiny_clip(0), tiny.tiny_clip(1)
+    (m,) = merging.CLIPMergeSimple().merge(a, b, 0.5)
+
+    def encode(clip):
+        return nodes.CLIPTextEncode().encode(clip, "a red circle")[0][0]
+
+    first = encode(m)
+    assert torch.equal(first[0], uncached(encode, m)[0])
+    weight = b.cond_stage_model.state_dict(keep_vars=True)["clip_l.transformer.text_model.final_layer_norm.weight"]
+    weight.data.mul_(1.5)  # as a hook writes (ComfyUI's copy_to_param): no version bump, no event
+    uncached(encode, a)  # the first CLIP's own weights back in its module: the merge patches them anew next
+    again = encode(m)
+    assert not torch.equal(again[0], first[0]) and torch.equal(again[0], uncached(encode, m)[0])
+    assert len(cc.CACHE) == 0
+    reasons = rkharness.pack("caching.conditioning").CACHE.stats.snapshot()["reasons"]
+    assert any("another model's live weights" in r["reason"] for r in reasons)
+    before = len(cc.CACHE)
+    encode(a)  # the first CLIP alone still caches
+    assert len(cc.CACHE) == before + 1
