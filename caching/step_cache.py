@@ -209,8 +209,9 @@ STEP_ORDERS = {"taylorseer1": 1, "taylorseer2": 2, "foca": 1, "output": 1}
 FOCA_MODES = ("foca", "output")
 """The call-index modes that forecast with FoCa's predictor-corrector (the rest: a Taylor series)."""
 OUTPUT_MODE = "output"
-REPLACED = "replaced"  # (key, REPLACED, blocks): a pass of a cond with some of the cache's blocks replaced
 """The mode whose stored and forecast value is the model's output, not the block stack's residual."""
+REPLACED = "replaced"
+"""A state key's marker, ``(key, REPLACED, blocks)``: a pass of a cond with some of the cache's blocks replaced."""
 MIN_CALIBRATION_POINTS = 4  # a calibration run with fewer fitted points is discarded
 
 EXTRAPOLATE_SPAN = step_schedule.EXTRAPOLATE_SPAN

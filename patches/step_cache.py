@@ -715,19 +715,18 @@ def _diffusion_model(executor, *args, **kwargs):
         keys = [(key, "window", window) for key in keys]
         run.windowed = True
     replaced = _replaced(to, settings)  # per call: SkipLayerGuidanceDiTSimple swaps blocks on its uncond pass only
-    # the blocks up to the one that decides (first_block: its first_blocks) and the last, which adds the residual
-    needed = (*settings.blocks[:run.config.first_blocks if run.config.rule == "first_block" else 1], settings.blocks[-1])
-    lost = next((block for block in needed if block in replaced), None) if replaced else None
     if replaced:
         run.sat_out(keys, sigmas)
-    if lost is not None:  # without one of them the call cannot skip: computed
-        stats().count_reason("bypass", f"a call whose options replace the step cache's patch of {lost[0]} {lost[1]} "
-                             "(a block it decides with or the last one: SkipLayerGuidanceDiTSimple's uncond pass, "
-                             "say) was computed", source=settings.family.name)
-        run.calls_computed += 1
-        return executor(*args, **kwargs)
-    if replaced:  # other blocks run in this call: a state of its own, never the conds' usual one
-        keys = [(key, tc.REPLACED, replaced) for key in keys]
+        # the blocks up to the one that decides (first_block: its first_blocks) and the last, which adds the residual
+        decides = settings.blocks[:run.config.first_blocks if run.config.rule == "first_block" else 1]
+        lost = next((block for block in (*decides, settings.blocks[-1]) if block in replaced), None)
+        if lost is not None:  # without one of them the call cannot skip: computed
+            stats().count_reason("bypass", f"a call whose options replace the step cache's patch of {lost[0]} "
+                                 f"{lost[1]} (a block it decides with or the last one: SkipLayerGuidanceDiTSimple's "
+                                 "uncond pass, say) was computed", source=settings.family.name)
+            run.calls_computed += 1
+            return executor(*args, **kwargs)
+        keys = [(key, tc.REPLACED, replaced) for key in keys]  # other blocks run: a state of its own
     if run.again_this_step(keys, sigmas):  # another pass of a cond this step already had: neither skipped nor kept
         stats().count_reason("bypass", "a second call of a cond at one step (a guidance pass: LTXV's STG or "
                              "modality guidance, a reference-free pass) was computed and left the "
