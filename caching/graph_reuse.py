@@ -20,6 +20,8 @@ update the changing inputs in place, and when the check fails rebuild and record
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
 import os
 import struct
 import threading
@@ -124,6 +126,20 @@ class Same:
         return f"<{self._name} at {self._hash:#x}{'' if self._ref() is not None else ', collected'}>"
 
 
+def _holds_tensor(v: Any) -> bool:
+    """Whether ``v`` holds a tensor among what keys.encode would read: its items, a dict's keys and values,
+    a dataclass's attributes."""
+    if isinstance(v, torch.Tensor):
+        return True
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return any(_holds_tensor(x) for x in v)
+    if isinstance(v, dict):
+        return any(_holds_tensor(k) or _holds_tensor(x) for k, x in v.items())
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return any(_holds_tensor(getattr(v, name)) for name in keys.dataclass_attributes(v))
+    return False
+
+
 def _identity(fn: Any) -> Any:
     """What a callable is: itself, or for a bound method (made anew on every attribute access)
     its object and function."""
@@ -196,12 +212,23 @@ class _Walker:
             return out if self.sub is not None else v
         if in_options:
             # Anything the forward may call (an attention override: a function, a bound method, a
-            # callable object) or that decides what it does (GRAPH_KEY) counts by identity; a state
-            # holder of a wrapper (a step cache's run, EasyCache), which the forward never reads and
-            # which is copied with every clone, counts by its type only.
+            # callable object) or that decides what it does (GRAPH_KEY) counts by identity; a value
+            # the forward may branch on (a set: LTX-2 STG's blocks, an enum, a dataclass, a dict with
+            # other keys) by value, and one holding a tensor the walk cannot rebuild is refused; an
+            # object of any other kind, a state holder of a wrapper (a step cache's run, EasyCache)
+            # which the forward never reads and which is copied with every clone, by its type only.
+            if callable(v) or getattr(v, GRAPH_KEY, False):
+                key = (type(v).__qualname__, _identity(v))
+            elif _holds_tensor(v):
+                self.fail("uncapturable_input", f"{path} is a {type(v).__qualname__} holding a tensor")
+                return v
+            else:
+                try:
+                    key = (type(v).__qualname__, ("value", keys.encode(v)))
+                except keys.Uncacheable:
+                    key = (type(v).__qualname__, Same(v) if isinstance(v, enum.Enum) else None)
             if self.sub is None:
-                ident = _identity(v) if callable(v) or getattr(v, GRAPH_KEY, False) else None
-                self.fields.append((path, "object", (type(v).__qualname__, ident)))
+                self.fields.append((path, "object", key))
             return v
         self.fail("uncapturable_input", f"{path} is a {type(v).__qualname__}")
         return v

@@ -115,6 +115,43 @@ def test_python_side_objects_in_options_count_by_type_and_patches_bypass_unless_
     assert odd.bypass == "uncapturable_input" and "extra_arg" in odd.detail
 
 
+def test_values_in_options_the_forward_may_branch_on_count_by_value_and_one_holding_a_tensor_runs_eagerly():
+    """A set (LTX-2 STG's blocks), a dataclass, an enum or a dict with other keys in the options is a value
+    the forward may branch on in Python: keyed by its type alone, a graph captured for one replayed for
+    another. Each counts by value (an enum member by identity); one holding a tensor, which the walk cannot
+    put in a buffer, runs eagerly; a state holder still counts by its type."""
+    import dataclasses
+    import enum
+
+    gr = rkharness.pack("caching.graph_reuse")
+
+    def sig(value):
+        return gr.analyse_call(call_args(options={"thing": value})).signature
+
+    @dataclasses.dataclass
+    class Params:
+        scale: float
+        blocks: tuple
+
+    class Mode(enum.Enum):
+        A = object()
+        B = object()
+
+    for one, other in ((frozenset({5}), frozenset({0})), ({1: "a"}, {1: "b"}), (Params(1.0, (1,)), Params(2.0, (1,))),
+                       (Mode.A, Mode.B)):
+        assert sig(one) == sig(one) and gr.can_reuse(sig(one), sig(other))[:2] == (False, "options"), one
+    assert sig(frozenset({5})) == sig(frozenset({5}))
+    for holding in ({1: torch.ones(2)}, Params(1.0, (torch.ones(2),)), {torch.ones(1)}):
+        call = gr.analyse_call(call_args(options={"thing": holding}))
+        assert call.bypass == "uncapturable_input" and "holding a tensor" in call.detail, holding
+
+    class Holder:  # a state holder (a wrapper's): its contents change, the forward never reads it
+        def __init__(self, n):
+            self.n = n
+
+    assert sig(Holder(1)) == sig(Holder(2))
+
+
 def test_a_namedtuple_among_the_inputs_is_rebuilt_and_another_sequence_type_runs_eagerly():
     """A custom node's namedtuple in the options is keyed and rebuilt on the buffers (it once crashed the
     sampling run when the runner was built); a sequence subclass the walk cannot rebuild is refused."""
@@ -903,7 +940,8 @@ def test_capture_node_clones_and_validates(gc, tiny):
     with pytest.raises(ValueError, match="ReuseKit Graph Capture.*'model'"):
         graph.GraphCaptureNode.execute("not a model", enable=True, max_graphs=2)
     with pytest.raises(ValueError, match="ReuseKit Graph KSampler.*enable"):
-        graph.GraphKSamplerNode.execute(model, 0, 2, 2.0, "euler", "simple", [], [], {}, 1.0, "yes", 2)
+        graph.GraphKSamplerNode.execute(model, 0, 2, 2.0, "euler", "simple", [], [], {"samples": torch.zeros(LATENTS["flux"])},
+                                        1.0, "yes", 2)
 
 
 def test_both_nodes_are_marked_experimental_in_schema_description_and_tooltip():

@@ -2,6 +2,8 @@
 trace replayed, so (unlike ``emulate``, which re-runs the Python forward) a replay that should not
 have happened gives a wrong output."""
 
+import importlib
+
 import pytest
 import rkharness
 import torch
@@ -113,3 +115,35 @@ def test_a_forward_no_capture_can_follow_runs_eagerly_and_each_of_its_steps_is_c
     run = last_run(gc)
     assert (run["captures"], run["bypasses"], run["eager_steps"], run["steps"]) == (0, {"capture_failed": 2}, 3, 3)
     assert gc.STATS.handle.snapshot()["counters"]["capture_failures"] == 1
+
+
+def test_ltx2_stgs_blocks_key_the_graph_across_runs_and_within_one(gc, tiny):
+    """LTXVSpatioTemporalGuidance puts the blocks it perturbs in the options as a frozenset, and the LTX-2
+    forward branches on it in Python: keyed by its type alone, a graph captured for blocks 5 replayed for
+    blocks 0 in the next run (2.2 from the plain run's latent), and a second STG node's pass in the same run
+    replayed the first's. Keyed by its value, each set gets a graph of its own and every run equals the
+    plain one."""
+    import comfy.nested_tensor
+    import comfy_extras.nodes_lt as lt
+
+    import nodes
+
+    families = importlib.import_module(f"{tiny.__name__}.families")
+    model = families.family_spec("ltx2").build(0)
+    g = torch.Generator().manual_seed(0)
+    pos, neg = ([[torch.randn(1, 7, 2 * families.TEXT_DIM, generator=g), {"frame_rate": 25}]] for _ in range(2))
+
+    def run(m, *blocks):
+        for scale, which in zip((2.0, 1.0), blocks, strict=False):
+            m = lt.LTXVSpatioTemporalGuidance.execute(m, scale, which, 0.0, 1.0).args[0]
+        latent = {"samples": comfy.nested_tensor.NestedTensor([torch.zeros(1, 128, 2, 2, 2), torch.zeros(1, 8, 4, 16)])}
+        out = nodes.common_ksampler(m, 5, 3, 2.0, "euler", "simple", pos, neg, latent)[0]["samples"]
+        return torch.cat([t.flatten() for t in out.unbind()])
+
+    plain = {blocks: run(model, *blocks) for blocks in (("5",), ("0",), ("5", "0"))}
+    assert not torch.equal(plain[("5",)], plain[("0",)])  # the blocks matter here
+    captured = capture(model, max_graphs=3)
+    for blocks in (("5",), ("0",)):  # graphs are kept across runs (the default)
+        assert torch.equal(run(captured, *blocks), plain[blocks]), blocks
+    assert last_run(gc)["replays"] > 0
+    assert torch.equal(run(capture(model, max_graphs=3), "5", "0"), plain[("5", "0")])
