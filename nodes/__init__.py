@@ -69,38 +69,69 @@ def ksampler_inputs(cfg: float = 8.0, sampler: str | None = None, scheduler: str
     ]
 
 
-_LINKED = object()  # a validate_inputs argument ComfyUI leaves out: it comes through a link
-
-
-def sampler_error(node: str, sampler_name=_LINKED, scheduler=_LINKED) -> str | None:
-    """Why a sampler node's ``sampler_name`` / ``scheduler`` is not one this ComfyUI has (``None``:
-    both are, or not known yet). ComfyUI 0.3.75 checks no V3 combo, and KSampler then silently
-    samples with its first sampler: a wrong result, never an error."""
+def sampler_error(**given) -> str | None:
+    """Why a given ``sampler_name`` / ``scheduler`` is not one this ComfyUI has (``None``: each given one
+    is). ComfyUI 0.3.75 checks no V3 combo, and KSampler then silently samples with its first sampler: a
+    wrong result, never an error."""
     import comfy.samplers
 
-    for name, value, options in (("sampler_name", sampler_name, comfy.samplers.KSampler.SAMPLERS),
-                                 ("scheduler", scheduler, comfy.samplers.KSampler.SCHEDULERS)):
-        if value is not _LINKED and (not isinstance(value, str) or value not in options):
+    for name, options in (("sampler_name", comfy.samplers.KSampler.SAMPLERS),
+                          ("scheduler", comfy.samplers.KSampler.SCHEDULERS)):
+        value = given.get(name, options[0])
+        if not isinstance(value, str) or value not in options:
             shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:60] + "..."
-            return f"{node}: {name}: {shown} is not one of this ComfyUI's ({', '.join(options[:6])}, ...)"
+            return f"{name}: {shown} is not one of this ComfyUI's ({', '.join(options[:6])}, ...)"
+    return None
+
+
+def _conditioning_error(name: str, value) -> str | None:
+    """Why ``value`` is not a CONDITIONING: a list of [tensor (or None), dict] pairs."""
+    import torch
+
+    def shown(v):
+        return type(v).__name__ if not isinstance(v, (list, tuple)) else f"a {type(v).__name__} of {len(v)}"
+
+    if not isinstance(value, (list, tuple)):
+        return f"{name} must be a CONDITIONING (a list of [tensor, dict] pairs), got {shown(value)}"
+    for i, item in enumerate(value):
+        if not (isinstance(item, (list, tuple)) and len(item) >= 2 and isinstance(item[1], dict)
+                and (item[0] is None or isinstance(item[0], torch.Tensor))):
+            return (f"{name} must be a CONDITIONING (a list of [tensor, dict] pairs); its item {i} is "
+                    f"{shown(item)}")
     return None
 
 
 class SamplerInputs:
-    """Validation of KSampler's own inputs for the pack's sampler nodes (a V3 ``validate_inputs``,
-    and again at run time for values that came through links)."""
+    """Validation of KSampler's own inputs for the pack's sampler nodes: a V3 ``validate_inputs`` for the
+    values written in the prompt, and :meth:`check_inputs` at run time for every value, linked ones
+    included."""
 
     NODE = "ReuseKit sampler"
 
     @classmethod
-    def validate_inputs(cls, sampler_name=_LINKED, scheduler=_LINKED):
-        return sampler_error(cls.NODE, sampler_name, scheduler) or True
+    def validate_inputs(cls, sampler_name=None, scheduler=None):
+        # a linked input reaches validation as None (0.3.75 and 0.33 alike): check_inputs sees its value
+        given = {k: v for k, v in (("sampler_name", sampler_name), ("scheduler", scheduler)) if v is not None}
+        error = sampler_error(**given)
+        return f"{cls.NODE}: {error}" if error else True
 
     @classmethod
-    def check_sampler(cls, sampler_name, scheduler) -> None:
-        error = sampler_error(cls.NODE, sampler_name, scheduler)
+    def check_inputs(cls, stats, sampler_name, scheduler, cfg, positive, negative, latent_image, denoise) -> None:
+        """KSampler's inputs as the node runs: a bad one is refused naming it, counted in ``stats``, before
+        ComfyUI's sampler fails deep inside (a LATENT as ``positive``: ``'str' object has no attribute
+        'copy'``) or, for a NaN ``cfg``, returns a NaN latent without an error (NaN passes ComfyUI's range
+        check)."""
+        import math
+
+        error = (sampler_error(sampler_name=sampler_name, scheduler=scheduler)
+                 or _conditioning_error("positive", positive) or _conditioning_error("negative", negative))
+        if error is None and not (isinstance(latent_image, dict) and "samples" in latent_image):
+            error = f"latent_image must be a LATENT (a dict with 'samples'), got {type(latent_image).__name__}"
+        for name, value in (("cfg", cfg), ("denoise", denoise)):
+            if error is None and isinstance(value, float) and math.isnan(value):
+                error = f"{name} must be a number, got NaN"
         if error is not None:
-            raise ValueError(error)
+            raise refusal(stats, cls.NODE, error)
 
 
 def pack_version() -> str:

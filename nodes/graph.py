@@ -107,7 +107,8 @@ class GraphKSamplerNode(SamplerInputs, io.ComfyNode):
     @classmethod
     def execute(cls, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
                 denoise=1.0, enable_graphs=True, max_graphs=2, keep_graphs=True) -> io.NodeOutput:
-        cls.check_sampler(sampler_name, scheduler)
+        cls.check_inputs(graph_capture.STATS.handle, sampler_name, scheduler, cfg, positive, negative, latent_image,
+                         denoise)
         model = with_capture(cls.NODE, "enable_graphs", model, enable_graphs, max_graphs, keep_graphs)
         (latent,) = comfy_nodes.common_ksampler(model, seed, steps, cfg, sampler_name, scheduler, positive,
                                                 negative, latent_image, denoise=denoise)

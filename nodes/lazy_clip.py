@@ -70,6 +70,11 @@ class _LazyLoader(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, **inputs):
+        # a linked input reaches validation as None (0.3.75 and 0.33 alike): execute checks its value
+        return cls._error({k: v for k, v in inputs.items() if v is not None})
+
+    @classmethod
+    def _error(cls, inputs: dict):
         for name, options, _, _ in cls._spec():
             value = inputs.get(name)
             if name in inputs and value not in options:  # ComfyUI 0.3.75 checks no V3 combo
@@ -83,7 +88,7 @@ class _LazyLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
-        error = cls.validate_inputs(**inputs)
+        error = cls._error(inputs)
         if error is not True:
             raise refusal(STATS, cls.DISPLAY, error.removeprefix(f"{cls.DISPLAY}: "))
         install()

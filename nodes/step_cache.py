@@ -263,7 +263,7 @@ class CachedKSamplerNode(SamplerInputs, io.ComfyNode):
         import nodes
 
         node = cls.NODE
-        cls.check_sampler(sampler_name, scheduler)
+        cls.check_inputs(patch.stats(), sampler_name, scheduler, cfg, positive, negative, latent_image, denoise)
         threshold, rule, residual_mode = given_inputs(cls, node, threshold, rule, residual_mode, linked_old)
         config = make_config(node, model_type, threshold, start_percent, end_percent,
                              max_consecutive_skips, cache_device, residual_mode, rule=rule,

@@ -281,8 +281,9 @@ def test_every_reusekit_node_input_refuses_bad_values_clearly(settings, cache):
     """Wrong types, out of range, NaN/inf, huge and empty values and wrong links for every input of
     every ReuseKit node, through ComfyUI's real validation and executor: each of the pack's own inputs
     is refused with a message that names the node and the input, or is a value ComfyUI's validation
-    coerces (a float for an INT, anything for a BOOLEAN); a sampler node's KSampler inputs fare exactly
-    as on core KSampler. A node's own refusal is counted in the stats; it changes no setting, and a good
+    coerces (a float for an INT, anything for a BOOLEAN); a sampler node's KSampler inputs fare as on
+    core KSampler, but a value core KSampler runs on without an error (a NaN cfg) is refused, and so is a
+    null one as the node runs (validation cannot tell it from a link). A node's own refusal is counted in the stats; it changes no setting, and a good
     prompt runs afterwards."""
     executor = rkharness.Executor(cache="none")
     nodes_spec = _reusekit_nodes()
@@ -307,9 +308,13 @@ def test_every_reusekit_node_input_refuses_bad_values_clearly(settings, cache):
         shown = repr(value)[:40]
         if name in shared and "KSampler" in class_type:
             core_where, _ = _run_bad(executor, _node_prompt("KSampler", ksampler_spec, name, value))
-            if core_where != where:
+            # what core KSampler runs on (a NaN cfg: a NaN latent) is refused by the node as it runs, as its own
+            # inputs are; so is a null sampler_name, which reaches validation as a link does (None)
+            later = (core_where is None or value is None) and where == "execution"
+            if core_where != where and not later:
                 unlike_core.append((class_type, name, shown, where, core_where))
-            continue
+            if not later:
+                continue
         if where is None:
             kind = inputs[name][0]
             if not (kind == "BOOLEAN" or (kind == "INT" and isinstance(value, float) and math.isfinite(value))):
@@ -340,6 +345,82 @@ def test_every_reusekit_node_input_refuses_bad_values_clearly(settings, cache):
     assert not uncounted, f"refused by the node but not counted in the stats: {uncounted}"
     prompt = _base_prompt() | {"9": {"class_type": "ReuseKitCacheStats", "inputs": {}}}
     assert _run_bad(executor, prompt) == (None, None)
+
+
+SAMPLER_NODES = {"ReuseKitCachedKSampler": {}, "ReuseKitGraphKSampler": {"enable_graphs": True, "max_graphs": 2}}
+
+
+def _sampler_prompt(class_type: str, **given) -> dict:
+    """Node "9", a ReuseKit sampler node on the tiny Flux, its output read by a stats node; ``given``
+    replaces inputs, ``("pass", value)`` handing ``value`` (or a link) on through a node of any type."""
+    prompt = _base_prompt()
+    inputs = {"model": ["1", 0], "seed": 3, "steps": 2, "cfg": 3.5, "sampler_name": "euler", "scheduler": "simple",
+              "positive": ["3", 0], "negative": ["3", 0], "latent_image": ["4", 0], "denoise": 1.0,
+              **SAMPLER_NODES[class_type]}
+    for i, (name, value) in enumerate(given.items()):
+        if isinstance(value, tuple) and value[0] == "pass":
+            prompt[str(20 + i)] = {"class_type": "RKTestPass", "inputs": {"value": value[1]}}
+            value = [str(20 + i), 0]
+        inputs[name] = value
+    prompt["9"] = {"class_type": class_type, "inputs": inputs}
+    prompt["10"] = {"class_type": "ReuseKitCacheStats", "inputs": {"after": ["9", 0]}}
+    return prompt
+
+
+@pytest.mark.parametrize("class_type", sorted(SAMPLER_NODES))
+def test_a_sampler_nodes_linked_sampler_and_scheduler_run_as_written_ones(class_type):
+    """A sampler_name or scheduler that comes through a link reaches validation as None: it is checked when
+    the node runs, as core KSampler takes it (it was refused as "None is not one of"); the run gives the
+    latent the same values written in the prompt give, and a linked name this ComfyUI lacks is refused there,
+    naming the node and the input."""
+    executor = rkharness.Executor(cache="classic")
+
+    def latent(**given):
+        executor.run(_sampler_prompt(class_type, **given))
+        return executor.output("9")[0][0]["samples"]
+
+    written = latent(sampler_name="heun", scheduler="karras")
+    assert not torch.equal(written, latent())  # the two inputs matter here
+    assert torch.equal(latent(sampler_name=("pass", "heun"), scheduler=("pass", "karras")), written)
+    node = {"ReuseKitCachedKSampler": "ReuseKit Cached KSampler", "ReuseKitGraphKSampler": "ReuseKit Graph KSampler"}[
+        class_type]
+    for name in ("sampler_name", "scheduler"):
+        where, detail = _run_bad(executor, _sampler_prompt(class_type, **{name: ("pass", "no_such_one")}))
+        assert where == "execution", (name, where, detail)
+        message = detail[0][1]
+        assert message["node_type"] == class_type
+        assert f"{node}: {name}: 'no_such_one' is not one of" in message["exception_message"]
+
+
+@pytest.mark.parametrize("class_type", sorted(SAMPLER_NODES))
+def test_a_sampler_nodes_wrong_conditioning_latent_or_nan_is_refused_naming_the_input(class_type):
+    """What core KSampler fails on deep inside ComfyUI (a LATENT as ``positive``: "'str' object has no
+    attribute 'copy'", a CONDITIONING as ``latent_image``), or runs on without an error (a NaN ``cfg`` gives
+    a NaN latent), is refused by the node as it runs: the error names the node and the input, and the
+    refusal is counted in the stats."""
+    executor = rkharness.Executor(cache="classic")
+    registry = rkharness.pack("caching.stats").REGISTRY
+
+    def refusals():
+        return sum(r["count"] for c in registry.snapshot()["caches"] for r in c.get("reasons") or []
+                   if r["event"] == "refused" and r.get("source", "").startswith("ReuseKit"))
+
+    cases = {"positive": ("pass", ["4", 0]), "negative": ("pass", ["4", 0]), "latent_image": ("pass", ["3", 0]),
+             "cfg": math.nan, "denoise": math.nan}
+    for name, value in cases.items():
+        counted = refusals()
+        where, detail = _run_bad(executor, _sampler_prompt(class_type, **{name: value}))
+        assert where == "execution", (name, where, detail)
+        message = detail[0][1]
+        assert message["node_type"] == class_type, (name, message)
+        assert f": {name} must be a" in message["exception_message"], (name, message["exception_message"])
+        assert refusals() == counted + 1, name
+    nan_core = _sampler_prompt(class_type, cfg=math.nan)
+    nan_core["9"] = {"class_type": "KSampler", "inputs": {k: v for k, v in nan_core["9"]["inputs"].items()
+                                                         if k not in SAMPLER_NODES[class_type]}}
+    assert _run_bad(executor, nan_core) == (None, None)  # core KSampler: a NaN latent, no error
+    assert torch.isnan(executor.output("9")[0][0]["samples"]).all()
+    assert _run_bad(executor, _sampler_prompt(class_type)) == (None, None)  # and a good prompt runs
 
 
 # ---- coexistence --------------------------------------------------------------------------------

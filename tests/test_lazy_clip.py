@@ -569,12 +569,15 @@ def test_each_lazy_loader_offers_its_host_loaders_choices_and_takes_the_same_pro
     clip_names = [n for n in host_inputs if n.startswith("clip_name")]
     assert clip_names and all(set(names) <= set(host_inputs[n]) for n in clip_names)
 
-    def validate(class_type, **changed):
+    def prompt(class_type, passed=names[-1], **changed):  # "3" hands ``passed`` on through a link
         inputs = {n: names[i] for i, n in enumerate(clip_names)}
         inputs.update({n: options[0] for n, options in host_inputs.items() if n not in inputs}, **changed)
-        prompt = {"1": {"class_type": class_type, "inputs": inputs},
-                  "2": {"class_type": "ReuseKitCacheStats", "inputs": {"after": ["1", 0]}}}
-        return asyncio.run(execution.validate_prompt(str(uuid.uuid4()), prompt, None))
+        return {"1": {"class_type": class_type, "inputs": inputs},
+                "2": {"class_type": "ReuseKitCacheStats", "inputs": {"after": ["1", 0]}},
+                "3": {"class_type": "RKTestPass", "inputs": {"value": passed}}}
+
+    def validate(class_type, **changed):
+        return asyncio.run(execution.validate_prompt(str(uuid.uuid4()), prompt(class_type, **changed), None))
 
     assert validate(host_id)[0] and validate(lazy_id)[0]
     refused = validate(lazy_id, **{clip_names[-1]: "rk_missing.safetensors"})
@@ -582,6 +585,17 @@ def test_each_lazy_loader_offers_its_host_loaders_choices_and_takes_the_same_pro
     details = [e.get("details", "") for n in refused[3].values() for e in n["errors"]]
     assert any(f"{lazy_node.DISPLAY}: {clip_names[-1]}: 'rk_missing.safetensors' is not one of" in d
                for d in details), details
+    # a file name through a link reaches validation as None: taken as the host loader takes it (it was refused
+    # as "None is not one of"), and checked when the node runs
+    linked = {clip_names[-1]: ["3", 0]}
+    assert validate(host_id, **linked)[0] and validate(lazy_id, **linked)[0]
+    executor = rkharness.Executor(cache="none")
+    with pytest.raises(AssertionError) as failed:
+        executor.run(prompt(lazy_id, passed="rk_missing.safetensors", **linked))
+    (message,) = [m[1] for m in executor.executor.status_messages if m[0] == "execution_error"]
+    assert message["node_type"] == lazy_id, failed.value
+    assert f"{lazy_node.DISPLAY}: {clip_names[-1]}: 'rk_missing.safetensors' is not one of" in message[
+        "exception_message"]
 
 
 def test_a_choice_from_an_empty_list_says_the_list_is_empty(monkeypatch):

@@ -243,7 +243,33 @@ class RKTestTinyCLIPVision:
         return (tiny_clip_vision(seed),)
 
 
-NODE_CLASS_MAPPINGS = {"RKTestTinyCheckpoint": RKTestTinyCheckpoint, "RKTestTinyCLIPVision": RKTestTinyCLIPVision}
+class _AnyType(str):
+    """A type every input takes: ComfyUI's type check compares with ``!=`` (custom nodes' switches use it)."""
+
+    def __ne__(self, other):
+        return False
+
+    __hash__ = str.__hash__
+
+
+class RKTestPass:
+    """Hands on what it is given, as any type: a link into any input, a combo's included, as a custom switch
+    or primitive node makes one (on both hosts; 0.3.75 has no core switch)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"value": (_AnyType("*"), {})}}
+
+    RETURN_TYPES = (_AnyType("*"),)
+    FUNCTION = "run"
+    CATEGORY = "ReuseKit tests"
+
+    def run(self, value):
+        return (value,)
+
+
+NODE_CLASS_MAPPINGS = {"RKTestTinyCheckpoint": RKTestTinyCheckpoint, "RKTestTinyCLIPVision": RKTestTinyCLIPVision,
+                       "RKTestPass": RKTestPass}
 NODE_CLASS_MAPPINGS.update(__import__(f"{__name__}.panelprobe", fromlist=["x"]).NODE_CLASS_MAPPINGS)  # panel tests
 NODE_CLASS_MAPPINGS.update(__import__(f"{__name__}.conditioning", fromlist=["x"]).NODE_CLASS_MAPPINGS)  # conditioning
 NODE_CLASS_MAPPINGS.update(__import__(f"{__name__}.lazy_clip", fromlist=["x"]).NODE_CLASS_MAPPINGS)  # lazy encoders
