@@ -217,10 +217,40 @@ class ForwardSeam:
         for o, value in read:
             if next(tensors_in(value), None) is not None:  # its values would decide the ids
                 raise _NoGeometry(f"transformer_options['{o}'] holds a tensor")
-        return (self.family, _serial(model), encode(getattr(model, "patch_size", None)),
+        return (self.family, _serial(model), _settings(model),
                 tuple((name, tensor_meta(value) if isinstance(value, torch.Tensor) else encode_geometry(value))
                       for name, value in sorted(arguments.items())),
                 tuple((o, encode(value)) for o, value in read))
+
+
+_SETTING_SCALARS = (type(None), bool, int, float, str, torch.dtype)
+
+
+def _setting(value: Any) -> Any:
+    """A model setting as a key field: plain values (as they are: the ids compute alike from equal ones, and a
+    NaN, never equal, only misses), their lists and tuples, a dataclass of them (Flux's ``params``); ``...`` for
+    anything else (a module, a tensor, an object: never read here, so a tensor is never copied or waited for)."""
+    if isinstance(value, _SETTING_SCALARS):
+        return value
+    if isinstance(value, (list, tuple)):
+        return ("L" if isinstance(value, list) else "U", tuple(_setting(v) for v in value))
+    fields = getattr(type(value), "__dataclass_fields__", None)
+    if fields is not None and not isinstance(value, type):
+        return (type(value).__qualname__, tuple(_setting(getattr(value, name)) for name in fields))
+    return ...
+
+
+def _settings(model) -> tuple:
+    """The model's own settings, read on every call: its plain attributes and a dataclass of them (``patch_size``,
+    Qwen-Image's ``default_ref_method``, Flux's ``params``). ComfyUI's object patches set them on the shared model
+    (``diffusion_model.params.ref_index_scale``, ``default_ref_method``), and the ids read some of them: a model's
+    serial alone would hand a patched clone the tables of its base. A few microseconds: no weights are read."""
+    found = []
+    for name, value in vars(model).items():
+        field = ... if name.startswith("_") or name == "training" else _setting(value)
+        if field is not ...:
+            found.append((name, field))
+    return tuple(found)
 
 
 _FLUX = ("self", "x", "timestep", "context", "y", "guidance", "ref_latents", "control", "transformer_options")

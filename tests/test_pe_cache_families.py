@@ -111,6 +111,44 @@ def test_reference_latents_their_sizes_and_order_are_part_of_the_key(family, fam
     assert stats["hits"] == 1 and stats["misses"] == len(calls) - 1
 
 
+OBJECT_PATCHES = [("flux2", "diffusion_model.params.ref_index_scale", 1.0),
+                  ("flux2", "diffusion_model.params.txt_ids_dims", []),
+                  ("qwen_image", "diffusion_model.default_ref_method", "negative_index"),
+                  ("qwen_image_edit", "diffusion_model.default_ref_method", "negative_index"),
+                  ("chroma_radiance", "diffusion_model.params.use_sequential_txt_ids", "flip")]
+
+
+@pytest.mark.parametrize("family, attr, value", OBJECT_PATCHES)
+def test_an_object_patch_on_a_setting_the_ids_read_never_gets_the_bases_table(family, attr, value, families, rope):
+    """ComfyUI's object patch sets a model's setting on the shared model (FluxKVCache patches
+    ``default_ref_method``; a custom node may patch any): keyed by the model's serial alone, the patched clone
+    hit the table its base built (0.115 from the uncached output on Flux.2 with ``ref_index_scale``, 0.047 on
+    Qwen-Image with ``default_ref_method``, 0.16 on Chroma Radiance). The settings are in the key: each model
+    gives the uncached output, the base too once the patch is undone."""
+    import comfy.model_management
+    import comfy.utils
+
+    spec = families.family_spec(family)
+    base = spec.build(0)
+    try:
+        before = comfy.utils.get_attr(base.model, attr)
+    except AttributeError:
+        pytest.skip(f"{family}: this ComfyUI's model has no {attr}")
+    x, sigma, kwargs = spec.inputs(spec.sizes[0], 4)
+    call = (x, sigma, dict(kwargs, ref_latents=[torch.randn((*x.shape[:-2], 4, 6),
+                                                            generator=torch.Generator().manual_seed(11))]))
+    patched = base.clone()
+    patched.add_object_patch(attr, (not before) if value == "flip" else value)
+    comfy.model_management.load_models_gpu([base])
+    compare(base, [call, call], cached_options(rope), rope)
+    base_out = run(base, call, cached_options(rope))
+    comfy.model_management.load_models_gpu([patched])
+    compare(patched, [call, call], cached_options(rope), rope)
+    assert not torch.equal(run(patched, call, {}), base_out)  # the setting matters here
+    comfy.model_management.load_models_gpu([base])
+    compare(base, [call, call], cached_options(rope), rope)
+
+
 def test_flux2_reference_at_timestep_zero_is_bit_exact_and_keyed_by_its_method(families, rope):
     """``index_timestep_zero`` (ComfyUI >= 0.17) changes the modulation, not the positions: its
     output differs from ``index`` while the PE table of the same references has the same values.
