@@ -1013,7 +1013,7 @@ def _finish(run: tc.RunState, settings: Settings, plan: Plan, total_steps: int |
         return dict(list(kept.items())[-MODEL_REPORTS:])
 
     s.update_info("models", with_this_run)
-    log.info("ReuseKit Step Cache (%s, %s, %s %.3g, %s)%s: computed %d of %d model calls (%.2fx fewer; per cond %s), "
+    log.info("ReuseKit Step Cache (%s, %s, %s %r, %s)%s: computed %d of %d model calls (%.2fx fewer; per cond %s), "
              "~%.2f s saved", settings.family.name, used_type, run.config.rule, run.config.threshold,
              run.config.residual_mode,
              "" if outcome == "completed" else f", {outcome}", run.calls_computed,

@@ -561,6 +561,22 @@ def test_auto_takes_the_familys_rule_threshold_and_mode(flux, conds):
     assert run["threshold"] == tc().RULE_THRESHOLDS["flux"]["first_block"] and run["residual_mode"] == mode
 
 
+def test_the_rule_threshold_and_mode_the_log_names_give_the_defaults_picture(flux, conds, caplog):
+    """The defaults mean the installed version's (README "Compatibility"): the run's log line names the rule,
+    threshold and mode they resolved to, exactly, and a node set to them samples the same latent, so a
+    workflow keeps its picture across an update. At 39 steps the threshold lies between two anchors."""
+    import re
+
+    (m,) = N().TeaCacheNode.execute(model=flux).args
+    with caplog.at_level(logging.INFO, logger="reusekit"):
+        auto = sample(m, conds, steps=39)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ReuseKit Step Cache (flux")]
+    rule, threshold, mode = re.match(r"ReuseKit Step Cache \(flux, \w+, (\w+) (\S+), (\w+)\)", line).groups()
+    assert float(threshold) == last_run()["threshold"] not in [t for _, t in tc().FAMILY_DEFAULTS["flux"][1]]
+    assert torch.equal(sample(teacache(flux, float(threshold), rule=rule, mode=mode, model_type="auto"), conds,
+                              steps=39), auto)
+
+
 def test_the_default_threshold_follows_the_step_count_between_its_anchors():
     anchors = ((20, 0.3), (28, 0.5), (50, 0.7))
     got = [tc().default_threshold(anchors, n) for n in (None, 4, 20, 24, 28, 39, 50, 80)]
