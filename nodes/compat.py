@@ -62,3 +62,14 @@ def say_removed(cls, node: str, removed: dict[str, str], passed: dict[str, Any])
     for name, value in old_inputs(cls, tuple(removed), passed).items():
         host.say_once(f"compat:{node}:{name}", "%s: %s=%r is ignored: the input was removed (%s)", node, name,
                       value, removed[name])
+
+
+def unknown(passed: dict[str, Any], known_old: tuple[str, ...] = ()) -> str | None:
+    """Why a linked input this node does not have is refused (None: there is none). ComfyUI drops an unknown
+    value but hands ``execute`` every linked input, so a typo or an input of a newer ReuseKit, linked, would
+    otherwise be ignored without a word."""
+    names = sorted(set(passed) - set(known_old))
+    if not names:
+        return None
+    return (f"{', '.join(map(repr, names))} {'is not an input' if len(names) == 1 else 'are not inputs'} of this "
+            "node (a typo, or a workflow made with a newer ReuseKit?)")

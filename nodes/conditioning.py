@@ -43,6 +43,8 @@ class CachedCLIP(io.ComfyNode):
 
     @classmethod
     def execute(cls, clip, **linked_old) -> io.NodeOutput:
+        if (extra := compat.unknown(linked_old, ("device_hot",))) is not None:
+            raise refusal(CACHE.stats, "ReuseKit Cached CLIP", extra)
         compat.say_removed(cls, "ReuseKit Cached CLIP", {"device_hot": DEVICE_HOT}, linked_old)
         _require("ReuseKit Cached CLIP", "clip", clip, "patcher", "clone")
         install()
@@ -69,6 +71,8 @@ class _CachedCopy(io.ComfyNode):
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
+        if (extra := compat.unknown(inputs, (cls.INPUT,))) is not None:
+            raise refusal(CACHE.stats, cls.DISPLAY, extra)
         value = inputs.get(cls.INPUT)
         _require(cls.DISPLAY, cls.INPUT, value, "patcher", *cls.NEEDS)
         install()
@@ -128,6 +132,8 @@ class ConditioningCacheSettings(io.ComfyNode):
 
     @classmethod
     def execute(cls, global_mode=True, budget_mib=512, max_entries=128, clear=False, **linked_old) -> io.NodeOutput:
+        if (extra := compat.unknown(linked_old, ("device_hot_negatives",))) is not None:
+            raise refusal(CACHE.stats, "ReuseKit Conditioning Cache Settings", extra)
         compat.say_removed(cls, "ReuseKit Conditioning Cache Settings", {"device_hot_negatives": DEVICE_HOT},
                            linked_old)
         inputs = (global_mode, budget_mib, max_entries, clear)

@@ -9,7 +9,7 @@ import nodes as comfy_nodes
 
 from ..caching.graph_reuse import DISABLE_ENV
 from ..patches import graph_capture, host
-from . import CATEGORY, SamplerInputs, ksampler_inputs, refusal
+from . import CATEGORY, SamplerInputs, compat, ksampler_inputs, refusal
 
 MAX_GRAPHS = 8
 EXPERIMENTAL = "Experimental: never run on a GPU yet. "
@@ -81,7 +81,9 @@ class GraphCaptureNode(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, enable=True, max_graphs=2, keep_graphs=True) -> io.NodeOutput:
+    def execute(cls, model, enable=True, max_graphs=2, keep_graphs=True, **linked) -> io.NodeOutput:
+        if (extra := compat.unknown(linked)) is not None:
+            raise _refused("ReuseKit Graph Capture", extra)
         return io.NodeOutput(with_capture("ReuseKit Graph Capture", "enable", model, enable, max_graphs, keep_graphs))
 
 
@@ -106,7 +108,9 @@ class GraphKSamplerNode(SamplerInputs, io.ComfyNode):
 
     @classmethod
     def execute(cls, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
-                denoise=1.0, enable_graphs=True, max_graphs=2, keep_graphs=True) -> io.NodeOutput:
+                denoise=1.0, enable_graphs=True, max_graphs=2, keep_graphs=True, **linked) -> io.NodeOutput:
+        if (extra := compat.unknown(linked)) is not None:
+            raise _refused(cls.NODE, extra)
         cls.check_inputs(graph_capture.STATS.handle, sampler_name, scheduler, cfg, positive, negative, latent_image,
                          denoise)
         model = with_capture(cls.NODE, "enable_graphs", model, enable_graphs, max_graphs, keep_graphs)

@@ -8,7 +8,7 @@ from comfy_api.latest import io
 
 from ..caching.stats import REGISTRY
 from ..patches import rope
-from . import CATEGORY, refusal
+from . import CATEGORY, compat, refusal
 
 WRAPPER_KEY = "reusekit_pe_cache"
 
@@ -41,7 +41,9 @@ class PECacheNode(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, enabled=True) -> io.NodeOutput:
+    def execute(cls, model, enabled=True, **linked) -> io.NodeOutput:
+        if (extra := compat.unknown(linked)) is not None:
+            raise _refused(extra)
         if not isinstance(model, comfy.model_patcher.ModelPatcher):
             raise _refused(f"input 'model' must be a MODEL, got {type(model).__name__}")
         if not isinstance(enabled, bool):

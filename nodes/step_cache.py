@@ -204,6 +204,8 @@ class TeaCacheNode(io.ComfyNode):
                 max_consecutive_skips=0, cache_device="device", residual_mode=LEFT_OUT, rule=LEFT_OUT,
                 interval_power=1.0, first_blocks=1, **linked_old) -> io.NodeOutput:
         node = "ReuseKit Step Cache"
+        if (extra := compat.unknown(linked_old, (OLD_THRESHOLD,))) is not None:
+            raise refused(node, extra)
         threshold, rule, residual_mode = given_inputs(cls, node, threshold, rule, residual_mode, linked_old)
         config = make_config(node, model_type, threshold, start_percent, end_percent,
                              max_consecutive_skips, cache_device, residual_mode, rule=rule,
@@ -263,6 +265,8 @@ class CachedKSamplerNode(SamplerInputs, io.ComfyNode):
         import nodes
 
         node = cls.NODE
+        if (extra := compat.unknown(linked_old, (OLD_THRESHOLD,))) is not None:
+            raise refused(node, extra)
         cls.check_inputs(patch.stats(), sampler_name, scheduler, cfg, positive, negative, latent_image, denoise)
         threshold, rule, residual_mode = given_inputs(cls, node, threshold, rule, residual_mode, linked_old)
         config = make_config(node, model_type, threshold, start_percent, end_percent,

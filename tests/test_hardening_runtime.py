@@ -222,12 +222,14 @@ def _valid(kind, options):
     return options.get("default", {"INT": 1, "FLOAT": 0.0, "BOOLEAN": False}.get(kind))
 
 
-def _node_prompt(class_type: str, inputs: dict, bad_name: str, bad_value) -> dict:
-    """A prompt running ``class_type`` (node "9", read by a stats node) with good inputs but one."""
+def _node_prompt(class_type: str, inputs: dict, bad_name: str | None = None, bad_value=None) -> dict:
+    """A prompt running ``class_type`` (node "9", read by a stats node) with good inputs but one (none:
+    ``bad_name`` None)."""
     prompt = _base_prompt()
     values = {name: 2 if name == "steps" else _valid(kind, options)
               for name, (kind, options) in inputs.items() if kind != "*"}
-    values[bad_name] = bad_value
+    if bad_name is not None:
+        values[bad_name] = bad_value
     prompt["9"] = {"class_type": class_type, "inputs": values}
     if class_type not in ("ReuseKitCacheStats", "ReuseKitConditioningCacheSettings"):  # not output nodes
         prompt["10"] = {"class_type": "ReuseKitCacheStats", "inputs": {"after": ["9", 0]}}
@@ -401,9 +403,9 @@ def test_a_sampler_nodes_wrong_conditioning_latent_or_nan_is_refused_naming_the_
     executor = rkharness.Executor(cache="classic")
     registry = rkharness.pack("caching.stats").REGISTRY
 
-    def refusals():
+    def refusals():  # every refusal counted (past a cache's row limit a new reason joins its "other" row)
         return sum(r["count"] for c in registry.snapshot()["caches"] for r in c.get("reasons") or []
-                   if r["event"] == "refused" and r.get("source", "").startswith("ReuseKit"))
+                   if r["event"] == "refused")
 
     cases = {"positive": ("pass", ["4", 0]), "negative": ("pass", ["4", 0]), "latent_image": ("pass", ["3", 0]),
              "cfg": math.nan, "denoise": math.nan}
@@ -421,6 +423,36 @@ def test_a_sampler_nodes_wrong_conditioning_latent_or_nan_is_refused_naming_the_
     assert _run_bad(executor, nan_core) == (None, None)  # core KSampler: a NaN latent, no error
     assert torch.isnan(executor.output("9")[0][0]["samples"]).all()
     assert _run_bad(executor, _sampler_prompt(class_type)) == (None, None)  # and a good prompt runs
+
+
+UNKNOWN_CHECKED = ("ReuseKitTeaCache", "ReuseKitCachedKSampler", "ReuseKitGraphKSampler", "ReuseKitGraphCapture",
+                   "ReuseKitPECache", "ReuseKitCachedCLIP", "ReuseKitCachedVAE", "ReuseKitCachedCLIPVision",
+                   "ReuseKitConditioningCacheSettings")
+
+
+@pytest.mark.parametrize("class_type", UNKNOWN_CHECKED)
+def test_an_input_the_node_does_not_have_given_through_a_link_is_refused_naming_it(class_type, settings):
+    """ComfyUI drops an unknown value but hands the node every linked input: the step cache and conditioning
+    nodes ignored a linked typo ('treshold') without a word, the others failed with a TypeError naming their
+    Python class. Each refuses it naming the node and the input, counted in the stats; a good prompt runs."""
+    executor = rkharness.Executor(cache="none")
+    registry = rkharness.pack("caching.stats").REGISTRY
+
+    def refusals():  # every refusal counted (past a cache's row limit a new reason joins its "other" row)
+        return sum(r["count"] for c in registry.snapshot()["caches"] for r in c.get("reasons") or []
+                   if r["event"] == "refused")
+
+    prompt = _node_prompt(class_type, _reusekit_nodes()[class_type])
+    assert _run_bad(executor, prompt) == (None, None)
+    prompt["20"] = {"class_type": "RKTestPass", "inputs": {"value": 0.9}}
+    prompt["9"]["inputs"]["treshold"] = ["20", 0]
+    counted = refusals()
+    where, detail = _run_bad(executor, prompt)
+    assert where == "execution", detail
+    message = detail[0][1]
+    assert message["node_type"] == class_type, message
+    assert ": 'treshold' is not an input of this node" in message["exception_message"], message["exception_message"]
+    assert refusals() == counted + 1
 
 
 # ---- coexistence --------------------------------------------------------------------------------
