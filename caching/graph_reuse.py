@@ -219,14 +219,18 @@ class _Walker:
             # which the forward never reads and which is copied with every clone, by its type only.
             if callable(v) or getattr(v, GRAPH_KEY, False):
                 key = (type(v).__qualname__, _identity(v))
-            elif _holds_tensor(v):
-                self.fail("uncapturable_input", f"{path} is a {type(v).__qualname__} holding a tensor")
-                return v
             else:
                 try:
+                    if _holds_tensor(v):
+                        self.fail("uncapturable_input", f"{path} is a {type(v).__qualname__} holding a tensor")
+                        return v
                     key = (type(v).__qualname__, ("value", keys.encode(v)))
                 except keys.Uncacheable:
                     key = (type(v).__qualname__, Same(v) if isinstance(v, enum.Enum) else None)
+                except Exception as exc:  # a dataclass that holds itself, a field never set: not read, eager
+                    self.fail("uncapturable_input", f"{path}: a {type(v).__qualname__} the walk cannot read "
+                                                    f"({type(exc).__name__})")
+                    return v
             if self.sub is None:
                 self.fields.append((path, "object", key))
             return v

@@ -145,6 +145,18 @@ def test_values_in_options_the_forward_may_branch_on_count_by_value_and_one_hold
         call = gr.analyse_call(call_args(options={"thing": holding}))
         assert call.bypass == "uncapturable_input" and "holding a tensor" in call.detail, holding
 
+    @dataclasses.dataclass
+    class Node:  # one that holds itself, and one whose field was never set: eager, never a failed run
+        name: str
+        parent: object = None
+        later: int = dataclasses.field(init=False)
+
+    looped = Node("a")
+    looped.parent, looped.later = looped, 1
+    for unreadable in (looped, Node("b")):
+        call = gr.analyse_call(call_args(options={"thing": unreadable}))
+        assert call.bypass == "uncapturable_input" and "cannot read" in call.detail, call.detail
+
     class Holder:  # a state holder (a wrapper's): its contents change, the forward never reads it
         def __init__(self, n):
             self.n = n
