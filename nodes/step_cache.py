@@ -44,7 +44,9 @@ def _cache_inputs() -> list:
                                "on a Flux or Wan model calibrated by ReuseKit TeaCache Calibrate, with threshold -1, "
                                "the schedule rule "
                                "(first_block while the rule has no published or calibrated table for this model)."),
-        io.Float.Input("threshold", default=-1.0, min=-1.0, max=THRESHOLD_MAX, step=0.01, optional=True,
+        # round: the front end rounds a typed value to the step's decimals without it, and the defaults'
+        # thresholds between their anchors have four (the run's log names them: README "Compatibility")
+        io.Float.Input("threshold", default=-1.0, min=-1.0, max=THRESHOLD_MAX, step=0.01, round=0.0001, optional=True,
                        tooltip="Skip while the rule's accumulated distance stays under this (teacache: rescaled "
                                "relative L1 of the modulated input; magcache: accumulated |1 - magnitude ratio|; "
                                "first_block: relative L1 change of the first block's residual; schedule: each "

@@ -573,6 +573,13 @@ def test_the_rule_threshold_and_mode_the_log_names_give_the_defaults_picture(flu
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ReuseKit Step Cache (flux")]
     rule, threshold, mode = re.match(r"ReuseKit Step Cache \(flux, \w+, (\w+) (\S+), (\w+)\)", line).groups()
     assert float(threshold) == last_run()["threshold"] not in [t for _, t in tc().FAMILY_DEFAULTS["flux"][1]]
+    # and the widget takes it as it is: the front end rounds a typed value to the input's round (else to its step's
+    # decimals: 0.5839 became 0.58 and another picture)
+    (widget,) = [i for i in N().TeaCacheNode.define_schema().inputs if i.id == "threshold"]
+    assert widget.round is not None and float(threshold) == round(round(float(threshold) / widget.round) * widget.round, 10)
+    for anchors in (a for _, a, _ in tc().FAMILY_DEFAULTS.values()):
+        assert all(abs(t / widget.round - round(t / widget.round)) < 1e-6
+                   for t in (tc().default_threshold(anchors, n) for n in range(1, 101)))
     assert torch.equal(sample(teacache(flux, float(threshold), rule=rule, mode=mode, model_type="auto"), conds,
                               steps=39), auto)
 
