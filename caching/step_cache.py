@@ -380,7 +380,7 @@ class CondState:
     skipped: int = 0
     trace: list = field(default_factory=list)  # the rule's accumulated distance per call (tensors until the end)
     pattern: list = field(default_factory=list)  # "C" computed / "S" skipped, per call
-    meta: tuple | None = None  # (shape, dtype, device) of the rule's input
+    meta: tuple | None = None  # (shape, dtype, device) of the rule's input, and the switching effects on
     residual_step: int | None = None  # schedule: the planned step whose call stored ``residual``
     estimated: bool = False  # schedule: ``residual`` was rebuilt from the cond's (an H step), not computed
     # calibration
@@ -426,6 +426,10 @@ class RunState:
         self._step_keys: set = set()  # the cond keys computed or skipped at that step
         self.partial: str | None = None  # calibration: why the run does not cover the model's whole schedule
         self.disabled_reason: str | None = None  # why every step of this run is computed, if one is
+        # what may switch on or off within the run (ControlNets with a partial range, keyframed hooks: set by
+        # the wrapper), and the effects the last call had on
+        self.switches: tuple[list, list] = ([], [])
+        self.effects_seen: tuple | None = None
         self.started = time.perf_counter()
         # schedule: the plan (made at the run's start), its steps' sigmas (CPU), and the cond-minus-uncond
         # residual difference of the last step that computed both, with that step
@@ -524,7 +528,7 @@ class RunState:
 
     def decide(self, keys: list[Any], labels: list[str], signals: list[torch.Tensor],
                may_skip: bool | torch.Tensor, residual_shape: tuple | None = None,
-               sigma: torch.Tensor | float | None = None) -> bool:
+               sigma: torch.Tensor | float | None = None, effects: tuple = ()) -> bool:
         """Update each cond's distance from the rule's input (teacache: the modulated input;
         first_block: the first block's residual; magcache: only its shape is read, the distance
         comes from ``sigma``; interval: only its shape is read, the distance is the count of calls
@@ -534,15 +538,20 @@ class RunState:
         threshold and under ``max_consecutive_skips``, inside the window (``may_skip``, a bool or a
         0-d bool tensor) and with a stored residual of ``residual_shape`` (when given: a residual of
         another shape is never added). Reading the decision is the only host sync, and only when a
-        skip is possible at all.
+        skip is possible at all. ``effects``: what of the run's switching effects is on at this call (a
+        ControlNet's range, a hook's keyframe strength); a change starts every cond over, as a shape change
+        does.
         """
         cfg = self.config
         states = [self.cond(k, lab) for k, lab in zip(keys, labels, strict=True)]
         candidates = []
         possible = may_skip is not False and not cfg.calibrate
+        beat: dict[int, int] = {}  # interval's fixed beat: where a cond computes for a switched effect, it goes on
         for state, sig in zip(states, signals, strict=True):
-            meta = (tuple(sig.shape), sig.dtype, sig.device)
-            if state.meta is not None and state.meta != meta:  # shape/dtype/device change: start clean
+            meta = (tuple(sig.shape), sig.dtype, sig.device, effects)
+            if state.meta is not None and state.meta != meta:  # shape/dtype/device/effects change: start clean
+                if cfg.rule == "interval" and state.meta[:3] == meta[:3]:  # an extra computed call, in step
+                    beat[id(state)] = 0 if state.consecutive + 1 >= cfg.threshold else state.consecutive + 1
                 state.clear()
                 self.resets += 1
             state.meta = meta
@@ -569,7 +578,7 @@ class RunState:
                 state.skipped += 1
             else:
                 state.accumulated, state.ratio = 0.0, 1.0
-                state.consecutive = 0
+                state.consecutive = beat.get(id(state), 0)
                 state.computed += 1
             state.trace.append(cand if cand is not None else 0.0)
             state.pattern.append("S" if skip else "C")
@@ -609,7 +618,7 @@ class RunState:
 
     def decide_scheduled(self, keys: list[Any], labels: list[str], signals: list[torch.Tensor],
                          residual_shape: tuple | None, sigma: torch.Tensor | float | None,
-                         half: bool = True) -> list[str]:
+                         half: bool = True, effects: tuple = ()) -> list[str]:
         """The schedule rule's decision for one model call, per cond: "C" computed, "S" its forecast
         added, "E" rebuilt from the cond's residual at this step (:meth:`estimate`). The plan's S skips
         every cond, H (``half``) computes the cond branch and rebuilds the uncond one, C computes all; a
@@ -617,8 +626,8 @@ class RunState:
         difference measured, conds that are not one cond and one uncond)."""
         states = [self.cond(k, lab) for k, lab in zip(keys, labels, strict=True)]
         for state, sig in zip(states, signals, strict=True):
-            meta = (tuple(sig.shape), sig.dtype, sig.device)
-            if state.meta is not None and state.meta != meta:  # shape/dtype/device change: start clean
+            meta = (tuple(sig.shape), sig.dtype, sig.device, effects)
+            if state.meta is not None and state.meta != meta:  # shape/dtype/device/effects change: start clean
                 state.clear()
                 self.resets += 1
                 self.delta = self.delta_step = None

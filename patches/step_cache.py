@@ -366,8 +366,8 @@ class _Call:
     in the graph (:meth:`graph_outputs` / :meth:`take_graph_outputs`)."""
 
     def __init__(self, run: tc.RunState, family: Family, dm, keys: list, labels: list[str], may_skip: bool,
-                 sigma: torch.Tensor | None, scoped: str | None = None):
-        self.run, self.family, self.dm, self.sigma = run, family, dm, sigma
+                 sigma: torch.Tensor | None, scoped: str | None = None, effects: tuple = ()):
+        self.run, self.family, self.dm, self.sigma, self.effects = run, family, dm, sigma, effects
         # a forward input the blocks read from the forward's scope (Family.scoped): no cond-only step
         self.scoped = scoped
         self.keys, self.labels, self.may_skip = keys, labels, may_skip
@@ -443,7 +443,7 @@ class _Call:
         if rule == "schedule":
             half = self.family.half and self.scoped is None
             self.roles = self.run.decide_scheduled(self.keys, self.labels, list(signals), chunk, self.sigma,
-                                                   half=half)
+                                                   half=half, effects=self.effects)
             if self.family.half and not half and self.run.planned == "H":
                 stats().count_reason("fallback", f"no cond-only step for a call with {self.scoped}: the blocks read "
                                      "it from the model's forward, where it cannot be cut to the cond's rows (the "
@@ -454,7 +454,7 @@ class _Call:
         # output mode: the stored output's shape is not the stack's; a change of the input's shape (and so of
         # the output's) already clears the cond's state in decide
         self.skip = self.run.decide(self.keys, self.labels, list(signals), self.may_skip,
-                                    None if self.on_output else chunk, self.sigma)
+                                    None if self.on_output else chunk, self.sigma, self.effects)
 
     def block(self, args: dict, run_block, index: int, last: bool) -> dict:
         if index == 0:
@@ -753,7 +753,13 @@ def _diffusion_model(executor, *args, **kwargs):
     probe = _gain_probe(run, settings, dm, keys, labels, sigma, executor, args, kwargs, to) \
         if run.config.calibrate else None
     scoped = next((name for name in settings.family.scoped if kwargs.get(name) is not None), None)
-    call = _Call(run, settings.family, dm, keys, labels, may_skip, sigma, scoped)
+    effects = _effects(run, sigma)
+    if effects != run.effects_seen:
+        if run.effects_seen is not None:
+            stats().count_reason("fallback", "a ControlNet's range or a hook's keyframe began or ended within the run: "
+                                 "each cond started over with a computed call", source=settings.family.name)
+        run.effects_seen = effects
+    call = _Call(run, settings.family, dm, keys, labels, may_skip, sigma, scoped, effects)
     t0 = time.perf_counter()
     with _calling(to, call):
         out = executor(*args, **kwargs)
@@ -786,6 +792,46 @@ def _diffusion_model(executor, *args, **kwargs):
         s.set_memory("device", mem["device"])
         s.set_memory("cpu", mem["cpu"])
     return out
+
+
+def _switches(conds: dict | None) -> tuple[list, list]:
+    """What may switch on or off within a run, from the guider's conds: the ControlNets (each one of a chain)
+    whose start or end percent is inside the run, and the hooks whose keyframes change their strength (a
+    scheduled LoRA). A skipped call adds a residual or forecast made at earlier calls: made with such an effect
+    off, it would drop it where it turns on (a ControlNet whose range falls on skipped steps was lost whole),
+    made with it on, carry it past its end."""
+    controls, hooks, seen = [], [], set()
+    for entries in (conds or {}).values():
+        for cond in entries or ():
+            if not isinstance(cond, dict):
+                continue
+            control = cond.get("control")
+            while control is not None and id(control) not in seen:
+                seen.add(id(control))
+                if tuple(getattr(control, "timestep_percent_range", (0.0, 1.0))) != (0.0, 1.0):
+                    controls.append(control)
+                control = getattr(control, "previous_controlnet", None)
+            for hook in getattr(cond.get("hooks"), "hooks", None) or ():
+                if id(hook) not in seen and len(getattr(getattr(hook, "hook_keyframe", None), "keyframes", ())) > 1:
+                    seen.add(id(hook))
+                    hooks.append(hook)
+    return controls, hooks
+
+
+def _effects(run: tc.RunState, sigma: torch.Tensor | None) -> tuple:
+    """What of the run's switching effects is on at this call: each ControlNet inside its range or not (as
+    ComfyUI decides it, from the range its ``pre_run`` set), each keyframed hook's current strength. () where
+    nothing can switch; else one host sync for a ControlNet's range, where ComfyUI's own range check syncs at
+    every call already."""
+    controls, hooks = run.switches
+    if not controls and not hooks:
+        return ()
+    on = ()
+    if controls and sigma is not None:
+        t = float(sigma)
+        ranges = [getattr(c, "timestep_range", None) for c in controls]
+        on = tuple(r is None or not (t > r[0] or t < r[1]) for r in ranges)
+    return on + tuple(hook.hook_keyframe.strength for hook in hooks)
 
 
 def _rule(config: tc.StepCacheConfig, family: Family) -> str:
@@ -901,6 +947,7 @@ def _outer_sample(executor, *args, **kwargs):
     top = getattr(ms, "sigma_max", None)
     if cfg.calibrate and sigmas is not None and top is not None and float(sigmas[0]) < 0.99 * float(top):
         run.partial = f"it started at sigma {float(sigmas[0]):.3g}, below the model's {float(top):.3g} (denoise under 1)"
+    run.switches = _switches(getattr(guider, "conds", None))
     run.disabled_reason = replaced_reason(orig.get("transformer_options", {}), settings)
     if run.disabled_reason is not None:
         stats().count_reason("disabled", run.disabled_reason, source=settings.family.name)

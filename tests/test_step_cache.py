@@ -545,6 +545,72 @@ def test_every_rule_and_mode_skips_the_trained_flux_close_to_the_uncached_latent
     assert rel_err(out, ref) < (0.7 if (rule, mode) == ("interval", "taylor2") else 0.3), rel_err(out, ref)
 
 
+def _controlled(conds, start: float, end: float):
+    """``conds`` with a tiny ControlNetFlux (shaped as the trained Flux, weights from a seed) applied by
+    ControlNetApplyAdvanced over ``start``-``end`` of the run."""
+    import comfy.controlnet
+    import comfy.ldm.flux.controlnet
+    import comfy.ops
+
+    import nodes
+
+    trained = tiny_module("trained_flux")
+    config = rkharness.TINY.with_host_fields(trained.CONFIG, "comfy.ldm.flux.model:FluxParams")
+    net = comfy.ldm.flux.controlnet.ControlNetFlux(operations=comfy.ops.disable_weight_init, dtype=torch.float32,
+                                                   **config)
+    trained.init_weights(net, 5)
+    control = comfy.controlnet.ControlNet(net, load_device=torch.device("cpu"), extra_conds=["y", "guidance"])
+    image = torch.linspace(0, 1, 64 * 64 * 3).reshape(1, 64, 64, 3)
+    return nodes.ControlNetApplyAdvanced().apply_controlnet(*conds, control, image, 0.3, start, end)
+
+
+def _keyframed(flux, conds, keyframes):
+    """``conds`` with a scheduled LoRA (a hook of perturbed weights on the later blocks), its strength set by
+    ``keyframes`` [(strength, start_percent)]."""
+    import comfy.hooks
+
+    g = torch.Generator().manual_seed(11)
+    weights = {k: v + 0.3 * v.std() * torch.randn(v.shape, generator=g) for k, v in flux.model.state_dict().items()
+               if k.startswith("diffusion_model.single_blocks.")}
+    group = comfy.hooks.create_hook_model_as_lora(weights, None, 1.0, 0.0)
+    frames = comfy.hooks.HookKeyframeGroup()
+    for strength, start in keyframes:
+        frames.add(comfy.hooks.HookKeyframe(strength=strength, start_percent=start))
+    group.set_keyframes_on_hooks(frames)
+    return [comfy.hooks.set_hooks_for_conditioning(c, group) for c in conds]
+
+
+def test_a_controlnet_or_lora_switching_within_the_run_starts_each_cond_over(flux, conds):
+    """A skipped call adds what earlier calls made: a ControlNet whose range fell on skipped steps was lost
+    whole (the defaults' latent bit-identical to the run without it), one that ended was carried on, and a
+    scheduled LoRA alike. Where a ControlNet's range or a hook's keyframe begins or ends, each cond starts over
+    with a computed call (counted), the interval rule's beat going on in step; runs where nothing switches keep
+    their pattern."""
+    pattern = lambda: {"".join(c["pattern"]) for c in last_run()["conds"].values()}  # noqa: E731
+    defaults = lambda: N().TeaCacheNode.execute(model=flux).args[0]  # noqa: E731
+    reasons = lambda: sum(r["count"] for r in P().stats().snapshot()["reasons"]  # noqa: E731
+                          if "a ControlNet's range or a hook's keyframe began or ended" in r["reason"])
+    plain = sample(defaults(), conds)
+    plain_pattern = pattern()
+    assert plain_pattern == {"CSSCSSCSCS"}  # step 5 is skipped without the ControlNet
+    counted = reasons()
+    windowed = sample(defaults(), _controlled(conds, 0.45, 0.55))  # on at step 5 only
+    assert {p[5:7] for p in pattern()} == {"CC"} and reasons() == counted + 2  # on at 5, off at 6: computed
+    assert not torch.equal(windowed, plain)
+    sample(defaults(), _controlled(conds, 0.0, 1.0))  # on throughout: nothing switches
+    assert pattern() == plain_pattern
+    # the interval rule: ending at 0.65 (after step 6), step 7 computes and the beat keeps the last step
+    interval = teacache(flux, 3, rule="interval", mode="reuse")
+    base = rel_err(sample(interval, conds), sample(flux, conds))
+    assert pattern() == {"CSSCSSCSSC"}
+    controlled = _controlled(conds, 0.0, 0.65)
+    ended = rel_err(sample(interval, controlled), sample(flux, controlled))
+    assert pattern() == {"CSSCSSCCSC"} and ended < 1.2 * base, (ended, base)
+    keyed = _keyframed(flux, conds, [(1.0, 0.0), (0.0, 0.65)])  # a LoRA off after step 6
+    off = rel_err(sample(interval, keyed), sample(flux, keyed))
+    assert pattern() == {"CSSCSSCCSC"} and off < 1.2 * base, (off, base)
+
+
 def test_auto_takes_the_familys_rule_threshold_and_mode(flux, conds):
     (m,) = N().TeaCacheNode.execute(model=flux, rule="auto", threshold=-1.0, model_type="auto", start_percent=0.0,
                                     end_percent=1.0, max_consecutive_skips=0, cache_device="device",
