@@ -368,7 +368,8 @@ class _Call:
     def __init__(self, run: tc.RunState, family: Family, dm, keys: list, labels: list[str], may_skip: bool,
                  sigma: torch.Tensor | None, scoped: str | None = None, effects: tuple = ()):
         self.run, self.family, self.dm, self.sigma, self.effects = run, family, dm, sigma, effects
-        # a forward input the blocks read from the forward's scope (Family.scoped): no cond-only step
+        # why this call has no cond-only step: a forward input the blocks read from the forward's scope
+        # (Family.scoped), or a patch inside the blocks that reads the whole batch
         self.scoped = scoped
         self.keys, self.labels, self.may_skip = keys, labels, may_skip
         self.after_first = run.config.rule == "first_block"  # decides on the first blocks' output
@@ -445,9 +446,8 @@ class _Call:
             self.roles = self.run.decide_scheduled(self.keys, self.labels, list(signals), chunk, self.sigma,
                                                    half=half, effects=self.effects)
             if self.family.half and not half and self.run.planned == "H":
-                stats().count_reason("fallback", f"no cond-only step for a call with {self.scoped}: the blocks read "
-                                     "it from the model's forward, where it cannot be cut to the cond's rows (the "
-                                     "planned cond-only step was computed whole)", source=self.family.name)
+                stats().count_reason("fallback", f"no cond-only step for a call with {self.scoped} (the planned "
+                                     "cond-only step was computed whole)", source=self.family.name)
             self.skip = "C" not in self.roles
             self.half = not self.skip and "E" in self.roles
             return
@@ -675,6 +675,21 @@ def replaced_reason(to: dict, settings: Settings) -> str | None:
     return reason
 
 
+BATCH_SAFE_PATCHES = ("double_block", "post_input")
+"""``transformer_options["patches"]`` entries that run outside the blocks on the whole batch (a model patch's
+ControlNet hints, added after each block; the input's), which a cond-only step leaves whole."""
+
+
+def _batch_patch(to: dict) -> str | None:
+    """Why a call cannot run a cond-only step for its patches: one inside the blocks (NAG's
+    ``attn1_output_patch``) reads the batch's conds by ``cond_or_uncond``, which still names the uncond when
+    the step cuts the blocks' inputs to the cond's rows (NAG left out, or another batch item taken for the
+    negative). None where no such patch is set."""
+    name = next((k for k, v in (to.get("patches") or {}).items() if v and k not in BATCH_SAFE_PATCHES), None)
+    return None if name is None else (f"a '{name}' patch (NAG's, say): it reads the batch's conds inside the blocks, "
+                                      "where a cond-only step leaves the cond's rows alone")
+
+
 def _gain_probe(run: tc.RunState, settings: Settings, dm, keys: list, labels: list[str], sigma, executor, args,
                 kwargs, to: dict):
     """Calibration only: the output this call would give skipped (the last computed residuals added, the
@@ -752,7 +767,8 @@ def _diffusion_model(executor, *args, **kwargs):
         labels = [f"{lab} [{len(replaced)} block{'s' if len(replaced) > 1 else ''} replaced]" for lab in labels]
     probe = _gain_probe(run, settings, dm, keys, labels, sigma, executor, args, kwargs, to) \
         if run.config.calibrate else None
-    scoped = next((name for name in settings.family.scoped if kwargs.get(name) is not None), None)
+    scoped = next((f"{name}: the blocks read it from the model's forward, where it cannot be cut to the cond's rows"
+                   for name in settings.family.scoped if kwargs.get(name) is not None), None) or _batch_patch(to)
     effects = _effects(run, sigma)
     if effects != run.effects_seen:
         if run.effects_seen is not None:

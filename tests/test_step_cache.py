@@ -611,6 +611,23 @@ def test_a_controlnet_or_lora_switching_within_the_run_starts_each_cond_over(flu
     assert pattern() == {"CSSCSSCCSC"} and off < 1.2 * base, (off, base)
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_nag_keeps_the_whole_batch_where_the_schedule_rule_would_compute_the_cond_alone(flux, conds, batch):
+    """NAG's attention patch reads the batch's conds by ``cond_or_uncond`` inside the blocks. A cond-only step
+    cut the blocks' inputs to the cond's rows with ``cond_or_uncond`` still naming the uncond: NAG was left out
+    (batch 1) or took the second picture's cond for the first's negative (batch 2); at a threshold where
+    nothing is skipped the latent was 0.41 / 0.71 from NAG's own. Such a call computes whole, counted, and
+    gives NAG's latent."""
+    nag = pytest.importorskip("comfy_extras.nodes_nag", reason="this ComfyUI has no NAG")
+    nagged = nag.NAGuidance.execute(flux, nag_scale=5.0, nag_alpha=0.5, nag_tau=2.5).args[0]
+    shape = (batch, 16, 8, 8)
+    counted = sum(r["count"] for r in P().stats().snapshot()["reasons"] if "(NAG's, say)" in r["reason"])
+    want = sample(nagged, conds, cfg=1.0, shape=shape)
+    got = sample(teacache(nagged, 1e-4, rule="schedule", mode="reuse"), conds, cfg=1.0, shape=shape)
+    assert rel_err(got, want) < 1e-6, rel_err(got, want)
+    assert sum(r["count"] for r in P().stats().snapshot()["reasons"] if "(NAG's, say)" in r["reason"]) > counted
+
+
 def test_auto_takes_the_familys_rule_threshold_and_mode(flux, conds):
     (m,) = N().TeaCacheNode.execute(model=flux, rule="auto", threshold=-1.0, model_type="auto", start_percent=0.0,
                                     end_percent=1.0, max_consecutive_skips=0, cache_device="device",
