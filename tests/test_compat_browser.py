@@ -108,3 +108,26 @@ def test_a_cached_ksampler_and_the_settings_node_with_old_layouts_load_by_name(p
     del old["device_hot_negatives"]
     assert settings == old  # clear stays off (by position it would have taken device_hot_negatives' True)
     assert not errors, errors
+
+
+TYPE_THRESHOLD = """async ([type, value]) => {
+    const node = LiteGraph.createNode(type);
+    window.app.graph.add(node);
+    const w = node.widgets.find((w) => w.name === "threshold");
+    if (w.setValue) w.setValue(value, {node, canvas: window.app.canvas});
+    else { w.value = value; w.callback?.call(w, value, window.app.canvas, node); }
+    const inputs = (await window.app.graphToPrompt()).output[String(node.id)]?.inputs;
+    window.app.graph.remove(node);
+    return [w.value, inputs?.threshold];
+}"""
+
+
+@pytest.mark.parametrize("node_type", ["ReuseKitTeaCache", "ReuseKitCachedKSampler"])
+def test_a_threshold_typed_with_four_decimals_reaches_the_prompt_as_typed(page, node_type):
+    """The run's log names the defaults' threshold with up to four decimals (0.5839 at 31 steps on Flux), for a
+    user to set it and keep the picture across updates (README "Compatibility"). The page rounded a typed value
+    to the step's two decimals (0.58: another picture); the widget keeps four."""
+    page, errors = page
+    assert page.evaluate(TYPE_THRESHOLD, [node_type, 0.5839]) == [0.5839, 0.5839]
+    assert page.evaluate(TYPE_THRESHOLD, [node_type, 0.58394]) == [0.5839, 0.5839]  # the input's round stays
+    assert not errors, errors

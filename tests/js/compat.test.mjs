@@ -2,7 +2,7 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
-import { OLD_LAYOUTS, mapOldWidgets } from "../../web/compat/widgets.mjs";
+import { OLD_LAYOUTS, keptPrecision, mapOldWidgets } from "../../web/compat/widgets.mjs";
 
 const STEP = [["rule", "combo"], ["threshold", "number"], ["model_type", "combo"], ["start_percent", "number"],
   ["end_percent", "number"], ["max_consecutive_skips", "number"], ["cache_device", "combo"],
@@ -45,4 +45,13 @@ test("the conditioning settings saved with device_hot_negatives drop it instead 
     .map(([name, type]) => ({ name, type }));
   assert.deepEqual(mapOldWidgets(OLD_LAYOUTS.ReuseKitConditioningCacheSettings, widgets, [true, 256, 64, true, false]),
     [true, 256, 64, false]);
+});
+
+test("a number widget rounding finer than its step keeps the round's decimals", () => {
+  const threshold = { type: "number", options: { round: 0.0001, step2: 0.01, precision: 2 } };
+  assert.equal(keptPrecision(threshold), 4);
+  assert.equal(keptPrecision({ type: "number", options: { round: 0.0001, precision: 4 } }), null);
+  assert.equal(keptPrecision({ type: "number", options: { step2: 0.01, precision: 2 } }), null);  // no round
+  assert.equal(keptPrecision({ type: "combo", options: { round: 0.01 } }), null);
+  assert.equal(keptPrecision({ type: "number", options: { round: 0.01 } }), 2);
 });

@@ -55,3 +55,15 @@ export function mapOldWidgets(spec, widgets, saved) {
   }
   return null;
 }
+
+// A number widget whose input rounds finer than its step (the step cache's threshold: round 0.0001, step
+// 0.01) keeps the round's decimals: the page rounds a typed value to `options.precision`, which it sets
+// from the step, so 0.5839 (a default the run's log names, README "Compatibility") became 0.58. Returns
+// the precision to set, or null to leave the widget as it is.
+export function keptPrecision(widget) {
+  const round = widget?.options?.round;
+  if (widget?.type !== "number" || typeof round !== "number" || !(round > 0)) return null;
+  const decimals = Math.max(0, Math.ceil(-Math.log10(round) - 1e-9));
+  const precision = widget.options.precision;
+  return typeof precision === "number" && precision >= decimals ? null : decimals;
+}
