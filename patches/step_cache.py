@@ -769,7 +769,7 @@ def _diffusion_model(executor, *args, **kwargs):
         if run.config.calibrate else None
     scoped = next((f"{name}: the blocks read it from the model's forward, where it cannot be cut to the cond's rows"
                    for name in settings.family.scoped if kwargs.get(name) is not None), None) or _batch_patch(to)
-    effects = _effects(run, sigma)
+    effects = _effects(run, sigmas)
     if effects != run.effects_seen:
         if run.effects_seen is not None:
             stats().count_reason("fallback", "a ControlNet's range or a hook's keyframe began or ended within the run: "
@@ -834,7 +834,7 @@ def _switches(conds: dict | None) -> tuple[list, list]:
     return controls, hooks
 
 
-def _effects(run: tc.RunState, sigma: torch.Tensor | None) -> tuple:
+def _effects(run: tc.RunState, sigmas: torch.Tensor | None) -> tuple:
     """What of the run's switching effects is on at this call: each ControlNet inside its range or not (as
     ComfyUI decides it, from the range its ``pre_run`` set), each keyframed hook's current strength. () where
     nothing can switch; else one host sync for a ControlNet's range, where ComfyUI's own range check syncs at
@@ -843,11 +843,19 @@ def _effects(run: tc.RunState, sigma: torch.Tensor | None) -> tuple:
     if not controls and not hooks:
         return ()
     on = ()
-    if controls and sigma is not None:
-        t = float(sigma)
+    if controls and sigmas is not None and sigmas.numel():
+        # as ComfyUI's ControlBase.get_control compares: the call's first timestep against the range's ends,
+        # which a tensor-against-float compare rounds to the timestep's dtype (in float64 a range ending on a
+        # step's float32 sigma was read otherwise, and that step's ControlNet lost)
+        t = float(sigmas.reshape(-1)[0])
         ranges = [getattr(c, "timestep_range", None) for c in controls]
-        on = tuple(r is None or not (t > r[0] or t < r[1]) for r in ranges)
+        on = tuple(r is None or not (t > _as(r[0], sigmas.dtype) or t < _as(r[1], sigmas.dtype)) for r in ranges)
     return on + tuple(hook.hook_keyframe.strength for hook in hooks)
+
+
+def _as(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` (a host tensor: no device, no sync)."""
+    return float(torch.tensor(value, dtype=dtype))
 
 
 def _rule(config: tc.StepCacheConfig, family: Family) -> str:

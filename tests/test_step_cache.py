@@ -597,6 +597,9 @@ def test_a_controlnet_or_lora_switching_within_the_run_starts_each_cond_over(flu
     windowed = sample(defaults(), _controlled(conds, 0.45, 0.55))  # on at step 5 only
     assert {p[5:7] for p in pattern()} == {"CC"} and reasons() == counted + 2  # on at 5, off at 6: computed
     assert not torch.equal(windowed, plain)
+    # starting on step 5's sigma, which ComfyUI's range check compares in float32 (in float64 it read "off")
+    assert not torch.equal(sample(defaults(), _controlled(conds, 0.5, 0.55)), plain)
+    assert {p[5:7] for p in pattern()} == {"CC"}
     sample(defaults(), _controlled(conds, 0.0, 1.0))  # on throughout: nothing switches
     assert pattern() == plain_pattern
     # the interval rule: ending at 0.65 (after step 6), step 7 computes and the beat keeps the last step
