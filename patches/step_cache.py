@@ -42,6 +42,9 @@ log = logging.getLogger("reusekit")
 
 KEY = "reusekit_teacache"          # wrapper key and transformer_options key of the node's settings
 RUN_KEY = "reusekit_teacache_run"  # transformer_options key of the current run's state
+# transformer_options key of what shapes a captured forward of the run (rule, mode, first blocks, calibrating):
+# graph capture keys it by value, as the same settings may resolve otherwise from one run to the next
+PLAN_KEY = "reusekit_teacache_plan"
 CALL_KEY = STEP_HOOK            # the current call; graph capture drives it (a skip never replays)
 
 PATCHER = (("comfy.model_patcher:ModelPatcher.set_model_patch_replace", ("patch", "name", "block_name", "number")),
@@ -977,6 +980,8 @@ def _outer_sample(executor, *args, **kwargs):
         stats().count_reason("disabled", run.disabled_reason, source=settings.family.name)
     guider.model_options = comfy.model_patcher.create_model_options_clone(orig)
     guider.model_options["transformer_options"][RUN_KEY] = run
+    guider.model_options["transformer_options"][PLAN_KEY] = (cfg.rule, cfg.residual_mode, cfg.first_blocks,
+                                                             cfg.calibrate)
     if plan.table is not None and sigmas is not None:
         _plan_schedule(run, plan.table, guider, [float(s) for s in sigmas])
     if cfg.rule == "interval" and cfg.interval_power != 1.0:

@@ -535,6 +535,28 @@ def teacache(model, thresh=0.4, rule="auto", mode="extrapolate", first_blocks=1)
     return node.execute(model, "flux", thresh, 0.0, 1.0, 0, "device", mode, rule, 1.0, first_blocks).args[0]
 
 
+def test_a_calibration_between_two_runs_of_one_captured_step_cache_rebuilds_its_graph(gc, monkeypatch, trained_flux,
+                                                                                      conds, tmp_path):
+    """The step cache's settings key a graph by identity, but the same settings resolve per run: with the
+    defaults a Flux model runs TeaCache forecasting the output until it is calibrated, then the schedule rule
+    with residuals. The graph kept from the first run replayed for the second, handing back the output where
+    the run wanted residuals: the run failed ("not enough values to unpack"). The run's rule and mode key the
+    graph too: it rebuilds, and the latent is the step cache's alone."""
+    step = rkharness.pack("patches.step_cache")
+    nodes_step = rkharness.pack("nodes.step_cache")
+    monkeypatch.setattr(step, "STORE", rkharness.pack("caching.step_cache").CalibrationStore(tmp_path / "calib.json"))
+    monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
+    cached = nodes_step.TeaCacheNode.execute(model=trained_flux).args[0]  # every input left at its default
+    captured = capture(cached)
+    assert torch.equal(sample(captured, conds, steps=10), sample(cached, conds, steps=10))
+    assert step.stats().snapshot()["info"]["last_run"]["residual_mode"] == "output"
+    sample(nodes_step.TeaCacheCalibrateNode.execute(trained_flux).args[0], conds, steps=20)
+    alone = sample(cached, conds, steps=10)
+    assert step.stats().snapshot()["info"]["last_run"]["rule"] == "schedule"
+    assert torch.equal(sample(captured, conds, steps=10), alone)
+    assert last_run(gc)["rebuilds"], last_run(gc)
+
+
 @pytest.mark.parametrize("backend", ["emulate", "eager"])
 @pytest.mark.parametrize("capture_first", [True, False])
 @pytest.mark.parametrize("mode", ["extrapolate", "output"])
