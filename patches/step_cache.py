@@ -192,6 +192,12 @@ def _attach(model_patcher, config: tc.StepCacheConfig):
                          "step cache on the model itself")
     from comfy.patcher_extension import WrappersMP
 
+    if earlier is not None:  # applying twice replaces, never stacks: said and counted
+        what = (f"ReuseKit Step Cache on a model that had it: the later settings ({config.rule} {config.threshold:g}, "
+                f"{config.residual_mode}) replace the earlier ({earlier.config.rule} {earlier.config.threshold:g}, "
+                f"{earlier.config.residual_mode})")
+        stats().count_reason("fallback", what, source=family.name)
+        host.say_once(f"teacache-again:{what}", "%s", what)
     m = model_patcher.clone()
     blocks = family.blocks(m.model.diffusion_model)
     if config.rule == "first_block" and config.first_blocks > 1 and config.first_blocks >= len(blocks):

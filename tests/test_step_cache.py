@@ -631,6 +631,20 @@ def test_nag_keeps_the_whole_batch_where_the_schedule_rule_would_compute_the_con
     assert sum(r["count"] for r in P().stats().snapshot()["reasons"] if "(NAG's, say)" in r["reason"]) > counted
 
 
+def test_a_step_cache_applied_again_replaces_the_first_and_says_so(flux, conds):
+    """Two Step Cache nodes in a chain (or a Cached KSampler after one): the later settings replace the
+    earlier, never stack, which the stats did not say. The replacement is counted with both settings, and
+    the run is the later node's alone."""
+    again = lambda: sum(r["count"] for r in P().stats().snapshot()["reasons"]  # noqa: E731
+                        if r["reason"].startswith("ReuseKit Step Cache on a model that had it"))
+    counted = again()
+    twice = teacache(teacache(flux, 0.4), 0.3, rule="first_block", mode="reuse")
+    assert again() == counted + 1
+    assert any("(first_block 0.3, reuse) replace the earlier (teacache 0.4, extrapolate)" in r["reason"]
+               for r in P().stats().snapshot()["reasons"])
+    assert torch.equal(sample(twice, conds), sample(teacache(flux, 0.3, rule="first_block", mode="reuse"), conds))
+
+
 def test_auto_takes_the_familys_rule_threshold_and_mode(flux, conds):
     (m,) = N().TeaCacheNode.execute(model=flux, rule="auto", threshold=-1.0, model_type="auto", start_percent=0.0,
                                     end_percent=1.0, max_consecutive_skips=0, cache_device="device",
