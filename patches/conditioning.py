@@ -203,20 +203,26 @@ def _numerics() -> tuple:
     import comfy.cli_args
 
     attention = sys.modules.get("comfy.ldm.modules.attention")
+    mm = sys.modules.get("comfy.model_management")
     # the dtype ComfyUI hands a VAE's output in (0.33: float16 under --fp16-intermediates)
-    intermediate = getattr(sys.modules.get("comfy.model_management"), "intermediate_dtype", None)
+    intermediate = getattr(mm, "intermediate_dtype", None)
+    # the attention text encoders run, picked at every encode (optimized_attention_for_device): pytorch's or the
+    # basic one, whatever optimized_attention names (sage, flash or xformers beside --use-split-cross-attention)
+    small = getattr(mm, "pytorch_attention_enabled", None)
     matmul, cudnn, cuda = torch.backends.cuda.matmul, torch.backends.cudnn, torch.backends.cuda
     fast = getattr(comfy.cli_args.args, "fast", None)
     flags = (torch.get_float32_matmul_precision(), matmul.allow_tf32,
              getattr(matmul, "allow_fp16_reduced_precision_reduction", None),
              getattr(matmul, "allow_bf16_reduced_precision_reduction", None),
              getattr(matmul, "allow_fp16_accumulation", None),
-             cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic, torch.are_deterministic_algorithms_enabled(),
+             cudnn.enabled, cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic,
+             torch.are_deterministic_algorithms_enabled(), torch.backends.mkldnn.enabled,
              *(getattr(cuda, f, lambda: None)() for f in ("flash_sdp_enabled", "mem_efficient_sdp_enabled",
                                                           "math_sdp_enabled", "cudnn_sdp_enabled")))
     return ("numerics", repr(flags),
             _where_defined(getattr(attention, "optimized_attention", None)),
             _where_defined(getattr(attention, "optimized_attention_masked", None)),
+            None if small is None else bool(small()),
             None if fast is None else tuple(sorted(str(getattr(f, "value", f)) for f in fast)),
             None if intermediate is None else str(intermediate()),
             # the attention functions' softmax precision (--force-upcast-attention, --dont-upcast-attention)
@@ -1011,9 +1017,21 @@ def shared_key(key: Key, module, patcher=None) -> SharedKey:
     text = repr(tree)  # written out once: the fields hold hundreds of token values
     if _INDEXED_TEXT.search(text):
         text = repr((*tree[:-1], _portable_walk(fields)))
-    if _computes_on_cpu(module, patcher):  # which kernels ran follows the CPU's instruction set
-        text += repr(("cpu", platform.machine(), torch.backends.cpu.get_cpu_capability()))
+    if _computes_on_cpu(module, patcher):  # which kernels ran, and how they split the work, follow the CPU
+        text += repr(("cpu", platform.machine(), torch.backends.cpu.get_cpu_capability(), _cpu_model(),
+                      torch.get_num_threads()))
     return SharedKey.of_text(text, _local_devices(patcher))
+
+
+@functools.cache
+def _cpu_model() -> str | None:
+    """The CPU's model name (Linux's /proc/cpuinfo; None elsewhere): within one instruction-set level, MKL and
+    oneDNN still pick kernels by vendor and model (AMX, VNNI)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
 
 
 def _computes_on_cpu(module, patcher) -> bool:

@@ -206,6 +206,44 @@ def test_a_cpu_encode_is_shared_only_with_cpus_of_its_instruction_set(shared, mo
     assert name("AVX2", "cuda:0") == name("AVX512", "cuda:0") != name("AVX2", "cpu")
 
 
+@pytest.mark.parametrize("difference", ["pytorch attention", "threads", "cpu model"])
+def test_a_worker_that_computes_an_encode_otherwise_reads_none_of_anothers_entries(shared, monkeypatch, difference):
+    """What decides an encode's bits beyond its inputs and weights, as two workers sharing a tier may differ in
+    it: whether ComfyUI runs pytorch attention in text encoders (optimized_attention_for_device picks it at
+    every encode; off on a worker started with --use-split-cross-attention beside xformers or sage, whose
+    optimized_attention the key named alike: 1.2e-6 from the worker's own encode), and on the CPU torch's
+    thread count (its matrix products split by it: 1.3e-6 between 1 and 2 threads on a 768-wide CLIP) and the
+    CPU's model (MKL and oneDNN pick kernels by it within one instruction set). Each is in the shared key: the
+    second worker computes its own, bit for bit what it computes with the cache off."""
+    import comfy.model_management as mm
+
+    pc = rkharness.pack("patches.conditioning")
+    clip = _tiny_files().load_tiny_clip_file(_tiny_files().write_tiny_clip_file(str(shared.files), 0))
+    assert clip.patcher.load_device.type == "cpu"
+
+    def worker(second: bool, patch):
+        if difference == "pytorch attention":
+            patch.setattr(mm, "ENABLE_PYTORCH_ATTENTION", not second)
+        elif difference == "threads":
+            patch.setattr(torch, "get_num_threads", lambda: 1 if second else 2)
+        else:
+            patch.setattr(pc, "_cpu_model", lambda: "another CPU" if second else "a CPU")
+
+    with monkeypatch.context() as first:
+        worker(False, first)
+        encode(clip)
+    assert len(entry_files(shared.folder)) == 1
+    shared.cc.CACHE.clear()  # the second worker: its own memory, the same disk tier
+    with monkeypatch.context() as second:
+        worker(True, second)
+        shared.settings.set("conditioning.enabled", False)
+        own = clip.encode_from_tokens(clip.tokenize(TEXT), return_pooled=True)
+        shared.settings.set("conditioning.enabled", True)
+        got = encode(clip)
+    assert counter(shared.tiers, "disk", "hits") == 0 and len(entry_files(shared.folder)) == 2
+    assert equal(got, own)
+
+
 def test_comfyuis_vae_loader_reaches_the_disk_tier_through_its_reload_factory(shared):
     """VAELoader (ComfyUI 0.2x+ records ``cached_patcher_init`` with the file) on a tiny Wan VAE file."""
     import folder_paths
