@@ -684,9 +684,10 @@ def replaced_reason(to: dict, settings: Settings) -> str | None:
     return reason
 
 
-BATCH_SAFE_PATCHES = ("double_block", "post_input")
+BATCH_SAFE_PATCHES = ("double_block", "post_input", "noise_refiner")
 """``transformer_options["patches"]`` entries that run outside the blocks on the whole batch (a model patch's
-ControlNet hints, added after each block; the input's), which a cond-only step leaves whole."""
+ControlNet hints, added after each block, or in Lumina's noise refiner before them; the input's), which a
+cond-only step leaves whole."""
 
 
 def _batch_patch(to: dict) -> str | None:
@@ -695,8 +696,9 @@ def _batch_patch(to: dict) -> str | None:
     the step cuts the blocks' inputs to the cond's rows (NAG left out, or another batch item taken for the
     negative). None where no such patch is set."""
     name = next((k for k, v in (to.get("patches") or {}).items() if v and k not in BATCH_SAFE_PATCHES), None)
-    return None if name is None else (f"a '{name}' patch (NAG's, say): it reads the batch's conds inside the blocks, "
-                                      "where a cond-only step leaves the cond's rows alone")
+    return None if name is None else (f"a '{name}' patch{' (NAG' + chr(39) + 's)' if name == 'attn1_output_patch' else ''}"
+                                      ": it runs inside the blocks on the batch, where a cond-only step leaves the "
+                                      "cond's rows alone")
 
 
 def _gain_probe(run: tc.RunState, settings: Settings, dm, keys: list, labels: list[str], sigma, executor, args,

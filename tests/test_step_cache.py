@@ -624,11 +624,15 @@ def test_nag_keeps_the_whole_batch_where_the_schedule_rule_would_compute_the_con
     nag = pytest.importorskip("comfy_extras.nodes_nag", reason="this ComfyUI has no NAG")
     nagged = nag.NAGuidance.execute(flux, nag_scale=5.0, nag_alpha=0.5, nag_tau=2.5).args[0]
     shape = (batch, 16, 8, 8)
-    counted = sum(r["count"] for r in P().stats().snapshot()["reasons"] if "(NAG's, say)" in r["reason"])
+    counted = sum(r["count"] for r in P().stats().snapshot()["reasons"] if "patch (NAG's)" in r["reason"])
     want = sample(nagged, conds, cfg=1.0, shape=shape)
     got = sample(teacache(nagged, 1e-4, rule="schedule", mode="reuse"), conds, cfg=1.0, shape=shape)
     assert rel_err(got, want) < 1e-6, rel_err(got, want)
-    assert sum(r["count"] for r in P().stats().snapshot()["reasons"] if "(NAG's, say)" in r["reason"]) > counted
+    assert sum(r["count"] for r in P().stats().snapshot()["reasons"] if "patch (NAG's)" in r["reason"]) > counted
+    # the patches a model patch's ControlNet sets run on the whole batch outside the blocks: the step stays
+    hints = {name: [print] for name in ("double_block", "post_input", "noise_refiner")}  # ZImageFunControlnet's
+    assert P()._batch_patch({"patches": hints}) is None
+    assert "'attn1_patch' patch: it runs inside" in P()._batch_patch({"patches": {**hints, "attn1_patch": [print]}})
 
 
 def test_a_step_cache_applied_again_replaces_the_first_and_says_so(flux, conds):
