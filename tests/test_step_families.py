@@ -33,6 +33,13 @@ def helpers():
 
 
 @pytest.fixture(autouse=True)
+def _fresh_reasons():
+    """The step cache's reason rows are bounded (64 kinds, then one "other" row): each test starts from none,
+    so a reason it looks for has its own row whatever ran before it in the session."""
+    P().stats().reset_counters()
+
+
+@pytest.fixture(autouse=True)
 def _isolated_calibrations(monkeypatch, tmp_path):
     """Calibrations go to a temporary file, and none leaks between tests."""
     store = rkharness.pack("caching.step_cache").CalibrationStore(tmp_path / "teacache_calibration.json")
