@@ -192,12 +192,6 @@ def _attach(model_patcher, config: tc.StepCacheConfig):
                          "step cache on the model itself")
     from comfy.patcher_extension import WrappersMP
 
-    if earlier is not None:  # applying twice replaces, never stacks: said and counted
-        what = (f"ReuseKit Step Cache on a model that had it: the later settings ({config.rule} {config.threshold:g}, "
-                f"{config.residual_mode}) replace the earlier ({earlier.config.rule} {earlier.config.threshold:g}, "
-                f"{earlier.config.residual_mode})")
-        stats().count_reason("fallback", what, source=family.name)
-        host.say_once(f"teacache-again:{what}", "%s", what)
     m = model_patcher.clone()
     blocks = family.blocks(m.model.diffusion_model)
     if config.rule == "first_block" and config.first_blocks > 1 and config.first_blocks >= len(blocks):
@@ -208,6 +202,12 @@ def _attach(model_patcher, config: tc.StepCacheConfig):
         stats().count_reason("bypass", f"{family.layer_forward[0]} {why}: the model runs without the step cache",
                              source=family.name)
         return m
+    if earlier is not None:  # applying twice replaces, never stacks: counted (one row), the settings logged once
+        stats().count_reason("fallback", "ReuseKit Step Cache on a model that had it: the later settings replace the "
+                             "earlier", source=family.name)
+        host.say_once(f"teacache-again:{earlier.config}:{config}", "ReuseKit Step Cache on a model that had it: the "
+                      "later settings (%s %g, %s) replace the earlier (%s %g, %s)", config.rule, config.threshold,
+                      config.residual_mode, earlier.config.rule, earlier.config.threshold, earlier.config.residual_mode)
     m.model_options["transformer_options"][KEY] = Settings(config, family, tuple(blocks),
                                                            type(m.model.diffusion_model))
     call_kind = getattr(WrappersMP, family.call_wrapper)
