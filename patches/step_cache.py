@@ -696,9 +696,10 @@ def _batch_patch(to: dict) -> str | None:
     the step cuts the blocks' inputs to the cond's rows (NAG left out, or another batch item taken for the
     negative). None where no such patch is set."""
     name = next((k for k, v in (to.get("patches") or {}).items() if v and k not in BATCH_SAFE_PATCHES), None)
-    return None if name is None else (f"a '{name}' patch{' (NAG' + chr(39) + 's)' if name == 'attn1_output_patch' else ''}"
-                                      ": it runs inside the blocks on the batch, where a cond-only step leaves the "
-                                      "cond's rows alone")
+    if name is None:
+        return None
+    whose = " (NAG's)" if name == "attn1_output_patch" else ""
+    return f"a '{name}' patch{whose}: it runs inside the blocks on the batch, where a cond-only step leaves the cond's rows alone"
 
 
 def _gain_probe(run: tc.RunState, settings: Settings, dm, keys: list, labels: list[str], sigma, executor, args,
