@@ -489,6 +489,9 @@ def test_a_post_from_another_site_or_not_sent_as_json_changes_nothing():
     assert status == 200 and after == 3
 
 
+HOLD_S = 5.0  # how long the sampling run holds the cache's lock while a client asks to clear it
+
+
 @pytest.mark.hardening
 def test_a_clear_that_waits_on_the_sampling_thread_does_not_block_the_event_loop():
     """The cache's lock is held elsewhere (a sampling run) while a client asks to clear it: the clear
@@ -512,7 +515,7 @@ def test_a_clear_that_waits_on_the_sampling_thread_does_not_block_the_event_loop
     async def main():
         async with TestClient(TestServer(app)) as client:
             sampling_lock.acquire()
-            threading.Timer(1.0, sampling_lock.release).start()  # the sampling run ends in 1 s
+            threading.Timer(HOLD_S, sampling_lock.release).start()  # the sampling run ends then
             start = time.monotonic()  # the loop's own clock: a blocked loop shows here
             clearing = asyncio.ensure_future(client.post("/reusekit/clear", json={"cache": "rktest.blocking"}))
             await asyncio.sleep(0.1)
@@ -526,5 +529,7 @@ def test_a_clear_that_waits_on_the_sampling_thread_does_not_block_the_event_loop
         answered_in, status, body = asyncio.run(main())
     finally:
         registry.unregister("rktest.blocking")
-    assert answered_in < 0.6, answered_in  # 0.1 s of sleep, then the stats at once (not after 1 s)
+    # 0.1 s of sleep, then the stats: blocked, they would wait out the hold; a loaded machine (the whole suite
+    # beside it) has taken 0.8 s to answer, far from it
+    assert answered_in < HOLD_S / 2, answered_in
     assert status == 200 and body["cleared"] == ["rktest.blocking"]
