@@ -430,6 +430,8 @@ class RunState:
         # the wrapper), and the effects the last call had on
         self.switches: tuple[list, list] = ([], [])
         self.effects_seen: tuple | None = None
+        # the ControlNets' ranges as read, with the timestep dtype, and their ends rounded to it (read per call)
+        self.switch_ends: tuple | None = None
         self.started = time.perf_counter()
         # schedule: the plan (made at the run's start), its steps' sigmas (CPU), and the cond-minus-uncond
         # residual difference of the last step that computed both, with that step

@@ -229,7 +229,9 @@ _SETTING_SCALARS = (type(None), bool, int, float, str, torch.dtype)
 def _setting(value: Any) -> Any:
     """A model setting as a key field: plain values (as they are: the ids compute alike from equal ones, and a
     NaN, never equal, only misses), their lists and tuples, a dataclass of them (Flux's ``params``); ``...`` for
-    anything else (a module, a tensor, an object: never read here, so a tensor is never copied or waited for)."""
+    anything else (a module, a tensor, an object: never read here, so a tensor is never copied or waited for).
+    Not ``keys.encode``: it runs on every forward, and through it (a walk for tensors, then the encode) the tiny
+    Flux's settings took 43-59 µs against this 9."""
     if isinstance(value, _SETTING_SCALARS):
         return value
     if isinstance(value, (list, tuple)):

@@ -859,9 +859,14 @@ def _effects(run: tc.RunState, sigmas: torch.Tensor | None) -> tuple:
         # as ComfyUI's ControlBase.get_control compares: the call's first timestep against the range's ends,
         # which a tensor-against-float compare rounds to the timestep's dtype (in float64 a range ending on a
         # step's float32 sigma was read otherwise, and that step's ControlNet lost)
+        # (ComfyUI's pre_run sets the ranges, after the run's start: rounded at the first call, and again only
+        # where they or the dtype change)
         t = float(sigmas.reshape(-1)[0])
-        ranges = [getattr(c, "timestep_range", None) for c in controls]
-        on = tuple(r is None or not (t > _as(r[0], sigmas.dtype) or t < _as(r[1], sigmas.dtype)) for r in ranges)
+        read = (sigmas.dtype, tuple(getattr(c, "timestep_range", None) for c in controls))
+        if run.switch_ends is None or run.switch_ends[0] != read:
+            run.switch_ends = (read, tuple(None if r is None else (_as(r[0], sigmas.dtype), _as(r[1], sigmas.dtype))
+                                           for r in read[1]))
+        on = tuple(e is None or not (t > e[0] or t < e[1]) for e in run.switch_ends[1])
     return on + tuple(hook.hook_keyframe.strength for hook in hooks)
 
 
