@@ -14,7 +14,7 @@ from comfy_api.latest import io
 
 from ..caching.conditioning import CACHE
 from ..caching.stats import REGISTRY
-from . import CATEGORY, refusal
+from . import CATEGORY, compat, refusal
 
 AREA = f"{CATEGORY}/demo"
 STATS_NAME = "demo models"
@@ -91,7 +91,9 @@ class DemoFlux(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls) -> io.NodeOutput:
+    def execute(cls, **linked) -> io.NodeOutput:
+        if (extra := compat.unknown(linked)) is not None:
+            raise refusal(_stats(), "ReuseKit Demo Flux", extra)
         return io.NodeOutput(*load_demo("flux"))
 
 
@@ -112,7 +114,9 @@ class DemoWan(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls) -> io.NodeOutput:
+    def execute(cls, **linked) -> io.NodeOutput:
+        if (extra := compat.unknown(linked)) is not None:
+            raise refusal(_stats(), "ReuseKit Demo Wan", extra)
         return io.NodeOutput(*load_demo("wan"))
 
 
@@ -134,12 +138,14 @@ class DemoDecode(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, samples, scale=16) -> io.NodeOutput:
+    def execute(cls, samples, scale=16, **linked) -> io.NodeOutput:
         import comfy.latent_formats
 
         from .demo_models import shapes
 
         node = "ReuseKit Demo Decode"
+        if (extra := compat.unknown(linked)) is not None:
+            raise refusal(_stats(), node, extra)
         latent = samples.get("samples") if isinstance(samples, dict) else None
         if isinstance(latent, torch.Tensor) and latent.ndim in (4, 5) and latent.shape[1] != 16 \
                 and not latent.any():  # an empty latent of other channels: empty, as ComfyUI's samplers read it
@@ -181,8 +187,10 @@ class PromptBatch(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, prompts, negative="") -> io.NodeOutput:
+    def execute(cls, prompts, negative="", **linked) -> io.NodeOutput:
         node = "ReuseKit Prompt Batch"
+        if (extra := compat.unknown(linked)) is not None:
+            raise refusal(CACHE.stats, node, extra)
         if not isinstance(prompts, str) or not isinstance(negative, str):
             raise refusal(CACHE.stats, node, "prompts and negative must be text")  # its prompts feed the encodes
         lines = [line.strip() for line in prompts.splitlines() if line.strip()]
@@ -205,8 +213,8 @@ class OldPromptBatch(io.ComfyNode):
         return schema
 
     @classmethod
-    def execute(cls, prompts, negative="") -> io.NodeOutput:
-        return PromptBatch.execute(prompts, negative)
+    def execute(cls, prompts, negative="", **linked) -> io.NodeOutput:
+        return PromptBatch.execute(prompts, negative, **linked)
 
 
 NODES = [DemoFlux, DemoWan, DemoDecode, PromptBatch, OldPromptBatch]

@@ -11,7 +11,7 @@ from comfy_api.latest import io
 
 from ..patches.conditioning import install, mark
 from ..patches.lazy_clip import STATS, lazily
-from . import CATEGORY, refusal
+from . import CATEGORY, compat, refusal
 
 AREA = f"{CATEGORY}/conditioning"
 
@@ -75,7 +75,11 @@ class _LazyLoader(io.ComfyNode):
 
     @classmethod
     def _error(cls, inputs: dict):
-        for name, options, _, _ in cls._spec():
+        spec = cls._spec()
+        known = {name for name, _, _, _ in spec}
+        if (extra := compat.unknown({k: v for k, v in inputs.items() if k not in known})) is not None:
+            return f"{cls.DISPLAY}: {extra}"
+        for name, options, _, _ in spec:
             value = inputs.get(name)
             if name in inputs and value not in options:  # ComfyUI 0.3.75 checks no V3 combo
                 shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:80] + "..."

@@ -7,7 +7,7 @@ import time
 from comfy_api.latest import io, ui
 
 from ..caching.stats import REGISTRY, format_snapshot
-from . import CATEGORY
+from . import CATEGORY, compat, refusal
 
 
 class CacheStatsNode(io.ComfyNode):
@@ -28,11 +28,14 @@ class CacheStatsNode(io.ComfyNode):
         )
 
     @classmethod
-    def fingerprint_inputs(cls, after=None) -> float:
+    def fingerprint_inputs(cls, after=None, **linked) -> float:
         return time.time()  # stats change between runs: never answer from ComfyUI's cache
 
     @classmethod
-    def execute(cls, after=None) -> io.NodeOutput:
+    def execute(cls, after=None, **linked) -> io.NodeOutput:
+        if (extra := compat.unknown(linked)) is not None:
+            stats = REGISTRY.register("stats_node", "stats", "Inputs the ReuseKit Cache Stats node refused.")
+            raise refusal(stats, "ReuseKit Cache Stats", extra)
         text = format_snapshot(REGISTRY.snapshot())
         return io.NodeOutput(text, ui=ui.PreviewText(text))
 

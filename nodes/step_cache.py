@@ -235,8 +235,10 @@ class TeaCacheCalibrateNode(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model) -> io.NodeOutput:
+    def execute(cls, model, **linked) -> io.NodeOutput:
         node = "ReuseKit TeaCache Calibrate"
+        if (extra := compat.unknown(linked)) is not None:
+            raise refused(node, extra)
         config = make_config(node, "auto", 0.0, 0.0, 1.0, 0, "device", "reuse", calibrate=True, rule="teacache")
         return io.NodeOutput(attach(node, model, config))
 

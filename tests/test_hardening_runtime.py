@@ -425,16 +425,23 @@ def test_a_sampler_nodes_wrong_conditioning_latent_or_nan_is_refused_naming_the_
     assert _run_bad(executor, _sampler_prompt(class_type)) == (None, None)  # and a good prompt runs
 
 
-UNKNOWN_CHECKED = ("ReuseKitTeaCache", "ReuseKitCachedKSampler", "ReuseKitGraphKSampler", "ReuseKitGraphCapture",
-                   "ReuseKitPECache", "ReuseKitCachedCLIP", "ReuseKitCachedVAE", "ReuseKitCachedCLIPVision",
-                   "ReuseKitConditioningCacheSettings")
+UNKNOWN_CHECKED = ("ReuseKitCacheStats", "ReuseKitCachedCLIP", "ReuseKitCachedCLIPVision", "ReuseKitCachedKSampler",
+                   "ReuseKitCachedVAE", "ReuseKitConditioningCacheSettings", "ReuseKitDemoDecode", "ReuseKitDemoFlux",
+                   "ReuseKitDemoPromptBatch", "ReuseKitDemoWan", "ReuseKitGraphCapture", "ReuseKitGraphKSampler",
+                   "ReuseKitPECache", "ReuseKitPromptBatch", "ReuseKitTeaCache", "ReuseKitTeaCacheCalibrate")
+
+
+def test_every_node_is_checked_for_unknown_inputs():
+    """Here, or the lazy loaders, which need files, in tests/test_lazy_clip.py."""
+    lazy = {"ReuseKitLazyCLIPLoader", "ReuseKitLazyDualCLIPLoader", "ReuseKitLazyTripleCLIPLoader"}
+    assert set(UNKNOWN_CHECKED) | lazy == set(_reusekit_nodes())
 
 
 @pytest.mark.parametrize("class_type", UNKNOWN_CHECKED)
 def test_an_input_the_node_does_not_have_given_through_a_link_is_refused_naming_it(class_type, settings):
     """ComfyUI drops an unknown value but hands the node every linked input: the step cache and conditioning
-    nodes ignored a linked typo ('treshold') without a word, the others failed with a TypeError naming their
-    Python class. Each refuses it naming the node and the input, counted in the stats; a good prompt runs."""
+    nodes ignored a linked typo ('treshold') without a word, the others (the demo, prompt batch and stats nodes
+    until 2026-12-06) failed with a TypeError naming their Python class. Each refuses it naming the node and the input, counted in the stats; a good prompt runs."""
     executor = rkharness.Executor(cache="none")
     registry = rkharness.pack("caching.stats").REGISTRY
 

@@ -596,6 +596,16 @@ def test_each_lazy_loader_offers_its_host_loaders_choices_and_takes_the_same_pro
     assert message["node_type"] == lazy_id, failed.value
     assert f"{lazy_node.DISPLAY}: {clip_names[-1]}: 'rk_missing.safetensors' is not one of" in message[
         "exception_message"]
+    # an input the loader does not have, given through a link, is refused naming it (it failed with a TypeError
+    # from the host loader)
+    typo = prompt(lazy_id)
+    typo["1"]["inputs"]["treshold"] = ["3", 0]
+    executor = rkharness.Executor(cache="none")
+    with pytest.raises(AssertionError):
+        executor.run(typo)
+    (message,) = [m[1] for m in executor.executor.status_messages if m[0] == "execution_error"]
+    assert message["node_type"] == lazy_id
+    assert f"{lazy_node.DISPLAY}: 'treshold' is not an input of this node" in message["exception_message"], message
 
 
 def test_a_choice_from_an_empty_list_says_the_list_is_empty(monkeypatch):
