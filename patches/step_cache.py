@@ -988,6 +988,9 @@ def _outer_sample(executor, *args, **kwargs):
     top = getattr(ms, "sigma_max", None)
     if cfg.calibrate and sigmas is not None and top is not None and float(sigmas[0]) < 0.99 * float(top):
         run.partial = f"it started at sigma {float(sigmas[0]):.3g}, below the model's {float(top):.3g} (denoise under 1)"
+    elif cfg.calibrate and sigmas is not None and float(sigmas[-1]) > 0:
+        run.partial = (f"it stopped at sigma {float(sigmas[-1]):.3g}, above 0 (an end step before the last, or the "
+                       "first part of split sigmas)")
     run.switches = _switches(getattr(guider, "conds", None))
     run.disabled_reason = replaced_reason(orig.get("transformer_options", {}), settings)
     if run.disabled_reason is not None:
@@ -1091,7 +1094,8 @@ def _finish(run: tc.RunState, settings: Settings, plan: Plan, total_steps: int |
                     "from complete runs only)", settings.family.name, outcome)
     elif run.config.calibrate and (run.windowed or run.partial):
         why = run.partial or "it sampled in context windows, each window a part of the picture"
-        reason = f"calibration: {why}; nothing is saved (calibrate with a whole run: denoise 1, no context windows)"
+        reason = (f"calibration: {why}; nothing is saved (calibrate with a whole run: denoise 1 to the last step, "
+                  "no context windows)")
         s.count_reason("refused", reason, source=settings.family.name)
         log.warning("ReuseKit TeaCache Calibrate (%s): %s", settings.family.name, reason)
     elif run.config.calibrate:

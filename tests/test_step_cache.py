@@ -1220,8 +1220,9 @@ def test_each_context_window_keeps_a_state_of_its_own(conds):
 
 
 def test_a_calibration_from_a_partial_pass_is_not_saved(flux, conds, _isolated_calibrations):
-    """A second pass at denoise under 1 (a hires pass) sees only the low sigmas: saved, later runs took the
-    curve as flat beyond it and skipped the start. It is refused, counted, and nothing is written."""
+    """A second pass at denoise under 1 (a hires pass) sees only the low sigmas, a run stopped early only the
+    high ones: saved, later runs took the curve as flat beyond it and skipped there. Each is refused, counted,
+    and nothing is written."""
     import nodes
 
     (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
@@ -1231,6 +1232,15 @@ def test_a_calibration_from_a_partial_pass_is_not_saved(flux, conds, _isolated_c
     assert last_run()["outcome"] == "completed" and "calibration" not in last_run()
     assert not _isolated_calibrations.path.exists()
     assert any("denoise under 1" in r["reason"] and r["event"] == "refused"
+               for r in P().stats().snapshot()["reasons"])
+    # a run stopped before the end (KSamplerAdvanced's end_at_step, the first half of split sigmas) sees only
+    # the high sigmas: saved, a later default run skipped every low-sigma step, 0.33 from the uncached latent
+    # against 0.009 after a whole calibration
+    nodes.common_ksampler(cal, 3, STEPS, 3.0, "euler", "simple", *conds, {"samples": torch.zeros((1, 16, 8, 8))},
+                          start_step=0, last_step=STEPS // 2, force_full_denoise=False)
+    assert last_run()["outcome"] == "completed" and "calibration" not in last_run()
+    assert not _isolated_calibrations.path.exists()
+    assert any("it stopped at sigma" in r["reason"] and r["event"] == "refused"
                for r in P().stats().snapshot()["reasons"])
 
 
