@@ -822,6 +822,15 @@ def _diffusion_model(executor, *args, **kwargs):
     return out
 
 
+def _cut_short(sigmas: torch.Tensor) -> bool:
+    """Whether ``sigmas`` are the first part of a longer schedule: ComfyUI's KSampler cuts its sigmas at an end step
+    before the last as a view of them, and with the rest of the noise removed at once (KSamplerAdvanced without
+    leftover noise) sets the last one to 0, so only the view tells it from a whole run: the first part of a larger
+    storage (a view's base is not kept under inference mode, where ComfyUI samples)."""
+    return (sigmas.ndim == 1 and sigmas.storage_offset() == 0
+            and sigmas.untyped_storage().nbytes() > sigmas.numel() * sigmas.element_size())
+
+
 def _switches(conds: dict | None) -> tuple[list, list]:
     """What may switch on or off within a run, from the guider's conds: the ControlNets (each one of a chain)
     whose start or end percent is inside the run, and the hooks whose keyframes change their strength (a
@@ -991,6 +1000,9 @@ def _outer_sample(executor, *args, **kwargs):
     elif cfg.calibrate and sigmas is not None and float(sigmas[-1]) > 0:
         run.partial = (f"it stopped at sigma {float(sigmas[-1]):.3g}, above 0 (an end step before the last, or the "
                        "first part of split sigmas)")
+    elif cfg.calibrate and sigmas is not None and _cut_short(sigmas):
+        run.partial = (f"it stopped after {len(sigmas) - 1} steps of a longer schedule (an end step before the last, "
+                       "the rest of the noise removed at once)")
     run.switches = _switches(getattr(guider, "conds", None))
     run.disabled_reason = replaced_reason(orig.get("transformer_options", {}), settings)
     if run.disabled_reason is not None:

@@ -1242,6 +1242,16 @@ def test_a_calibration_from_a_partial_pass_is_not_saved(flux, conds, _isolated_c
     assert not _isolated_calibrations.path.exists()
     assert any("it stopped at sigma" in r["reason"] and r["event"] == "refused"
                for r in P().stats().snapshot()["reasons"])
+    # stopped there with the rest of the noise removed at once (KSamplerAdvanced without leftover noise): the
+    # last sigma is 0, as a whole run's, and it was saved alike
+    nodes.common_ksampler(cal, 3, STEPS, 3.0, "euler", "simple", *conds, {"samples": torch.zeros((1, 16, 8, 8))},
+                          start_step=0, last_step=STEPS // 2, force_full_denoise=True)
+    assert last_run()["outcome"] == "completed" and "calibration" not in last_run()
+    assert not _isolated_calibrations.path.exists()
+    assert any(f"it stopped after {STEPS // 2} steps of a longer schedule" in r["reason"]
+               and r["event"] == "refused" for r in P().stats().snapshot()["reasons"])
+    sample(cal, conds)  # a whole run calibrates
+    assert "calibration" in last_run() and _isolated_calibrations.path.exists()
 
 
 def test_the_window_in_percent_reads_the_models_patched_sampling_on_its_first_run(conds):
