@@ -1000,6 +1000,16 @@ class CalibrationStore:
         self.path = path
         self._lock = threading.Lock()
         self._memory: dict[str, list[dict[str, Any]]] = {}
+        self._saved = 0  # calibrations this process has put
+
+    def stamp(self) -> str:
+        """What changes where a calibration is saved: this process's saves and the file's modification time
+        (another process's). The step cache nodes' fingerprint: a run after a calibration resolves otherwise."""
+        try:
+            mtime = self.path.stat().st_mtime_ns if self.path is not None else None
+        except OSError:
+            mtime = None
+        return f"{self._saved}:{mtime}"
 
     def _read(self) -> dict[str, Any]:
         """The file's calibrations ({} without a file); _Unreadable where it holds no JSON object."""
@@ -1080,6 +1090,7 @@ class CalibrationStore:
 
         with self._lock:
             self._memory[key] = add(self._memory.get(key))
+            self._saved += 1
             if self.path is None:
                 return
             with self._file_lock():

@@ -202,6 +202,12 @@ class TeaCacheNode(io.ComfyNode):
         )
 
     @classmethod
+    def fingerprint_inputs(cls, **inputs) -> str:
+        # a calibration saved since the last run changes what auto and calibrated resolve to: ComfyUI's cache of
+        # this node's output (and of the sampler after it) kept the picture from before
+        return patch.STORE.stamp()
+
+    @classmethod
     def execute(cls, model, model_type="auto", threshold=LEFT_OUT, start_percent=0.0, end_percent=1.0,
                 max_consecutive_skips=0, cache_device="device", residual_mode=LEFT_OUT, rule=LEFT_OUT,
                 interval_power=1.0, first_blocks=1, **linked_old) -> io.NodeOutput:
@@ -260,6 +266,10 @@ class CachedKSamplerNode(SamplerInputs, io.ComfyNode):
             outputs=[io.Latent.Output(tooltip="The denoised latent.")],
             hidden=compat.hidden(),
         )
+
+    @classmethod
+    def fingerprint_inputs(cls, **inputs) -> str:
+        return TeaCacheNode.fingerprint_inputs(**inputs)
 
     @classmethod
     def execute(cls, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise,

@@ -2023,6 +2023,37 @@ def test_example_workflow_runs_on_the_trained_flux(harness):
     assert "teacache" in result["outputs"]["12"]["text"][0]
 
 
+@pytest.mark.workflows
+@pytest.mark.parametrize("cache", ["classic", "lru"])
+def test_a_calibration_saved_between_prompts_reaches_the_next_run_of_a_cached_graph(harness, cache):
+    """ComfyUI keeps a node's outputs while its inputs stand; a calibration saved since (another prompt, another
+    process) changes what the step cache's auto resolves to. The step cache graph queued again kept the
+    uncalibrated picture, where a new server gives the calibrated one; it now runs again, and only then."""
+    import copy
+
+    wf = harness.load_workflow("step_cache_flux.json")
+    prompt = harness.workflow_to_prompt(wf, family="flux_trained", overrides={
+        "8": {"width": 64, "height": 64}, "9": {"steps": STEPS}})
+    prompt["4"]["inputs"]["threshold"] = -1.0  # auto: the calibrated schedule once there is a calibration
+    calibrate = copy.deepcopy(prompt)
+    calibrate["4"] = {"class_type": "ReuseKitTeaCacheCalibrate", "inputs": {"model": prompt["4"]["inputs"]["model"]}}
+    executor = harness.Executor(cache=cache)
+
+    def run(p, on=executor):  # a new copy each time, as the server parses each prompt anew
+        on.run(copy.deepcopy(p))
+        return on.output("9")[0][0]["samples"].clone(), last_run()
+
+    before, first = run(prompt)
+    assert first["model_type"] != "calibrated"
+    again, second = run(prompt)
+    assert second == first and torch.equal(again, before)  # nothing saved: ComfyUI's cache answers
+    run(calibrate)
+    after, third = run(prompt)
+    assert third["model_type"] == "calibrated", third
+    fresh, _ = run(prompt, harness.Executor(cache="classic"))
+    assert torch.equal(after, fresh) and not torch.equal(after, before)
+
+
 @pytest.mark.gpu
 def test_on_cuda_residuals_live_where_cache_device_says_and_the_latents_agree(flux, conds):
     on_device = sample(teacache(flux, 0.8), conds)
