@@ -430,6 +430,9 @@ class RunState:
         # the wrapper), and the effects the last call had on
         self.switches: tuple[list, list] = ([], [])
         self.effects_seen: tuple | None = None
+        # output mode: the sampler adds noise between calls (a flow model's), so the output is kept and forecast
+        # as the denoised picture it gives (set by the wrapper)
+        self.renoised = False
         # the ControlNets' ranges as read, with the timestep dtype, and their ends rounded to it (read per call)
         self.switch_ends: tuple | None = None
         self.started = time.perf_counter()

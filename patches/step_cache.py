@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import inspect
 import logging
 import math
 import time
@@ -396,6 +397,9 @@ class _Call:
         self.first: torch.Tensor | None = None  # the first blocks' residual (``decide_at``'s output minus the stack input)
         self.residual: torch.Tensor | None = None  # the whole stack's residual
         self._layers: dict[int, int] | None = None  # layer_forward families: id(block) -> its index
+        # output mode under a sampler that adds noise: (the call's input, its rows' sigmas), the output kept and
+        # forecast as the denoised picture it gives (set by the wrapper; None: the output itself)
+        self.noisy: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def layer_index(self, module) -> tuple[int, bool] | None:
         """A layer_forward family's block: (its index in this call's model, whether it is the last), or None
@@ -614,19 +618,44 @@ class _Call:
         not one tensor splitting per cond is not kept, and the conds' earlier ones are dropped: they never
         skip (counted)."""
         if torch.is_tensor(out) and out.ndim and out.shape[0] % len(self.keys) == 0:
-            self.residual = out
-            return
+            if self.noisy is None:
+                self.residual = out
+                return
+            x = self.noisy[0]
+            if x.shape[0] == out.shape[0] and x.shape[2:] == out.shape[2:] and x.shape[1] >= out.shape[1]:
+                self.residual = self._denoised(out)
+                return
+            why = "under a sampler that adds noise, this model's output is not laid out as its input"
+        else:
+            why = "this model's output does not split per cond"
         self.residual = None
         for key in self.keys:
             self.run.conds[key].clear()
-        stats().count_reason("fallback", "residual_mode output: this model's output does not split per cond, so "
-                             "every call was computed", source=self.family.name)
+        stats().count_reason("fallback", f"residual_mode output: {why}, so every call was computed",
+                             source=self.family.name)
 
     def forecast_output(self, out: torch.Tensor) -> torch.Tensor:
         """Output mode, a skipped call: each cond's forecast output in place of ``out`` (what the blocks,
-        passed through, gave)."""
-        return torch.cat([self.run.residual(key, part, self.sigma)
-                          for key, part in zip(self.keys, out.chunk(len(self.keys)), strict=True)])
+        passed through, gave); under a sampler that adds noise, the output that gives the forecast denoised
+        picture from this call's input."""
+        forecast = torch.cat([self.run.residual(key, part, self.sigma)
+                              for key, part in zip(self.keys, out.chunk(len(self.keys)), strict=True)])
+        if self.noisy is None:
+            return forecast
+        x, sigmas = self._noisy(out)
+        return ((x - forecast.float()) / sigmas).to(out.dtype)
+
+    def _noisy(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The call's noisy input (without the channels a model concatenates to it) and its rows' sigmas, in
+        float32, laid out as ``out``."""
+        x, sigmas = self.noisy
+        return x[:, :out.shape[1]].float(), sigmas.float().reshape(-1, *[1] * (out.ndim - 1))
+
+    def _denoised(self, out: torch.Tensor) -> torch.Tensor:
+        """The denoised picture ``out`` gives at this call (a flow model's: the input less sigma times the
+        output, as ComfyUI's model sampling reads it)."""
+        x, sigmas = self._noisy(out)
+        return (x - sigmas * out.float()).to(out.dtype)
 
 
 def _first_output(out):
@@ -788,6 +817,8 @@ def _diffusion_model(executor, *args, **kwargs):
                                  "each cond started over with a computed call", source=settings.family.name)
         run.effects_seen = effects
     call = _Call(run, settings.family, dm, keys, labels, may_skip, sigma, scoped, effects)
+    if call.on_output and run.renoised:
+        call.noisy = _noisy_input(settings.family, args, kwargs, sigmas)
     t0 = time.perf_counter()
     with _calling(to, call):
         out = executor(*args, **kwargs)
@@ -820,6 +851,35 @@ def _diffusion_model(executor, *args, **kwargs):
         s.set_memory("device", mem["device"])
         s.set_memory("cpu", mem["cpu"])
     return out
+
+
+def _adds_noise(sampler) -> bool:
+    """Whether the run's sampler adds noise between its model calls: a k-diffusion sampler taking a noise
+    sampler (ancestral, SDE, LCM, DDPM...) whose ``eta`` and ``s_noise`` are not 0."""
+    try:
+        params = inspect.signature(sampler.sampler_function).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    if "noise_sampler" not in params:
+        return False
+    options = getattr(sampler, "extra_options", None) or {}
+
+    def given(name: str):
+        default = params[name].default if name in params else 1.0
+        return options.get(name, 1.0 if default is inspect.Parameter.empty else default)
+
+    return given("eta") != 0 and given("s_noise") != 0
+
+
+def _noisy_input(family: Family, args: tuple, kwargs: dict, sigmas) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(the diffusion model's input, its rows' sigmas) where its output turns into the denoised picture as a
+    flow model's does (ComfyUI's CONST model sampling: the input less sigma times the output), else None.
+    Mochi's wrapper is around apply_model, whose output is the denoised picture already."""
+    x = args[0] if args else kwargs.get("x")
+    if family.call_wrapper != "DIFFUSION_MODEL" or not torch.is_tensor(x) or not torch.is_tensor(sigmas) \
+            or sigmas.ndim != 1 or x.ndim < 2 or not sigmas.shape[0] or x.shape[0] % sigmas.shape[0]:
+        return None
+    return x, sigmas.repeat(x.shape[0] // sigmas.shape[0])  # the latent's sigmas, once per cond in the batch
 
 
 def _cut_short(sigmas: torch.Tensor) -> bool:
@@ -981,6 +1041,7 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None, steps:
 
 def _outer_sample(executor, *args, **kwargs):
     import comfy.model_patcher
+    import comfy.model_sampling
 
     guider = executor.class_obj
     orig = guider.model_options
@@ -1004,6 +1065,8 @@ def _outer_sample(executor, *args, **kwargs):
         run.partial = (f"it stopped after {len(sigmas) - 1} steps of a longer schedule (an end step before the last, "
                        "the rest of the noise removed at once)")
     run.switches = _switches(getattr(guider, "conds", None))
+    run.renoised = _adds_noise(args[2] if len(args) > 2 else kwargs.get("sampler")) and isinstance(
+        ms, comfy.model_sampling.CONST)
     run.disabled_reason = replaced_reason(orig.get("transformer_options", {}), settings)
     if run.disabled_reason is not None:
         stats().count_reason("disabled", run.disabled_reason, source=settings.family.name)
