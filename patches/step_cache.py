@@ -882,6 +882,20 @@ def _noisy_input(family: Family, args: tuple, kwargs: dict, sigmas) -> tuple[tor
     return x, sigmas.repeat(x.shape[0] // sigmas.shape[0])  # the latent's sigmas, once per cond in the batch
 
 
+def _schedule_steps(sigmas: torch.Tensor | None) -> int | None:
+    """The steps of the schedule this run samples a part of: its own, or where its sigmas are a view into a
+    longer schedule (KSamplerAdvanced's start and end steps, a SplitSigmas half, KSampler's denoise under 1,
+    which samples the last steps of a longer schedule) that schedule's, so ``auto`` picks the threshold of the
+    steps' density (two halves of a 50-step schedule skip as 50 steps do, not as two runs of 25)."""
+    if sigmas is None:
+        return None
+    if sigmas.ndim == 1 and sigmas.numel():
+        held = sigmas.untyped_storage().nbytes() // sigmas.element_size()
+        if held > sigmas.numel():
+            return held - 1
+    return len(sigmas) - 1
+
+
 def _cut_short(sigmas: torch.Tensor) -> bool:
     """Whether ``sigmas`` are the first part of a longer schedule: ComfyUI's KSampler cuts its sigmas at an end step
     before the last as a view of them, and with the rest of the noise removed at once (KSamplerAdvanced without
@@ -1050,7 +1064,7 @@ def _outer_sample(executor, *args, **kwargs):
         return executor(*args, **kwargs)
     sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
     steps = len(sigmas) - 1 if sigmas is not None else None
-    plan = resolve(settings, guider.model_patcher, getattr(guider, "conds", None), steps)
+    plan = resolve(settings, guider.model_patcher, getattr(guider, "conds", None), _schedule_steps(sigmas))
     cfg = plan.config
     ms = guider.model_patcher.get_model_object("model_sampling")  # with its object patches (ModelSamplingSD3...)
     run = tc.RunState(cfg, plan.coefficients, float(ms.percent_to_sigma(cfg.start_percent)),

@@ -1286,6 +1286,33 @@ def test_a_calibration_from_a_partial_pass_is_not_saved(flux, conds, _isolated_c
     assert "calibration" in last_run() and _isolated_calibrations.path.exists()
 
 
+def test_a_run_that_is_part_of_its_schedule_takes_the_schedules_threshold(flux, conds):
+    """auto's threshold is picked for the density of the steps. A run sampling part of a schedule (the two
+    KSamplerAdvanced halves of a Wan 2.2 pair, KSampler's denoise under 1) took its own step count's: two
+    halves of a 50-step schedule skipped as two 25-step runs (2.78x each against the whole run's 5.56x). They
+    now take the whole schedule's, and land near it from their uncached latent."""
+    import nodes
+
+    defaults = N().TeaCacheNode.execute(model=flux).args[0]
+    steps, seed = 50, 5
+
+    def staged(model):
+        adv = nodes.KSamplerAdvanced()
+        (half,) = adv.sample(model, "enable", seed, steps, 3.0, "euler", "simple", *conds,
+                             {"samples": torch.zeros((1, 16, 8, 8))}, 0, steps // 2, "enable")
+        first = last_run()
+        (done,) = adv.sample(model, "disable", seed, steps, 3.0, "euler", "simple", *conds, half, steps // 2, steps,
+                             "disable")
+        return done["samples"], first, last_run()
+
+    whole = rel_err(sample(defaults, conds, steps=steps, seed=seed), sample(flux, conds, steps=steps, seed=seed))
+    run = last_run()
+    out, first, second = staged(defaults)
+    assert first["threshold"] == second["threshold"] == run["threshold"]
+    assert min(first["speedup_calls"], second["speedup_calls"]) > 0.85 * run["speedup_calls"]
+    assert rel_err(out, staged(flux)[0]) < 2 * whole, (rel_err(out, staged(flux)[0]), whole)
+
+
 def test_the_window_in_percent_reads_the_models_patched_sampling_on_its_first_run(conds):
     """ModelSamplingSD3 (an object patch) moves the sigmas; start_percent is read through it on the very
     first run, before ComfyUI loads the model: two identical runs give the same pattern and latent."""
