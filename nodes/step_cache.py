@@ -204,7 +204,11 @@ class TeaCacheNode(io.ComfyNode):
     @classmethod
     def fingerprint_inputs(cls, **inputs) -> str:
         # a calibration saved since the last run changes what auto and calibrated resolve to: ComfyUI's cache of
-        # this node's output (and of the sampler after it) kept the picture from before
+        # this node's output (and of the sampler after it) kept the picture from before. A published type or a
+        # rule that needs no table never reads one (a linked input arrives as None: it may)
+        if inputs.get("model_type") not in ("auto", "calibrated", None) or inputs.get("rule") in (
+                "first_block", "interval"):
+            return ""
         return patch.STORE.stamp()
 
     @classmethod

@@ -853,15 +853,19 @@ def _diffusion_model(executor, *args, **kwargs):
     return out
 
 
+_OWN_NOISE = ("sample_lcm_upscale",)  # samplers that add noise without taking a noise sampler
+
+
 def _adds_noise(sampler) -> bool:
     """Whether the run's sampler adds noise between its model calls: a k-diffusion sampler taking a noise
-    sampler (ancestral, SDE, LCM, DDPM...) whose ``eta`` and ``s_noise`` are not 0."""
+    sampler (ancestral, SDE, LCM, DDPM...) whose ``eta`` and ``s_noise`` are not 0, or one that adds its own
+    (SamplerLCMUpscale's)."""
     try:
         params = inspect.signature(sampler.sampler_function).parameters
     except (AttributeError, TypeError, ValueError):
         return False
     if "noise_sampler" not in params:
-        return False
+        return getattr(sampler.sampler_function, "__name__", None) in _OWN_NOISE
     options = getattr(sampler, "extra_options", None) or {}
 
     def given(name: str):
@@ -869,6 +873,17 @@ def _adds_noise(sampler) -> bool:
         return options.get(name, 1.0 if default is inspect.Parameter.empty else default)
 
     return given("eta") != 0 and given("s_noise") != 0
+
+
+def _flow_denoised(ms) -> bool:
+    """Whether the model sampling reads the denoised picture as a flow model does, the input less sigma times
+    the output, and takes the input as it is: ComfyUI's CONST maths, not only its class (Wan FlowRVS's
+    IMG_TO_IMG_FLOW is a CONST whose denoised picture is the output itself)."""
+    import comfy.model_sampling
+
+    const = comfy.model_sampling.CONST
+    return isinstance(ms, const) and all(getattr(type(ms), name, None) is getattr(const, name)
+                                         for name in ("calculate_denoised", "calculate_input"))
 
 
 def _noisy_input(family: Family, args: tuple, kwargs: dict, sigmas) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -1073,14 +1088,13 @@ def _outer_sample(executor, *args, **kwargs):
     if cfg.calibrate and sigmas is not None and top is not None and float(sigmas[0]) < 0.99 * float(top):
         run.partial = f"it started at sigma {float(sigmas[0]):.3g}, below the model's {float(top):.3g} (denoise under 1)"
     elif cfg.calibrate and sigmas is not None and float(sigmas[-1]) > 0:
-        run.partial = (f"it stopped at sigma {float(sigmas[-1]):.3g}, above 0 (an end step before the last, or the "
-                       "first part of split sigmas)")
+        run.partial = (f"it stopped at sigma {float(sigmas[-1]):.3g}, above 0 (an end step before the last, the "
+                       "first part of split sigmas, or a schedule that never reaches 0, as Laplace's)")
     elif cfg.calibrate and sigmas is not None and _cut_short(sigmas):
         run.partial = (f"it stopped after {len(sigmas) - 1} steps of a longer schedule (an end step before the last, "
                        "the rest of the noise removed at once)")
     run.switches = _switches(getattr(guider, "conds", None))
-    run.renoised = _adds_noise(args[2] if len(args) > 2 else kwargs.get("sampler")) and isinstance(
-        ms, comfy.model_sampling.CONST)
+    run.renoised = _adds_noise(args[2] if len(args) > 2 else kwargs.get("sampler")) and _flow_denoised(ms)
     run.disabled_reason = replaced_reason(orig.get("transformer_options", {}), settings)
     if run.disabled_reason is not None:
         stats().count_reason("disabled", run.disabled_reason, source=settings.family.name)

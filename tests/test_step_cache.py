@@ -622,15 +622,46 @@ def test_a_controlnet_or_lora_switching_within_the_run_starts_each_cond_over(flu
 
 
 def _denoised_per_step(model, conds, sampler, steps=STEPS, seed=3):
-    """(the latent, the denoised picture the sampler was handed at each step) of a run of ``sampler``."""
+    """(the latent, the denoised picture the sampler was handed at each step) of a run of ``sampler`` (a name,
+    or a sampler node's output, run as SamplerCustom runs it)."""
     import comfy.sample
+    import comfy.samplers
 
     seen = []
     latent = torch.zeros((1, 16, 8, 8))
     noise = comfy.sample.prepare_noise(latent, seed)
-    out = comfy.sample.sample(model, noise, steps, 3.0, sampler, "simple", *conds, latent, seed=seed,
-                              callback=lambda step, x0, x, total: seen.append(x0.clone()))
+    callback = lambda step, x0, x, total: seen.append(x0.clone())  # noqa: E731
+    if isinstance(sampler, str):
+        out = comfy.sample.sample(model, noise, steps, 3.0, sampler, "simple", *conds, latent, seed=seed,
+                                  callback=callback)
+    else:
+        sigmas = comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), "simple", steps)
+        out = comfy.sample.sample_custom(model, noise, 3.0, sampler, sigmas, *conds, latent, seed=seed,
+                                         callback=callback)
     return out, seen
+
+
+def test_samplers_that_add_noise_without_a_noise_sampler_and_flow_models_of_other_maths(flux, conds):
+    """SamplerLCMUpscale adds its own noise (it takes no noise sampler): its run kept the velocity forecast.
+    Wan FlowRVS's model sampling is a CONST whose denoised picture is the output itself: read as the input
+    less sigma times the output, a skip handed the sampler another picture. Both now follow the denoised
+    picture as the sampler reads it: a skip where the forecast is the last computed value gives that call's."""
+    import comfy.model_sampling
+    from comfy_extras.nodes_advanced_samplers import SamplerLCMUpscale
+
+    upscale = SamplerLCMUpscale.execute(1.0, -1, "nearest-exact").args[0]
+    _, denoised = _denoised_per_step(teacache(flux, 3.0, rule="interval", mode="output"), conds, upscale, steps=20)
+    assert rel_err(denoised[1], denoised[0]) < 1e-5 and rel_err(denoised[2], denoised[0]) < 1e-5
+    other = getattr(comfy.model_sampling, "IMG_TO_IMG_FLOW", None)
+    if other is None:
+        pytest.skip("this ComfyUI has no IMG_TO_IMG_FLOW (Wan FlowRVS, ComfyUI 0.33)")
+    sampling = type("FlowRVSSampling", (comfy.model_sampling.ModelSamplingFlux, other), {})(flux.model.model_config)
+    sampling.set_parameters(shift=flux.get_model_object("model_sampling").shift)
+    rvs = flux.clone()
+    rvs.add_object_patch("model_sampling", sampling)
+    _, denoised = _denoised_per_step(teacache(rvs, 3.0, rule="interval", mode="output"), conds, "euler_ancestral",
+                                     steps=20)
+    assert rel_err(denoised[1], denoised[0]) < 1e-5 and rel_err(denoised[2], denoised[0]) < 1e-5
 
 
 @pytest.mark.parametrize("sampler", ["euler_ancestral", "dpmpp_2m_sde", "lcm"])
@@ -2106,7 +2137,11 @@ def test_a_calibration_saved_between_prompts_reaches_the_next_run_of_a_cached_gr
     assert first["model_type"] != "calibrated"
     again, second = run(prompt)
     assert second == first and torch.equal(again, before)  # nothing saved: ComfyUI's cache answers
+    node = N().TeaCacheNode  # a published type or a rule with no table never reads one: its stamp stands
+    unread = [node.fingerprint_inputs(model_type="flux"), node.fingerprint_inputs(model_type="auto", rule="interval")]
     run(calibrate)
+    assert [node.fingerprint_inputs(model_type="flux"),
+            node.fingerprint_inputs(model_type="auto", rule="interval")] == unread
     after, third = run(prompt)
     assert third["model_type"] == "calibrated", third
     fresh, _ = run(prompt, harness.Executor(cache="classic"))
