@@ -1290,29 +1290,21 @@ def test_a_calibration_from_a_partial_pass_is_not_saved(flux, conds, _isolated_c
 
     (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
     first = sample(flux, conds)
-    (out,) = nodes.common_ksampler(cal, 3, STEPS, 3.0, "euler", "simple", *conds, {"samples": first.clone()},
-                                   denoise=0.5)
-    assert last_run()["outcome"] == "completed" and "calibration" not in last_run()
-    assert not _isolated_calibrations.path.exists()
-    assert any("denoise under 1" in r["reason"] and r["event"] == "refused"
-               for r in P().stats().snapshot()["reasons"])
-    # a run stopped before the end (KSamplerAdvanced's end_at_step, the first half of split sigmas) sees only
-    # the high sigmas: saved, a later default run skipped every low-sigma step, 0.33 from the uncached latent
-    # against 0.009 after a whole calibration
-    nodes.common_ksampler(cal, 3, STEPS, 3.0, "euler", "simple", *conds, {"samples": torch.zeros((1, 16, 8, 8))},
-                          start_step=0, last_step=STEPS // 2, force_full_denoise=False)
-    assert last_run()["outcome"] == "completed" and "calibration" not in last_run()
-    assert not _isolated_calibrations.path.exists()
-    assert any("it stopped at sigma" in r["reason"] and r["event"] == "refused"
-               for r in P().stats().snapshot()["reasons"])
-    # stopped there with the rest of the noise removed at once (KSamplerAdvanced without leftover noise): the
-    # last sigma is 0, as a whole run's, and it was saved alike
-    nodes.common_ksampler(cal, 3, STEPS, 3.0, "euler", "simple", *conds, {"samples": torch.zeros((1, 16, 8, 8))},
-                          start_step=0, last_step=STEPS // 2, force_full_denoise=True)
-    assert last_run()["outcome"] == "completed" and "calibration" not in last_run()
-    assert not _isolated_calibrations.path.exists()
-    assert any(f"it stopped after {STEPS // 2} steps of a longer schedule" in r["reason"]
-               and r["event"] == "refused" for r in P().stats().snapshot()["reasons"])
+    empty = {"samples": torch.zeros((1, 16, 8, 8))}
+    # a pass at denoise under 1; a run stopped before the end (KSamplerAdvanced's end_at_step, the first half of
+    # split sigmas), which sees only the high sigmas (saved, a later default run skipped every low-sigma step,
+    # 0.33 from the uncached latent against 0.009 after a whole calibration); stopped there with the rest of
+    # the noise removed at once (KSamplerAdvanced without leftover noise), whose last sigma is 0 as a whole
+    # run's, and which was saved alike
+    partial = [({"samples": first.clone()}, {"denoise": 0.5}, "denoise under 1"),
+               (empty, {"start_step": 0, "last_step": STEPS // 2, "force_full_denoise": False}, "it stopped at sigma"),
+               (empty, {"start_step": 0, "last_step": STEPS // 2, "force_full_denoise": True},
+                f"it stopped after {STEPS // 2} steps of a longer schedule")]
+    for latent, how, why in partial:
+        nodes.common_ksampler(cal, 3, STEPS, 3.0, "euler", "simple", *conds, latent, **how)
+        assert last_run()["outcome"] == "completed" and "calibration" not in last_run()
+        assert not _isolated_calibrations.path.exists()
+        assert any(why in r["reason"] and r["event"] == "refused" for r in P().stats().snapshot()["reasons"]), why
     sample(cal, conds)  # a whole run calibrates
     assert "calibration" in last_run() and _isolated_calibrations.path.exists()
 
