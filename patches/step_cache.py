@@ -916,8 +916,7 @@ def _cut_short(sigmas: torch.Tensor) -> bool:
     before the last as a view of them, and with the rest of the noise removed at once (KSamplerAdvanced without
     leftover noise) sets the last one to 0, so only the view tells it from a whole run: the first part of a larger
     storage (a view's base is not kept under inference mode, where ComfyUI samples)."""
-    return (sigmas.ndim == 1 and sigmas.storage_offset() == 0
-            and sigmas.untyped_storage().nbytes() > sigmas.numel() * sigmas.element_size())
+    return sigmas.ndim == 1 and sigmas.storage_offset() == 0 and _schedule_steps(sigmas) > len(sigmas) - 1
 
 
 def _switches(conds: dict | None) -> tuple[list, list]:
