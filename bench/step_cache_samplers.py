@@ -1,14 +1,14 @@
 """Step cache under other samplers: how far a cached run lands from its uncached latent, per sampler.
 
-    .venv/bin/python bench/step_cache_samplers.py [--seeds 5 7 13 17] [--steps 20]
+    .venv/bin/python bench/step_cache_samplers.py [--seeds 21 22 23 24] [--steps 20] [--scheduler simple]
 
 The tiny trained Flux (tests/tinymodels/trained_flux.py) at cfg 3, the simple scheduler, a prompt it knows and
 an empty negative, through the real sampler. For each sampler, each seed: the uncached latent, then the step
 cache with its defaults (``auto``), TeaCache 0.3 and a step in 3 (even, and placed with ``interval_power``
 1.3) with the output forecast, the defaults with extrapolated residuals, and MagCache 0.05; the relative L2 distance of each from the uncached latent, mean and worst over
 the seeds, and the skipped calls. Under a sampler that adds noise between calls the output forecast follows
-the denoised picture (docs/step_cache.md, "Rules"); the ``velocity`` rows run the same with that off (the
-forecast before 2026-12-06), side by side. Deterministic samplers never had it: their two rows are equal.
+the denoised picture, held (docs/step_cache.md, "Rules"); the ``velocity`` rows run the same with that off
+(the forecast before 2026-12-06), side by side. Deterministic samplers never had it: their two rows are equal.
 Last line: ``RESULT noisy_defaults_mean_over_velocity=<x> noisy_defaults_worst_over_velocity=<x>`` (the
 defaults' mean and worst distance over the samplers that add noise, against the velocity forecast's).
 """
@@ -48,11 +48,11 @@ def cached(model, rule: str, threshold: float, mode: str, power: float):
                                            interval_power=power).args[0]
 
 
-def sample(model, conds, sampler: str, steps: int, seed: int) -> torch.Tensor:
+def sample(model, conds, sampler: str, steps: int, seed: int, scheduler: str) -> torch.Tensor:
     latent = torch.zeros((1, 16, 8, 8))
     noise = comfy.sample.prepare_noise(latent, seed)
     with torch.inference_mode():
-        return comfy.sample.sample(model, noise, steps, 3.0, sampler, "simple", *conds, latent, seed=seed,
+        return comfy.sample.sample(model, noise, steps, 3.0, sampler, scheduler, *conds, latent, seed=seed,
                                    disable_pbar=True)
 
 
@@ -62,8 +62,10 @@ def distance(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[5, 7, 13, 17])
+    # seeds no choice was made on (the forecast under noise was designed on 3, 4, 5, 7, 11, 13 and 17)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[21, 22, 23, 24])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--scheduler", default="simple")
     args = parser.parse_args()
     torch.set_num_threads(1)
     flux = importlib.import_module(f"{rkharness.TINY.__name__}.trained_flux").build()
@@ -71,12 +73,13 @@ def main() -> None:
     with torch.inference_mode():
         conds = (nodes.CLIPTextEncode().encode(clip, PROMPT)[0], nodes.CLIPTextEncode().encode(clip, "")[0])
     adds_noise = step_patch._adds_noise
-    print(f"tiny trained Flux, {args.steps} steps, cfg 3, seeds {args.seeds}: distance from the uncached latent, "
+    print(f"tiny trained Flux, {args.steps} steps, {args.scheduler}, cfg 3, seeds {args.seeds}: distance from the uncached latent, "
           "mean / worst over the seeds (skipped calls, mean)")
     print(f"{'sampler':20s} {'setting':24s} {'forecast':9s} {'mean':>7s} {'worst':>7s} {'skipped':>7s}")
     ratios = {"mean": [], "worst": []}
     for sampler in NOISY + STEADY:
-        references = {seed: sample(flux, conds, sampler, args.steps, seed) for seed in args.seeds}
+        references = {seed: sample(flux, conds, sampler, args.steps, seed, args.scheduler)
+                      for seed in args.seeds}
         for label, rule, threshold, mode, power in CONFIGS:
             row = {}
             for forecast in ("denoised", "velocity"):
@@ -85,7 +88,8 @@ def main() -> None:
                     model = cached(flux, rule, threshold, mode, power)
                     found, skipped = [], []
                     for seed in args.seeds:
-                        found.append(distance(sample(model, conds, sampler, args.steps, seed), references[seed]))
+                        found.append(distance(sample(model, conds, sampler, args.steps, seed, args.scheduler),
+                                              references[seed]))
                         skipped.append(step_patch.stats().snapshot()["info"]["last_run"]["calls_skipped"])
                 finally:
                     step_patch._adds_noise = adds_noise

@@ -788,6 +788,8 @@ class RunState:
         host sync)."""
         state = self.conds[key]
         res = state.residual.to(like.device, like.dtype, non_blocking=True)
+        if self.renoised and self.config.residual_mode == OUTPUT_MODE:
+            return res  # the denoised picture, held: between calls that add noise its rates carry that noise
         if self.config.residual_mode in STEP_ORDERS:
             return self._step_forecast(state, res, like)
         if state.slope is not None and sigma is not None:

@@ -665,22 +665,23 @@ def test_samplers_that_add_noise_without_a_noise_sampler_and_flow_models_of_othe
 
 
 @pytest.mark.parametrize("sampler", ["euler_ancestral", "dpmpp_2m_sde", "lcm"])
-def test_under_a_sampler_that_adds_noise_the_output_forecast_follows_the_denoised_picture(flux, conds, sampler):
+def test_under_a_sampler_that_adds_noise_the_output_forecast_holds_the_denoised_picture(flux, conds, sampler):
     """An ancestral or SDE sampler adds noise between calls. The output forecast carried the model's output
-    over it, so a skipped call took the new noise for the picture: with the defaults, on this Flux at 20 steps,
-    0.26 (euler ancestral), 0.32 (dpmpp_2m_sde) and 0.41 (lcm) from the uncached latent, 0.04 with euler. It now forecasts
-    the denoised picture that output gives and hands the sampler the output that gives it from the call's
-    own input: where the forecast is the last computed value (the calls after the first), the sampler gets
-    that call's denoised picture whatever noise it added; a step in 3 of 20 lands nearer the uncached latent
-    than before (ComfyUI 0.33: 0.16, 0.51 and 1.10 against 0.36, 0.95 and 1.90; 0.3.75, whose ancestral noise
-    differs: 0.29, 0.51, 1.02 against 0.41, 0.95, 1.90)."""
+    over it, so a skipped call took the new noise for the picture: with the defaults, on this Flux at 20
+    steps, 0.26 (euler ancestral), 0.32 (dpmpp_2m_sde) and 0.41 (lcm) from the uncached latent, 0.04 with
+    euler. It now holds the denoised picture of the last computed call and hands the sampler the output that
+    gives it from the call's own input, whatever noise the sampler added; a step in 3 of 20 lands nearer the
+    uncached latent than before (ComfyUI 0.33: 0.11, 0.19 and 0.25 against 0.36, 0.95 and 1.90; 0.3.75, whose
+    ancestral noise differs: 0.23, 0.19 and 0.32 against 0.41, 0.95 and 1.90)."""
     reference, _ = _denoised_per_step(flux, conds, sampler, steps=20)
     cached, denoised = _denoised_per_step(teacache(flux, 3.0, rule="interval", mode="output"), conds, sampler,
                                           steps=20)
-    assert {c["pattern"] for c in last_run()["conds"].values()} == {"CSSCSSCSSCSSCSSCSSCS"}
-    for step in (1, 2):  # one computed value known: reused
-        assert rel_err(denoised[step], denoised[0]) < 1e-5, (step, rel_err(denoised[step], denoised[0]))
-    bound = {"euler_ancestral": 0.33, "dpmpp_2m_sde": 0.7, "lcm": 1.4}[sampler]  # between before and now, both hosts
+    (pattern,) = {c["pattern"] for c in last_run()["conds"].values()}
+    assert pattern == "CSSCSSCSSCSSCSSCSSCS"
+    for step, kind in enumerate(pattern):
+        computed = pattern.rindex("C", 0, step + 1)
+        assert rel_err(denoised[step], denoised[computed]) < 1e-5 if kind == "S" else computed == step
+    bound = {"euler_ancestral": 0.3, "dpmpp_2m_sde": 0.5, "lcm": 0.8}[sampler]  # between before and now, both hosts
     assert rel_err(cached, reference) < bound, rel_err(cached, reference)
 
 
