@@ -904,11 +904,22 @@ def _schedule_steps(sigmas: torch.Tensor | None) -> int | None:
     steps' density (two halves of a 50-step schedule skip as 50 steps do, not as two runs of 25)."""
     if sigmas is None:
         return None
-    if sigmas.ndim == 1 and sigmas.numel():
-        held = sigmas.untyped_storage().nbytes() // sigmas.element_size()
-        if held > sigmas.numel():
-            return held - 1
-    return len(sigmas) - 1
+    own = len(sigmas) - 1
+    if sigmas.ndim != 1 or not sigmas.numel() or sigmas.stride(0) != 1:
+        return own
+    held = sigmas.untyped_storage().nbytes() // sigmas.element_size()
+    if held <= sigmas.numel():
+        return own
+    # the storage must read as one schedule: falling, its only 0 at its end, but for the 0 KSampler writes at
+    # the view's end where it removes the rest of the noise at once (a view of another tensor, a padded or
+    # stacked one, a table: the run's own steps). One small copy per run.
+    values = sigmas.as_strided((held,), (1,), 0).detach().float().cpu()
+    end = sigmas.storage_offset() + sigmas.numel() - 1
+    if end < held - 1 and values[end] == 0:
+        values = torch.cat([values[:end], values[end + 1:]])
+    if values[-1] != 0 or not bool((values[:-1] > 0).all()) or not bool((values[1:] <= values[:-1]).all()):
+        return own
+    return held - 1
 
 
 def _cut_short(sigmas: torch.Tensor) -> bool:

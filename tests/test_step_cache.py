@@ -1335,6 +1335,22 @@ def test_a_run_that_is_part_of_its_schedule_takes_the_schedules_threshold(flux, 
     assert first["threshold"] == second["threshold"] == run["threshold"]
     assert min(first["speedup_calls"], second["speedup_calls"]) > 0.85 * run["speedup_calls"]
     assert rel_err(out, staged(flux)[0]) < 2 * whole, (rel_err(out, staged(flux)[0]), whole)
+    # sigmas that are a view of anything but their schedule (padded, stacked, every 5th of a table) are the
+    # run's own steps: a padded one read as 59 steps
+    import comfy.sample
+    import comfy.samplers
+
+    ms = flux.get_model_object("model_sampling")
+    own = comfy.samplers.calculate_sigmas(ms, "simple", 10)
+    views = [torch.cat([own, torch.zeros(49)])[:11], torch.stack([own] * 4)[1],
+             comfy.samplers.calculate_sigmas(ms, "simple", 50)[::5]]
+    thresholds = []
+    for sigmas in [own.clone(), *views]:
+        latent = torch.zeros((1, 16, 8, 8))
+        comfy.sample.sample_custom(defaults, comfy.sample.prepare_noise(latent, seed), 3.0,
+                                   comfy.samplers.sampler_object("euler"), sigmas, *conds, latent, seed=seed)
+        thresholds.append(last_run()["threshold"])
+    assert len(set(thresholds)) == 1, thresholds
 
 
 def test_the_window_in_percent_reads_the_models_patched_sampling_on_its_first_run(conds):
