@@ -754,7 +754,8 @@ class RunState:
         plus two thirds of D1; ([], None) until two computed residuals of one shape exist. On the
         residual's device."""
         mode = self.config.residual_mode
-        if mode not in STEP_ORDERS or prev is None or state.step_index is None or index <= state.step_index:
+        if mode not in STEP_ORDERS or prev is None or state.step_index is None or index <= state.step_index \
+                or (self.renoised and mode == OUTPUT_MODE):  # the denoised picture is held: no rates read
             return [], None
         dev = residual.device
         gap = index - state.step_index

@@ -910,14 +910,14 @@ def _schedule_steps(sigmas: torch.Tensor | None) -> int | None:
     held = sigmas.untyped_storage().nbytes() // sigmas.element_size()
     if held <= sigmas.numel():
         return own
-    # the storage must read as one schedule: falling, its only 0 at its end, but for the 0 KSampler writes at
-    # the view's end where it removes the rest of the noise at once (a view of another tensor, a padded or
-    # stacked one, a table: the run's own steps). One small copy per run.
+    # the storage must read as one schedule: falling, no 0 but at its end (Laplace's ends above 0), but for the
+    # 0 KSampler writes at the view's end where it removes the rest of the noise at once (a view of another
+    # tensor, a padded or stacked one, a table: the run's own steps). One small copy per run.
     values = sigmas.as_strided((held,), (1,), 0).detach().float().cpu()
     end = sigmas.storage_offset() + sigmas.numel() - 1
     if end < held - 1 and values[end] == 0:
         values = torch.cat([values[:end], values[end + 1:]])
-    if values[-1] != 0 or not bool((values[:-1] > 0).all()) or not bool((values[1:] <= values[:-1]).all()):
+    if values[-1] < 0 or not bool((values[:-1] > 0).all()) or not bool((values[1:] <= values[:-1]).all()):
         return own
     return held - 1
 

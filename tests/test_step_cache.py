@@ -681,6 +681,7 @@ def test_under_a_sampler_that_adds_noise_the_output_forecast_holds_the_denoised_
     for step, kind in enumerate(pattern):
         computed = pattern.rindex("C", 0, step + 1)
         assert rel_err(denoised[step], denoised[computed]) < 1e-5 if kind == "S" else computed == step
+    assert sum(last_run()["peak_residual_bytes"].values()) == 2 * cached[0].numel() * 4  # a picture per cond, no rates
     bound = {"euler_ancestral": 0.3, "dpmpp_2m_sde": 0.5, "lcm": 0.8}[sampler]  # between before and now, both hosts
     assert rel_err(cached, reference) < bound, rel_err(cached, reference)
 
@@ -1351,6 +1352,17 @@ def test_a_run_that_is_part_of_its_schedule_takes_the_schedules_threshold(flux, 
                                    comfy.samplers.sampler_object("euler"), sigmas, *conds, latent, seed=seed)
         thresholds.append(last_run()["threshold"])
     assert len(set(thresholds)) == 1, thresholds
+    # a schedule that ends above 0 (Laplace's, at its sigma_min) is one schedule too: its halves read its steps
+    import comfy.k_diffusion.sampling
+
+    laplace = comfy.k_diffusion.sampling.get_sigmas_laplace(steps, float(ms.sigma_min), float(ms.sigma_max))
+    thresholds = []
+    for part in (laplace.clone(), laplace[:steps // 2 + 1], laplace[steps // 2:]):
+        latent = torch.zeros((1, 16, 8, 8))
+        comfy.sample.sample_custom(defaults, comfy.sample.prepare_noise(latent, seed), 3.0,
+                                   comfy.samplers.sampler_object("euler"), part, *conds, latent, seed=seed)
+        thresholds.append(last_run()["threshold"])
+    assert len(set(thresholds)) == 1, thresholds  # a half as its own 25 steps: 0.504
 
 
 def test_the_window_in_percent_reads_the_models_patched_sampling_on_its_first_run(conds):
