@@ -922,12 +922,13 @@ def _schedule_steps(sigmas: torch.Tensor | None) -> int | None:
     return held - 1
 
 
-def _cut_short(sigmas: torch.Tensor) -> bool:
-    """Whether ``sigmas`` are the first part of a longer schedule: ComfyUI's KSampler cuts its sigmas at an end step
-    before the last as a view of them, and with the rest of the noise removed at once (KSamplerAdvanced without
-    leftover noise) sets the last one to 0, so only the view tells it from a whole run: the first part of a larger
-    storage (a view's base is not kept under inference mode, where ComfyUI samples)."""
-    return sigmas.ndim == 1 and sigmas.storage_offset() == 0 and _schedule_steps(sigmas) > len(sigmas) - 1
+def _cut_short(sigmas: torch.Tensor, schedule_steps: int) -> bool:
+    """Whether ``sigmas`` are the first part of a longer schedule (of ``schedule_steps``, from
+    :func:`_schedule_steps`): ComfyUI's KSampler cuts its sigmas at an end step before the last as a view of them,
+    and with the rest of the noise removed at once (KSamplerAdvanced without leftover noise) sets the last one to
+    0, so only the view tells it from a whole run: the first part of a larger storage (a view's base is not kept
+    under inference mode, where ComfyUI samples)."""
+    return sigmas.ndim == 1 and sigmas.storage_offset() == 0 and schedule_steps > len(sigmas) - 1
 
 
 def _switches(conds: dict | None) -> tuple[list, list]:
@@ -966,9 +967,9 @@ def _effects(run: tc.RunState, sigmas: torch.Tensor | None) -> tuple:
     if controls and sigmas is not None and sigmas.numel():
         # as ComfyUI's ControlBase.get_control compares: the call's first timestep against the range's ends,
         # which a tensor-against-float compare rounds to the timestep's dtype (in float64 a range ending on a
-        # step's float32 sigma was read otherwise, and that step's ControlNet lost)
-        # (ComfyUI's pre_run sets the ranges, after the run's start: rounded at the first call, and again only
-        # where they or the dtype change)
+        # step's float32 sigma was read otherwise, and that step's ControlNet lost). ComfyUI's pre_run sets the
+        # ranges after the run's start, so they are rounded at the first call and again only where they or the
+        # dtype change.
         t = float(sigmas.reshape(-1)[0])
         read = (sigmas.dtype, tuple(getattr(c, "timestep_range", None) for c in controls))
         if run.switch_ends is None or run.switch_ends[0] != read:
@@ -1089,7 +1090,8 @@ def _outer_sample(executor, *args, **kwargs):
         return executor(*args, **kwargs)
     sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
     steps = len(sigmas) - 1 if sigmas is not None else None
-    plan = resolve(settings, guider.model_patcher, getattr(guider, "conds", None), _schedule_steps(sigmas))
+    schedule_steps = _schedule_steps(sigmas)
+    plan = resolve(settings, guider.model_patcher, getattr(guider, "conds", None), schedule_steps)
     cfg = plan.config
     ms = guider.model_patcher.get_model_object("model_sampling")  # with its object patches (ModelSamplingSD3...)
     run = tc.RunState(cfg, plan.coefficients, float(ms.percent_to_sigma(cfg.start_percent)),
@@ -1100,7 +1102,7 @@ def _outer_sample(executor, *args, **kwargs):
     elif cfg.calibrate and sigmas is not None and float(sigmas[-1]) > 0:
         run.partial = (f"it stopped at sigma {float(sigmas[-1]):.3g}, above 0 (an end step before the last, the "
                        "first part of split sigmas, or a schedule that never reaches 0, as Laplace's)")
-    elif cfg.calibrate and sigmas is not None and _cut_short(sigmas):
+    elif cfg.calibrate and sigmas is not None and _cut_short(sigmas, schedule_steps):
         run.partial = (f"it stopped after {len(sigmas) - 1} steps of a longer schedule (an end step before the last, "
                        "the rest of the noise removed at once)")
     run.switches = _switches(getattr(guider, "conds", None))
