@@ -1060,10 +1060,13 @@ def _tiled_fallback_reason():
 
 
 def _route(kind: str, patcher, module, make_key, compute, check_rng=False, admit=None):
-    if not _routed(patcher) or not _active or not CACHE.enabled:
+    if not _routed(patcher) or not _active:
+        return compute()
+    encoder = encoder_name(module)
+    if not CACHE.enabled:
+        CACHE.bypass(kind, "the cache's budget_mib or max_entries is 0", encoder)
         return compute()
     look = module_tree.Look()  # the key and the shared key read the encoder's modules once between them
-    encoder = encoder_name(module)
     try:
         with look:
             key = make_key()

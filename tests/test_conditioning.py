@@ -1142,8 +1142,11 @@ def test_global_budget_setting_applies_at_once(cc, clip):
     assert len(cc.CACHE) == 2
     settings.set("conditioning.budget_mib", 0)
     assert len(cc.CACHE) == 0
+    before = cc.CACHE.count("bypasses.text")
     clip.encode_from_tokens(clip.tokenize("prompt 0"))
     assert len(cc.CACHE) == 0
+    assert cc.CACHE.count("bypasses.text") == before + 1  # counted, with its reason, where the panel shows it
+    assert any("budget_mib or max_entries is 0" in r["reason"] for r in cc.CACHE.bypass_reasons())
     with pytest.raises(ValueError, match="conditioning.max_entries"):
         settings.set("conditioning.max_entries", -1)
 
