@@ -121,8 +121,8 @@ def make_config(node: str, model_type: str, threshold: float, start_percent: flo
     if rule == "interval" and threshold != -1.0 and not (threshold >= 1 and float(threshold).is_integer()):
         raise bad("threshold", f"is the interval with rule interval: a whole number >= 1 (or -1), got {threshold!r}")
     for name, v in (("start_percent", start_percent), ("end_percent", end_percent)):
-        if not (0.0 <= v <= 1.0):
-            raise bad(name, f"must be within 0..1, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.0 <= v <= 1.0):
+            raise bad(name, f"must be a number within 0..1, got {v!r}")
     if start_percent >= end_percent:
         raise bad("start_percent", f"must be below end_percent ({start_percent} >= {end_percent})")
     if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, (int, float)) \

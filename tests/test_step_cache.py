@@ -1080,6 +1080,8 @@ def test_a_skipped_call_adds_controlnet_once_not_again_on_top_of_the_residual(fl
     ({"rule": "fastest"}, "rule"),
     ({"rule": "magcache", "model_type": "wan2.1_t2v_14B_ret_mode"}, "model_type"),
     ({"start": 0.7, "end": 0.3}, "start_percent"),
+    ({"start": "a"}, "start_percent"),  # an API prompt's string: named, not a TypeError from a comparison
+    ({"end": None}, "end_percent"),
     ({"thresh": 100.5}, "threshold"),  # over the widget's range: a linked value is not checked by ComfyUI
     ({"thresh": float("inf")}, "threshold"),
     ({"max_skips": -1}, "max_consecutive_skips"),
