@@ -189,7 +189,7 @@ def test_the_demo_shows_every_layer_working(demo_run):
     assert counts["pe.misses"] == 1 and counts["pe.hits"] == 59
     assert counts["step.calls_skipped"] >= 20 and counts["demo.transformer_calls"] <= 40
     assert full["graph"]["backend"].startswith("eager") and "no CUDA" in full["graph"]["backend"]
-    assert len(full["images"]) == 3 and full["wall_s"] < 30
+    assert len(full["images"]) == 3
 
 
 def test_the_demo_without_reusekit_computes_everything_and_the_exact_layers_match_it(demo_run):
