@@ -194,6 +194,18 @@ def load_workflow(name: str) -> dict:
     return json.loads((ROOT / "workflows" / name).read_text())
 
 
+def output_pixels(ui: dict):
+    """The pixels (H, W, 3 uint8 array) of the one image a SaveImage or PreviewImage node wrote, from its ui."""
+    import folder_paths
+    import numpy as np
+    from PIL import Image
+
+    (image,) = ui["images"]
+    path = Path(folder_paths.get_directory_by_type(image["type"])) / image["subfolder"] / image["filename"]
+    with Image.open(path) as opened:
+        return np.asarray(opened.convert("RGB"))
+
+
 def _widget_inputs(class_type: str) -> list[tuple[str, str, dict]]:
     """(name, type, options) of a node's widget inputs, in the order the front end lays them out."""
     import nodes

@@ -3,6 +3,7 @@ forward calls, with ComfyUI's own cache alone and with ReuseKit."""
 
 import importlib.util
 
+import numpy as np
 import pytest
 import rkharness
 import torch
@@ -44,10 +45,14 @@ def test_reusekit_hits_where_comfyui_recomputes(table, name, mode):
     assert core > ideal and with_cache == ideal, (core, with_cache)
 
 
-def test_a_workflow_with_the_cached_node_encodes_once(table):
-    """Global mode off: only the Cached CLIP node routes; a rerun (new seed, no ComfyUI cache) hits.
-    The prompt still passes the removed ``device_hot`` input, as prompts saved before do: ComfyUI
-    validates and runs it, dropping the input."""
+def test_a_workflow_with_the_cached_node_encodes_once(table, tmp_path):
+    """Global mode off: only the Cached CLIP node routes; a rerun (new seed, no ComfyUI cache) hits, and
+    its conditioning is the one the plain encoder gives. The prompt still passes the removed ``device_hot``
+    input, as prompts saved before do: ComfyUI validates and runs it, dropping the input."""
+    from safetensors.torch import load_file
+
+    import nodes
+
     settings = rkharness.pack("caching.settings").SETTINGS
     cache = rkharness.pack("caching.conditioning").CACHE
     prompts = []
@@ -56,6 +61,8 @@ def test_a_workflow_with_the_cached_node_encodes_once(table):
         p["30"] = {"class_type": "ReuseKitCachedCLIP", "inputs": {"clip": ["1", 1], "device_hot": True}}
         p["3"]["inputs"]["clip"] = ["30", 0]
         p["20"]["inputs"]["clip"] = ["30", 0]
+        p["40"] = {"class_type": "RKTestSaveConditioning",
+                   "inputs": {"conditioning": ["20", 0], "path": str(tmp_path / f"{seed}.safetensors")}}
         prompts.append(p)
     before = settings.get("conditioning.enabled")
     settings.set("conditioning.enabled", False)
@@ -66,6 +73,11 @@ def test_a_workflow_with_the_cached_node_encodes_once(table):
             for p in prompts:
                 executor.run(p)
         assert calls[0] == 2 and cache.count("hits.text") >= 2
+        clip = nodes.NODE_CLASS_MAPPINGS["RKTestSharedTinyCheckpoint"]().load("flux", 0)[1]
+        ((plain, extra),) = nodes.CLIPTextEncode().encode(clip, "a red square")[0]  # global mode off: uncached
+        for seed in (1, 2):
+            saved = load_file(str(tmp_path / f"{seed}.safetensors"))
+            assert torch.equal(saved["cond"], plain) and torch.equal(saved["pooled"], extra["pooled_output"])
     finally:
         settings.set("conditioning.enabled", before)
         cache.clear()
@@ -103,14 +115,18 @@ def test_example_workflow_runs_on_tiny_models_and_reuses_across_prompt_edits():
     cache = rkharness.pack("caching.conditioning").CACHE
     cache.clear()
     executor = rkharness.Executor()
+    images = []
     with BENCH.counting_encoder_forwards() as calls:
         for i, text in enumerate(texts):
-            overrides = {**small, "4": {"text": text}, "7": {"steps": 2, "seed": i}}
+            overrides = {**small, "4": {"text": text}, "7": {"steps": 2, "seed": i % 2}}
             result = executor.run(rkharness.workflow_to_prompt(workflow, overrides=overrides))
+            images.append(rkharness.output_pixels(result["outputs"]["9"]))
     assert calls[0] == 3  # A, the negative, B; the third run encodes nothing
+    assert np.array_equal(images[2], images[0]) and not np.array_equal(images[1], images[0])  # A's hits give A's
     (text,) = result["outputs"]["10"]["text"]
     assert "[conditioning] conditioning" in text and "hits=" in text
     cache.clear()
+
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 import threading
 
+import numpy as np
 import pytest
 import rkharness
 import torch
@@ -257,6 +258,9 @@ def test_example_workflow_runs_on_tiny_flux_and_reports_pe_hits():
     text = result["outputs"]["12"]["text"][0]
     (line,) = [line for line in text.splitlines() if f"[pe] {name}:" in line]
     assert "hits=2" in line and "misses=1" in line, text
+    prompt["2"]["inputs"]["enabled"] = False  # the same picture, every table built anew
+    plain = rkharness.Executor().run(prompt)
+    assert np.array_equal(rkharness.output_pixels(result["outputs"]["11"]), rkharness.output_pixels(plain["outputs"]["11"]))
 
 
 @pytest.mark.gpu

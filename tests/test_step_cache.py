@@ -9,6 +9,7 @@ import importlib
 import json
 import logging
 
+import numpy as np
 import pytest
 import rkharness
 import torch
@@ -2134,6 +2135,13 @@ def test_example_workflow_runs_on_the_trained_flux(harness):
     run = last_run()
     assert run["family"] == "flux" and run["calls_skipped"] >= 1
     assert "teacache" in result["outputs"]["12"]["text"][0]
+    prompt["9"]["inputs"]["model"] = prompt["4"]["inputs"]["model"]  # the same prompt without the step cache
+    plain = harness.Executor(cache="none").run(prompt)
+    cached, reference = (harness.output_pixels(r["outputs"]["11"]).astype(np.float64) for r in (result, plain))
+    psnr = 10 * np.log10(255.0 ** 2 / max(np.mean((cached - reference) ** 2), 1e-12))
+    print(f"example workflow: {run['calls_computed']} of {run['calls_computed'] + run['calls_skipped']} calls, "
+          f"{psnr:.1f} dB against the uncached picture")
+    assert psnr > 30
 
 
 @pytest.mark.workflows
