@@ -164,16 +164,19 @@ def _patcher_fields(patcher) -> tuple:
 
 
 def _weights(patcher):
-    """The interned weight set of a patcher's patches (memoised per patcher and patches_uuid)."""
+    """The interned weight set of a patcher's patches (memoised per patcher and patches_uuid, as long as
+    the set's tensors are not seen edited in place: a node changing a loaded LoRA's tensors, which
+    ComfyUI applies at the next load)."""
     if not patcher.patches:
         return None
     stamp = (patcher.patches_uuid, len(patcher.patches))
+    check = SETTINGS.get(CHECK_SETTING)
     with _weight_memo_lock:
         memo = _weight_memo.get(patcher)
-    if memo is not None and memo[0] == stamp:
+    if memo is not None and memo[0] == stamp and not memo[1].edited(check):
         return memo[1]
     structure = {key: _patch_structure(patches) for key, patches in patcher.patches.items()}
-    made = intern_weights(structure)
+    made = intern_weights(structure, check)
     with _weight_memo_lock:
         _weight_memo[patcher] = (stamp, made)
     return made
@@ -913,6 +916,8 @@ def _patch_digest(weights) -> str:
     """A digest of a weight patch set's structure, strengths and tensor contents (memoised per set)."""
     found = _patch_digests.get(weights)
     if found is None:
+        if weights.edited("every_encode"):
+            raise LocalOnly("its weight patches (a LoRA's tensors) were changed in place since they were first seen")
         h = hashlib.blake2b(repr(_portable(weights.skeleton)).encode(), digest_size=32)
         for t in weights.tensors:
             h.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
@@ -1088,10 +1093,12 @@ def _route(kind: str, patcher, module, make_key, compute, check_rng=False, admit
         generation = getattr(module, _GENERATION, 0)
 
         def same_generation():  # an edit seen since (the reference retaken from the edited weights): never
-            if getattr(module, _GENERATION, 0) == generation:
-                publish()
-            else:
+            if getattr(module, _GENERATION, 0) != generation:
                 drop()
+            elif any(w.edited("every_encode") for w in key.weights):  # (in full, on the publishing thread)
+                drop("its weight patches (a LoRA's tensors) were changed in place since they were first seen")
+            else:
+                publish()
 
         encoder_weights.vouch(module, patcher, same_generation, drop)
 

@@ -253,6 +253,59 @@ def test_lora_strength_changes_miss_and_same_lora_on_a_new_clone_hits(cc, uncach
     assert cc.CACHE.count("hits.text") == 3
 
 
+def _edit_away_from_samples(t: torch.Tensor) -> None:
+    """Triple every value of ``t`` in place but those the patch sets' buckets sample (8 evenly spaced)."""
+    flat = t.view(-1)
+    n = flat.numel()
+    sampled = set(torch.linspace(0, n - 1, steps=min(n, 8)).long().tolist())
+    flat[[i for i in range(n) if i not in sampled]] *= 3.0
+
+
+def test_a_loaded_lora_edited_in_place_is_another_lora(cc, uncached, tiny):
+    """A node that edits a loaded LoRA's tensors in place (LoraLoader keeps the loaded dict between runs) makes
+    another LoRA: a new clone from the edited dict, and the clone made before it, encode as without the cache,
+    never as the LoRA was (the edit kept the values the patch sets' buckets sample: a stale hit, before)."""
+    import comfy.sd
+    import comfy.utils
+    import folder_paths
+
+    loras = __import__(f"{tiny.__name__}.conditioning", fromlist=["write_lora"])
+    lora = comfy.utils.load_torch_file(folder_paths.get_full_path_or_raise(
+        "loras", loras.write_lora("rk_test_inplace.safetensors", seed=7, flux=False)), safe_load=True)
+    clip = tiny.tiny_clip(0)
+    tokens = clip.tokenize("a lora edited in place")
+    _, before = comfy.sd.load_lora_for_models(None, clip, lora, 0.0, 1.0)
+    first = before.encode_from_tokens(tokens)
+    _edit_away_from_samples(lora[next(k for k in lora if k.endswith("q_proj.lora_up.weight"))])
+    _, after = comfy.sd.load_lora_for_models(None, clip, lora, 0.0, 1.0)
+    got = after.encode_from_tokens(tokens)
+    want = uncached(after.encode_from_tokens, tokens)
+    assert same(got, want) and not torch.equal(got, first)
+    assert cc.CACHE.count("hits.text") == 0 and cc.CACHE.count("misses.text") == 2
+    # its patch set is seen edited: never answered with its old entry (ComfyUI patches the edited values in)
+    assert same(before.encode_from_tokens(tokens), uncached(before.encode_from_tokens, tokens))
+    assert not torch.equal(before.encode_from_tokens(tokens), first)
+
+
+def test_a_patch_edit_the_cheap_check_cannot_see_is_never_shared(cc):
+    """Away from every sampled value of a large patch tensor, an edit passes the cheap check (``events``), as it
+    does on an encoder's weights; the full check sees it, and a set so edited gives no shared key."""
+    conditioning = rkharness.pack("patches.conditioning")
+    big = torch.randn(256, 128)  # 128 KiB: sampled, not compared whole
+    made = cc.intern_weights({"w": ("lora", big.clone(), 1.0)})
+    tensor = made.tensors[0]
+    samples = set(torch.linspace(0, tensor.numel() - 1, steps=32).long().tolist()) | set(
+        torch.linspace(0, tensor.numel() - 1, steps=8).long().tolist())
+    spot = next(i for i in range(1, tensor.numel()) if all(abs(i - j) > 2 for j in samples))
+    tensor.view(-1)[spot] += 1.0
+    assert not made.edited("events")
+    assert made.edited("every_encode") and made.edited("events")  # once seen, for good
+    with pytest.raises(cc.LocalOnly, match="changed in place"):
+        conditioning._patch_digest(made)
+    again = cc.intern_weights({"w": ("lora", tensor, 1.0)})  # the tensor as it is now: another set
+    assert again is not made and not again.edited("every_encode")
+
+
 def test_the_same_tensors_patched_onto_swapped_weights_miss_whatever_the_order_they_were_added_in(cc, uncached,
                                                                                                      tiny):
     """Two patch sets with the same tensors on swapped weights, added in opposite orders, are two encoders: the

@@ -453,6 +453,37 @@ def test_lora_patch_sets_key_by_content_and_strength(shared):
     assert shared.cc.CACHE.count("encodes") == 2
 
 
+def test_a_lora_edited_in_place_never_reaches_another_worker_as_the_file(shared):
+    """One worker edits its loaded LoRA's tensors in place and encodes with a new clone of it: what it publishes
+    is the edited LoRA's, and a worker with the file's LoRA never reads it (before, the entry was filed under
+    the file's contents, whose sampled values the edit kept)."""
+    import comfy.sd
+    import comfy.utils
+
+    files = _tiny_files()
+    path = files.write_tiny_clip_file(str(shared.files), 0)
+    lora_path = os.path.join(files.lora_dir(), files.write_lora("tiers_inplace.safetensors", seed=9, flux=False))
+    base = files.load_tiny_clip_file(path)
+    lora = comfy.utils.load_torch_file(lora_path)
+    encode(comfy.sd.load_lora_for_models(None, base, lora, 0.0, 1.0)[1], "first")
+    flat = lora[next(k for k in lora if k.endswith("q_proj.lora_up.weight"))].view(-1)
+    sampled = set(torch.linspace(0, flat.numel() - 1, steps=min(flat.numel(), 8)).long().tolist())
+    flat[[i for i in range(flat.numel()) if i not in sampled]] *= 3.0
+    edited = encode(comfy.sd.load_lora_for_models(None, base, lora, 0.0, 1.0)[1])
+    shared.cc.CACHE.clear()  # another worker: its own LRU, encoder and LoRA, loaded from the files
+    _, other = comfy.sd.load_lora_for_models(None, files.load_tiny_clip_file(path),
+                                             comfy.utils.load_torch_file(lora_path), 0.0, 1.0)
+    got = encode(other)
+    settings = rkharness.pack("caching.settings").SETTINGS
+    settings.set("conditioning.enabled", False)
+    try:
+        want = other.encode_from_tokens(other.tokenize(TEXT), return_pooled=True)
+    finally:
+        settings.set("conditioning.enabled", True)
+    assert equal(got, want) and not equal(got, edited)
+    assert counter(shared.tiers, "disk", "hits") == 0
+
+
 def test_until_a_weight_file_is_hashed_the_shared_tiers_are_bypassed(shared):
     """Counted with the reason, never silently; the first encode after the hash is shared."""
     hashes = shared.tiers.TIERS.hashes
