@@ -8,7 +8,9 @@ On CUDA: tiny Flux/Wan at two resolutions, a small realistic Flux (real width 30
 where it runs (REUSEKIT_BENCH_COMPILE=0 skips it). Each config runs through the real sampler
 (cfg 2, cond and uncond batched): a warm run (captures), then a timed run; a step is one
 apply_model call timed between two synchronizations, the median over the timed run.
-On CPU it measures the check, and (both) ReuseKit Step Cache alone vs TeaCache + capture. Last line: RESULT step_replay_over_eager=<ratio|n/a> check_us=<µs>.
+On CPU it measures the check (on a tiny Flux and on one of FLUX.1's depth), and (both) ReuseKit Step Cache
+alone vs TeaCache + capture. Last line: RESULT step_replay_over_eager=<ratio|n/a> check_us=<µs>
+check_deep_over_tiny=<ratio> host_check_deep_over_tiny=<ratio|n/a>.
 """
 
 from __future__ import annotations
@@ -80,10 +82,9 @@ def step_ms(model, c, shape, steps):
     return statistics.median(times) * 1e3, out
 
 
-def check_cost(c) -> float:
-    """µs per step for the decision alone (bind, signature, lookup) on a real Flux call: the best of
-    5 x 2000 checks, in this thread's CPU time."""
-    model = tiny.tiny_flux(0)
+def check_cost(c, model) -> float:
+    """µs per step for the decision alone (bind, signature, lookup) on a real Flux call of ``model``: the
+    best of 5 x 2000 checks, in this thread's CPU time."""
     seen = {}
 
     def probe(executor, *args, **kwargs):
@@ -149,7 +150,7 @@ def with_teacache(c) -> None:
     tea_node = rkharness.pack("nodes.step_cache").TeaCacheNode
     model = importlib.import_module(f"{tiny.__name__}.trained_flux").build()
     tea = tea_node.execute(model, "flux", 0.4, 0.0, 1.0, 0, "device", "extrapolate").args[0]
-    both = graph_nodes.with_capture("bench", tea, True, 2)
+    both = graph_nodes.with_capture("bench", "enable", tea, True, 2)
     times: dict[str, list[float]] = {"teacache": [], "teacache+capture": []}
     outs = {}
     with torch.inference_mode():
@@ -175,8 +176,10 @@ def main() -> None:
     torch.manual_seed(0)
     with torch.inference_mode():
         c = conds()
-    check_us = check_cost(c)
-    print(f"reuse check (bind + signature + lookup) on a real Flux call: {check_us:.1f} us per step")
+    check_us = check_cost(c, tiny.tiny_flux(0))
+    check_deep = check_cost(c, tiny.tiny_flux(0, depth=19, depth_single_blocks=38)) / check_us
+    print(f"reuse check (bind + signature + lookup) on a real Flux call: {check_us:.1f} us per step on Flux 1+1 "
+          f"blocks; on 19+38 blocks (tiny width) {check_deep:.2f}x that")
     host = host_check_cost()
     host_ratio = "n/a" if host is None else f"{host[1] / host[0]:.2f}"
     print("host block-graph check with the host's registries in use: " + (
@@ -185,7 +188,8 @@ def main() -> None:
     with_teacache(c)
     if not CUDA:
         print("no CUDA device: graphs are not captured here; the decision runs, the model runs eagerly")
-        print(f"RESULT step_replay_over_eager=n/a check_us={check_us:.1f} host_check_deep_over_tiny={host_ratio}")
+        print(f"RESULT step_replay_over_eager=n/a check_us={check_us:.1f} check_deep_over_tiny={check_deep:.2f} "
+              f"host_check_deep_over_tiny={host_ratio}")
         return
 
     configs = [
@@ -210,7 +214,7 @@ def main() -> None:
                 model = builders[build]
                 eager, ref = step_ms(model, c, shape, steps)
                 gc.graph_release.release_all("bench")
-                replay, out = step_ms(graph_nodes.with_capture("bench", model, True, 2), c, shape, steps)
+                replay, out = step_ms(graph_nodes.with_capture("bench", "enable", model, True, 2), c, shape, steps)
                 snap = gc.STATS.handle.snapshot()["info"].get("last_run", {})
                 diff = (out.float() - ref.float()).abs().max().item()
                 comp, comp_ratio = "n/a", "-"
@@ -228,7 +232,7 @@ def main() -> None:
     print("ratio: replay / eager per step (a step = one apply_model call, cond and uncond batched); "
           "headline: the w3072 Flux at 256 px")
     print(f"RESULT step_replay_over_eager={'n/a' if headline is None else f'{headline:.2f}'} check_us={check_us:.1f} "
-          f"host_check_deep_over_tiny={host_ratio}")
+          f"check_deep_over_tiny={check_deep:.2f} host_check_deep_over_tiny={host_ratio}")
 
 
 def compiled_cudagraphs(model, c, shape, steps, eager_ms) -> tuple[str, str]:

@@ -1157,3 +1157,19 @@ def test_two_step_caches_of_one_z_image_never_share_a_graph(gc, monkeypatch, con
     assert torch.equal(sample(capture(second), conds, steps=6), alone)
     assert last_run(gc)["bypasses"] == {}
 
+
+
+def test_the_graph_bench_runs_here_as_the_gpu_check_runs_it():
+    """bench/graph_reuse.py is half of the GPU check (scripts/gpu_check.sh): a call into the pack that no longer
+    fits it (with_capture's arguments changed on 2026-12-05 and the bench failed) fails here, not on a lent
+    device. On the CPU its TeaCache run with capture gives TeaCache's latent exactly."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(rkharness.ROOT / "bench" / "graph_reuse.py")], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "max|diff| 0.0e+00" in done.stdout, done.stdout
+    (result,) = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    fields = dict(field.split("=") for field in result.split()[1:])
+    assert set(fields) == {"step_replay_over_eager", "check_us", "check_deep_over_tiny", "host_check_deep_over_tiny"}
