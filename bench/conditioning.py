@@ -298,6 +298,45 @@ def kind_table(rkharness, quick: bool):
     return results
 
 
+def depth_table(rkharness, rounds: int = 7) -> dict[str, tuple[float, float]]:
+    """A text hit's cost against its encoder's size: CLIP-L, at twice its width (4x the weights, the same
+    tensors) and at 4x its depth (4x the weights and the tensors), side by side in rounds, with the weight
+    checks as set by default (``events``) and off. Returns "<encoder> <mode>" -> (median, worst) of its hit
+    over CLIP-L's in the same mode."""
+    files = __import__(f"{rkharness.TINY.__name__}.conditioning", fromlist=["clip_l_sized"])
+    cache = rkharness.pack("caching.conditioning").CACHE
+    settings = rkharness.pack("caching.settings").SETTINGS
+    settings.set("conditioning.enabled", True)
+    encoders = {"CLIP-L": files.clip_l_sized(0), "4x wide": files.clip_l_sized(1, BIG_CLIP),
+                "4x deep": files.clip_l_sized(2, files.CLIP_L | {"num_hidden_layers": 48})}
+    tokens = {name: clip.tokenize(TEXT) for name, clip in encoders.items()}
+    print(f"{'encoder':10} {'tensors':>7} {'MiB':>7}")
+    for name, clip in encoders.items():
+        count, size = _weights(clip.cond_stage_model)
+        print(f"{name:10} {count:7d} {size / 2**20:7.0f}")
+    out = {}
+    try:
+        for mode in ("events", "off"):
+            settings.set("conditioning.check_weight_edits", mode)  # empties the cache
+            hits = {}
+            for name, clip in encoders.items():
+                clip.encode_from_tokens(tokens[name], return_pooled=True)  # the miss
+
+                def hit(c=clip, t=tokens[name]):
+                    return c.encode_from_tokens(t, return_pooled=True)
+                hits[name] = (lambda: None, hit, 9, 3)
+            times = _rounds(hits, rounds)
+            for name in ("4x wide", "4x deep"):
+                out[f"{name} {mode}"] = _ratio_by_round(times[name], times["CLIP-L"])
+                print(f"{mode:6} {name} hit / CLIP-L hit, {rounds} rounds side by side: "
+                      f"{out[f'{name} {mode}'][0]:.2f} (worst round {out[f'{name} {mode}'][1]:.2f}); CLIP-L hit "
+                      f"{statistics.median(times['CLIP-L']) * 1e3:.2f} ms")
+    finally:
+        settings.set("conditioning.check_weight_edits", "events")
+        cache.clear()
+    return out
+
+
 def offload_table(rkharness, quick: bool) -> tuple[int, int]:
     """A CLIP-L-size encoder ComfyUI unloads and loads back through its ModelPatcher between prompts:
     hits over repeats. On a machine without a GPU the encoder's load and offload devices are both the
@@ -751,6 +790,14 @@ def main() -> None:
             types = vae_vision_types_hit(rkharness)
         print(f"RESULT vae_types_hit={types['vae'][0]}/{types['vae'][1]} "
               f"vision_types_hit={types['vision'][0]}/{types['vision'][1]}")
+        return
+    if "--depth" in sys.argv:  # only the hit's cost against its encoder's width and depth (a few minutes)
+        with torch.inference_mode():
+            depth = depth_table(rkharness)
+        print(f"RESULT deep_hit_over_small_hit={depth['4x deep events'][0]:.2f} "
+              f"deep_hit_over_small_hit_worst={depth['4x deep events'][1]:.2f} "
+              f"wide_hit_over_small_hit={depth['4x wide events'][0]:.2f} "
+              f"unchecked_deep_hit_over_small_hit={depth['4x deep off'][0]:.2f}")
         return
 
     loras = __import__(f"{rkharness.TINY.__name__}.conditioning", fromlist=["write_lora"])
