@@ -69,6 +69,23 @@ def ksampler_inputs(cfg: float = 8.0, sampler: str | None = None, scheduler: str
     ]
 
 
+def brief(value) -> str:
+    """``value`` as an error message shows it: its repr cut to 60 characters; a tensor by its dtype and shape,
+    a dict by its keys, a list or tuple by its length (a linked CONDITIONING or LATENT would otherwise print
+    its tensors)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    if isinstance(value, dict):
+        text = f"a dict with keys {', '.join(map(repr, value))}"
+    elif isinstance(value, (list, tuple)) and len(repr(value)) > 60:
+        text = f"a {type(value).__name__} of {len(value)}"
+    else:
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def sampler_error(**given) -> str | None:
     """Why a given ``sampler_name`` / ``scheduler`` is not one this ComfyUI has (``None``: each given one
     is). ComfyUI 0.3.75 checks no V3 combo, and KSampler then silently samples with its first sampler: a
@@ -79,8 +96,7 @@ def sampler_error(**given) -> str | None:
                           ("scheduler", comfy.samplers.KSampler.SCHEDULERS)):
         value = given.get(name, options[0])
         if not isinstance(value, str) or value not in options:
-            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:60] + "..."
-            return f"{name}: {shown} is not one of this ComfyUI's ({', '.join(options[:6])}, ...)"
+            return f"{name}: {brief(value)} is not one of this ComfyUI's ({', '.join(options[:6])}, ...)"
     return None
 
 
@@ -116,22 +132,44 @@ class SamplerInputs:
         return f"{cls.NODE}: {error}" if error else True
 
     @classmethod
-    def check_inputs(cls, stats, sampler_name, scheduler, cfg, positive, negative, latent_image, denoise) -> None:
+    def check_inputs(cls, stats, *, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
+                     denoise) -> None:
         """KSampler's inputs as the node runs: a bad one is refused naming it, counted in ``stats``, before
         ComfyUI's sampler fails deep inside (a LATENT as ``positive``: ``'str' object has no attribute
-        'copy'``) or, for a NaN ``cfg``, returns a NaN latent without an error (NaN passes ComfyUI's range
-        check)."""
-        import math
-
+        'copy'``) or returns a wrong latent without an error: a NaN or infinite ``cfg`` (NaN passes ComfyUI's
+        range check), and a linked value outside the widget's range, which ComfyUI checks only where the
+        prompt writes the value (``denoise`` 2 runs as 1, -1 returns the latent untouched)."""
         error = (sampler_error(sampler_name=sampler_name, scheduler=scheduler)
-                 or _conditioning_error("positive", positive) or _conditioning_error("negative", negative))
-        if error is None and not (isinstance(latent_image, dict) and "samples" in latent_image):
-            error = f"latent_image must be a LATENT (a dict with 'samples'), got {type(latent_image).__name__}"
-        for name, value in (("cfg", cfg), ("denoise", denoise)):
-            if error is None and isinstance(value, float) and math.isnan(value):
-                error = f"{name} must be a number, got NaN"
+                 or _number_error("seed", seed, 0, 0xffffffffffffffff, whole=True)
+                 or _number_error("steps", steps, 1, 10000, whole=True)
+                 or _number_error("cfg", cfg, 0.0, 100.0) or _number_error("denoise", denoise, 0.0, 1.0)
+                 or _conditioning_error("positive", positive) or _conditioning_error("negative", negative)
+                 or _latent_error(latent_image))
         if error is not None:
             raise refusal(stats, cls.NODE, error)
+
+
+def _number_error(name: str, value, low, high, whole: bool = False) -> str | None:
+    """Why ``value`` is not a number from ``low`` to ``high`` (``whole``: a whole one), None if it is."""
+    import math
+
+    kind = int if whole else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or math.isnan(value) or not low <= value <= high:
+        return f"{name} must be a {'whole ' if whole else ''}number from {low} to {high}, got {brief(value)}"
+    return None
+
+
+def _latent_error(value) -> str | None:
+    """Why ``value`` is not a LATENT: a dict whose ``samples`` is a non-empty tensor of at least 3 dimensions
+    (batch, channels, then length or height and width, or frames, height and width)."""
+    import torch
+
+    samples = value.get("samples") if isinstance(value, dict) else None
+    if not isinstance(samples, torch.Tensor) or samples.ndim < 3 or not samples.numel():
+        got = (type(value).__name__ if not isinstance(value, dict) else "a dict without a tensor 'samples'"
+               if not isinstance(samples, torch.Tensor) else f"samples of shape {tuple(samples.shape)}")
+        return f"latent_image must be a LATENT (a dict with a non-empty 'samples' tensor), got {got}"
+    return None
 
 
 def pack_version() -> str:

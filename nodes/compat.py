@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from comfy_api.latest import io
+from comfy_execution.graph_utils import is_link
 
 from ..patches import host
 
@@ -37,10 +38,6 @@ def _executing_node() -> str | None:
     return None if context is None else context.node_id
 
 
-def _is_link(value: Any) -> bool:
-    return isinstance(value, list) and len(value) == 2 and isinstance(value[1], int)
-
-
 def old_inputs(cls, names: tuple[str, ...], passed: dict[str, Any]) -> dict[str, Any]:
     """The inputs among ``names`` (old names) that this node's prompt entry gives: linked ones from
     ``passed`` (the keyword arguments ComfyUI passed beyond the schema's), values from the prompt."""
@@ -51,7 +48,7 @@ def old_inputs(cls, names: tuple[str, ...], passed: dict[str, Any]) -> dict[str,
     given = entry.get("inputs") if isinstance(entry, dict) else None
     if isinstance(given, dict):
         for name in names:
-            if name not in found and name in given and not _is_link(given[name]):
+            if name not in found and name in given and not is_link(given[name]):
                 found[name] = given[name]
     return found
 

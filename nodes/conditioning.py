@@ -11,7 +11,7 @@ from ..caching.conditioning import CACHE
 from ..caching.settings import SETTINGS
 from ..caching.stats import REGISTRY, format_snapshot
 from ..patches.conditioning import cached_copy, install, mark
-from . import CATEGORY, compat, refusal
+from . import CATEGORY, brief, compat, refusal
 
 AREA = f"{CATEGORY}/conditioning"
 # Inputs removed on 2026-11-30 (d91176a): the cache holds CPU copies returned on the encoder's device
@@ -95,6 +95,7 @@ class CachedCLIPVision(_CachedCopy):
 
 
 _applied: dict[str, tuple] = {}  # the inputs the settings node last applied (once per change)
+LIMIT = 1 << 20  # budget_mib and max_entries at most, as their settings allow (caching/conditioning.py)
 _applied_lock = threading.Lock()
 
 
@@ -111,10 +112,10 @@ class ConditioningCacheSettings(io.ComfyNode):
                 io.Boolean.Input("global_mode", default=True,
                                  tooltip="Every text, CLIP-vision and VAE encode of every workflow goes through "
                                          "the cache, without extra nodes."),
-                io.Int.Input("budget_mib", default=512, min=0, max=1 << 20,
+                io.Int.Input("budget_mib", default=512, min=0, max=LIMIT,
                              tooltip="MiB the cache may hold (its CPU copies and the LoRA weights they pin); "
                                      "0 disables it."),
-                io.Int.Input("max_entries", default=128, min=0, max=1 << 20,
+                io.Int.Input("max_entries", default=128, min=0, max=LIMIT,
                              tooltip="Entries the cache may hold; 0 disables it."),
                 io.Boolean.Input("clear", default=False,
                                  tooltip="Drop every entry when this node applies its settings: when clear is "
@@ -136,6 +137,14 @@ class ConditioningCacheSettings(io.ComfyNode):
             raise refusal(CACHE.stats, "ReuseKit Conditioning Cache Settings", extra)
         compat.say_removed(cls, "ReuseKit Conditioning Cache Settings", {"device_hot_negatives": DEVICE_HOT},
                            linked_old)
+        for name, value in (("global_mode", global_mode), ("clear", clear)):  # (linked: anything)
+            if not isinstance(value, bool):
+                raise refusal(CACHE.stats, "ReuseKit Conditioning Cache Settings",
+                              f"{name} must be true or false, got {brief(value)}")
+        for name, value in (("budget_mib", budget_mib), ("max_entries", max_entries)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= LIMIT:
+                raise refusal(CACHE.stats, "ReuseKit Conditioning Cache Settings",
+                              f"{name} must be a whole number from 0 to {LIMIT}, got {brief(value)}")
         inputs = (global_mode, budget_mib, max_entries, clear)
         with _applied_lock:
             if _applied.get("inputs") != inputs:  # the panel's later changes survive re-queues

@@ -14,7 +14,7 @@ from comfy_api.latest import io
 
 from ..caching.conditioning import CACHE
 from ..caching.stats import REGISTRY
-from . import CATEGORY, compat, refusal
+from . import CATEGORY, brief, compat, refusal
 
 AREA = f"{CATEGORY}/demo"
 STATS_NAME = "demo models"
@@ -154,7 +154,7 @@ class DemoDecode(io.ComfyNode):
             got = tuple(latent.shape) if isinstance(latent, torch.Tensor) else type(latent).__name__
             raise refusal(_stats(), node, f"samples must be a demo model's 16-channel latent, got {got}")
         if isinstance(scale, bool) or not isinstance(scale, int) or not 1 <= scale <= 64:
-            raise refusal(_stats(), node, f"scale must be a whole number from 1 to 64, got {scale!r}")
+            raise refusal(_stats(), node, f"scale must be a whole number from 1 to 64, got {brief(scale)}")
         if latent.ndim == 5:  # Wan: (B, C, T, H, W), its own latent statistics; frames become images
             x = comfy.latent_formats.Wan21().process_in(latent.float())
             x = x.permute(0, 2, 1, 3, 4).reshape(-1, 16, *latent.shape[-2:])

@@ -9,7 +9,7 @@ import nodes as comfy_nodes
 
 from ..caching.graph_reuse import DISABLE_ENV
 from ..patches import graph_capture, host
-from . import CATEGORY, SamplerInputs, compat, ksampler_inputs, refusal
+from . import CATEGORY, SamplerInputs, brief, compat, ksampler_inputs, refusal
 
 MAX_GRAPHS = 8
 EXPERIMENTAL = "Experimental: never run on a GPU yet. "
@@ -37,11 +37,11 @@ def _refused(node: str, what: str) -> ValueError:
 
 def _check(node: str, enable_name: str, enable, max_graphs, keep_graphs=True) -> None:
     if not isinstance(enable, bool):
-        raise _refused(node, f"{enable_name!r} must be true or false, got {enable!r}")
+        raise _refused(node, f"{brief(enable_name)} must be true or false, got {brief(enable)}")
     if not isinstance(keep_graphs, bool):
-        raise _refused(node, f"'keep_graphs' must be true or false, got {keep_graphs!r}")
+        raise _refused(node, f"'keep_graphs' must be true or false, got {brief(keep_graphs)}")
     if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or not 1 <= max_graphs <= MAX_GRAPHS:
-        raise _refused(node, f"'max_graphs' must be a whole number from 1 to {MAX_GRAPHS}, got {max_graphs!r}")
+        raise _refused(node, f"'max_graphs' must be a whole number from 1 to {MAX_GRAPHS}, got {brief(max_graphs)}")
 
 
 def with_capture(node: str, enable_name: str, model, enable: bool, max_graphs: int, keep_graphs: bool = True):
@@ -111,8 +111,8 @@ class GraphKSamplerNode(SamplerInputs, io.ComfyNode):
                 denoise=1.0, enable_graphs=True, max_graphs=2, keep_graphs=True, **linked) -> io.NodeOutput:
         if (extra := compat.unknown(linked)) is not None:
             raise _refused(cls.NODE, extra)
-        cls.check_inputs(graph_capture.STATS.handle, sampler_name, scheduler, cfg, positive, negative, latent_image,
-                         denoise)
+        cls.check_inputs(graph_capture.STATS.handle, seed=seed, steps=steps, cfg=cfg, sampler_name=sampler_name, scheduler=scheduler,
+                         positive=positive, negative=negative, latent_image=latent_image, denoise=denoise)
         model = with_capture(cls.NODE, "enable_graphs", model, enable_graphs, max_graphs, keep_graphs)
         (latent,) = comfy_nodes.common_ksampler(model, seed, steps, cfg, sampler_name, scheduler, positive,
                                                 negative, latent_image, denoise=denoise)

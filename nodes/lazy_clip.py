@@ -11,7 +11,7 @@ from comfy_api.latest import io
 
 from ..patches.conditioning import install, mark
 from ..patches.lazy_clip import STATS, lazily
-from . import CATEGORY, compat, refusal
+from . import CATEGORY, brief, compat, refusal
 
 AREA = f"{CATEGORY}/conditioning"
 
@@ -82,7 +82,7 @@ class _LazyLoader(io.ComfyNode):
         for name, options, _, _ in spec:
             value = inputs.get(name)
             if name in inputs and value not in options:  # ComfyUI 0.3.75 checks no V3 combo
-                shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:80] + "..."
+                shown = brief(value)
                 if not options:
                     return (f"{cls.DISPLAY}: {name}: {shown} is not there: its list is empty (no file in the models "
                             "folder it reads; add one and refresh)")

@@ -8,7 +8,7 @@ from comfy_api.latest import io
 
 from ..caching.stats import REGISTRY
 from ..patches import rope
-from . import CATEGORY, compat, refusal
+from . import CATEGORY, brief, compat, refusal
 
 WRAPPER_KEY = "reusekit_pe_cache"
 
@@ -47,7 +47,7 @@ class PECacheNode(io.ComfyNode):
         if not isinstance(model, comfy.model_patcher.ModelPatcher):
             raise _refused(f"input 'model' must be a MODEL, got {type(model).__name__}")
         if not isinstance(enabled, bool):
-            raise _refused(f"input 'enabled' must be true or false, got {enabled!r}")
+            raise _refused(f"input 'enabled' must be true or false, got {brief(enabled)}")
         rope.install()  # idempotent; the entrypoint normally did it already
         model = model.clone()
         wrappers = comfy.patcher_extension.WrappersMP

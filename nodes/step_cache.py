@@ -7,7 +7,7 @@ from comfy_api.latest import io
 from ..caching.step_cache import StepCacheConfig
 from ..patches import host
 from ..patches import step_cache as patch
-from . import CATEGORY, SamplerInputs, compat, ksampler_inputs, refusal
+from . import CATEGORY, SamplerInputs, brief, compat, ksampler_inputs, refusal
 
 AREA = f"{CATEGORY}/step cache"
 
@@ -111,37 +111,37 @@ def make_config(node: str, model_type: str, threshold: float, start_percent: flo
         return refused(node, f"{name} {why}")
 
     if rule not in patch.RULES:
-        raise bad("rule", f"must be one of {', '.join(patch.RULES)}, got {rule!r}")
+        raise bad("rule", f"must be one of {', '.join(patch.RULES)}, got {brief(rule)}")
     if model_type not in patch.MODEL_TYPES:
-        raise bad("model_type", f"must be one of {', '.join(patch.MODEL_TYPES)}, got {model_type!r}")
+        raise bad("model_type", f"must be one of {', '.join(patch.MODEL_TYPES)}, got {brief(model_type)}")
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) \
             or not (0.0 <= threshold <= THRESHOLD_MAX or threshold == -1.0):
         raise bad("threshold", f"must be a number from 0 to {THRESHOLD_MAX:g}, or -1 for the family's default, got "
-                               f"{threshold!r}")
+                               f"{brief(threshold)}")
     if rule == "interval" and threshold != -1.0 and not (threshold >= 1 and float(threshold).is_integer()):
-        raise bad("threshold", f"is the interval with rule interval: a whole number >= 1 (or -1), got {threshold!r}")
+        raise bad("threshold", f"is the interval with rule interval: a whole number >= 1 (or -1), got {brief(threshold)}")
     for name, v in (("start_percent", start_percent), ("end_percent", end_percent)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.0 <= v <= 1.0):
-            raise bad(name, f"must be a number within 0..1, got {v!r}")
+            raise bad(name, f"must be a number within 0..1, got {brief(v)}")
     if start_percent >= end_percent:
         raise bad("start_percent", f"must be below end_percent ({start_percent} >= {end_percent})")
     if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, (int, float)) \
             or not 0 <= max_consecutive_skips <= SKIPS_MAX or int(max_consecutive_skips) != max_consecutive_skips:
         raise bad("max_consecutive_skips", f"must be a whole number from 0 to {SKIPS_MAX}, got "
-                                           f"{max_consecutive_skips!r}")
+                                           f"{brief(max_consecutive_skips)}")
     if cache_device not in ("device", "cpu"):
-        raise bad("cache_device", f"must be 'device' or 'cpu', got {cache_device!r}")
+        raise bad("cache_device", f"must be 'device' or 'cpu', got {brief(cache_device)}")
     if residual_mode not in patch.RESIDUAL_MODES:
-        raise bad("residual_mode", f"must be one of {', '.join(patch.RESIDUAL_MODES)}, got {residual_mode!r}")
+        raise bad("residual_mode", f"must be one of {', '.join(patch.RESIDUAL_MODES)}, got {brief(residual_mode)}")
     if isinstance(interval_power, bool) or not isinstance(interval_power, (int, float)) \
             or not (0.5 <= interval_power <= 4.0):
-        raise bad("interval_power", f"must be a number within 0.5..4, got {interval_power!r}")
+        raise bad("interval_power", f"must be a number within 0.5..4, got {brief(interval_power)}")
     if interval_power != 1.0 and rule != "interval":
         raise bad("interval_power", f"places the steps of rule interval only (rule is {rule}): set it to 1, or "
                                     "pick rule interval")
     if isinstance(first_blocks, bool) or not isinstance(first_blocks, (int, float)) \
             or not 1 <= first_blocks <= FIRST_BLOCKS_MAX or int(first_blocks) != first_blocks:
-        raise bad("first_blocks", f"must be a whole number from 1 to {FIRST_BLOCKS_MAX}, got {first_blocks!r}")
+        raise bad("first_blocks", f"must be a whole number from 1 to {FIRST_BLOCKS_MAX}, got {brief(first_blocks)}")
     if first_blocks != 1 and rule != "first_block":
         raise bad("first_blocks", f"sets the blocks rule first_block runs before it decides (rule is {rule}): set it "
                                   "to 1, or pick rule first_block")
@@ -159,9 +159,9 @@ def given_inputs(cls, node: str, threshold, rule, residual_mode, passed: dict) -
         rel = old[OLD_THRESHOLD]
         if isinstance(rel, bool) or not isinstance(rel, (int, float)) or not (0.0 <= rel <= OLD_THRESHOLD_MAX):
             raise refused(node, f"{OLD_THRESHOLD} (now threshold) must be a number from 0 to {OLD_THRESHOLD_MAX:g}, "
-                                f"got {rel!r}")
+                                f"got {brief(rel)}")
         if threshold is not LEFT_OUT and threshold != rel:
-            raise refused(node, f"threshold ({threshold!r}) and its old name {OLD_THRESHOLD} ({rel!r}) disagree; "
+            raise refused(node, f"threshold ({brief(threshold)}) and its old name {OLD_THRESHOLD} ({brief(rel)}) disagree; "
                           "give threshold only")
         values["threshold"] = float(rel)
         values.update((k, v) for k, v in OLD_MEANING.items() if values[k] is LEFT_OUT)
@@ -285,7 +285,8 @@ class CachedKSamplerNode(SamplerInputs, io.ComfyNode):
         node = cls.NODE
         if (extra := compat.unknown(linked_old, (OLD_THRESHOLD,))) is not None:
             raise refused(node, extra)
-        cls.check_inputs(patch.stats(), sampler_name, scheduler, cfg, positive, negative, latent_image, denoise)
+        cls.check_inputs(patch.stats(), seed=seed, steps=steps, cfg=cfg, sampler_name=sampler_name, scheduler=scheduler,
+                         positive=positive, negative=negative, latent_image=latent_image, denoise=denoise)
         threshold, rule, residual_mode = given_inputs(cls, node, threshold, rule, residual_mode, linked_old)
         config = make_config(node, model_type, threshold, start_percent, end_percent,
                              max_consecutive_skips, cache_device, residual_mode, rule=rule,

@@ -122,7 +122,8 @@ def test_rel_l1_thresh_is_mapped_with_one_log_line(caplog):
     assert len(said) == 1 and "threshold=0.77" in said[0] and "rule=teacache" in said[0], said
 
 
-@pytest.mark.parametrize("value", [-0.1, float("nan"), "0.4", True, 10.5])  # 10: its old maximum
+@pytest.mark.parametrize("value", [-0.1, float("nan"), "0.4", True, 10.5,  # 10: its old maximum
+                                   [0.3, 1]])  # a list, not a link (ComfyUI's links start with a node id string)
 def test_a_bad_rel_l1_thresh_is_an_error_naming_it(value):
     with pytest.raises(AssertionError, match=r"ReuseKit Step Cache: rel_l1_thresh \(now threshold\) must be"):
         run(_legacy(value))

@@ -407,9 +407,15 @@ def test_a_sampler_nodes_wrong_conditioning_latent_or_nan_is_refused_naming_the_
         return sum(r["count"] for c in registry.snapshot()["caches"] for r in c.get("reasons") or []
                    if r["event"] == "refused")
 
-    cases = {"positive": ("pass", ["4", 0]), "negative": ("pass", ["4", 0]), "latent_image": ("pass", ["3", 0]),
-             "cfg": math.nan, "denoise": math.nan}
-    for name, value in cases.items():
+    cases = [("positive", ("pass", ["4", 0])), ("negative", ("pass", ["4", 0])), ("latent_image", ("pass", ["3", 0])),
+             ("cfg", math.nan), ("denoise", math.nan),
+             # linked values ComfyUI neither converts nor range-checks: core KSampler gives a NaN latent for an
+             # infinite cfg, runs a denoise of 2 as 1 and a denoise of -1 as no sampling, and fails deep inside
+             # on a string seed or a negative step count
+             ("cfg", ("pass", math.inf)), ("denoise", ("pass", 2.0)), ("denoise", ("pass", -1.0)),
+             ("steps", ("pass", -1)), ("steps", ("pass", 2.0)), ("seed", ("pass", "x")), ("seed", ("pass", True)),
+             ("latent_image", ("pass", {"samples": "x"}))]
+    for name, value in cases:
         counted = refusals()
         where, detail = _run_bad(executor, _sampler_prompt(class_type, **{name: value}))
         assert where == "execution", (name, where, detail)
@@ -423,6 +429,42 @@ def test_a_sampler_nodes_wrong_conditioning_latent_or_nan_is_refused_naming_the_
     assert _run_bad(executor, nan_core) == (None, None)  # core KSampler: a NaN latent, no error
     assert torch.isnan(executor.output("9")[0][0]["samples"]).all()
     assert _run_bad(executor, _sampler_prompt(class_type)) == (None, None)  # and a good prompt runs
+
+
+def test_the_settings_nodes_linked_inputs_are_checked_before_they_apply():
+    """Linked values reach the settings node unconverted: a string "false" for ``clear`` cleared the cache
+    silently, a LATENT linked twice failed with a bare tensor-comparison error the second time, and a linked
+    ``True`` as ``budget_mib`` was applied or refused depending on the previous run. Each is now refused,
+    naming the node and the input, and nothing is applied."""
+    settings = rkharness.pack("caching.settings").SETTINGS
+    cache = rkharness.pack("caching.conditioning").CACHE
+    saved = {k: settings.get(k) for k in ("conditioning.enabled", "conditioning.budget_mib", "conditioning.max_entries")}
+    executor = rkharness.Executor(cache="none")
+
+    def prompt(**given):
+        inputs = {"global_mode": True, "budget_mib": 512, "max_entries": 128, "clear": False}
+        p = _base_prompt()
+        for i, (name, value) in enumerate(given.items()):
+            p[str(20 + i)] = {"class_type": "RKTestPass", "inputs": {"value": value}}
+            inputs[name] = [str(20 + i), 0]
+        p["9"] = {"class_type": "ReuseKitConditioningCacheSettings", "inputs": inputs}
+        return p
+
+    try:
+        assert _run_bad(executor, prompt()) == (None, None)
+        rkharness.TINY.tiny_clip(0).encode_from_tokens(rkharness.TINY.tiny_clip(0).tokenize("kept"))
+        held = len(cache)
+        assert held >= 1
+        for name, value in (("clear", "false"), ("clear", ["4", 0]), ("clear", ["4", 0]), ("global_mode", "no"),
+                            ("budget_mib", True), ("max_entries", 2.5), ("budget_mib", -1)):
+            where, detail = _run_bad(executor, prompt(**{name: value}))
+            assert where == "execution", (name, value, where, detail)
+            text = detail[0][1]["exception_message"]
+            assert text.startswith(f"ReuseKit Conditioning Cache Settings: {name} must be"), text
+            assert "tensor(" not in text and len(text) < 200, text
+            assert len(cache) == held and settings.get("conditioning.budget_mib") == 512
+    finally:
+        settings.update(saved)
 
 
 UNKNOWN_CHECKED = ("ReuseKitCacheStats", "ReuseKitCachedCLIP", "ReuseKitCachedCLIPVision", "ReuseKitCachedKSampler",
