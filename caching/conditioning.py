@@ -14,10 +14,10 @@ Exactness rules kept here:
 - Weight patches (LoRA...) are interned into :class:`WeightSet` objects: two patch sets with equal
   structure, strengths and tensor contents (``torch.equal``) become the same object, so a new
   ``LoraLoader`` clone with the same LoRA and strength hits. An entry pins its weight set; its
-  bytes count once against the budget while any entry uses it. A set keeps its tensors as they were
-  when it was made (a full fingerprint, sampled values): one changed in place since (a node editing a
-  loaded LoRA's tensors) is seen as the encoder's weights are (:meth:`WeightSet.edited`), and the
-  content it holds now is another set's.
+  bytes count once against the budget while any entry uses it. Sets are matched by their tensors' full
+  fingerprints, taken when a patcher's patches are first seen, never by the tensor objects: a node that
+  edits a loaded LoRA's tensors in place makes another set for the next patcher (patches/conditioning.py
+  also forgets a patcher's set whenever ComfyUI loads or unloads its weights, where an edit takes effect).
 - Stored values are private CPU copies (whatever device the encoder returned them on); every hit
   returns a fresh copy (containers and tensors, on the device they came from) of the same types (a ``torch.Size`` stays one; other subclasses of built-in containers are not
   stored), so no caller can change a stored entry.
@@ -47,7 +47,7 @@ from .keys import Uncacheable, encode, nbytes
 from .settings import SETTINGS
 from .stats import REGISTRY, StatsRegistry, clip_reason
 from .tiers import TIERS, SharedKey
-from .weight_edits import MODES, SETTING, WeightWatch, legacy_mode, matches_reference
+from .weight_edits import MODES, SETTING, fingerprints, legacy_mode
 
 log = logging.getLogger("reusekit")
 
@@ -116,69 +116,40 @@ class LocalOnly(Exception):
 
 
 class WeightSet:
-    """An interned set of weight patches; equal contents share one object (compared by identity)."""
+    """An interned set of weight patches; equal contents share one object (compared by identity).
+    ``prints``: each tensor's full fingerprint when the set was made, what the set means."""
 
-    __slots__ = ("skeleton", "tensors", "nbytes", "device", "_named", "_watch", "_reference", "_lock", "_stale",
-                 "__weakref__")
+    __slots__ = ("skeleton", "tensors", "prints", "nbytes", "device", "__weakref__")
 
-    def __init__(self, skeleton: tuple, tensors: list[torch.Tensor], named: dict[str, torch.Tensor],
-                 watch: WeightWatch):
+    def __init__(self, skeleton: tuple, tensors: list[torch.Tensor], prints: tuple[int, ...]):
         self.skeleton = skeleton
         self.tensors = tensors
+        self.prints = prints
         unique = {id(t): t for t in tensors}
         self.nbytes = sum(t.numel() * t.element_size() for t in unique.values())
         self.device = "cpu" if all(t.device.type == "cpu" for t in unique.values()) else "device"
-        self._named = named
-        self._watch = watch  # the tensors when the set was made: fully fingerprinted (see _fingerprinted)
-        self._reference = watch.reference()
-        self._lock = threading.Lock()  # a WeightWatch is not thread-safe
-        self._stale = False  # an edit was seen: for good, the set means the tensors as they were
 
-    def edited(self, check: str) -> bool:
-        """Whether a tensor was changed in place since the set was made, as ``check`` (the
-        ``conditioning.check_weight_edits`` mode) reads it: ``events``, the cheap check (small tensors
-        whole, sampled values; its cost follows the number of tensors); ``every_encode``, every byte;
-        ``off``, not at all. Once seen, always."""
-        if self._stale or check == "off":
-            return self._stale
-        with self._lock:
-            if check == "every_encode":
-                self._stale = not matches_reference(self._named, frozenset(), self._reference)
-            else:
-                self._stale = self._watch.quick(self._named)
-            return self._stale
+    def holds(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether ``tensors`` (a patcher's, in the set's order) are, every byte, what the set was made of."""
+        return (len(tensors) == len(self.tensors)
+                and all(t.dtype == s.dtype and t.shape == s.shape for t, s in zip(tensors, self.tensors, strict=True))
+                and tuple(fingerprints(tensors)) == self.prints)
 
 
-def _fingerprinted(tensors: list[torch.Tensor]) -> tuple[dict[str, torch.Tensor], WeightWatch]:
-    named = {str(i): t for i, t in enumerate(tensors)}
-    watch = WeightWatch()
-    watch.full(named)
-    return named, watch
+_weights_lock = threading.Lock()
+_weight_sets: dict[tuple, weakref.ref] = {}
 
 
-_weights_lock = threading.RLock()
-_weight_sets: dict[tuple, list[weakref.ref]] = {}
+def intern_weights(structure: Any) -> tuple[WeightSet | None, list[torch.Tensor], tuple[int, ...]]:
+    """The one :class:`WeightSet` for a patch structure (primitives and tensors), or None if empty; the
+    structure's tensors in the set's order and their full fingerprints.
 
-
-def _sample(t: torch.Tensor) -> bytes:
-    flat = t.detach().reshape(-1)
-    n = flat.numel()
-    if n == 0:
-        return b""
-    idx = torch.linspace(0, n - 1, steps=min(n, 8)).long().to(flat.device)
-    return flat[idx].cpu().contiguous().view(torch.uint8).numpy().tobytes()
-
-
-def intern_weights(structure: Any, check: str = "events") -> WeightSet | None:
-    """The one :class:`WeightSet` for a patch structure (primitives and tensors), or None if empty.
-
-    Live candidates with the same skeleton and sampled values are compared: one holding these very
-    tensors is returned unless ``check`` sees them edited since it was made (:meth:`WeightSet.edited`);
-    other tensors are fingerprinted in full, and a candidate whose tensors were, when it was made, what
-    they are now, and still are (``torch.equal``), is returned. Else a new set is registered.
+    The tensors are fingerprinted in full (one pass over them: once per patcher, not per encode): a live
+    set made of the same skeleton (strengths, dtypes, shapes) and contents is returned, whichever tensor
+    objects it was made of, and whatever they hold now; else a new set is registered.
     """
     if not structure:
-        return None
+        return None, [], ()
     tensors: list[torch.Tensor] = []
 
     def skel(v):
@@ -193,30 +164,18 @@ def intern_weights(structure: Any, check: str = "events") -> WeightSet | None:
         return encode(v)
 
     skeleton = skel(structure)
-    bucket = (skeleton, tuple(_sample(t) for t in tensors))
+    prints = tuple(fingerprints(tensors))
+    bucket = (skeleton, prints)
     with _weights_lock:
-        refs = _weight_sets.setdefault(bucket, [])
-        refs[:] = [r for r in refs if r() is not None]
-        fingerprinted = None
-        for ref in refs:
-            candidate = ref()
-            if candidate is None:
-                continue
-            if all(a is b for a, b in zip(candidate.tensors, tensors, strict=True)):
-                if not candidate.edited(check):
-                    return candidate
-                continue
-            if fingerprinted is None:
-                fingerprinted = _fingerprinted(tensors)
-            if candidate._reference[1] == fingerprinted[1].reference()[1] \
-                    and all(torch.equal(a, b) for a, b in zip(candidate.tensors, tensors, strict=True)):
-                return candidate
-        made = WeightSet(skeleton, tensors, *(fingerprinted or _fingerprinted(tensors)))
-        refs.append(weakref.ref(made))
-        if len(_weight_sets) > 256:  # forget buckets whose sets all died
-            for b in [b for b, rs in _weight_sets.items() if not any(r() is not None for r in rs)]:
-                del _weight_sets[b]
-        return made
+        found = _weight_sets.get(bucket)
+        made = None if found is None else found()
+        if made is None:
+            made = WeightSet(skeleton, tensors, prints)
+            _weight_sets[bucket] = weakref.ref(made)
+            if len(_weight_sets) > 256:  # forget the sets that died
+                for b in [b for b, r in _weight_sets.items() if r() is None]:
+                    del _weight_sets[b]
+        return made, tensors, prints
 
 
 class Key:

@@ -196,10 +196,10 @@ class _Plan:
     __slots__ = ("dtype", "shape", "fp", "nbytes", "small", "ints", "positions", "positions_np", "ref", "width",
                  "rows", "_on")
 
-    def __init__(self, t: torch.Tensor, fp: int, embedding: bool):
+    def __init__(self, t: torch.Tensor, fp: int, embedding: bool, small: int = SMALL):
         self.dtype, self.shape, self.fp = t.dtype, t.shape, fp
         self.nbytes = t.numel() * t.element_size()
-        self.small = self.nbytes <= SMALL
+        self.small = self.nbytes <= small
         self.ints, count = _as_ints(t)
         self.positions = self.positions_np = self.width = self.rows = None
         self._on: dict[torch.device, torch.Tensor] = {}
@@ -281,9 +281,12 @@ class WeightWatch:
 
     ``named`` maps weight names to the tensors an encode reads; ``patched`` names the weights the
     patcher has patched over right now (their base values are in its backup: not checked, but still
-    part of the encoder's structure). Not thread-safe: the caller serialises."""
+    part of the encoder's structure). ``small``: tensors of up to that many bytes are compared whole
+    (0: every tensor by its samples, so the check reads no tensor's bytes). Not thread-safe: the caller
+    serialises."""
 
-    def __init__(self) -> None:
+    def __init__(self, small: int = SMALL) -> None:
+        self._small = small
         self._plans: dict[str, _Plan] = {}
         self._names: frozenset[str] = frozenset()
         self._memory: _Memory | None = None  # the CPU weights' addresses at the last cheap check
@@ -296,12 +299,13 @@ class WeightWatch:
         return bool(self._names)
 
     def full(self, named: Mapping[str, torch.Tensor], patched: frozenset[str] = frozenset(),
-             embeddings: frozenset[str] = frozenset()) -> bool:
+             embeddings: frozenset[str] = frozenset(), values: list[int] | None = None) -> bool:
         """Fingerprint every weight in full and take the result as the new reference; True when the
-        weights differ from the last full check's (an edit or a replaced weight; never a move)."""
+        weights differ from the last full check's (an edit or a replaced weight; never a move).
+        ``values``: their fingerprints, taken just now by the caller (then not taken again)."""
         self.full_checks += 1
         edited = bool(self._names) and self._names != frozenset(named) | patched
-        edited = self._fingerprint(named, list(named), embeddings) or edited
+        edited = self._fingerprint(named, list(named), embeddings, values) or edited
         self._names = frozenset(named) | patched
         return edited
 
@@ -324,10 +328,12 @@ class WeightWatch:
         again = frozenset(redo)
         return self._differ({n: t for n, t in named.items() if n not in again}, patched | again)
 
-    def _fingerprint(self, named: Mapping[str, torch.Tensor], names: list[str], embeddings: frozenset[str]) -> bool:
-        """Fingerprints ``names`` in full and takes them as their new reference; True where one differs
-        from its last reference."""
-        values = fingerprints(named[n] for n in names)
+    def _fingerprint(self, named: Mapping[str, torch.Tensor], names: list[str], embeddings: frozenset[str],
+                     values: list[int] | None = None) -> bool:
+        """Fingerprints ``names`` in full (or takes ``values``, theirs) as their new reference; True where
+        one differs from its last reference."""
+        if values is None:
+            values = fingerprints(named[n] for n in names)
         edited = False
         self._memory = None  # new references
         self.last_full_bytes = 0
@@ -337,7 +343,7 @@ class WeightWatch:
             old = self._plans.get(name)
             if old is not None and (old.fp != fp or old.dtype != t.dtype or old.shape != t.shape):
                 edited = True
-            self._plans[name] = _Plan(t, fp, name in embeddings)
+            self._plans[name] = _Plan(t, fp, name in embeddings, self._small)
         return edited
 
     def reference(self) -> tuple[frozenset[str], dict[str, tuple[int, torch.dtype, torch.Size]]]:

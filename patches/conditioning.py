@@ -76,7 +76,8 @@ from ..caching.keys import Uncacheable, digest, encode
 from ..caching.settings import SETTINGS
 from ..caching.tiers import FORMAT, TIERS, FileHashes, SharedKey, is_indexed_device, portable_device
 from ..caching.weight_edits import SETTING as CHECK_SETTING
-from . import encoder_weights, host, lazy_clip, module_tree
+from ..caching.weight_edits import WeightWatch
+from . import encoder_weights, host, lazy_clip, lifecycle, module_tree
 
 log = logging.getLogger("reusekit")
 
@@ -164,22 +165,66 @@ def _patcher_fields(patcher) -> tuple:
 
 
 def _weights(patcher):
-    """The interned weight set of a patcher's patches (memoised per patcher and patches_uuid, as long as
-    the set's tensors are not seen edited in place: a node changing a loaded LoRA's tensors, which
-    ComfyUI applies at the next load)."""
+    """The interned weight set of a patcher's patches (see :func:`_weights_and_tensors`)."""
+    return _weights_and_tensors(patcher)[0]
+
+
+class _PatchWatch:
+    """A patcher's patch tensors as they were when its set was taken: the cheap check of an encode reads
+    their sampled values (none whole: its cost follows the number of tensors, never their bytes)."""
+
+    __slots__ = ("named", "watch", "lock")
+
+    def __init__(self, tensors: list[torch.Tensor], prints: tuple[int, ...]):
+        self.named = {str(i): t for i, t in enumerate(tensors)}
+        self.watch = WeightWatch(small=0)
+        self.watch.full(self.named, values=list(prints))
+        self.lock = threading.Lock()  # (a WeightWatch is not thread-safe)
+
+    def edited(self) -> bool:
+        with self.lock:
+            return self.watch.quick(self.named)
+
+
+def _weights_and_tensors(patcher) -> tuple:
+    """(the interned weight set of a patcher's patches, its own patch tensors in the set's order). A set is
+    matched by its tensors' full fingerprints, taken when the patcher's patches are first seen; then
+    memoised per patcher and patches_uuid while an encode's cheap check sees none of its tensors edited in
+    place (under ``check_weight_edits`` ``every_encode``, every byte) and until ComfyUI next loads or
+    unloads its weights (:func:`_forget_weights`), where an edit of a loaded LoRA's tensors takes effect:
+    a node that edits them makes another set. Before a miss is published its tensors are fingerprinted in
+    full again (see ``_route``)."""
     if not patcher.patches:
-        return None
+        return None, []
     stamp = (patcher.patches_uuid, len(patcher.patches))
     check = SETTINGS.get(CHECK_SETTING)
     with _weight_memo_lock:
         memo = _weight_memo.get(patcher)
-    if memo is not None and memo[0] == stamp and not memo[1].edited(check):
-        return memo[1]
+    if memo is not None and memo[0] == stamp:
+        made, tensors, watch = memo[1:]
+        if check == "off" or not (watch.edited() if check == "events" else not made.holds(tensors)):
+            return made, tensors
     structure = {key: _patch_structure(patches) for key, patches in patcher.patches.items()}
-    made = intern_weights(structure, check)
+    made, tensors, prints = intern_weights(structure)
     with _weight_memo_lock:
-        _weight_memo[patcher] = (stamp, made)
-    return made
+        _weight_memo[patcher] = (stamp, made, tensors, _PatchWatch(tensors, prints))
+    return made, tensors
+
+
+def _patch_tensors(patcher, weights) -> list[torch.Tensor]:
+    """The patcher's own patch tensors behind ``weights`` (its set, just taken), in the set's order."""
+    with _weight_memo_lock:
+        memo = _weight_memo.get(patcher)
+    if weights is None:
+        return []
+    return memo[2] if memo is not None and memo[1] is weights else list(weights.tensors)
+
+
+def _forget_weights(patcher, *args, **kwargs) -> None:
+    """A lifecycle listener (before ``load``, ``unpatch_model``, ``partially_unload``): the patcher's set is
+    taken again at its next encode, from what its patch tensors hold then."""
+    with _weight_memo_lock:
+        _weight_memo.pop(patcher, None)
 
 
 def _precision() -> tuple:
@@ -916,7 +961,7 @@ def _patch_digest(weights) -> str:
     """A digest of a weight patch set's structure, strengths and tensor contents (memoised per set)."""
     found = _patch_digests.get(weights)
     if found is None:
-        if weights.edited("every_encode"):
+        if not weights.holds(weights.tensors):
             raise LocalOnly("its weight patches (a LoRA's tensors) were changed in place since they were first seen")
         h = hashlib.blake2b(repr(_portable(weights.skeleton)).encode(), digest_size=32)
         for t in weights.tensors:
@@ -1081,6 +1126,8 @@ def _route(kind: str, patcher, module, make_key, compute, check_rng=False, admit
     except Exception as exc:  # an encoder object this key builder does not know: never break the encode
         CACHE.bypass(kind, f"unexpected {type(exc).__name__}: {exc}", encoder)
         return compute()
+    patches = key.weights[0] if key.weights else None
+    patch_tensors = _patch_tensors(patcher, patches)
 
     def shared():  # asked by the lookup on a miss, before anything computes
         with look:
@@ -1095,7 +1142,7 @@ def _route(kind: str, patcher, module, make_key, compute, check_rng=False, admit
         def same_generation():  # an edit seen since (the reference retaken from the edited weights): never
             if getattr(module, _GENERATION, 0) != generation:
                 drop()
-            elif any(w.edited("every_encode") for w in key.weights):  # (in full, on the publishing thread)
+            elif patches is not None and not patches.holds(patch_tensors):  # (in full, on the publishing thread)
                 drop("its weight patches (a LoRA's tensors) were changed in place since they were first seen")
             else:
                 publish()
@@ -1340,6 +1387,8 @@ def install() -> bool:
             _replacements[(owner, name)] = fn
         _active = True
     encoder_weights.install()
+    for event in encoder_weights.MOVES:
+        lifecycle.add_listener(event, _forget_weights)
     if lazy_clip.install():
         lazy_clip.when_changed(_new_generation)
         _ROUTES.update(lazy_clip.routed())
@@ -1375,6 +1424,8 @@ def uninstall() -> None:
                               _where(owner, name), level=logging.WARNING)
         _active = False
     encoder_weights.uninstall()
+    for event in encoder_weights.MOVES:
+        lifecycle.remove_listener(event, _forget_weights)
     lazy_clip.uninstall()
 
 

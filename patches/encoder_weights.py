@@ -300,14 +300,14 @@ def _patches_moved(patcher, *args, **kwargs) -> None:
         enc.dirty = True
 
 
-_EVENTS = ("load", "unpatch_model", "partially_unload")
+MOVES = ("load", "unpatch_model", "partially_unload")  # the patcher events where weight patches move
 
 
 def install() -> None:
-    for event in _EVENTS:
+    for event in MOVES:
         lifecycle.add_listener(event, _patches_moved)
 
 
 def uninstall() -> None:
-    for event in _EVENTS:
+    for event in MOVES:
         lifecycle.remove_listener(event, _patches_moved)

@@ -253,12 +253,15 @@ def test_lora_strength_changes_miss_and_same_lora_on_a_new_clone_hits(cc, uncach
     assert cc.CACHE.count("hits.text") == 3
 
 
-def _edit_away_from_samples(t: torch.Tensor) -> None:
-    """Triple every value of ``t`` in place but those the patch sets' buckets sample (8 evenly spaced)."""
+def _edit_away_from_samples(t: torch.Tensor, samples: int = 8) -> None:
+    """Triple in place every value of ``t`` that the cheap checks do not read (``samples`` evenly spaced ones
+    and the 32 fixed positions the weight checks sample)."""
     flat = t.view(-1)
     n = flat.numel()
-    sampled = set(torch.linspace(0, n - 1, steps=min(n, 8)).long().tolist())
-    flat[[i for i in range(n) if i not in sampled]] *= 3.0
+    weight_edits = rkharness.pack("caching.weight_edits")
+    kept = set(torch.linspace(0, n - 1, steps=min(n, samples)).long().tolist())
+    kept |= set(weight_edits._positions(weight_edits._as_ints(t)[1]).tolist())
+    flat[[i for i in range(n) if i not in kept]] *= 3.0
 
 
 def test_a_loaded_lora_edited_in_place_is_another_lora(cc, uncached, tiny):
@@ -287,23 +290,63 @@ def test_a_loaded_lora_edited_in_place_is_another_lora(cc, uncached, tiny):
     assert not torch.equal(before.encode_from_tokens(tokens), first)
 
 
-def test_a_patch_edit_the_cheap_check_cannot_see_is_never_shared(cc):
-    """Away from every sampled value of a large patch tensor, an edit passes the cheap check (``events``), as it
-    does on an encoder's weights; the full check sees it, and a set so edited gives no shared key."""
+@pytest.mark.parametrize("edit,check", [("whole tensor", "events"), ("away from every sample", "every_encode")])
+def test_two_loads_of_one_lora_edited_apart_each_encode_as_their_own(cc, uncached, tiny, edit, check):
+    """Two LoraLoaders on one file share a patch set (equal contents); then one's loaded tensors are edited in
+    place. Each clone then encodes as without the cache, and a miss through the edited one is never filed
+    where the other finds it (before, the set watched only the first load's tensors). The cheap check of
+    ``events`` reads sampled values; an edit away from all of them is seen under ``every_encode``."""
+    settings = rkharness.pack("caching.settings").SETTINGS
+    settings.set("conditioning.check_weight_edits", check)
+    try:
+        _two_loads_edited_apart(cc, uncached, tiny, edit)
+    finally:
+        settings.set("conditioning.check_weight_edits", "events")
+
+
+def _two_loads_edited_apart(cc, uncached, tiny, edit):
+    import comfy.sd
+    import comfy.utils
+    import folder_paths
+
+    loras = __import__(f"{tiny.__name__}.conditioning", fromlist=["write_lora"])
+    path = folder_paths.get_full_path_or_raise("loras", loras.write_lora("rk_test_twin.safetensors", seed=7,
+                                                                          rank=600, flux=False))  # 75 KiB tensors
+    first, second = (comfy.utils.load_torch_file(path, safe_load=True) for _ in range(2))
+    clip = tiny.tiny_clip(0)
+    _, a = comfy.sd.load_lora_for_models(None, clip, first, 0.0, 1.0)
+    _, b = comfy.sd.load_lora_for_models(None, clip, second, 0.0, 1.0)
+    tokens, others = clip.tokenize("one prompt"), clip.tokenize("another prompt")
+    before = a.encode_from_tokens(tokens)
+    assert same(b.encode_from_tokens(tokens), before) and cc.CACHE.count("hits.text") == 1  # one set
+    edited = second[next(k for k in second if k.endswith("q_proj.lora_up.weight"))]
+    if edit == "whole tensor":
+        edited.mul_(3.0)
+    else:
+        _edit_away_from_samples(edited, samples=48)
+    for clone, text in ((b, tokens), (b, others), (a, others), (a, tokens)):
+        got = clone.encode_from_tokens(text)
+        assert same(got, uncached(clone.encode_from_tokens, text)), (clone is b, text is tokens)
+    assert not same(b.encode_from_tokens(tokens), before)
+
+
+def test_a_patch_set_means_its_tensors_as_they_were_when_first_seen(cc):
+    """A set is matched by its tensors' full fingerprints, whatever tensor objects hold them: a twin load of
+    the same file joins it, an edit anywhere makes another set, and a set whose tensors were edited since it
+    was made gives no shared key (its digest would describe the edited bytes)."""
     conditioning = rkharness.pack("patches.conditioning")
-    big = torch.randn(256, 128)  # 128 KiB: sampled, not compared whole
-    made = cc.intern_weights({"w": ("lora", big.clone(), 1.0)})
-    tensor = made.tensors[0]
-    samples = set(torch.linspace(0, tensor.numel() - 1, steps=32).long().tolist()) | set(
-        torch.linspace(0, tensor.numel() - 1, steps=8).long().tolist())
-    spot = next(i for i in range(1, tensor.numel()) if all(abs(i - j) > 2 for j in samples))
-    tensor.view(-1)[spot] += 1.0
-    assert not made.edited("events")
-    assert made.edited("every_encode") and made.edited("events")  # once seen, for good
+    big = torch.randn(256, 128)  # 128 KiB
+    made, tensors, _ = cc.intern_weights({"w": ("lora", big, 1.0)})
+    assert tensors == [big] and made.holds([big])
+    twin, twin_tensors, _ = cc.intern_weights({"w": ("lora", big.clone(), 1.0)})
+    assert twin is made and twin_tensors[0] is not big
+    twin_tensors[0].view(-1)[12345] += 1.0  # one value, away from any sample
+    assert made.holds([big]) and not made.holds(twin_tensors)
+    edited, _, _ = cc.intern_weights({"w": ("lora", twin_tensors[0], 1.0)})
+    assert edited is not made
+    big.view(-1)[777] += 1.0
     with pytest.raises(cc.LocalOnly, match="changed in place"):
         conditioning._patch_digest(made)
-    again = cc.intern_weights({"w": ("lora", tensor, 1.0)})  # the tensor as it is now: another set
-    assert again is not made and not again.edited("every_encode")
 
 
 def test_the_same_tensors_patched_onto_swapped_weights_miss_whatever_the_order_they_were_added_in(cc, uncached,
@@ -1269,21 +1312,21 @@ def test_identity_serials_are_never_reused(cc):
 
 def test_weight_sets_are_interned_by_content(cc):
     w = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
-    one = cc.intern_weights({"k": [(1.0, (w,), 1.0, None, None)]})
-    same_content = cc.intern_weights({"k": [(1.0, (w.clone(),), 1.0, None, None)]})
-    other_strength = cc.intern_weights({"k": [(0.5, (w,), 1.0, None, None)]})
+    one = cc.intern_weights({"k": [(1.0, (w,), 1.0, None, None)]})[0]
+    same_content = cc.intern_weights({"k": [(1.0, (w.clone(),), 1.0, None, None)]})[0]
+    other_strength = cc.intern_weights({"k": [(0.5, (w,), 1.0, None, None)]})[0]
     changed = w.clone()
-    changed[3, 3] += 1  # a value the bucket sampler may not look at
-    other_values = cc.intern_weights({"k": [(1.0, (changed,), 1.0, None, None)]})
+    changed[3, 3] += 1
+    other_values = cc.intern_weights({"k": [(1.0, (changed,), 1.0, None, None)]})[0]
     assert one is same_content and one is not other_strength and one is not other_values
-    assert cc.intern_weights({}) is None
+    assert cc.intern_weights({})[0] is None
 
 
 def test_an_entry_whose_weights_another_entry_pinned_stays_within_the_budget(cc):
     """A LoRA'd encoder's weight set counts once, held by every entry made with it: evicting the other
     entry that held it, to make room for a new one with the same set, keeps the set and the budget."""
     cache = cc.ConditioningCache(budget_bytes=20000, max_entries=100)
-    lora = cc.intern_weights({"k": [(1.0, (torch.arange(2000, dtype=torch.float32),), 1.0, None, None)]})
+    lora = cc.intern_weights({"k": [(1.0, (torch.arange(2000, dtype=torch.float32),), 1.0, None, None)]})[0]
 
     def key(i, weights):
         return cc.Key("text", (("i", i),), owners=(1,), weights=weights)

@@ -453,23 +453,34 @@ def test_lora_patch_sets_key_by_content_and_strength(shared):
     assert shared.cc.CACHE.count("encodes") == 2
 
 
-def test_a_lora_edited_in_place_never_reaches_another_worker_as_the_file(shared):
-    """One worker edits its loaded LoRA's tensors in place and encodes with a new clone of it: what it publishes
-    is the edited LoRA's, and a worker with the file's LoRA never reads it (before, the entry was filed under
-    the file's contents, whose sampled values the edit kept)."""
+@pytest.mark.parametrize("how", ["a new clone", "a twin load's clone"])
+def test_a_lora_edited_in_place_never_reaches_another_worker_as_the_file(shared, how):
+    """One worker edits its loaded LoRA's tensors in place, away from every value a cheap check samples, and
+    encodes with a new clone of it, or with the clone of a second load of the file made before the edit
+    (which shares the first load's patch set): what it publishes is never filed under the file's contents, so
+    a worker with the file's LoRA never reads it (before, it was: the set was trusted by its tensor objects,
+    or watched only the first load's)."""
     import comfy.sd
     import comfy.utils
 
     files = _tiny_files()
     path = files.write_tiny_clip_file(str(shared.files), 0)
-    lora_path = os.path.join(files.lora_dir(), files.write_lora("tiers_inplace.safetensors", seed=9, flux=False))
+    lora_path = os.path.join(files.lora_dir(), files.write_lora("tiers_inplace.safetensors", seed=9, rank=600,
+                                                                flux=False))
     base = files.load_tiny_clip_file(path)
-    lora = comfy.utils.load_torch_file(lora_path)
+    lora, twin = comfy.utils.load_torch_file(lora_path), comfy.utils.load_torch_file(lora_path)
     encode(comfy.sd.load_lora_for_models(None, base, lora, 0.0, 1.0)[1], "first")
-    flat = lora[next(k for k in lora if k.endswith("q_proj.lora_up.weight"))].view(-1)
-    sampled = set(torch.linspace(0, flat.numel() - 1, steps=min(flat.numel(), 8)).long().tolist())
-    flat[[i for i in range(flat.numel()) if i not in sampled]] *= 3.0
-    edited = encode(comfy.sd.load_lora_for_models(None, base, lora, 0.0, 1.0)[1])
+    _, twin_clip = comfy.sd.load_lora_for_models(None, base, twin, 0.0, 1.0)
+    encode(twin_clip, "first")  # a hit: one set
+    edited_dict = lora if how == "a new clone" else twin
+    weight_edits = rkharness.pack("caching.weight_edits")
+    t = edited_dict[next(k for k in edited_dict if k.endswith("q_proj.lora_up.weight"))]
+    flat = t.view(-1)
+    kept = set(torch.linspace(0, flat.numel() - 1, steps=8).long().tolist())
+    kept |= set(weight_edits._positions(weight_edits._as_ints(t)[1]).tolist())
+    flat[[i for i in range(flat.numel()) if i not in kept]] *= 3.0
+    edited = encode(comfy.sd.load_lora_for_models(None, base, lora, 0.0, 1.0)[1] if how == "a new clone"
+                    else twin_clip)
     shared.cc.CACHE.clear()  # another worker: its own LRU, encoder and LoRA, loaded from the files
     _, other = comfy.sd.load_lora_for_models(None, files.load_tiny_clip_file(path),
                                              comfy.utils.load_torch_file(lora_path), 0.0, 1.0)
