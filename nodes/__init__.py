@@ -150,10 +150,12 @@ class SamplerInputs:
 
 
 def _number_error(name: str, value, low, high, whole: bool = False) -> str | None:
-    """Why ``value`` is not a number from ``low`` to ``high`` (``whole``: a whole one), None if it is."""
+    """Why ``value`` is not a number from ``low`` to ``high`` (``whole``: a whole one), None if it is (NumPy's
+    numbers are numbers)."""
     import math
+    import numbers
 
-    kind = int if whole else (int, float)
+    kind = numbers.Integral if whole else numbers.Real
     if isinstance(value, bool) or not isinstance(value, kind) or math.isnan(value) or not low <= value <= high:
         return f"{name} must be a {'whole ' if whole else ''}number from {low} to {high}, got {brief(value)}"
     return None
@@ -161,10 +163,13 @@ def _number_error(name: str, value, low, high, whole: bool = False) -> str | Non
 
 def _latent_error(value) -> str | None:
     """Why ``value`` is not a LATENT: a dict whose ``samples`` is a non-empty tensor of at least 3 dimensions
-    (batch, channels, then length or height and width, or frames, height and width)."""
+    (batch, channels, then length or height and width, or frames, height and width), or ComfyUI's nested
+    tensor of several."""
     import torch
 
     samples = value.get("samples") if isinstance(value, dict) else None
+    if getattr(samples, "is_nested", False) is True:  # comfy.nested_tensor (LTX-2's audio and video): ComfyUI's
+        return None
     if not isinstance(samples, torch.Tensor) or samples.ndim < 3 or not samples.numel():
         got = (type(value).__name__ if not isinstance(value, dict) else "a dict without a tensor 'samples'"
                if not isinstance(samples, torch.Tensor) else f"samples of shape {tuple(samples.shape)}")

@@ -431,6 +431,22 @@ def test_a_sampler_nodes_wrong_conditioning_latent_or_nan_is_refused_naming_the_
     assert _run_bad(executor, _sampler_prompt(class_type)) == (None, None)  # and a good prompt runs
 
 
+def test_the_sampler_nodes_take_what_core_ksampler_takes():
+    """The linked-value checks refuse nothing ComfyUI's sampler handles: a nested latent (LTX-2's audio and
+    video), an audio latent of 3 dimensions, NumPy numbers, a denoise of 0, a seed of 2**64 - 1."""
+    import comfy.nested_tensor
+    import numpy as np
+
+    check = rkharness.pack("nodes").SamplerInputs.check_inputs
+    stats = rkharness.pack("caching.stats").REGISTRY.register("rk_test_sampler_inputs", "graph", "test")
+    cond = [[torch.zeros(1, 4, 8), {}]]
+    video_audio = comfy.nested_tensor.NestedTensor([torch.zeros(1, 4, 2, 8, 8), torch.zeros(1, 8, 16)])
+    for latent, seed, steps, cfg, denoise in (({"samples": video_audio}, np.int64(5), np.int32(2), np.float32(3.5), 0.0),
+                                              ({"samples": torch.zeros(1, 64, 32)}, 2 ** 64 - 1, 1, 0, 1)):
+        check(stats, seed=seed, steps=steps, cfg=cfg, sampler_name="euler", scheduler="simple", positive=cond,
+              negative=cond, latent_image=latent, denoise=denoise)
+
+
 def test_the_settings_nodes_linked_inputs_are_checked_before_they_apply():
     """Linked values reach the settings node unconverted: a string "false" for ``clear`` cleared the cache
     silently, a LATENT linked twice failed with a bare tensor-comparison error the second time, and a linked
