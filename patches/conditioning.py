@@ -77,7 +77,7 @@ from ..caching.settings import SETTINGS
 from ..caching.tiers import FORMAT, TIERS, FileHashes, SharedKey, is_indexed_device, portable_device
 from ..caching.weight_edits import SETTING as CHECK_SETTING
 from ..caching.weight_edits import WeightWatch
-from . import encoder_weights, host, lazy_clip, lifecycle, module_tree
+from . import encoder_weights, host, lazy_clip, module_tree
 
 log = logging.getLogger("reusekit")
 
@@ -188,22 +188,34 @@ class _PatchWatch:
 
 def _weights_and_tensors(patcher) -> tuple:
     """(the interned weight set of a patcher's patches, its own patch tensors in the set's order). A set is
-    matched by its tensors' full fingerprints, taken when the patcher's patches are first seen; then
-    memoised per patcher and patches_uuid while an encode's cheap check sees none of its tensors edited in
-    place (under ``check_weight_edits`` ``every_encode``, every byte) and until ComfyUI next loads or
-    unloads its weights (:func:`_forget_weights`), where an edit of a loaded LoRA's tensors takes effect:
-    a node that edits them makes another set. Before a miss is published its tensors are fingerprinted in
-    full again (see ``_route``)."""
+    matched by its tensors' full fingerprints, never by the tensor objects, and means what ComfyUI computes
+    with (:func:`_written`): while the patcher's patches are written into the weights, what the tensors held
+    when they were written, whatever they hold now (a clone, which shares its patches, takes the set of the
+    patcher it was cloned from); otherwise what they hold now, which ComfyUI writes at the patcher's next
+    load (or, under the dynamic VRAM patcher, reads at every forward). So the set is memoised per patcher
+    and patches_uuid, and taken again where it is not written and an encode's cheap check sees one of its
+    tensors edited in place (a node editing a loaded LoRA; under ``check_weight_edits`` ``every_encode``,
+    every byte). Partly written (some modules unloaded), an edit leaves no set to describe the weights: the
+    encode runs uncached. Before a miss is published its tensors are fingerprinted in full again (see
+    ``_route``)."""
     if not patcher.patches:
         return None, []
     stamp = (patcher.patches_uuid, len(patcher.patches))
     check = SETTINGS.get(CHECK_SETTING)
+    written = _written(patcher)
     with _weight_memo_lock:
         memo = _weight_memo.get(patcher)
+        if (memo is None or memo[0] != stamp) and written is not False:  # a clone of the patcher that wrote them
+            memo = next((m for p, m in _weight_memo.items() if m[0] == stamp and p.model is patcher.model), memo)
+            if memo is not None and memo[0] == stamp:
+                _weight_memo[patcher] = memo
     if memo is not None and memo[0] == stamp:
         made, tensors, watch = memo[1:]
-        if check == "off" or not (watch.edited() if check == "events" else not made.holds(tensors)):
+        if check == "off" or written is True or not (watch.edited() if check == "events" else not made.holds(tensors)):
             return made, tensors
+        if written is None:
+            raise Uncacheable("its LoRA's tensors were edited in place while ComfyUI holds them written into part "
+                              "of the weights (partly unloaded)")
     structure = {key: _patch_structure(patches) for key, patches in patcher.patches.items()}
     made, tensors, prints = intern_weights(structure)
     with _weight_memo_lock:
@@ -211,20 +223,28 @@ def _weights_and_tensors(patcher) -> tuple:
     return made, tensors
 
 
-def _patch_tensors(patcher, weights) -> list[torch.Tensor]:
-    """The patcher's own patch tensors behind ``weights`` (its set, just taken), in the set's order."""
-    with _weight_memo_lock:
-        memo = _weight_memo.get(patcher)
+def _written(patcher) -> bool | None:
+    """Whether ComfyUI holds this patcher's patches written into the weights now (it writes them again only
+    after another patcher's were written or the weights were unpatched): True, into all of them; None, into
+    part of them (partly unloaded: the modules put back are patched again from the tensors at the next load,
+    the others keep what was written); False, not written, or applied at every forward (the dynamic VRAM
+    patcher)."""
+    import comfy.model_patcher as mp
+
+    model = patcher.model
+    if type(patcher) is not mp.ModelPatcher or getattr(model, "current_weight_patches_uuid", None) != patcher.patches_uuid:
+        return False
+    return None if getattr(model, "model_lowvram", False) else True
+
+
+def _patch_tensors(patcher, weights) -> list[torch.Tensor] | None:
+    """The patcher's own patch tensors behind ``weights`` (its set, just taken), in the set's order; None
+    where its set was taken again meanwhile (another thread's encode)."""
     if weights is None:
         return []
-    return memo[2] if memo is not None and memo[1] is weights else list(weights.tensors)
-
-
-def _forget_weights(patcher, *args, **kwargs) -> None:
-    """A lifecycle listener (before ``load``, ``unpatch_model``, ``partially_unload``): the patcher's set is
-    taken again at its next encode, from what its patch tensors hold then."""
     with _weight_memo_lock:
-        _weight_memo.pop(patcher, None)
+        memo = _weight_memo.get(patcher)
+    return memo[2] if memo is not None and memo[1] is weights else None
 
 
 def _precision() -> tuple:
@@ -1142,7 +1162,8 @@ def _route(kind: str, patcher, module, make_key, compute, check_rng=False, admit
         def same_generation():  # an edit seen since (the reference retaken from the edited weights): never
             if getattr(module, _GENERATION, 0) != generation:
                 drop()
-            elif patches is not None and not patches.holds(patch_tensors):  # (in full, on the publishing thread)
+            elif patches is not None and (patch_tensors is None or not patches.holds(patch_tensors)):
+                # (in full, on the publishing thread)
                 drop("its weight patches (a LoRA's tensors) were changed in place since they were first seen")
             else:
                 publish()
@@ -1387,8 +1408,6 @@ def install() -> bool:
             _replacements[(owner, name)] = fn
         _active = True
     encoder_weights.install()
-    for event in encoder_weights.MOVES:
-        lifecycle.add_listener(event, _forget_weights)
     if lazy_clip.install():
         lazy_clip.when_changed(_new_generation)
         _ROUTES.update(lazy_clip.routed())
@@ -1424,8 +1443,6 @@ def uninstall() -> None:
                               _where(owner, name), level=logging.WARNING)
         _active = False
     encoder_weights.uninstall()
-    for event in encoder_weights.MOVES:
-        lifecycle.remove_listener(event, _forget_weights)
     lazy_clip.uninstall()
 
 

@@ -300,14 +300,14 @@ def _patches_moved(patcher, *args, **kwargs) -> None:
         enc.dirty = True
 
 
-MOVES = ("load", "unpatch_model", "partially_unload")  # the patcher events where weight patches move
+_EVENTS = ("load", "unpatch_model", "partially_unload")
 
 
 def install() -> None:
-    for event in MOVES:
+    for event in _EVENTS:
         lifecycle.add_listener(event, _patches_moved)
 
 
 def uninstall() -> None:
-    for event in MOVES:
+    for event in _EVENTS:
         lifecycle.remove_listener(event, _patches_moved)

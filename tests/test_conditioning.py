@@ -253,14 +253,15 @@ def test_lora_strength_changes_miss_and_same_lora_on_a_new_clone_hits(cc, uncach
     assert cc.CACHE.count("hits.text") == 3
 
 
-def _edit_away_from_samples(t: torch.Tensor, samples: int = 8) -> None:
-    """Triple in place every value of ``t`` that the cheap checks do not read (``samples`` evenly spaced ones
-    and the 32 fixed positions the weight checks sample)."""
+def _edit_away_from_samples(t: torch.Tensor, samples: int = 8, checked: bool = True) -> None:
+    """Triple in place every value of ``t`` but ``samples`` evenly spaced ones and (``checked``) the 32 fixed
+    positions the cheap weight checks read."""
     flat = t.view(-1)
     n = flat.numel()
     weight_edits = rkharness.pack("caching.weight_edits")
     kept = set(torch.linspace(0, n - 1, steps=min(n, samples)).long().tolist())
-    kept |= set(weight_edits._positions(weight_edits._as_ints(t)[1]).tolist())
+    if checked:
+        kept |= set(weight_edits._positions(weight_edits._as_ints(t)[1]).tolist())
     flat[[i for i in range(n) if i not in kept]] *= 3.0
 
 
@@ -279,7 +280,7 @@ def test_a_loaded_lora_edited_in_place_is_another_lora(cc, uncached, tiny):
     tokens = clip.tokenize("a lora edited in place")
     _, before = comfy.sd.load_lora_for_models(None, clip, lora, 0.0, 1.0)
     first = before.encode_from_tokens(tokens)
-    _edit_away_from_samples(lora[next(k for k in lora if k.endswith("q_proj.lora_up.weight"))])
+    _edit_away_from_samples(lora[next(k for k in lora if k.endswith("q_proj.lora_up.weight"))], checked=False)
     _, after = comfy.sd.load_lora_for_models(None, clip, lora, 0.0, 1.0)
     got = after.encode_from_tokens(tokens)
     want = uncached(after.encode_from_tokens, tokens)
@@ -288,6 +289,68 @@ def test_a_loaded_lora_edited_in_place_is_another_lora(cc, uncached, tiny):
     # its patch set is seen edited: never answered with its old entry (ComfyUI patches the edited values in)
     assert same(before.encode_from_tokens(tokens), uncached(before.encode_from_tokens, tokens))
     assert not torch.equal(before.encode_from_tokens(tokens), first)
+
+
+@pytest.mark.parametrize("check", ["events", "every_encode"])
+def test_a_lora_edited_under_a_loaded_patcher_keys_what_comfyui_computes_with(cc, uncached, tiny, check):
+    """ComfyUI keeps a patcher's patches written into the weights until another patcher's are written: an
+    in-place edit of the LoRA then changes nothing for that patcher, and everything for a new clone of the
+    edited dict. The loaded patcher's next miss is keyed by the LoRA as it was written, so the new clone
+    never hits it (it did when the set was taken again from the edited tensors)."""
+    import comfy.sd
+    import comfy.utils
+    import folder_paths
+
+    settings = rkharness.pack("caching.settings").SETTINGS
+    settings.set("conditioning.check_weight_edits", check)
+    try:
+        loras = __import__(f"{tiny.__name__}.conditioning", fromlist=["write_lora"])
+        lora = comfy.utils.load_torch_file(folder_paths.get_full_path_or_raise(
+            "loras", loras.write_lora("rk_test_written.safetensors", seed=7, flux=False)), safe_load=True)
+        clip = tiny.tiny_clip(0)
+        _, loaded = comfy.sd.load_lora_for_models(None, clip, lora, 0.0, 1.0)
+        first, second = loaded.tokenize("first prompt"), loaded.tokenize("second prompt")
+        loaded.encode_from_tokens(first)  # ComfyUI writes the LoRA into the weights
+        lora[next(k for k in lora if k.endswith("q_proj.lora_up.weight"))].mul_(3.0)
+        old = loaded.encode_from_tokens(second)
+        assert same(old, uncached(loaded.encode_from_tokens, second))
+        _, fresh = comfy.sd.load_lora_for_models(None, clip, lora, 0.0, 1.0)
+        got = fresh.encode_from_tokens(second)
+        assert same(got, uncached(fresh.encode_from_tokens, second)) and not torch.equal(got, old)
+    finally:
+        settings.set("conditioning.check_weight_edits", "events")
+
+
+@pytest.mark.parametrize("after_edit", ["a clone encodes", "partly unloaded"])
+def test_a_lora_edited_while_written_never_keys_values_comfyui_did_not_write(cc, uncached, tiny, after_edit):
+    """A LoRA written into the weights, then edited in place: a clone of that patcher (CLIPSetLastLayer's;
+    it shares the patches) computes with what was written, and so does a partly unloaded model's part that
+    stayed loaded. Neither encode may be filed under the edited tensors' set, where a new clone of the edited
+    dict, which ComfyUI patches with the edited values, would find it."""
+    import comfy.sd
+    import comfy.utils
+    import folder_paths
+
+    loras = __import__(f"{tiny.__name__}.conditioning", fromlist=["write_lora"])
+    lora = comfy.utils.load_torch_file(folder_paths.get_full_path_or_raise(
+        "loras", loras.write_lora("rk_test_written_part.safetensors", seed=7, flux=False)), safe_load=True)
+    clip = tiny.tiny_clip(0)
+    _, loaded = comfy.sd.load_lora_for_models(None, clip, lora, 0.0, 1.0)
+    first, second = loaded.tokenize("first prompt"), loaded.tokenize("second prompt")
+    loaded.encode_from_tokens(first)
+    for key in [k for k in lora if "lora_up" in k]:
+        lora[key].mul_(3.0)
+    if after_edit == "a clone encodes":
+        other = loaded.clone()
+    else:
+        other = loaded
+        patcher = loaded.patcher
+        patcher.partially_unload(patcher.offload_device, 512)  # memory pressure: the rest stays loaded
+    old = other.encode_from_tokens(second)
+    assert same(old, uncached(other.encode_from_tokens, second))
+    _, fresh = comfy.sd.load_lora_for_models(None, clip, lora, 0.0, 1.0)
+    got = fresh.encode_from_tokens(second)
+    assert same(got, uncached(fresh.encode_from_tokens, second)) and not torch.equal(got, old)
 
 
 @pytest.mark.parametrize("edit,check", [("whole tensor", "events"), ("away from every sample", "every_encode")])
