@@ -12,12 +12,11 @@ Exactness rules kept here:
 - Encoder instances are named by a serial number that is never reused (``identity``), so a freed
   encoder's address cannot alias a new one; when the encoder dies its entries are dropped.
 - Weight patches (LoRA...) are interned into :class:`WeightSet` objects: two patch sets with equal
-  structure, strengths and tensor contents (``torch.equal``) become the same object, so a new
+  structure, strengths and tensor contents (their full fingerprints) become the same object, so a new
   ``LoraLoader`` clone with the same LoRA and strength hits. An entry pins its weight set; its
-  bytes count once against the budget while any entry uses it. Sets are matched by their tensors' full
-  fingerprints, taken when a patcher's patches are first seen, never by the tensor objects: a node that
-  edits a loaded LoRA's tensors in place makes another set for the next patcher (patches/conditioning.py
-  also forgets a patcher's set whenever ComfyUI loads or unloads its weights, where an edit takes effect).
+  bytes count once against the budget while any entry uses it. Sets are matched by those fingerprints,
+  never by the tensor objects: a node that edits a loaded LoRA's tensors in place makes another set
+  (``patches/conditioning.py`` decides when a patcher's set is taken again: what ComfyUI computes with).
 - Stored values are private CPU copies (whatever device the encoder returned them on); every hit
   returns a fresh copy (containers and tensors, on the device they came from) of the same types (a ``torch.Size`` stays one; other subclasses of built-in containers are not
   stored), so no caller can change a stored entry.

@@ -11,7 +11,7 @@ from ..caching.conditioning import CACHE
 from ..caching.settings import SETTINGS
 from ..caching.stats import REGISTRY, format_snapshot
 from ..patches.conditioning import cached_copy, install, mark
-from . import CATEGORY, brief, compat, refusal
+from . import CATEGORY, _number_error, brief, compat, refusal
 
 AREA = f"{CATEGORY}/conditioning"
 # Inputs removed on 2026-11-30 (d91176a): the cache holds CPU copies returned on the encoder's device
@@ -142,9 +142,9 @@ class ConditioningCacheSettings(io.ComfyNode):
                 raise refusal(CACHE.stats, "ReuseKit Conditioning Cache Settings",
                               f"{name} must be true or false, got {brief(value)}")
         for name, value in (("budget_mib", budget_mib), ("max_entries", max_entries)):
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= LIMIT:
-                raise refusal(CACHE.stats, "ReuseKit Conditioning Cache Settings",
-                              f"{name} must be a whole number from 0 to {LIMIT}, got {brief(value)}")
+            if (error := _number_error(name, value, 0, LIMIT, whole=True)) is not None:
+                raise refusal(CACHE.stats, "ReuseKit Conditioning Cache Settings", error)
+        budget_mib, max_entries = int(budget_mib), int(max_entries)  # (a NumPy integer, linked)
         inputs = (global_mode, budget_mib, max_entries, clear)
         with _applied_lock:
             if _applied.get("inputs") != inputs:  # the panel's later changes survive re-queues

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import uuid
 
+import numpy as np
 import pytest
 import rkharness
 import torch
@@ -435,7 +436,6 @@ def test_the_sampler_nodes_take_what_core_ksampler_takes():
     """The linked-value checks refuse nothing ComfyUI's sampler handles: a nested latent (LTX-2's audio and
     video), an audio latent of 3 dimensions, NumPy numbers, a denoise of 0, a seed of 2**64 - 1."""
     import comfy.nested_tensor
-    import numpy as np
 
     check = rkharness.pack("nodes").SamplerInputs.check_inputs
     stats = rkharness.pack("caching.stats").REGISTRY.register("rk_test_sampler_inputs", "graph", "test")
@@ -451,7 +451,8 @@ def test_the_settings_nodes_linked_inputs_are_checked_before_they_apply():
     """Linked values reach the settings node unconverted: a string "false" for ``clear`` cleared the cache
     silently, a LATENT linked twice failed with a bare tensor-comparison error the second time, and a linked
     ``True`` as ``budget_mib`` was applied or refused depending on the previous run. Each is now refused,
-    naming the node and the input, and nothing is applied."""
+    naming the node and the input, and nothing is applied; a linked NumPy integer is a whole number, as for
+    the sampler nodes."""
     settings = rkharness.pack("caching.settings").SETTINGS
     cache = rkharness.pack("caching.conditioning").CACHE
     saved = {k: settings.get(k) for k in ("conditioning.enabled", "conditioning.budget_mib", "conditioning.max_entries")}
@@ -479,6 +480,8 @@ def test_the_settings_nodes_linked_inputs_are_checked_before_they_apply():
             assert text.startswith(f"ReuseKit Conditioning Cache Settings: {name} must be"), text
             assert "tensor(" not in text and len(text) < 200, text
             assert len(cache) == held and settings.get("conditioning.budget_mib") == 512
+        assert _run_bad(executor, prompt(budget_mib=np.int64(256))) == (None, None)  # a NumPy number is a number
+        assert settings.get("conditioning.budget_mib") == 256
     finally:
         settings.update(saved)
 
