@@ -291,6 +291,22 @@ def test_a_loaded_lora_edited_in_place_is_another_lora(cc, uncached, tiny):
     assert not torch.equal(before.encode_from_tokens(tokens), first)
 
 
+def _a_written_lora(tiny, name: str) -> tuple:
+    """(a LoRA's loaded dict, the tiny CLIP, its clone with the LoRA written into the weights by a first
+    encode, a second prompt's tokens)."""
+    import comfy.sd
+    import comfy.utils
+    import folder_paths
+
+    loras = __import__(f"{tiny.__name__}.conditioning", fromlist=["write_lora"])
+    lora = comfy.utils.load_torch_file(folder_paths.get_full_path_or_raise(
+        "loras", loras.write_lora(name, seed=7, flux=False)), safe_load=True)
+    clip = tiny.tiny_clip(0)
+    _, loaded = comfy.sd.load_lora_for_models(None, clip, lora, 0.0, 1.0)
+    loaded.encode_from_tokens(loaded.tokenize("first prompt"))  # ComfyUI writes the LoRA into the weights
+    return lora, clip, loaded, loaded.tokenize("second prompt")
+
+
 @pytest.mark.parametrize("check", ["events", "every_encode"])
 def test_a_lora_edited_under_a_loaded_patcher_keys_what_comfyui_computes_with(cc, uncached, tiny, check):
     """ComfyUI keeps a patcher's patches written into the weights until another patcher's are written: an
@@ -298,19 +314,11 @@ def test_a_lora_edited_under_a_loaded_patcher_keys_what_comfyui_computes_with(cc
     edited dict. The loaded patcher's next miss is keyed by the LoRA as it was written, so the new clone
     never hits it (it did when the set was taken again from the edited tensors)."""
     import comfy.sd
-    import comfy.utils
-    import folder_paths
 
     settings = rkharness.pack("caching.settings").SETTINGS
     settings.set("conditioning.check_weight_edits", check)
     try:
-        loras = __import__(f"{tiny.__name__}.conditioning", fromlist=["write_lora"])
-        lora = comfy.utils.load_torch_file(folder_paths.get_full_path_or_raise(
-            "loras", loras.write_lora("rk_test_written.safetensors", seed=7, flux=False)), safe_load=True)
-        clip = tiny.tiny_clip(0)
-        _, loaded = comfy.sd.load_lora_for_models(None, clip, lora, 0.0, 1.0)
-        first, second = loaded.tokenize("first prompt"), loaded.tokenize("second prompt")
-        loaded.encode_from_tokens(first)  # ComfyUI writes the LoRA into the weights
+        lora, clip, loaded, second = _a_written_lora(tiny, "rk_test_written.safetensors")
         lora[next(k for k in lora if k.endswith("q_proj.lora_up.weight"))].mul_(3.0)
         old = loaded.encode_from_tokens(second)
         assert same(old, uncached(loaded.encode_from_tokens, second))
@@ -328,16 +336,8 @@ def test_a_lora_edited_while_written_never_keys_values_comfyui_did_not_write(cc,
     stayed loaded. Neither encode may be filed under the edited tensors' set, where a new clone of the edited
     dict, which ComfyUI patches with the edited values, would find it."""
     import comfy.sd
-    import comfy.utils
-    import folder_paths
 
-    loras = __import__(f"{tiny.__name__}.conditioning", fromlist=["write_lora"])
-    lora = comfy.utils.load_torch_file(folder_paths.get_full_path_or_raise(
-        "loras", loras.write_lora("rk_test_written_part.safetensors", seed=7, flux=False)), safe_load=True)
-    clip = tiny.tiny_clip(0)
-    _, loaded = comfy.sd.load_lora_for_models(None, clip, lora, 0.0, 1.0)
-    first, second = loaded.tokenize("first prompt"), loaded.tokenize("second prompt")
-    loaded.encode_from_tokens(first)
+    lora, clip, loaded, second = _a_written_lora(tiny, "rk_test_written_part.safetensors")
     for key in [k for k in lora if "lora_up" in k]:
         lora[key].mul_(3.0)
     if after_edit == "a clone encodes":
