@@ -14,7 +14,7 @@ from comfy_api.latest import io
 
 from ..caching.conditioning import CACHE
 from ..caching.stats import REGISTRY
-from . import CATEGORY, brief, compat, refusal
+from . import CATEGORY, _number_error, compat, refusal
 
 AREA = f"{CATEGORY}/demo"
 STATS_NAME = "demo models"
@@ -150,11 +150,13 @@ class DemoDecode(io.ComfyNode):
         if isinstance(latent, torch.Tensor) and latent.ndim in (4, 5) and latent.shape[1] != 16 \
                 and not latent.any():  # an empty latent of other channels: empty, as ComfyUI's samplers read it
             latent = latent.new_zeros((latent.shape[0], 16, *latent.shape[2:]))
-        if not isinstance(latent, torch.Tensor) or latent.ndim not in (4, 5) or latent.shape[1] != 16:
+        if not isinstance(latent, torch.Tensor) or latent.ndim not in (4, 5) or latent.shape[1] != 16 \
+                or latent.numel() == 0:
             got = tuple(latent.shape) if isinstance(latent, torch.Tensor) else type(latent).__name__
-            raise refusal(_stats(), node, f"samples must be a demo model's 16-channel latent, got {got}")
-        if isinstance(scale, bool) or not isinstance(scale, int) or not 1 <= scale <= 64:
-            raise refusal(_stats(), node, f"scale must be a whole number from 1 to 64, got {brief(scale)}")
+            raise refusal(_stats(), node, f"samples must be a demo model's non-empty 16-channel latent, got {got}")
+        if (error := _number_error("scale", scale, 1, 64, whole=True)) is not None:
+            raise refusal(_stats(), node, error)
+        scale = int(scale)
         if latent.ndim == 5:  # Wan: (B, C, T, H, W), its own latent statistics; frames become images
             x = comfy.latent_formats.Wan21().process_in(latent.float())
             x = x.permute(0, 2, 1, 3, 4).reshape(-1, 16, *latent.shape[-2:])

@@ -89,10 +89,19 @@ def test_demo_decode_inverts_the_picture_code_for_both_families():
 
 @pytest.mark.parametrize("samples,scale,name", [
     ({"samples": torch.ones(1, 4, 8, 8)}, 1, "samples"), ("latent", 1, "samples"),
+    ({"samples": torch.zeros(0, 16, 8, 8)}, 1, "samples"), ({"samples": torch.zeros(1, 16, 0, 8)}, 1, "samples"),
     ({"samples": torch.zeros(1, 16, 8, 8)}, 0, "scale"), ({"samples": torch.zeros(1, 16, 8, 8)}, 2.5, "scale")])
 def test_demo_decode_refuses_what_is_not_a_demo_latent(samples, scale, name):
-    with pytest.raises(ValueError, match=f"ReuseKit Demo Decode: {name}"):
+    """Refused naming the input (an empty latent failed inside torch's interpolation, or made no image)."""
+    with pytest.raises(ValueError, match=f"ReuseKit Demo Decode: {name} must be"):
         demo().DemoDecode.execute(samples, scale)
+
+
+def test_demo_decode_takes_a_linked_numpy_scale():
+    import numpy as np
+
+    (image,) = demo().DemoDecode.execute({"samples": torch.zeros(1, 16, 4, 4)}, np.int64(3)).args
+    assert image.shape == (1, 24, 24, 3)
 
 
 def test_demo_decode_reads_an_empty_latent_of_any_channels_as_empty():
