@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from comfy_api.latest import io
 
@@ -40,7 +42,7 @@ def _check(node: str, enable_name: str, enable, max_graphs, keep_graphs=True) ->
         raise _refused(node, f"{brief(enable_name)} must be true or false, got {brief(enable)}")
     if not isinstance(keep_graphs, bool):
         raise _refused(node, f"'keep_graphs' must be true or false, got {brief(keep_graphs)}")
-    if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or not 1 <= max_graphs <= MAX_GRAPHS:
+    if isinstance(max_graphs, bool) or not isinstance(max_graphs, numbers.Integral) or not 1 <= max_graphs <= MAX_GRAPHS:
         raise _refused(node, f"'max_graphs' must be a whole number from 1 to {MAX_GRAPHS}, got {brief(max_graphs)}")
 
 
@@ -54,7 +56,7 @@ def with_capture(node: str, enable_name: str, model, enable: bool, max_graphs: i
         if not torch.cuda.is_available():
             host.say_once("graph:nocuda", "ReuseKit graph: no CUDA device, the model runs eagerly "
                           "(the reuse decision still runs and is counted)")
-        graph_capture.enable(model, max_graphs=max_graphs, keep=keep_graphs)
+        graph_capture.enable(model, max_graphs=int(max_graphs), keep=keep_graphs)
     else:
         graph_capture.disable(model)
     return model

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 from comfy_api.latest import io
 
 from ..caching.step_cache import StepCacheConfig
@@ -114,18 +116,18 @@ def make_config(node: str, model_type: str, threshold: float, start_percent: flo
         raise bad("rule", f"must be one of {', '.join(patch.RULES)}, got {brief(rule)}")
     if model_type not in patch.MODEL_TYPES:
         raise bad("model_type", f"must be one of {', '.join(patch.MODEL_TYPES)}, got {brief(model_type)}")
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) \
+    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) \
             or not (0.0 <= threshold <= THRESHOLD_MAX or threshold == -1.0):
         raise bad("threshold", f"must be a number from 0 to {THRESHOLD_MAX:g}, or -1 for the family's default, got "
                                f"{brief(threshold)}")
     if rule == "interval" and threshold != -1.0 and not (threshold >= 1 and float(threshold).is_integer()):
         raise bad("threshold", f"is the interval with rule interval: a whole number >= 1 (or -1), got {brief(threshold)}")
     for name, v in (("start_percent", start_percent), ("end_percent", end_percent)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.0 <= v <= 1.0):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (0.0 <= v <= 1.0):
             raise bad(name, f"must be a number within 0..1, got {brief(v)}")
     if start_percent >= end_percent:
         raise bad("start_percent", f"must be below end_percent ({start_percent} >= {end_percent})")
-    if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, (int, float)) \
+    if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, numbers.Real) \
             or not 0 <= max_consecutive_skips <= SKIPS_MAX or int(max_consecutive_skips) != max_consecutive_skips:
         raise bad("max_consecutive_skips", f"must be a whole number from 0 to {SKIPS_MAX}, got "
                                            f"{brief(max_consecutive_skips)}")
@@ -133,13 +135,13 @@ def make_config(node: str, model_type: str, threshold: float, start_percent: flo
         raise bad("cache_device", f"must be 'device' or 'cpu', got {brief(cache_device)}")
     if residual_mode not in patch.RESIDUAL_MODES:
         raise bad("residual_mode", f"must be one of {', '.join(patch.RESIDUAL_MODES)}, got {brief(residual_mode)}")
-    if isinstance(interval_power, bool) or not isinstance(interval_power, (int, float)) \
+    if isinstance(interval_power, bool) or not isinstance(interval_power, numbers.Real) \
             or not (0.5 <= interval_power <= 4.0):
         raise bad("interval_power", f"must be a number within 0.5..4, got {brief(interval_power)}")
     if interval_power != 1.0 and rule != "interval":
         raise bad("interval_power", f"places the steps of rule interval only (rule is {rule}): set it to 1, or "
                                     "pick rule interval")
-    if isinstance(first_blocks, bool) or not isinstance(first_blocks, (int, float)) \
+    if isinstance(first_blocks, bool) or not isinstance(first_blocks, numbers.Real) \
             or not 1 <= first_blocks <= FIRST_BLOCKS_MAX or int(first_blocks) != first_blocks:
         raise bad("first_blocks", f"must be a whole number from 1 to {FIRST_BLOCKS_MAX}, got {brief(first_blocks)}")
     if first_blocks != 1 and rule != "first_block":
@@ -157,7 +159,7 @@ def given_inputs(cls, node: str, threshold, rule, residual_mode, passed: dict) -
     values = {"threshold": threshold, "rule": rule, "residual_mode": residual_mode}
     if OLD_THRESHOLD in old:
         rel = old[OLD_THRESHOLD]
-        if isinstance(rel, bool) or not isinstance(rel, (int, float)) or not (0.0 <= rel <= OLD_THRESHOLD_MAX):
+        if isinstance(rel, bool) or not isinstance(rel, numbers.Real) or not (0.0 <= rel <= OLD_THRESHOLD_MAX):
             raise refused(node, f"{OLD_THRESHOLD} (now threshold) must be a number from 0 to {OLD_THRESHOLD_MAX:g}, "
                                 f"got {brief(rel)}")
         if threshold is not LEFT_OUT and threshold != rel:

@@ -1119,6 +1119,19 @@ def test_bad_inputs_raise_value_errors_naming_node_and_input(flux, kwargs, needl
     assert any(r["reason"] == rkharness.pack("caching.stats").clip_reason(said) for r in refused)
 
 
+@pytest.mark.hardening
+@pytest.mark.parametrize("rule,thresh", [("teacache", 0.25), ("interval", 3), ("first_block", 0.25)])
+def test_linked_numpy_numbers_set_the_same_step_cache_as_python_ones(rule, thresh):
+    """A custom node's NumPy number, linked, is a number (as for the sampler nodes): it was refused by name."""
+    kwargs = dict(start_percent=0.25, end_percent=0.75, max_consecutive_skips=2, cache_device="cpu",
+                  residual_mode="extrapolate", rule=rule, interval_power=1.5 if rule == "interval" else 1.0,
+                  first_blocks=2 if rule == "first_block" else 1)
+    plain = N().make_config("ReuseKit Step Cache", "flux", thresh, **kwargs)
+    numpy = {k: np.float32(v) if isinstance(v, float) else np.int64(v) if isinstance(v, int) else v
+             for k, v in kwargs.items()}
+    assert N().make_config("ReuseKit Step Cache", "flux", np.float32(thresh), **numpy) == plain  # (exact in fp32)
+
+
 # ---- calibration -----------------------------------------------------------------------
 
 def test_calibration_fits_a_polynomial_that_the_next_run_uses(flux, conds, _isolated_calibrations):
