@@ -49,8 +49,9 @@ def _check(node: str, enable_name: str, enable, max_graphs, keep_graphs=True) ->
 def with_capture(node: str, enable_name: str, model, enable: bool, max_graphs: int, keep_graphs: bool = True):
     """``model`` cloned with graph capture on or off; ``enable_name``: the node's name for its switch."""
     _check(node, enable_name, enable, max_graphs, keep_graphs)
-    if model is None or not hasattr(model, "clone") or not hasattr(model, "model_options"):
-        raise _refused(node, f"'model' must be a MODEL, got {type(model).__name__}")
+    if not hasattr(model, "clone") or getattr(getattr(model, "model", None), "diffusion_model", None) is None:
+        # (a CLIP's or a VAE's patcher through an any-typed link failed deep in the sampler)
+        raise _refused(node, f"'model' must be a MODEL (a diffusion model from a loader), got {type(model).__name__}")
     model = model.clone()
     if enable:
         if not torch.cuda.is_available():

@@ -112,10 +112,12 @@ def make_config(node: str, model_type: str, threshold: float, start_percent: flo
     def bad(name, why):
         return refused(node, f"{name} {why}")
 
-    if rule not in patch.RULES:
-        raise bad("rule", f"must be one of {', '.join(patch.RULES)}, got {brief(rule)}")
-    if model_type not in patch.MODEL_TYPES:
-        raise bad("model_type", f"must be one of {', '.join(patch.MODEL_TYPES)}, got {brief(model_type)}")
+    def choose(name, value, options):  # (linked: anything; an array compared with the options fails in numpy)
+        if not isinstance(value, str) or value not in options:
+            raise bad(name, f"must be one of {', '.join(options)}, got {brief(value)}")
+
+    choose("rule", rule, patch.RULES)
+    choose("model_type", model_type, patch.MODEL_TYPES)
     if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) \
             or not (0.0 <= threshold <= THRESHOLD_MAX or threshold == -1.0):
         raise bad("threshold", f"must be a number from 0 to {THRESHOLD_MAX:g}, or -1 for the family's default, got "
@@ -131,10 +133,8 @@ def make_config(node: str, model_type: str, threshold: float, start_percent: flo
             or not 0 <= max_consecutive_skips <= SKIPS_MAX or int(max_consecutive_skips) != max_consecutive_skips:
         raise bad("max_consecutive_skips", f"must be a whole number from 0 to {SKIPS_MAX}, got "
                                            f"{brief(max_consecutive_skips)}")
-    if cache_device not in ("device", "cpu"):
-        raise bad("cache_device", f"must be 'device' or 'cpu', got {brief(cache_device)}")
-    if residual_mode not in patch.RESIDUAL_MODES:
-        raise bad("residual_mode", f"must be one of {', '.join(patch.RESIDUAL_MODES)}, got {brief(residual_mode)}")
+    choose("cache_device", cache_device, ("device", "cpu"))
+    choose("residual_mode", residual_mode, patch.RESIDUAL_MODES)
     if isinstance(interval_power, bool) or not isinstance(interval_power, numbers.Real) \
             or not (0.5 <= interval_power <= 4.0):
         raise bad("interval_power", f"must be a number within 0.5..4, got {brief(interval_power)}")

@@ -971,8 +971,9 @@ def test_capture_node_clones_and_validates(gc, tiny):
     assert any(gc.KEY in by_key for by_key in out.wrappers.values())
     with pytest.raises(ValueError, match="ReuseKit Graph Capture.*max_graphs"):
         graph.GraphCaptureNode.execute(model, enable=True, max_graphs=0)
-    with pytest.raises(ValueError, match="ReuseKit Graph Capture.*'model'"):
-        graph.GraphCaptureNode.execute("not a model", enable=True, max_graphs=2)
+    for wrong in ("not a model", tiny.tiny_clip(0).patcher):  # a CLIP's patcher failed deep in the sampler
+        with pytest.raises(ValueError, match="ReuseKit Graph Capture: 'model' must be a MODEL"):
+            graph.GraphCaptureNode.execute(wrong, enable=True, max_graphs=2)
     with pytest.raises(ValueError, match="ReuseKit Graph KSampler.*enable"):
         graph.GraphKSamplerNode.execute(model, 0, 2, 2.0, "euler", "simple", [], [], {"samples": torch.zeros(LATENTS["flux"])},
                                         1.0, "yes", 2)

@@ -1090,6 +1090,10 @@ def test_a_skipped_call_adds_controlnet_once_not_again_on_top_of_the_residual(fl
     ({"max_skips": 2.5}, "max_consecutive_skips"),
     ({"device": "gpu"}, "cache_device"),
     ({"mode": "guess"}, "residual_mode"),
+    ({"rule": np.array(["auto", "teacache"])}, "rule"),  # linked arrays failed in numpy's truth test, unnamed
+    ({"model_type": np.array(["flux", "wan2.1"])}, "model_type"),
+    ({"device": torch.tensor([0, 1])}, "cache_device"),
+    ({"mode": np.array(["reuse", "foca"])}, "residual_mode"),
     ({"rule": "interval", "thresh": 2.5}, "threshold"),
     ({"rule": "interval", "thresh": 0.0}, "threshold"),
     ({"rule": "interval", "thresh": 0.5}, "threshold"),
