@@ -1205,8 +1205,9 @@ def _finish(run: tc.RunState, settings: Settings, plan: Plan, total_steps: int |
     s.set_memory("cpu", 0)
     per_cond = ", ".join(f"{lab} {c['computed']}/{c['computed'] + c['skipped']}" for lab, c in summary["conds"].items())
     if run.config.calibrate and outcome != "completed":
-        log.warning("ReuseKit TeaCache Calibrate (%s): the run was %s; nothing is saved (calibration comes "
-                    "from complete runs only)", settings.family.name, outcome)
+        reason = f"calibration: the run was {outcome}; nothing is saved (calibration comes from complete runs only)"
+        s.count_reason("refused", reason, source=settings.family.name)
+        log.warning("ReuseKit TeaCache Calibrate (%s): %s", settings.family.name, reason)
     elif run.config.calibrate and (run.windowed or run.partial):
         why = run.partial or "it sampled in context windows, each window a part of the picture"
         reason = (f"calibration: {why}; nothing is saved (calibrate with a whole run: denoise 1 to the last step, "
@@ -1233,22 +1234,28 @@ def _finish(run: tc.RunState, settings: Settings, plan: Plan, total_steps: int |
 def _save_calibration(run: tc.RunState, settings: Settings, plan: Plan, summary: dict) -> None:
     """Fit and keep what a complete calibration run measured: the teacache polynomial and the
     magcache curves; a run with fewer than MIN_CALIBRATION_POINTS fitted points is discarded."""
+    family = settings.family.name
+
+    def said(event: str, reason: str) -> None:  # counted where the panel shows it, and logged
+        stats().count_reason(event, f"calibration: {reason}", source=family)
+        log.warning("ReuseKit TeaCache Calibrate (%s): %s", family, reason)
+
     xs, ys = run.calibration_points()
     if len(xs) < tc.MIN_CALIBRATION_POINTS:
-        log.warning("ReuseKit TeaCache Calibrate (%s): only %d fitted points (at least %d needed: sample more "
-                    "steps); nothing is saved", settings.family.name, len(xs), tc.MIN_CALIBRATION_POINTS)
+        said("refused", f"only {len(xs)} fitted points (at least {tc.MIN_CALIBRATION_POINTS} needed: sample more "
+                        "steps); nothing is saved")
         return
     try:
         coeffs = tc.fit_polynomial(xs, ys)
     except ValueError as exc:
-        log.warning("ReuseKit TeaCache Calibrate: no polynomial fitted (%s); nothing is saved", exc)
+        said("refused", f"no polynomial fitted ({exc}); nothing is saved")
         return
     calibration = tc.Calibration(coeffs, run.calibration_magnitudes() or None, run.residual_table())
     try:
-        STORE.put(plan.key, plan.ident, calibration, family=settings.family.name, points=len(xs))
+        STORE.put(plan.key, plan.ident, calibration, family=family, points=len(xs))
     except OSError as exc:  # never lose the run for the file: it is kept in memory
-        log.warning("ReuseKit TeaCache Calibrate: could not save the calibration to %s (%s); "
-                    "it is used until ComfyUI restarts", STORE.path, exc)
+        said("fallback", f"could not save the calibration to {STORE.path} ({exc}); it is used until ComfyUI "
+                         "restarts")
     summary["calibration"] = {"coefficients": list(coeffs), "points": len(xs), "fingerprint": plan.fp,
                               "magnitudes": sorted(calibration.magnitudes or ())}
     stats().set_info("last_calibration", summary["calibration"])

@@ -1473,6 +1473,12 @@ def test_one_calibration_run_serves_teacache_and_magcache_per_cond(flux, conds, 
     assert rel_err(out, ref) < 0.3
 
 
+def _calibration_said(event: str, words: str) -> bool:
+    """Whether the stats hold one calibration reason row, counted once: this event, these words."""
+    rows = [r for r in P().stats().reasons() if r["reason"].startswith("calibration: ")]
+    return [(r["event"], words in r["reason"], r["count"]) for r in rows] == [(event, True, 1)]
+
+
 @pytest.mark.hardening
 def test_a_short_calibration_run_is_discarded_with_one_line(flux, conds, _isolated_calibrations, caplog):
     (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
@@ -1480,6 +1486,7 @@ def test_a_short_calibration_run_is_discarded_with_one_line(flux, conds, _isolat
         sample(cal, conds, steps=4)  # 3 fitted points
     assert "calibration" not in last_run() and not _isolated_calibrations.path.exists()
     assert len([r for r in caplog.records if "only 3 fitted points" in r.getMessage()]) == 1
+    assert _calibration_said("refused", "only 3 fitted points")  # the panel shows it
     with pytest.raises(ValueError, match="no calibration"):
         sample(teacache(flux, 0.3, model_type="calibrated"), conds)
     sample(cal, conds, steps=5)  # 4 points: kept
@@ -1601,6 +1608,7 @@ def test_a_calibration_file_that_cannot_be_written_keeps_the_run_and_the_calibra
         out = sample(cal, conds)
     assert torch.equal(out, sample(flux, conds))
     assert "could not save the calibration" in caplog.text and str(target) in caplog.text
+    assert _calibration_said("fallback", f"could not save the calibration to {target}")
     assert last_run()["calibration"]["points"] == STEPS - 1
     sample(teacache(flux, 0.3, model_type="calibrated"), conds)  # kept in memory for this process
     assert last_run()["model_type"] == "calibrated"
@@ -1656,6 +1664,7 @@ def test_an_interrupted_calibration_is_never_saved_nor_used(flux, conds, _isolat
     assert run["outcome"] == "interrupted" and "calibration" not in run
     assert not _isolated_calibrations.path.exists()
     assert "nothing is saved" in caplog.text
+    assert _calibration_said("refused", "the run was interrupted; nothing is saved")
     sample(teacache(flux, 0.3, model_type="auto"), conds)
     assert last_run()["model_type"] == "flux"  # the published polynomial, not 3 points of an interrupted run
     for rule in ("teacache", "magcache", "schedule"):  # no table of any rule from the interrupted run
