@@ -1042,7 +1042,8 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None, steps:
     if cfg.model_type not in ("auto", "calibrated"):
         return plan(cfg.model_type, published(cfg.model_type))
     stored = STORE.get(key, ident)
-    if stored is None and base_key is not None:  # a LoRA'd clone not calibrated itself: its base model's
+    borrowed = stored is None and base_key is not None  # a LoRA'd clone not calibrated itself: its base model's
+    if borrowed:
         stored = STORE.get(base_key, ident)
     upgrade, upgrade_mode = tc.CALIBRATED_RULES.get(family.name, (None, None))
     if (upgrade is not None and stored is not None and getattr(stored, tc.TABLE_FIELDS[upgrade]) is not None
@@ -1057,6 +1058,10 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None, steps:
     if cfg.rule == "schedule" and table is not None and table.sensitivity is None:
         table = table.with_sensitivity_of(step_schedule.shipped_table(family.name))
     if table is not None:
+        if borrowed:
+            stats().count_reason("fallback", f"this model's weight patches (a LoRA) have no {cfg.rule} calibration of "
+                                 "their own: its base model's is used (calibrate the patched model for its own)",
+                                 source=family.name)
         return plan("calibrated", table)
     table = None if cfg.model_type == "calibrated" else published(variant)
     if table is None and settings.config.rule == "auto" and cfg.model_type == "auto":

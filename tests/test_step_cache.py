@@ -1402,7 +1402,7 @@ def test_the_window_in_percent_reads_the_models_patched_sampling_on_its_first_ru
 
 def test_a_lora_clones_calibration_is_its_own_and_the_base_models_stays(flux, conds, _isolated_calibrations):
     """Calibrating a LoRA'd clone keeps its own entry (its patches' digest in the key); the base model keeps
-    and reads its own; a LoRA clone never calibrated reads the base model's."""
+    and reads its own; a LoRA clone never calibrated reads the base model's, counted as a fallback."""
     (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
     sample(cal, conds)
     base = last_run()["calibration"]["coefficients"]
@@ -1424,7 +1424,10 @@ def test_a_lora_clones_calibration_is_its_own_and_the_base_models_stays(flux, co
     assert list(coefficients(flux)) == base and list(coefficients(lora)) == own
     other = flux.clone()
     other.add_patches({"diffusion_model.img_in.weight": (torch.ones(weight.shape) * 0.01,)}, 1.0)
+    assert not [r for r in P().stats().reasons() if r["event"] == "fallback"]
     assert list(coefficients(other)) == base
+    (said,) = [r for r in P().stats().reasons() if r["event"] == "fallback"]  # the panel says so
+    assert "no teacache calibration of their own: its base model's is used" in said["reason"]
     assert P().calibration_keys(other, P().model_identity(other, family)[0])[1] is not None
 
 
