@@ -244,21 +244,48 @@ def _add_bound(key: PECacheKey, bind: _Binder, args, kwargs, skip: tuple = (),
 
 # ---- patch plumbing ------------------------------------------------------------------------
 
-def _called_by_name(*where: tuple[str, str]) -> Callable[[], None]:
+def _called_by_name(*where: tuple[str, str], calls: Callable | None = None) -> Callable[[], None]:
     """A check that the module-level functions a builder's host code calls by name (flux's ``rope``)
     are still the ones they were when the builder was patched: it raises :class:`Uncached` once one is
-    not (another node rebound it, as packs do for an fp32 ``rope``; the key does not hold it)."""
+    not (another node rebound it, as packs do for an fp32 ``rope``; the key does not hold it). ``where``
+    names them; ``calls``: the host function, whose ComfyUI functions called by name are found in its
+    code, and theirs in turn (LTX's ``generate_freqs`` and the helpers it calls)."""
     recorded = []
     for module, name in where:
         namespace = vars(importlib.import_module(module))
         if name in namespace:
             recorded.append((namespace, module, name, namespace[name]))
+    recorded += _functions_called(calls) if calls is not None else []
 
     def check() -> None:
         for namespace, module, name, fn in recorded:
             if namespace.get(name) is not fn:
                 raise Uncached(f"{module}.{name} was replaced after the PE cache was installed")
     return check
+
+
+def _functions_called(fn: Callable) -> list[tuple[dict, str, str, Callable]]:
+    """(namespace, module, name, function) of each ComfyUI function ``fn`` reads by name from its module's
+    globals, and of those they read, transitively; a name that is an attribute elsewhere (``x.flatten``)
+    is checked too where the module has a function of that name: a needless miss, never a stale table."""
+    found: dict[tuple[int, str], tuple] = {}
+    todo = [fn]
+    while todo:
+        f = inspect.unwrap(todo.pop())
+        code, namespace = getattr(f, "__code__", None), getattr(f, "__globals__", None)
+        if code is None or namespace is None:
+            continue
+        codes = [code]
+        while codes:
+            c = codes.pop()
+            codes += [k for k in c.co_consts if inspect.iscode(k)]  # lambdas, comprehensions, inner functions
+            for name in c.co_names:
+                target = namespace.get(name)
+                if (inspect.isfunction(target) and (target.__module__ or "").startswith("comfy")
+                        and (id(namespace), name) not in found):
+                    found[id(namespace), name] = (namespace, namespace.get("__name__", "?"), name, target)
+                    todo.append(target)
+    return list(found.values())
 
 
 # ---- the builders --------------------------------------------------------------------------
@@ -271,7 +298,7 @@ def _embednd(builder: str):
     before it calls this one, by settings of its own). Anywhere else the ids are keyed by value, on the
     CPU only (:func:`_add_value`)."""
     def make(original):
-        rope_unchanged = _called_by_name((original.__module__, "rope"))
+        rope_unchanged = _called_by_name((original.__module__, "rope"), calls=original)
 
         def forward(self, ids):
             def key(k):
@@ -305,13 +332,15 @@ def _wan_rope_encode(original):
     (e.g. RIFLEx, with its own k and frame count) runs every call."""
     bind = _Binder(original)
     host_embednd = importlib.import_module("comfy.ldm.flux.layers").EmbedND
-    rope_unchanged = _called_by_name(("comfy.ldm.flux.layers", "rope"), ("comfy.ldm.wan.model", "rope"))
+    rope_unchanged = _called_by_name(("comfy.ldm.flux.layers", "rope"), ("comfy.ldm.wan.model", "rope"), calls=original)
 
     def rope_encode(self, *args, **kwargs):
         def key(k):
             rope_unchanged()
             if type(self.rope_embedder) is not host_embednd:
                 return False
+            if (why := rope_seams.hooked(self.rope_embedder)) is not None:  # (what it computes inside)
+                raise Uncached(f"wan.rope_encode: rope_embedder: {why}")
             a = bind((self, *args), kwargs)
             a.pop("self")
             to = a.pop("transformer_options", None)
@@ -329,10 +358,14 @@ def _function(builder: str):
     the CPU only, see :func:`_add_value`)."""
     def make(original):
         bind = _Binder(original)
+        unchanged = _called_by_name(calls=original)
+
+        def key(k, args, kwargs):
+            unchanged()
+            _add_bound(k, bind, args, kwargs, builder=builder)
 
         def fn(*args, **kwargs):
-            return cached(builder, lambda k: _add_bound(k, bind, args, kwargs, builder=builder),
-                          lambda: original(*args, **kwargs), args, kwargs)
+            return cached(builder, lambda k: key(k, args, kwargs), lambda: original(*args, **kwargs), args, kwargs)
         return fn
     return make
 
@@ -342,9 +375,11 @@ def _ltx_precompute_freqs_cis(original):
     grid is made from keyframe and mask values, so on a GPU it computes) and the model's rope type and
     frequency-grid generator, which decide the (matrix, split_mode)."""
     bind = _Binder(original)
+    unchanged = _called_by_name(calls=original)  # generate_freqs, freqs_cis_matrix and their helpers
 
     def _precompute_freqs_cis(self, *args, **kwargs):
         def key(k):
+            unchanged()
             _add_bound(k, bind, (self, *args), kwargs, skip=("self",), builder="ltxv.freqs_cis")
             gen = self.freq_grid_generator
             k.add(str(getattr(self.split_positional_embedding, "value", self.split_positional_embedding)))
@@ -362,9 +397,11 @@ def _cosmos_generate(original):
     """VideoRopePosition3DEmb.generate_embeddings: keyed by the full B,T,H,W,C size, fps, the ntk
     factors, dtype, device and the module's frequency ranges (by shape) and fps settings."""
     bind = _Binder(original)
+    unchanged = _called_by_name(calls=original)
 
     def generate_embeddings(self, *args, **kwargs):
         def key(k):
+            unchanged()
             _add_bound(k, bind, (self, *args), kwargs, skip=("self",), builder="cosmos.rope3d")
             k.add(self.base_fps).add(self.enable_fps_modulation)
             k.add(self.h_ntk_factor).add(self.w_ntk_factor).add(self.t_ntk_factor)
@@ -381,7 +418,7 @@ def _omnigen2_rope(original):
     table and its split; also keyed by the module's theta, axes, lengths, patch size and embedder."""
     bind = _Binder(original)
     host_embednd = importlib.import_module("comfy.ldm.flux.layers").EmbedND
-    rope_unchanged = _called_by_name(("comfy.ldm.flux.layers", "rope"))
+    rope_unchanged = _called_by_name(("comfy.ldm.flux.layers", "rope"), calls=original)
 
     def forward(self, *args, **kwargs):
         def key(k):
@@ -389,6 +426,8 @@ def _omnigen2_rope(original):
             emb = self.rope_embedder
             if type(emb) is not host_embednd:
                 return False
+            if (why := rope_seams.hooked(emb)) is not None:  # (what it computes inside)
+                raise Uncached(f"omnigen2.rope: rope_embedder: {why}")
             _add_bound(k, bind, (self, *args), kwargs, skip=("self",), builder="omnigen2.rope")
             k.add(self.theta).add(list(self.axes_dim)).add(list(self.axes_lens)).add(self.patch_size)
             k.add(emb.theta).add(list(emb.axes_dim))
@@ -404,8 +443,11 @@ def _omnigen2_rope(original):
 
 def _hydit_calc_rope(original):
     """hydit calc_rope(x, patch_size, head_size): only x's height, width, dtype and device count."""
+    unchanged = _called_by_name(calls=original)  # get_2d_rotary_pos_embed, get_fill_resize_and_crop...
+
     def calc_rope(x, patch_size, head_size):
         def key(k):
+            unchanged()
             k.add_encoded((x.shape[2:4], x.dtype, x.device)).add(patch_size).add(head_size)
         return cached("hydit.rope", key, lambda: original(x, patch_size, head_size))
     return calc_rope

@@ -81,6 +81,17 @@ def _global_hooks() -> bool:
     return bool(nn_module._global_forward_pre_hooks or nn_module._global_forward_hooks)
 
 
+def hooked(embedder) -> str | None:
+    """Why calling ``embedder`` may not compute what its class's forward does (None: nothing): hooks on it
+    or on every module, or a forward replaced on the instance (an object patch). Nothing in a key holds
+    them, so a key that relies on the embedder computing as its class does checks this on every call."""
+    if _global_hooks():
+        return "global module hooks are set"
+    if embedder._forward_pre_hooks or embedder._forward_hooks or "forward" in getattr(embedder, "__dict__", {}):
+        return "it has hooks or a replaced forward"
+    return None
+
+
 class Geometry:
     """One forward call's geometry: what its position ids are made from, as host values.
 
@@ -199,9 +210,8 @@ class ForwardSeam:
             raise _NoGeometry("global module hooks are set")
         for attr in self.embedders:
             embedder = _module(model, attr)
-            if embedder is not None and (embedder._forward_pre_hooks or embedder._forward_hooks
-                                         or "forward" in getattr(embedder, "__dict__", {})):
-                raise _NoGeometry(f"{attr} has hooks or a replaced forward")
+            if embedder is not None and (why := hooked(embedder)) is not None:
+                raise _NoGeometry(f"{attr}: {why}")
         if len(args) > len(self._names):
             raise _NoGeometry("unexpected positional arguments")
         arguments = dict(zip(self._names, args, strict=False))  # fewer args: defaults

@@ -431,6 +431,82 @@ def test_a_rope_function_another_node_rebinds_is_never_read_from_an_old_table(fa
     assert any("comfy.ldm.flux.layers.rope was replaced" in reason for reason in cache.bypass_reasons())
 
 
+@pytest.mark.parametrize("family", ["wan", "omnigen2"])
+@pytest.mark.parametrize("change", ["forward hook", "forward pre-hook", "forward replaced", "global hook"])
+def test_an_embedder_hooked_inside_a_cached_builder_is_never_read_from_an_old_table(family, change, families, rope):
+    """Wan's rope_encode and OmniGen2's position embedder call their EmbedND inside the cached builder: a
+    hook on it, a forward set on the instance (an object patch) or a hook on every module, added after a
+    table was stored, got that table back (0.19 and 0.40 off). Such calls run uncached, counted."""
+    spec = families.family_spec(family)
+    model = spec.build(0)
+    call = spec.inputs(spec.sizes[0], 1)
+    cache = compare(model, [call, call], cached_options(rope), rope)  # the tables stored
+    before = run(model, call, {})
+    embedder = next(m for m in model.model.diffusion_model.modules() if type(m).__name__ == "EmbedND")
+    if change == "forward hook":
+        undo = embedder.register_forward_hook(lambda m, args, out: out * 0.5).remove
+    elif change == "forward pre-hook":
+        undo = embedder.register_forward_pre_hook(lambda m, args: (args[0] * 1.5,)).remove
+    elif change == "forward replaced":
+        host_forward = embedder.forward
+        embedder.forward = lambda ids: host_forward(ids * 2.0)
+        undo = lambda: vars(embedder).pop("forward")  # noqa: E731
+    else:
+        undo = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, args, out: out * 0.5 if m is embedder else None).remove
+    try:
+        compare(model, [call], cached_options(rope), rope)
+        assert not torch.equal(run(model, call, {}), before)  # the change changes the picture
+    finally:
+        undo()
+    assert any("rope_embedder" in r or "global module hooks" in r for r in cache.bypass_reasons()), \
+        cache.bypass_reasons()
+
+
+@pytest.mark.parametrize("family,module,name", [
+    ("ltxv", "comfy.ldm.lightricks.model", "get_fractional_positions"),  # (a helper of the builder's helpers)
+    ("mochi", "comfy.ldm.genmo.joint_model.rope_mixed", "centers"),
+    (None, "comfy.ldm.hydit.models", "get_2d_rotary_pos_embed"),
+])
+def test_a_helper_another_node_rebinds_is_never_read_from_an_old_table(family, module, name, families, rope,
+                                                                       monkeypatch):
+    """LTX, Mochi and HunyuanDiT's builders call ComfyUI helpers by name (and those call others): one that a
+    pack rebinds after a table was stored got that table back (0.22, 0.68, 0.5 off). Such calls run
+    uncached, counted, naming it."""
+    import importlib
+
+    namespace = importlib.import_module(module)
+    host_fn = getattr(namespace, name)
+
+    def doubled(*args, **kwargs):
+        out = host_fn(*args, **kwargs)
+        return tuple(t * 2.0 for t in out) if isinstance(out, tuple) else out * 2.0
+
+    if family is None:  # HunyuanDiT (no tiny model of it here): its builder, called as the model calls it
+        x = torch.randn(1, 4, 16, 16)
+        pe_cache = rkharness.pack("caching.pe_cache").PECache()
+        hydit = importlib.import_module("comfy.ldm.hydit.models")
+        with rope.scope(pe_cache):
+            hydit.calc_rope(x, 2, 8)
+        monkeypatch.setattr(namespace, name, doubled)
+        with rope.scope(pe_cache):
+            got = hydit.calc_rope(x, 2, 8)
+        want = hydit.calc_rope(x, 2, 8)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        reasons = pe_cache.bypass_reasons()
+    else:
+        spec = families.family_spec(family)
+        model = spec.build(0)
+        call = spec.inputs(spec.sizes[0], 1)
+        cache = compare(model, [call, call], cached_options(rope), rope)
+        before = run(model, call, {})
+        monkeypatch.setattr(namespace, name, doubled)
+        compare(model, [call], cached_options(rope), rope)
+        assert not torch.equal(run(model, call, {}), before)
+        reasons = cache.bypass_reasons()
+    assert any(f"{module}.{name} was replaced" in r for r in reasons), reasons
+
+
 def test_a_dropped_models_tables_are_freed_before_the_next_model_loads(families, rope):
     """A model ComfyUI drops while it is still loaded is detached only as a clone's swap, and its PE cache
     goes through its finalizer, which only records: the tables are freed at the next safe point, at the
