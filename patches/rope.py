@@ -288,6 +288,22 @@ def _functions_called(fn: Callable) -> list[tuple[dict, str, str, Callable]]:
     return list(found.values())
 
 
+def _embedder_check(embednd: type, builder: str) -> Callable[[Any], None]:
+    """A check for a builder that calls its ``EmbedND`` inside the cached computation (Wan, OmniGen2): it raises
+    :class:`Uncached` where the call may not compute what it did when the builder was patched: hooks on the
+    embedder or on every module, a forward set on the instance, or ``EmbedND.forward`` replaced on the class
+    since (by another pack; ReuseKit's own patch of it comes first)."""
+    forward = vars(embednd).get("forward")
+
+    def check(embedder) -> None:
+        why = rope_seams.hooked(embedder)
+        if why is None and vars(embednd).get("forward") is not forward:
+            why = f"{embednd.__qualname__}.forward was replaced after the PE cache was installed"
+        if why is not None:
+            raise Uncached(f"{builder}: rope_embedder: {why}")
+    return check
+
+
 # ---- the builders --------------------------------------------------------------------------
 
 def _embednd(builder: str):
@@ -333,14 +349,14 @@ def _wan_rope_encode(original):
     bind = _Binder(original)
     host_embednd = importlib.import_module("comfy.ldm.flux.layers").EmbedND
     rope_unchanged = _called_by_name(("comfy.ldm.flux.layers", "rope"), ("comfy.ldm.wan.model", "rope"), calls=original)
+    embedder_unchanged = _embedder_check(host_embednd, "wan.rope_encode")
 
     def rope_encode(self, *args, **kwargs):
         def key(k):
             rope_unchanged()
             if type(self.rope_embedder) is not host_embednd:
                 return False
-            if (why := rope_seams.hooked(self.rope_embedder)) is not None:  # (what it computes inside)
-                raise Uncached(f"wan.rope_encode: rope_embedder: {why}")
+            embedder_unchanged(self.rope_embedder)
             a = bind((self, *args), kwargs)
             a.pop("self")
             to = a.pop("transformer_options", None)
@@ -419,6 +435,7 @@ def _omnigen2_rope(original):
     bind = _Binder(original)
     host_embednd = importlib.import_module("comfy.ldm.flux.layers").EmbedND
     rope_unchanged = _called_by_name(("comfy.ldm.flux.layers", "rope"), calls=original)
+    embedder_unchanged = _embedder_check(host_embednd, "omnigen2.rope")
 
     def forward(self, *args, **kwargs):
         def key(k):
@@ -426,8 +443,7 @@ def _omnigen2_rope(original):
             emb = self.rope_embedder
             if type(emb) is not host_embednd:
                 return False
-            if (why := rope_seams.hooked(emb)) is not None:  # (what it computes inside)
-                raise Uncached(f"omnigen2.rope: rope_embedder: {why}")
+            embedder_unchanged(emb)
             _add_bound(k, bind, (self, *args), kwargs, skip=("self",), builder="omnigen2.rope")
             k.add(self.theta).add(list(self.axes_dim)).add(list(self.axes_lens)).add(self.patch_size)
             k.add(emb.theta).add(list(emb.axes_dim))
