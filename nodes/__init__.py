@@ -151,12 +151,11 @@ class SamplerInputs:
 
 def _number_error(name: str, value, low, high, whole: bool = False) -> str | None:
     """Why ``value`` is not a number from ``low`` to ``high`` (``whole``: a whole one), None if it is (NumPy's
-    numbers are numbers)."""
-    import math
+    numbers are numbers; a NaN is within no range, and an integer of any size is compared exactly)."""
     import numbers
 
     kind = numbers.Integral if whole else numbers.Real
-    if isinstance(value, bool) or not isinstance(value, kind) or math.isnan(value) or not low <= value <= high:
+    if isinstance(value, bool) or not isinstance(value, kind) or not low <= value <= high:
         return f"{name} must be a {'whole ' if whole else ''}number from {low} to {high}, got {brief(value)}"
     return None
 

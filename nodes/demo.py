@@ -148,7 +148,7 @@ class DemoDecode(io.ComfyNode):
             raise refusal(_stats(), node, extra)
         latent = samples.get("samples") if isinstance(samples, dict) else None
         if isinstance(latent, torch.Tensor) and latent.ndim in (4, 5) and latent.shape[1] != 16 \
-                and not latent.any():  # an empty latent of other channels: empty, as ComfyUI's samplers read it
+                and latent.numel() and not latent.any():  # an empty latent of other channels: empty, as ComfyUI's samplers read it
             latent = latent.new_zeros((latent.shape[0], 16, *latent.shape[2:]))
         if not isinstance(latent, torch.Tensor) or latent.ndim not in (4, 5) or latent.shape[1] != 16 \
                 or latent.numel() == 0:

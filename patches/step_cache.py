@@ -1210,7 +1210,7 @@ def _finish(run: tc.RunState, settings: Settings, plan: Plan, total_steps: int |
     s.set_memory("cpu", 0)
     per_cond = ", ".join(f"{lab} {c['computed']}/{c['computed'] + c['skipped']}" for lab, c in summary["conds"].items())
     if run.config.calibrate and outcome != "completed":
-        reason = f"calibration: the run was {outcome}; nothing is saved (calibration comes from complete runs only)"
+        reason = f"calibration: the run did not complete ({outcome}); nothing is saved (calibration comes from complete runs only)"
         s.count_reason("refused", reason, source=settings.family.name)
         log.warning("ReuseKit TeaCache Calibrate (%s): %s", settings.family.name, reason)
     elif run.config.calibrate and (run.windowed or run.partial):

@@ -415,6 +415,7 @@ def test_a_sampler_nodes_wrong_conditioning_latent_or_nan_is_refused_naming_the_
              # on a string seed or a negative step count
              ("cfg", ("pass", math.inf)), ("denoise", ("pass", 2.0)), ("denoise", ("pass", -1.0)),
              ("steps", ("pass", -1)), ("steps", ("pass", 2.0)), ("seed", ("pass", "x")), ("seed", ("pass", True)),
+             ("seed", ("pass", 2 ** 1100)),  # past a float's range: compared exactly, never converted
              ("latent_image", ("pass", {"samples": "x"}))]
     for name, value in cases:
         counted = refusals()

@@ -1667,7 +1667,7 @@ def test_an_interrupted_calibration_is_never_saved_nor_used(flux, conds, _isolat
     assert run["outcome"] == "interrupted" and "calibration" not in run
     assert not _isolated_calibrations.path.exists()
     assert "nothing is saved" in caplog.text
-    assert _calibration_said("refused", "the run was interrupted; nothing is saved")
+    assert _calibration_said("refused", "the run did not complete (interrupted); nothing is saved")
     sample(teacache(flux, 0.3, model_type="auto"), conds)
     assert last_run()["model_type"] == "flux"  # the published polynomial, not 3 points of an interrupted run
     for rule in ("teacache", "magcache", "schedule"):  # no table of any rule from the interrupted run

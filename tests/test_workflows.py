@@ -90,6 +90,8 @@ def test_demo_decode_inverts_the_picture_code_for_both_families():
 @pytest.mark.parametrize("samples,scale,name", [
     ({"samples": torch.ones(1, 4, 8, 8)}, 1, "samples"), ("latent", 1, "samples"),
     ({"samples": torch.zeros(0, 16, 8, 8)}, 1, "samples"), ({"samples": torch.zeros(1, 16, 0, 8)}, 1, "samples"),
+    ({"samples": torch.zeros(1, 0, 8, 8)}, 1, "samples"),
+    pytest.param({"samples": torch.zeros(1, 16, 8, 8)}, 2 ** 1100, "scale", id="past-a-float"),
     ({"samples": torch.zeros(1, 16, 8, 8)}, 0, "scale"), ({"samples": torch.zeros(1, 16, 8, 8)}, 2.5, "scale")])
 def test_demo_decode_refuses_what_is_not_a_demo_latent(samples, scale, name):
     """Refused naming the input (an empty latent failed inside torch's interpolation, or made no image)."""
