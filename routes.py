@@ -157,6 +157,10 @@ def _shown(value: Any) -> str:
     return text if len(text) <= MAX_ECHO_CHARS // 2 else f"{text[:MAX_ECHO_CHARS // 2]}... ({len(text)} characters)"
 
 
+class _Twice(ValueError):
+    """A JSON body that gives one key twice."""
+
+
 class _Refused(Exception):
     """A request refused before its body is read as settings: its HTTP status and message."""
 
@@ -195,8 +199,19 @@ async def _json_object(request) -> dict:
     if request.content_type != "application/json":
         raise _Refused(415, "send the body as JSON, with Content-Type: application/json")
     raw = await _body(request)
+
+    def once(pairs: list) -> dict:  # a key given twice: which one meant? (json keeps the last, silently)
+        body = {}
+        for key, value in pairs:
+            if key in body:
+                raise _Twice(f"{_shown(key)} is given twice in the body")
+            body[key] = value
+        return body
+
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, object_pairs_hook=once)
+    except _Twice:
+        raise
     except RecursionError:
         raise ValueError("the body is nested too deeply") from None
     except ValueError as exc:  # not JSON, not UTF-8, or an integer of more digits than Python converts
@@ -229,6 +244,9 @@ async def post_clear(request):
 
     try:
         body = await _json_object(request)
+        if unknown := sorted(set(body) - {"cache", "all"}):
+            raise ValueError(f"unknown field {_shown(unknown[0])}: send {{\"cache\": \"<name>\"}} to clear one cache "
+                             'or {"all": true} to clear all')
         name = body.get("cache")
         if body.get("all") is True and name is None:
             target = None

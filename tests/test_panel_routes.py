@@ -98,10 +98,25 @@ def test_clear_one_cache_then_all(server):
     ({"all": "yes"}, 400),
     ({"cache": MEMO, "all": True}, 400),
     ([MEMO], 400),
+    ({"cache": MEMO, "extra": 1}, 400),  # it cleared, ignoring the field (the settings route refuses one)
 ])
 def test_clear_rejects_bad_requests(server, payload, status):
+    run(server, seed=15)
+    held = cache(server.get("/reusekit/stats"), MEMO)["entries"]
     code, body = post_status(server, "/reusekit/clear", payload)
     assert code == status and body["error"]
+    assert held and cache(server.get("/reusekit/stats"), MEMO)["entries"] == held  # nothing cleared
+
+
+@pytest.mark.hardening
+def test_a_key_given_twice_gets_400_and_changes_nothing(server):
+    """JSON keeps a repeated key's last value silently: a budget of -1 then 512 applied 512, no error."""
+    before = server.get("/reusekit/settings")["settings"]
+    for path, raw in (("/reusekit/settings", b'{"rktest.memo_budget_mib": -1, "rktest.memo_budget_mib": 32}'),
+                      ("/reusekit/clear", b'{"cache": "no.such.cache", "cache": "%s"}' % MEMO.encode())):
+        status, body = post_status(server, path, raw=raw)
+        assert status == 400 and "is given twice" in body["error"], body
+    assert server.get("/reusekit/settings")["settings"] == before
 
 
 def test_settings_are_listed_and_a_valid_change_applies_at_once(server):
