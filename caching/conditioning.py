@@ -313,6 +313,7 @@ class ConditioningCache:
         self.stats = stats if stats is not None else StatsRegistry().register("conditioning", "conditioning")
         self._counts: dict[str, int] = {}
         self._dead: deque[int] = deque()  # serials of dead encoders, dropped at the next call
+        self._clears = 0  # clear() calls so far: what was computed before one is never kept after it
 
     def owner_died(self, serial: int) -> None:
         """Called from a weakref callback (maybe inside GC, maybe under our lock): only queue."""
@@ -381,12 +382,13 @@ class ConditioningCache:
         found = self.lookup(key)
         if found is not _MISS:
             return found
+        since = self._clears  # (an int read: atomic)
         skey = self._shared_key(shared, key.kind, encoder)
         if skey is not None:
             got = self._shared_get(skey, key.kind, encoder)
             if got is not None:
                 stored, seconds = got
-                self._admit(Entry(key, stored, _held_bytes(stored), seconds))
+                self._admit(Entry(key, stored, _held_bytes(stored), seconds), since, encoder)
                 return thaw(stored)
         rng = _rng_state() if check_rng else None
         start = time.perf_counter()
@@ -401,7 +403,7 @@ class ConditioningCache:
         if refused:
             self.bypass(key.kind, refused, encoder)
             return result
-        stored = self._store(key, result, seconds, encoder=encoder)
+        stored = self._store(key, result, seconds, encoder=encoder, since=since)
         if stored is not None and skey is not None:
             kind = key.kind
 
@@ -443,9 +445,10 @@ class ConditioningCache:
         """Store a private copy of ``value``; False when not admitted (oversized or uncacheable)."""
         return self._store(key, value, seconds, admitted_only=True) is not None
 
-    def _store(self, key: Key, value: Any, seconds: float, admitted_only: bool = False, encoder: str = "") -> Any:
-        """Freeze ``value`` and admit it; the frozen copy (None when uncacheable, or not admitted
-        with ``admitted_only``)."""
+    def _store(self, key: Key, value: Any, seconds: float, admitted_only: bool = False, encoder: str = "",
+               since: int | None = None) -> Any:
+        """Freeze ``value`` and admit it; the frozen copy (None when uncacheable, computed before a clear after
+        ``since``, or not admitted with ``admitted_only``)."""
         try:
             stored, value_bytes = freeze(value)
         except Uncacheable as exc:
@@ -454,27 +457,36 @@ class ConditioningCache:
         except (RuntimeError, MemoryError) as exc:  # no room for the copy: the caller keeps its result
             self.bypass(key.kind, f"copy failed: {exc}", encoder)
             return None
-        admitted = self._admit(Entry(key, stored, value_bytes, seconds))
-        return stored if admitted or not admitted_only else None
+        admitted = self._admit(Entry(key, stored, value_bytes, seconds), since, encoder)
+        return stored if admitted or (admitted is False and not admitted_only) else None
 
-    def _admit(self, entry: Entry) -> bool:
+    def _admit(self, entry: Entry, since: int | None = None, encoder: str = "") -> bool | None:
+        """Whether ``entry`` is kept; None where the cache was cleared after ``since`` (its clear count when the
+        entry's computation began): neither kept nor shared, counted."""
         key = entry.key
         with self._lock:
-            if not self.enabled:
+            if since is not None and since != self._clears:
+                admitted = None
+            elif not self.enabled:
                 return False
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._remove(old)
-            # its weight sets count whole, pinned by others or not: making room may evict those others
-            need = entry.own_bytes + sum(w.nbytes for w in {id(w): w for w in key.weights}.values())
-            budget = self.budget_bytes
-            admitted = need <= budget
-            if not admitted:
-                self._count("rejected", key.kind)
             else:
-                self._add(entry)  # counted, its weights pinned, first: evicting another user of them keeps them
-                self._shrink(0, 1)
-                self._entries[key] = entry
+                old = self._entries.pop(key, None)
+                if old is not None:
+                    self._remove(old)
+                # its weight sets count whole, pinned by others or not: making room may evict those others
+                need = entry.own_bytes + sum(w.nbytes for w in {id(w): w for w in key.weights}.values())
+                budget = self.budget_bytes
+                admitted = need <= budget
+                if not admitted:
+                    self._count("rejected", key.kind)
+                else:
+                    self._add(entry)  # counted, its weights pinned, first: evicting another user of them keeps them
+                    self._shrink(0, 1)
+                    self._entries[key] = entry
+        if admitted is None:
+            self.bypass(key.kind, "the cache was cleared (or its check_weight_edits mode switched) while this encode "
+                        "ran: its result is not kept", encoder)
+            return None
         if not admitted:
             self.stats.count_reason("refused", f"an entry of {need / MIB:.1f} MiB (with its weight sets) is larger "
                                     f"than the whole budget ({budget / MIB:.1f} MiB): not kept; raise the budget",
@@ -537,6 +549,7 @@ class ConditioningCache:
     # -- dropping
     def clear(self) -> None:
         with self._lock:
+            self._clears += 1
             for entry in list(self._entries.values()):
                 self._remove(entry)
             self._entries.clear()

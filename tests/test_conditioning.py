@@ -1057,6 +1057,22 @@ def test_hits_keep_the_types_of_sizes_and_containers(cc):
     assert cache.count("bypasses") == 1 and len(cache) == 1
 
 
+def test_an_encode_that_was_running_when_the_cache_was_cleared_is_not_kept(cc):
+    """A clear (the panel's, or a check_weight_edits switch, which empties the cache) while an encode runs: its
+    result was stored after the clear, under the rules from before it. It is returned, not kept, counted."""
+    cache = cc.ConditioningCache()
+
+    def cleared_meanwhile():
+        cache.clear()
+        return torch.ones(3)
+
+    assert torch.equal(cache.fetch(_key(cc, "running"), cleared_meanwhile), torch.ones(3))
+    assert len(cache) == 0 and cache.count("bypasses.text") == 1
+    assert any("cleared" in r["reason"] for r in cache.stats.reasons() if r["event"] == "bypass")
+    assert torch.equal(cache.fetch(_key(cc, "running"), lambda: torch.ones(3)), torch.ones(3))
+    assert len(cache) == 1 and cache.fetch(_key(cc, "running"), lambda: pytest.fail("must hit")) is not None
+
+
 @pytest.mark.parametrize("inference", [False, True])
 def test_hits_give_every_dtype_bit_for_bit_in_tensors_the_caller_owns(cc, inference):
     """A hit's CPU tensors are copied on the calling thread, byte for byte: each dtype, 0-d and empty
