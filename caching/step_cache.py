@@ -424,6 +424,9 @@ class RunState:
         self.planned = "C"  # schedule: the plan's action for the last call decided (C, S or H)
         self._timestep: torch.Tensor | None = None  # the timestep tensor of the step being sampled (one per step)
         self._step_keys: set = set()  # the cond keys computed or skipped at that step
+        self._evaluations = 0  # the model evaluations (timestep tensors) seen so far
+        self._last_seen: dict[Any, int] = {}  # per cond key, the evaluation of its last call
+        self.returns = 0  # conds that came back after an evaluation without them and started over
         self.partial: str | None = None  # calibration: why the run does not cover the model's whole schedule
         self.disabled_reason: str | None = None  # why every step of this run is computed, if one is
         # what may switch on or off within the run (ControlNets with a partial range, keyframed hooks: set by
@@ -459,9 +462,21 @@ class RunState:
             return False
         if self._timestep is not timestep:  # (held: no other tensor takes its address meanwhile)
             self._timestep, self._step_keys = timestep, set()
+            self._evaluations += 1
         if any(k in self._step_keys for k in keys):
             return True
         self._step_keys.update(keys)
+        for key in keys:  # a cond absent from the evaluation before (a guider that drops the uncond at some
+            # steps): its state is older than the rules read (the interval's count, the forecasts' call index)
+            last = self._last_seen.get(key)
+            state = self.conds.get(key)
+            if last is not None and last < self._evaluations - 1 and state is not None and (
+                    state.residual is not None or state.prev_signal is not None):
+                state.clear()
+                self.resets += 1
+                self.returns += 1
+                self.delta = self.delta_step = None
+            self._last_seen[key] = self._evaluations
         return False
 
     def sat_out(self, keys: list, timestep: torch.Tensor | None) -> None:

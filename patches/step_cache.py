@@ -783,12 +783,17 @@ def _diffusion_model(executor, *args, **kwargs):
             run.calls_computed += 1
             return executor(*args, **kwargs)
         keys = [(key, tc.REPLACED, replaced) for key in keys]  # other blocks run: a state of its own
+    returns = run.returns
     if run.again_this_step(keys, sigmas):  # another pass of a cond this step already had: neither skipped nor kept
         stats().count_reason("bypass", "a second call of a cond at one step (a guidance pass: LTXV's STG or "
                              "modality guidance, a reference-free pass) was computed and left the "
                              "cache's state as it was", source=settings.family.name)
         run.calls_computed += 1
         return executor(*args, **kwargs)
+    if run.returns != returns:
+        stats().count_reason("fallback", "a cond that had no call at the model evaluation before (a guider that "
+                             "drops the uncond at some steps) started over with a computed call",
+                             source=settings.family.name)
     dm = executor.class_obj
     dm = dm.diffusion_model if settings.family.call_wrapper == "APPLY_MODEL" else dm  # a BaseModel there
     foreign = settings.foreign(dm)

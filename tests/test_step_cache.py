@@ -1224,6 +1224,42 @@ def test_a_call_with_some_blocks_replaced_skips_only_onto_its_own_state(flux, co
     assert torch.allclose(after[1], after[0], atol=1e-5) and torch.equal(after[0], flux_call(m, x * 0.5, {}, conds, 0.5))
 
 
+@pytest.mark.parametrize("mode", ["reuse", "taylorseer2", "foca"])
+def test_an_uncond_a_guider_drops_for_some_steps_starts_over_when_it_comes_back(flux, conds, mode):
+    """A guider whose cfg is 1 for some steps (a scheduled-CFG node): ComfyUI drops the uncond there. When it
+    came back, the interval rule counted its calls, not the steps, and skipped onto a residual five steps old
+    (taylorseer2: 0.54 from the uncached picture, against 0.09 with the uncond at every step). It now computes
+    its first call back, counted, and the picture is as near as with the uncond at every step."""
+    import comfy.sample
+    import comfy.samplers
+
+    class Scheduled(comfy.samplers.CFGGuider):
+        def predict_noise(self, x, timestep, model_options={}, seed=None):  # noqa: B006 (the host's signature)
+            step = int(torch.argmin((self.sigmas - timestep.max()).abs()))
+            self.cfg = 1.0 if step in self.dip else 3.0
+            return super().predict_noise(x, timestep, model_options, seed)
+
+    def run(model, dipping=True):
+        guider = Scheduled(model)
+        guider.set_conds(*conds)
+        guider.sigmas = comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), "simple", STEPS)
+        guider.dip = range(3, 7) if dipping else ()
+        latent = torch.zeros(1, 16, 8, 8)
+        return guider.sample(comfy.sample.prepare_noise(latent, 3), latent, comfy.samplers.sampler_object("euler"),
+                             guider.sigmas, seed=3)
+
+    errors = {}
+    for dipping in (True, False):
+        out = run(teacache(flux, 2.0, rule="interval", mode=mode), dipping)
+        errors[dipping] = rel_err(out, run(flux, dipping))
+        if dipping:
+            patterns = {k: v["pattern"] for k, v in last_run()["conds"].items()}
+            assert patterns["uncond"] == "CSC" + "CSC", patterns  # steps 0-2, then 7-9: its first call back computed
+            assert any("started over with a computed call" in r["reason"] for r in P().stats().reasons()
+                       if r["event"] == "fallback")
+    assert errors[True] < 1.5 * errors[False], errors
+
+
 def test_skip_layer_guidance_simple_through_the_sampler_is_exact_unskipped(flux, conds):
     """SkipLayerGuidanceDiTSimple from 30% on: with nothing skipped the picture is the uncached one, and
     skipping keeps its pass in a state of its own."""
