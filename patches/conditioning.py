@@ -744,6 +744,75 @@ def _described(cls: type, name: str, value, gaps: list, strict: bool):
     return ("?",)
 
 
+def _functions_in(value) -> list:
+    """The functions a class attribute runs (a method, a static or class method's, a property's accessors, a
+    partial's), whose code may read module-level functions."""
+    if isinstance(value, types.FunctionType):
+        return [value]
+    parts = _parts(value) if not isinstance(value, tuple) else None
+    return [f for p in parts or () for f in _functions_in(p)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _chains(code: types.CodeType) -> tuple[tuple[str, ...], ...]:
+    """The names a code object (and the code it nests) reads from its module's globals, each with the
+    attributes read off it in turn (``comfy.clip_model.clip_preprocess``): ``LOAD_GLOBAL`` then ``LOAD_ATTR``
+    / ``LOAD_METHOD``."""
+    import dis
+
+    found: dict[tuple[str, ...], None] = {}
+    codes = [code]
+    while codes:
+        c = codes.pop()
+        codes += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+        chain: list[str] = []
+        for ins in dis.get_instructions(c):
+            if ins.opname == "LOAD_GLOBAL":
+                if chain:
+                    found[tuple(chain)] = None
+                chain = [ins.argval]
+            elif chain and ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+                chain.append(ins.argval)
+            elif chain:
+                found[tuple(chain)] = None
+                chain = []
+        if chain:
+            found[tuple(chain)] = None
+    return tuple(found)
+
+
+def _reads(cls: type) -> list[tuple[str, dict, str, object]]:
+    """The module-level callables of ComfyUI modules that the class's own code reads by name (through a
+    module, as ``qwen_vl.process_qwen2vl_images``), and that theirs read in turn, each as ``(label, the
+    module's namespace, name, value)``: a node that rebinds one, or sets its defaults, changes what an encode
+    computes as surely as one that patches the class. ReuseKit's own routes are left out."""
+    out: dict[str, tuple] = {}
+    todo = [f for k, v in vars(cls).items() if k not in _NOT_CODE and not _our_route(cls, k, v)
+            for f in _functions_in(v)]
+    seen: set = set()
+    while todo:
+        fn = todo.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        for chain in _chains(fn.__code__):
+            holder, value = fn.__globals__, fn.__globals__.get(chain[0], _UNKNOWN)
+            name = chain[0]
+            for attr in chain[1:]:
+                if not (inspect.ismodule(value) and _origin(value.__name__) == "host"):
+                    break
+                holder, name, value = vars(value), attr, vars(value).get(attr, _UNKNOWN)
+            module = holder.get("__name__")
+            if (value is _UNKNOWN or inspect.ismodule(value) or isinstance(value, type) or not callable(value)
+                    or _origin(module) != "host" or getattr(value, "__dict__", {}).get("__reusekit__") is True):
+                continue
+            out.setdefault(f"global {module}.{name}", (holder, name, value))
+            inner = value.func if isinstance(value, functools.partial) else value
+            if isinstance(inner, types.FunctionType) and _origin(inner.__module__) == "host":
+                todo.append(inner)
+    return [(label, *found) for label, found in sorted(out.items())]
+
+
 def _class_state(cls: type, strict: bool) -> tuple:
     """A class as a key field, ``(where, description, gaps, state)``: where it is defined, what it holds
     (its bases, :func:`_described`), what the description cannot tell (``gaps``), and which of
@@ -752,6 +821,7 @@ def _class_state(cls: type, strict: bool) -> tuple:
     description cannot. Compared with the states this process recorded of it (by identity, containers by
     value too); described again only in a new one."""
     items = [(k, v) for k, v in vars(cls).items() if k not in _NOT_CODE and not _our_route(cls, k, v)]
+    items += [(label, value) for label, _, _, value in _reads(cls)]
     bases = cls.__mro__[1:]
     record = _classes.get(cls)
     for seen_bases, seen_items, field in reversed(record[1] if record is not None else ()):
@@ -783,7 +853,8 @@ def _classes_state(tree, wrapper) -> tuple:
     tree; a difference, or a new tree, asks :func:`_class_state`."""
     wrappers = type(wrapper).__mro__[:-1]
     found = tree.memo.get("classes")
-    if found is not None and found[2] == wrappers and all(
+    if found is not None and found[2] == wrappers and all(holder.get(name, _UNKNOWN) is value
+                                                          for holder, name, value in found[6]) and all(
             c.__mro__ is mro and tuple(vars(c)) == names and all(map(operator.is_, vars(c).values(), values))
             for c, names, values, mro in found[0]) and all(_equal(held, value) for value, held in found[3]) \
             and all(f.__code__ is code and f.__defaults__ is d and f.__kwdefaults__ is kw
@@ -795,15 +866,20 @@ def _classes_state(tree, wrapper) -> tuple:
     classes = (*own, *wrappers)
     snapshot = [(c, tuple(vars(c)), tuple(vars(c).values()), c.__mro__) for c in classes]
     functions, containers, holders = [], [], []
+    bindings = {}  # the module-level callables the classes' code reads (_reads): rebound, or changed inside
     for c in classes:
         for k, v in vars(c).items():
             if k not in _NOT_CODE:
                 _watch(v, functions, containers, holders)
+        for _, holder, name, value in _reads(c):
+            bindings[id(holder), name] = (holder, name, value)
+    for _, _, value in bindings.values():
+        _watch(value, functions, containers, holders)
     fields = tuple(_class_state(c, i < len(own)) for i, c in enumerate(classes))
     gaps = [g for f in fields for g in f[2]]
     state = (digest(tuple(f[:3] for f in fields)), tuple(f[3] for f in fields if f[2]),
              gaps[0] if gaps else None)
-    tree.memo["classes"] = (snapshot, state, wrappers, containers, functions, holders)
+    tree.memo["classes"] = (snapshot, state, wrappers, containers, functions, holders, tuple(bindings.values()))
     return state
 
 

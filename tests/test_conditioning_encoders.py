@@ -225,6 +225,37 @@ def test_qwen_image_edit_plus_node_hits_with_its_images_and_misses_on_another_im
     assert cc.CACHE.bypass_reasons() == []
 
 
+@pytest.mark.parametrize("change", ["defaults set on it", "rebound in its module"])
+def test_a_module_function_the_encoder_calls_changed_by_another_node_is_never_answered_from_the_cache(cc, monkeypatch,
+                                                                                                      change):
+    """Qwen2.5-VL's encoder calls ``qwen_vl.process_qwen2vl_images`` by name from its module: a node that lowers
+    its pixel budget (its defaults, or the name rebound to a partial) got the conditioning from before, 212
+    image tokens where ComfyUI now makes 17. Each is a miss giving ComfyUI's output; put back, the first
+    entry hits again."""
+    import functools
+
+    import comfy_extras.nodes_qwen as nodes_qwen
+
+    qwen_vl = pytest.importorskip("comfy.text_encoders.qwen_vl")
+    clip = _build(_one("qwen_image.QwenImageTEModel_"))
+    picture = image(4, size=112)
+
+    def run():
+        return nodes_qwen.TextEncodeQwenImageEditPlus.execute(clip, "make the sky green", None, picture).result[0]
+
+    first = run()
+    host = qwen_vl.process_qwen2vl_images
+    if change == "defaults set on it":
+        monkeypatch.setattr(host, "__defaults__", (3136, 3136, *host.__defaults__[2:]))
+    else:
+        monkeypatch.setattr(qwen_vl, "process_qwen2vl_images", functools.partial(host, max_pixels=3136))
+    changed = run()
+    assert same(changed, _off(run)) and changed[0][0].shape != first[0][0].shape
+    assert (cc.CACHE.count("misses"), cc.CACHE.count("hits")) == (2, 0)
+    monkeypatch.undo()
+    assert same(run(), first) and cc.CACHE.count("hits") == 1
+
+
 def test_every_text_encoder_load_in_comfyuis_templates_is_tested_here_or_says_why_not():
     """ComfyUI's own workflow templates (the comfyui-workflow-templates-json package): every text-encoder
     load whose loader and type this host has, of models the tests build, builds an encoder the per-type
