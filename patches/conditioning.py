@@ -499,7 +499,8 @@ def _captured(cls: type, name: str, value, gaps: list, depth: int):
             and not isinstance(value, (torch.nn.Module, torch.Tensor)) and not _foreign(cls, type(value).__module__):
         return ("object", type(value).__module__, type(value).__qualname__,
                 tuple((k, _captured(cls, name, v, gaps, depth + 1)) for k, v in sorted(vars(value).items())))
-    gaps.append(f"{cls.__qualname__}.{name} holds a {type(value).__qualname__}")
+    gaps.append(f"{_what(cls, name) if name.startswith(_READ) else f'{cls.__qualname__}.{name}'} holds a "
+                f"{type(value).__qualname__}")
     return ("?", type(value).__module__, type(value).__qualname__)
 
 
@@ -510,11 +511,11 @@ def _class_code(cls: type, name: str, fn, gaps: list, depth: int = 0) -> tuple:
     node's class-level monkeypatch, or code put into the host's function): what it reads is not in the key."""
     module = fn.__globals__.get("__name__")
     if _foreign(cls, module):
-        raise Uncacheable(f"{cls.__qualname__}.{name} on the encoder's class is code from {module}")
+        raise Uncacheable(f"{_what(cls, name)} is code from {module}")
     elsewhere = _compiled_from(fn, module)
     if elsewhere is not None:
         if _file_origin(elsewhere) == "other":
-            raise Uncacheable(f"{cls.__qualname__}.{name} on the encoder's class runs code from {elsewhere}")
+            raise Uncacheable(f"{_what(cls, name)} runs code from {elsewhere}")
         gaps.append(f"{cls.__qualname__}.{name} runs code compiled from another file")
     if depth > _DEPTH:
         gaps.append(f"{cls.__qualname__}.{name} wraps too deep")
@@ -527,6 +528,13 @@ def _class_code(cls: type, name: str, fn, gaps: list, depth: int = 0) -> tuple:
     inner = getattr(fn, "__wrapped__", None)
     return ("f", module, fn.__qualname__, _code_digest(fn.__code__), defaults, cells,
             _class_code(cls, name, inner, gaps, depth + 1) if isinstance(inner, types.FunctionType) else None)
+
+
+def _what(cls: type, name: str) -> str:
+    """What a class's description names: its attribute, or a module-level function its code calls."""
+    if name.startswith(_READ):
+        return f"{name[len(_READ):]} (a module function {cls.__qualname__}'s code calls)"
+    return f"{cls.__qualname__}.{name} on the encoder's class"
 
 
 def _code_digest(code: types.CodeType) -> str:
@@ -781,32 +789,52 @@ def _chains(code: types.CodeType) -> tuple[tuple[str, ...], ...]:
     return tuple(found)
 
 
+# what these modules' functions decide (devices, memory, offloading) is keyed by the device, dtype and precision
+# fields; multi-GPU packs wrap them, and the server sets callbacks there, which must not keep every encode out of
+# the cache or the shared tiers
+_KEYED_ELSEWHERE = frozenset({"comfy.model_management", "comfy.memory_management"})
+
+
+def _host_module(module) -> bool:
+    """Whether a module is ComfyUI's (its ``comfy`` package too, a namespace package with no file of its own)."""
+    paths = [] if getattr(module, "__file__", None) else list(getattr(module, "__path__", ()))
+    return _origin(module.__name__) == "host" or any(_file_origin(os.path.join(p, "")) == "host" for p in paths)
+
+
+_READ = "global "  # the label of a module-level function a class's code reads, before its module and name
+
+
 def _reads(cls: type) -> list[tuple[str, dict, str, object]]:
-    """The module-level callables of ComfyUI modules that the class's own code reads by name (through a
-    module, as ``qwen_vl.process_qwen2vl_images``), and that theirs read in turn, each as ``(label, the
+    """The module-level functions (and partials) of ComfyUI modules that the class's own code reads by name
+    (through a module, as ``qwen_vl.process_qwen2vl_images``), and that theirs read in turn, each as ``(label, the
     module's namespace, name, value)``: a node that rebinds one, or sets its defaults, changes what an encode
-    computes as surely as one that patches the class. ReuseKit's own routes are left out."""
+    computes as surely as one that patches the class. Where ReuseKit routes a method, the host's original is
+    read; ReuseKit's own functions and those of ``_KEYED_ELSEWHERE`` are left out."""
     out: dict[str, tuple] = {}
-    todo = [f for k, v in vars(cls).items() if k not in _NOT_CODE and not _our_route(cls, k, v)
-            for f in _functions_in(v)]
+    todo = [f for k, v in vars(cls).items() if k not in _NOT_CODE
+            for f in _functions_in(_originals.get((cls, k)) if _our_route(cls, k, v) else v)]
     seen: set = set()
     while todo:
         fn = todo.pop()
         if id(fn) in seen:
             continue
         seen.add(id(fn))
+        inner = getattr(fn, "__wrapped__", None)  # (a decorator's wrapper: the host's code is inside)
+        if isinstance(inner, types.FunctionType):
+            todo.append(inner)
         for chain in _chains(fn.__code__):
             holder, value = fn.__globals__, fn.__globals__.get(chain[0], _UNKNOWN)
             name = chain[0]
             for attr in chain[1:]:
-                if not (inspect.ismodule(value) and _origin(value.__name__) == "host"):
+                if not (inspect.ismodule(value) and _host_module(value)):
                     break
                 holder, name, value = vars(value), attr, vars(value).get(attr, _UNKNOWN)
-            module = holder.get("__name__")
-            if (value is _UNKNOWN or inspect.ismodule(value) or isinstance(value, type) or not callable(value)
-                    or _origin(module) != "host" or getattr(value, "__dict__", {}).get("__reusekit__") is True):
+            module = holder.get("__name__") or ""
+            if (not isinstance(value, (types.FunctionType, functools.partial, types.BuiltinFunctionType))
+                    or _origin(module) != "host" or module == _PACK or module.startswith(_PACK + ".")
+                    or module in _KEYED_ELSEWHERE or getattr(value, "__dict__", {}).get("__reusekit__") is True):
                 continue
-            out.setdefault(f"global {module}.{name}", (holder, name, value))
+            out.setdefault(f"{_READ}{module}.{name}", (holder, name, value))
             inner = value.func if isinstance(value, functools.partial) else value
             if isinstance(inner, types.FunctionType) and _origin(inner.__module__) == "host":
                 todo.append(inner)
@@ -821,7 +849,7 @@ def _class_state(cls: type, strict: bool) -> tuple:
     description cannot. Compared with the states this process recorded of it (by identity, containers by
     value too); described again only in a new one."""
     items = [(k, v) for k, v in vars(cls).items() if k not in _NOT_CODE and not _our_route(cls, k, v)]
-    items += [(label, value) for label, _, _, value in _reads(cls)]
+    items += [(label, value) for label, _, _, value in _reads(cls)]  # (labels start with _READ)
     bases = cls.__mro__[1:]
     record = _classes.get(cls)
     for seen_bases, seen_items, field in reversed(record[1] if record is not None else ()):
@@ -830,8 +858,9 @@ def _class_state(cls: type, strict: bool) -> tuple:
                 and all(k == h[0] and _same(h[1], v) for (k, v), h in zip(items, seen_items, strict=True)):
             return field
     gaps: list = []
-    held = (tuple(f"{b.__module__}.{b.__qualname__}" for b in bases),
-            tuple((k, _described(cls, k, v, gaps, strict)) for k, v in items))
+    held = (tuple(f"{b.__module__}.{b.__qualname__}" for b in bases),  # (another node's function bound in a
+            # module the code reads: told apart by its state number, kept in this process, never refused)
+            tuple((k, _described(cls, k, v, gaps, strict and not k.startswith(_READ))) for k, v in items))
     with _classes_lock:  # one number per state: two states never share one
         record = _classes.setdefault(cls, [0, []])
         field = (f"{cls.__module__}.{cls.__qualname__}", held, tuple(gaps), record[0])

@@ -564,6 +564,42 @@ def test_a_function_another_module_sets_on_an_encoder_modules_class_is_never_ans
     assert same(before, clip.encode_from_tokens(tokens)) and cc.CACHE.count("hits.text") == 1
 
 
+def test_a_module_function_the_hosts_encode_calls_rebound_by_another_node_is_a_miss(cc, uncached, vision, monkeypatch):
+    """ClipVisionModel.encode_image (routed by ReuseKit: the host's original is what is read) calls
+    ``clip_preprocess`` by name: a node that rebinds it got the picture's old embedding. Now a miss giving
+    ComfyUI's output, kept in this process (another node's code: not shared); put back, the first entry hits."""
+    import comfy.clip_model
+    import comfy.clip_vision
+
+    picture = image(1, size=48)
+    first = vision.encode_image(picture, crop=True)
+    # (0.3.75's encode reads it by its bare name in clip_vision, 0.33's as comfy.clip_model's)
+    for module in (comfy.clip_model, comfy.clip_vision):
+        if "clip_preprocess" in vars(module):
+            host = module.clip_preprocess
+            monkeypatch.setattr(module, "clip_preprocess", lambda *a, host=host, **k: host(*a, **k) * 0.5)
+    got = vision.encode_image(picture, crop=True)
+    assert same(got, uncached(vision.encode_image, picture, True)) and not same(got, first)
+    assert (cc.CACHE.count("misses.vision"), cc.CACHE.count("hits.vision")) == (2, 0)
+    assert cc.CACHE.bypass_reasons() == []
+    monkeypatch.undo()
+    assert same(vision.encode_image(picture, crop=True), first) and cc.CACHE.count("hits.vision") == 1
+
+
+def test_a_device_helper_another_node_wraps_keeps_text_encodes_cached(cc, clip, monkeypatch):
+    """Multi-GPU packs wrap ComfyUI's device helpers (``get_torch_device``): what those decide is keyed by the
+    device fields, so the encodes the encoder's code makes through them stay cached (not refused)."""
+    import comfy.model_management
+
+    host = comfy.model_management.get_torch_device
+    tokens = clip.tokenize("a red square on a blue field")
+    first = clip.encode_from_tokens(tokens)
+    monkeypatch.setattr(comfy.model_management, "get_torch_device", lambda *a, **k: host(*a, **k))
+    assert same(clip.encode_from_tokens(tokens), first) and same(clip.encode_from_tokens(tokens), first)
+    assert (cc.CACHE.count("misses.text"), cc.CACHE.count("hits.text")) == (1, 2)
+    assert cc.CACHE.bypass_reasons() == []
+
+
 def test_library_code_set_on_an_encoder_modules_class_is_part_of_the_key(cc, uncached, tiny):
     """torch's own code set on the class (``CLIPMLP.forward = torch.nn.Identity.forward``), then the same
     forward under two autocast decorators that only their arguments tell apart: each state is its own
