@@ -761,34 +761,6 @@ def _functions_in(value) -> list:
     return [f for p in parts or () for f in _functions_in(p)]
 
 
-@functools.lru_cache(maxsize=4096)
-def _chains(code: types.CodeType) -> tuple[tuple[str, ...], ...]:
-    """The names a code object (and the code it nests) reads from its module's globals, each with the
-    attributes read off it in turn (``comfy.clip_model.clip_preprocess``): ``LOAD_GLOBAL`` then ``LOAD_ATTR``
-    / ``LOAD_METHOD``."""
-    import dis
-
-    found: dict[tuple[str, ...], None] = {}
-    codes = [code]
-    while codes:
-        c = codes.pop()
-        codes += [k for k in c.co_consts if isinstance(k, types.CodeType)]
-        chain: list[str] = []
-        for ins in dis.get_instructions(c):
-            if ins.opname == "LOAD_GLOBAL":
-                if chain:
-                    found[tuple(chain)] = None
-                chain = [ins.argval]
-            elif chain and ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
-                chain.append(ins.argval)
-            elif chain:
-                found[tuple(chain)] = None
-                chain = []
-        if chain:
-            found[tuple(chain)] = None
-    return tuple(found)
-
-
 # what these modules' functions decide (devices, memory, offloading) is keyed by the device, dtype and precision
 # fields; multi-GPU packs wrap them, and the server sets callbacks there, which must not keep every encode out of
 # the cache or the shared tiers
@@ -822,13 +794,7 @@ def _reads(cls: type) -> list[tuple[str, dict, str, object]]:
         inner = getattr(fn, "__wrapped__", None)  # (a decorator's wrapper: the host's code is inside)
         if isinstance(inner, types.FunctionType):
             todo.append(inner)
-        for chain in _chains(fn.__code__):
-            holder, value = fn.__globals__, fn.__globals__.get(chain[0], _UNKNOWN)
-            name = chain[0]
-            for attr in chain[1:]:
-                if not (inspect.ismodule(value) and _host_module(value)):
-                    break
-                holder, name, value = vars(value), attr, vars(value).get(attr, _UNKNOWN)
+        for holder, name, value in host.globals_read(fn, through=_host_module):
             module = holder.get("__name__") or ""
             if (not isinstance(value, (types.FunctionType, functools.partial, types.BuiltinFunctionType))
                     or _origin(module) != "host" or module == _PACK or module.startswith(_PACK + ".")

@@ -76,6 +76,54 @@ def differs(target, params: tuple[str, ...] = (), attrs: tuple[str, ...] = (), e
     return None
 
 
+_MISSING = object()
+
+
+@functools.lru_cache(maxsize=4096)
+def _chains(code) -> tuple[tuple[str, ...], ...]:
+    """The names a code object (and the code it nests) reads from its module's globals, each with the
+    attributes read off it in turn (``comfy.clip_model.clip_preprocess``): ``LOAD_GLOBAL`` then ``LOAD_ATTR``
+    / ``LOAD_METHOD``."""
+    import dis
+
+    found: dict[tuple[str, ...], None] = {}
+    codes = [code]
+    while codes:
+        c = codes.pop()
+        codes += [k for k in c.co_consts if inspect.iscode(k)]  # lambdas, comprehensions, inner functions
+        chain: list[str] = []
+        for ins in dis.get_instructions(c):
+            if ins.opname == "LOAD_GLOBAL":
+                if chain:
+                    found[tuple(chain)] = None
+                chain = [ins.argval]
+            elif chain and ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+                chain.append(ins.argval)
+            elif chain:
+                found[tuple(chain)] = None
+                chain = []
+        if chain:
+            found[tuple(chain)] = None
+    return tuple(found)
+
+
+def globals_read(fn, through: Callable[[object], bool]) -> list[tuple[dict, str, object]]:
+    """What a function's code reads by name from its module's globals, as ``(namespace, name, value)``, followed
+    through the modules ``through`` accepts: ``qwen_vl.process_qwen2vl_images`` is read from ``qwen_vl``'s
+    namespace. A name the namespace lacks has the value :data:`_MISSING`. Checking these values by identity
+    later tells whether another node rebound one (a patch of a module function the code calls)."""
+    found = []
+    for chain in _chains(fn.__code__):
+        holder, name = fn.__globals__, chain[0]
+        value = holder.get(name, _MISSING)
+        for attr in chain[1:]:
+            if not (inspect.ismodule(value) and through(value)):
+                break
+            holder, name, value = vars(value), attr, vars(value).get(attr, _MISSING)
+        found.append((holder, name, value))
+    return found
+
+
 def check(feature: str, where: str, target, params: tuple[str, ...] = (), attrs: tuple[str, ...] = (),
           exact: bool = False) -> bool:
     """True when ``target`` (found at ``where``) has the expected shape (see :func:`differs`);

@@ -265,27 +265,24 @@ def _called_by_name(*where: tuple[str, str], calls: Callable | None = None) -> C
 
 
 def _functions_called(fn: Callable) -> list[tuple[dict, str, str, Callable]]:
-    """(namespace, module, name, function) of each ComfyUI function ``fn`` reads by name from its module's
-    globals, and of those they read, transitively; a name that is an attribute elsewhere (``x.flatten``)
-    is checked too where the module has a function of that name: a needless miss, never a stale table."""
+    """(namespace, module, name, function) of each ComfyUI function ``fn`` reads by name, from its module's
+    globals or through a ComfyUI module (``comfy.ldm.flux.math.rope``), and of those they read, transitively."""
     found: dict[tuple[int, str], tuple] = {}
     todo = [fn]
     while todo:
         f = inspect.unwrap(todo.pop())
-        code, namespace = getattr(f, "__code__", None), getattr(f, "__globals__", None)
-        if code is None or namespace is None:
+        if getattr(f, "__code__", None) is None or getattr(f, "__globals__", None) is None:
             continue
-        codes = [code]
-        while codes:
-            c = codes.pop()
-            codes += [k for k in c.co_consts if inspect.iscode(k)]  # lambdas, comprehensions, inner functions
-            for name in c.co_names:
-                target = namespace.get(name)
-                if (inspect.isfunction(target) and (target.__module__ or "").startswith("comfy")
-                        and (id(namespace), name) not in found):
-                    found[id(namespace), name] = (namespace, namespace.get("__name__", "?"), name, target)
-                    todo.append(target)
+        for namespace, name, target in host.globals_read(f, through=_comfy):
+            if _comfy(target) and inspect.isfunction(target) and (id(namespace), name) not in found:
+                found[id(namespace), name] = (namespace, namespace.get("__name__", "?"), name, target)
+                todo.append(target)
     return list(found.values())
+
+
+def _comfy(value) -> bool:
+    """A module or function of ComfyUI's ``comfy`` packages."""
+    return (getattr(value, "__name__" if inspect.ismodule(value) else "__module__", None) or "").startswith("comfy")
 
 
 def _embedder_check(embednd: type, builder: str) -> Callable[[Any], None]:

@@ -512,6 +512,22 @@ def test_a_helper_another_node_rebinds_is_never_read_from_an_old_table(family, m
     assert any(f"{module}.{name} was replaced" in r for r in reasons), reasons
 
 
+def test_a_helper_called_through_its_module_is_checked_too(rope, monkeypatch):
+    """A builder may call a ComfyUI helper through its module (``comfy.ldm.flux.math.rope(...)``) rather than
+    by a name imported into its own: a pack that rebinds the helper there must make the check fail, naming
+    it, as it does for a name read from the builder's module."""
+    import comfy.ldm.flux.math as flux_math
+
+    namespace = {"__name__": "comfy.ldm.flux.layers", "comfy": importlib.import_module("comfy")}
+    exec("def builder(pos, dim, theta):\n    return comfy.ldm.flux.math.rope(pos, dim, theta)", namespace)  # noqa: S102
+    check = rope._called_by_name(calls=namespace["builder"])
+    check()  # nothing rebound yet
+    host_rope = flux_math.rope
+    monkeypatch.setattr(flux_math, "rope", lambda pos, dim, theta: host_rope(pos, dim, theta * 2))
+    with pytest.raises(rope.Uncached, match="comfy.ldm.flux.math.rope was replaced"):
+        check()
+
+
 def test_a_dropped_models_tables_are_freed_before_the_next_model_loads(families, rope):
     """A model ComfyUI drops while it is still loaded is detached only as a clone's swap, and its PE cache
     goes through its finalizer, which only records: the tables are freed at the next safe point, at the
