@@ -499,8 +499,7 @@ def _captured(cls: type, name: str, value, gaps: list, depth: int):
             and not isinstance(value, (torch.nn.Module, torch.Tensor)) and not _foreign(cls, type(value).__module__):
         return ("object", type(value).__module__, type(value).__qualname__,
                 tuple((k, _captured(cls, name, v, gaps, depth + 1)) for k, v in sorted(vars(value).items())))
-    gaps.append(f"{_what(cls, name) if name.startswith(_READ) else f'{cls.__qualname__}.{name}'} holds a "
-                f"{type(value).__qualname__}")
+    gaps.append(f"{_what(cls, name)} holds a {type(value).__qualname__}")
     return ("?", type(value).__module__, type(value).__qualname__)
 
 
@@ -516,9 +515,9 @@ def _class_code(cls: type, name: str, fn, gaps: list, depth: int = 0) -> tuple:
     if elsewhere is not None:
         if _file_origin(elsewhere) == "other":
             raise Uncacheable(f"{_what(cls, name)} runs code from {elsewhere}")
-        gaps.append(f"{cls.__qualname__}.{name} runs code compiled from another file")
+        gaps.append(f"{_what(cls, name)} runs code compiled from another file")
     if depth > _DEPTH:
-        gaps.append(f"{cls.__qualname__}.{name} wraps too deep")
+        gaps.append(f"{_what(cls, name)} wraps too deep")
         return ("f", module, fn.__qualname__)
     cells = None
     if fn.__closure__ and _origin(module) == "library":  # the host's own closures follow from its code and files
@@ -807,15 +806,15 @@ def _reads(cls: type) -> list[tuple[str, dict, str, object]]:
     return [(label, *found) for label, found in sorted(out.items())]
 
 
-def _class_state(cls: type, strict: bool) -> tuple:
+def _class_state(cls: type, strict: bool, reads: list) -> tuple:
     """A class as a key field, ``(where, description, gaps, state)``: where it is defined, what it holds
     (its bases, :func:`_described`), what the description cannot tell (``gaps``), and which of
     the states this process has seen it in it is (an attribute set, added or removed, new bases, a
     container changed in place make another; back as it was, the same), which tells apart what the
     description cannot. Compared with the states this process recorded of it (by identity, containers by
-    value too); described again only in a new one."""
+    value too); described again only in a new one. ``reads``: the class's :func:`_reads`."""
     items = [(k, v) for k, v in vars(cls).items() if k not in _NOT_CODE and not _our_route(cls, k, v)]
-    items += [(label, value) for label, _, _, value in _reads(cls)]  # (labels start with _READ)
+    items += [(label, value) for label, _, _, value in reads]  # (labels start with _READ)
     bases = cls.__mro__[1:]
     record = _classes.get(cls)
     for seen_bases, seen_items, field in reversed(record[1] if record is not None else ()):
@@ -862,15 +861,16 @@ def _classes_state(tree, wrapper) -> tuple:
     snapshot = [(c, tuple(vars(c)), tuple(vars(c).values()), c.__mro__) for c in classes]
     functions, containers, holders = [], [], []
     bindings = {}  # the module-level callables the classes' code reads (_reads): rebound, or changed inside
-    for c in classes:
+    reads = [_reads(c) for c in classes]
+    for c, read in zip(classes, reads, strict=True):
         for k, v in vars(c).items():
             if k not in _NOT_CODE:
                 _watch(v, functions, containers, holders)
-        for _, holder, name, value in _reads(c):
+        for _, holder, name, value in read:
             bindings[id(holder), name] = (holder, name, value)
     for _, _, value in bindings.values():
         _watch(value, functions, containers, holders)
-    fields = tuple(_class_state(c, i < len(own)) for i, c in enumerate(classes))
+    fields = tuple(_class_state(c, i < len(own), read) for i, (c, read) in enumerate(zip(classes, reads, strict=True)))
     gaps = [g for f in fields for g in f[2]]
     state = (digest(tuple(f[:3] for f in fields)), tuple(f[3] for f in fields if f[2]),
              gaps[0] if gaps else None)
