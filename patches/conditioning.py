@@ -250,7 +250,8 @@ def _patch_tensors(patcher, weights) -> list[torch.Tensor] | None:
 def _precision() -> tuple:
     """Autocast and what else changes an encode's bits on the same device: ComfyUI's attention
     functions and their upcasting, its ``--fast`` options, TF32 and reduced-precision matmul flags, the scaled-dot-product
-    backends, cuDNN's algorithm choice."""
+    backends, cuDNN's algorithm choice, torch's CPU thread count (which splits a CPU encode's matrix products:
+    a node may set it between two encodes)."""
     if torch.is_grad_enabled():
         raise Uncacheable("autograd is enabled")
     fields = []
@@ -260,7 +261,7 @@ def _precision() -> tuple:
             fields.append((device_type, on, str(torch.get_autocast_dtype(device_type)) if on else None))
         except (AttributeError, TypeError, RuntimeError):
             fields.append((device_type, None, None))
-    return (*fields, _numerics())
+    return (*fields, torch.get_num_threads(), _numerics())
 
 
 def _where_defined(fn) -> str | None:

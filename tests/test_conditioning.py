@@ -101,6 +101,25 @@ def test_text_hit_equals_uncached_bit_for_bit(cc, uncached, clip, text, options)
     assert cc.CACHE.count("misses.text") == 1 and cc.CACHE.count("hits.text") == 1
 
 
+def test_an_encode_after_the_thread_count_changed_misses(cc, uncached, clip, vae):
+    """torch's CPU thread count splits an encode's matrix products (2.6e-6 apart between 1 and 2 threads on a
+    CLIP-L-sized encoder): a node that sets it between two encodes got the other count's result. Now the
+    encode misses and equals the uncached one at the new count; back at the first count, it hits."""
+    tokens = clip.tokenize("a red square on a blue field")
+    pixels = image(3)
+    before = torch.get_num_threads()
+    other = 1 if before > 1 else 2
+    first = (clip.encode_from_tokens(tokens), vae.encode(pixels))
+    try:
+        torch.set_num_threads(other)
+        reference = (uncached(clip.encode_from_tokens, tokens), uncached(vae.encode, pixels))
+        assert same(reference, (clip.encode_from_tokens(tokens), vae.encode(pixels)))
+        assert cc.CACHE.count("hits") == 0
+    finally:
+        torch.set_num_threads(before)
+    assert same(first, (clip.encode_from_tokens(tokens), vae.encode(pixels))) and cc.CACHE.count("hits") == 2
+
+
 def test_text_nodes_and_scheduled_path_are_exact(cc, uncached, clip):
     import nodes
 
