@@ -388,7 +388,8 @@ class ConditioningCache:
             got = self._shared_get(skey, key.kind, encoder)
             if got is not None:
                 stored, seconds = got
-                self._admit(Entry(key, stored, _held_bytes(stored), seconds), since, encoder)
+                self._admit(Entry(key, stored, _held_bytes(stored), seconds), since, encoder,
+                            during="its result was read from the shared tiers")
                 return thaw(stored)
         rng = _rng_state() if check_rng else None
         start = time.perf_counter()
@@ -409,9 +410,13 @@ class ConditioningCache:
 
             def publish() -> None:
                 try:
-                    TIERS.put(skey, stored, seconds, _CONTAINERS)
+                    taken = TIERS.put(skey, stored, seconds, _CONTAINERS)
                 except Exception as exc:  # a shared tier never fails an encode: counted, the result kept here
                     self.kept_local(kind, f"the shared write failed: {type(exc).__name__}: {exc}", encoder)
+                    return
+                if not taken:
+                    self.kept_local(kind, "no shared tier took its entry (its size, a failed or dropped write: "
+                                    "see the tiers' rows)", encoder)
                     return
                 with self._lock:
                     self._count("published", kind)
@@ -460,9 +465,11 @@ class ConditioningCache:
         admitted = self._admit(Entry(key, stored, value_bytes, seconds), since, encoder)
         return stored if admitted or (admitted is False and not admitted_only) else None
 
-    def _admit(self, entry: Entry, since: int | None = None, encoder: str = "") -> bool | None:
+    def _admit(self, entry: Entry, since: int | None = None, encoder: str = "",
+               during: str = "this encode ran") -> bool | None:
         """Whether ``entry`` is kept; None where the cache was cleared after ``since`` (its clear count when the
-        entry's computation began): neither kept nor shared, counted."""
+        entry's computation, or its read from the shared tiers, began: ``during`` says which): neither kept nor
+        shared, counted."""
         key = entry.key
         with self._lock:
             if since is not None and since != self._clears:
@@ -484,8 +491,8 @@ class ConditioningCache:
                     self._shrink(0, 1)
                     self._entries[key] = entry
         if admitted is None:
-            self.bypass(key.kind, "the cache was cleared (or its check_weight_edits mode switched) while this encode "
-                        "ran: its result is not kept", encoder)
+            self.bypass(key.kind, f"the cache was cleared (or its check_weight_edits mode switched) while {during}: "
+                        "its result is not kept", encoder)
             return None
         if not admitted:
             self.stats.count_reason("refused", f"an entry of {need / MIB:.1f} MiB (with its weight sets) is larger "

@@ -843,24 +843,43 @@ class SharedTiers:
             return stored, seconds
         return None
 
-    def put(self, key: SharedKey, stored: Any, seconds: float, names: dict[type, str]) -> None:
-        """Write an entry through to every enabled tier (Redis in the background). A value the entry format
-        cannot hold (a container not registered...) raises: the caller counts it, not shared."""
+    def put(self, key: SharedKey, stored: Any, seconds: float, names: dict[type, str]) -> bool:
+        """Write an entry through to every enabled tier (Redis in the background); False where none took it
+        (too large, a failed write, a dropped one: counted in each tier's stats): the caller counts it, not
+        shared. A value the entry format cannot hold (a container not registered...) raises: the caller counts
+        it, not shared."""
         data = pack(key, stored, seconds, self.secret, names)
         disk, redis = self.disk, self.redis  # the settings may rebuild the tiers meanwhile
-        if disk is not None and len(data) <= disk.max_bytes:
-            self._write_disk(disk, key.name, data)
-        if redis is not None and len(data) <= redis.max_bytes and not redis.write(key.name, data):
-            self.stats["redis"].incr("dropped")
+        taken = False
+        for name, tier in (("disk", disk), ("redis", redis)):
+            if tier is None:
+                continue
+            if len(data) > tier.max_bytes:
+                self.stats[name].count_reason("refused", f"an entry of {len(data) / MIB:.1f} MiB is larger than "
+                                              f"this tier's limit ({tier.max_bytes / MIB:.1f} MiB): not written")
+                continue
+            if tier is disk:
+                taken = self._write_disk(disk, key.name, data) or taken
+            elif redis.write(key.name, data):
+                taken = True
+            else:
+                self.stats["redis"].incr("dropped")
+                self.stats["redis"].count_reason("refused", "an entry was dropped: the write queue was full or the "
+                                                 "server is down")
         self.publish(redis=False)
+        return taken
 
-    def _write_disk(self, disk: DiskTier, name: str, data: bytes) -> None:
+    def _write_disk(self, disk: DiskTier, name: str, data: bytes) -> bool:
         try:
             disk.write(name, data)
             self.stats["disk"].incr("written")
+            return True
         except OSError as exc:
             self.stats["disk"].incr("errors")
+            self.stats["disk"].count_reason("refused", f"an entry could not be written to {disk.folder} "
+                                            f"({type(exc).__name__}: {exc.strerror or exc})")
             self._say_once("disk-write", "ReuseKit: the disk tier cannot write to %s (%s)", disk.folder, exc)
+            return False
 
     def _redis_written(self, n: int) -> None:
         self.stats["redis"].incr("written")

@@ -109,6 +109,49 @@ def test_disk_tier_hit_after_the_lru_is_emptied_equals_encoding(shared):
     assert counter(shared.tiers, "disk", "hits") == 1
 
 
+def test_a_shared_hit_read_while_the_cache_is_cleared_is_returned_not_kept(shared, monkeypatch):
+    """A clear (the panel's, or a check_weight_edits switch) while a disk-tier entry is read: the entry is
+    returned, not promoted into the emptied LRU, and counted with what ran meanwhile (no encode did)."""
+    path = _tiny_files().write_tiny_clip_file(str(shared.files), 0)
+    clip = _tiny_files().load_tiny_clip_file(path)
+    first = encode(clip)
+    shared.cc.CACHE.clear()
+    read = shared.tiers.TIERS.get
+
+    def cleared_meanwhile(*args, **kwargs):
+        shared.cc.CACHE.clear()
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(shared.tiers.TIERS, "get", cleared_meanwhile)
+    again = encode(clip)
+    assert equal(first, again) and equal(again, reference(0))
+    assert shared.cc.CACHE.count("encodes") == 1 and counter(shared.tiers, "disk", "hits") == 1
+    assert len(shared.cc.CACHE) == 0
+    reasons = [r["reason"] for r in shared.cc.CACHE.stats.reasons() if r["event"] == "bypass"]
+    assert any("while its result was read from the shared tiers" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("why", ["too large", "write failed"])
+def test_an_entry_no_tier_takes_is_counted_not_shared_not_published(shared, monkeypatch, why):
+    """An entry over the disk tier's size limit was skipped with no row and counted "published"; a failed write
+    too. Now the tier's stats say why, the encode counts as not shared, and the result is the encoder's."""
+    path = _tiny_files().write_tiny_clip_file(str(shared.files), 0)
+    clip = _tiny_files().load_tiny_clip_file(path)
+    if why == "too large":
+        monkeypatch.setattr(shared.tiers.TIERS.disk, "max_bytes", 1000)
+    else:
+        def full(name, data):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(shared.tiers.TIERS.disk, "write", full)
+    assert equal(encode(clip), reference(0))
+    assert entry_files(shared.folder) == []
+    assert shared.cc.CACHE.count("published") == 0 and shared.cc.CACHE.count("not_shared") == 1
+    tier_rows = [r["reason"] for r in shared.tiers.TIERS.stats["disk"].reasons()]
+    assert any(("larger than this tier's limit" if why == "too large" else "No space left") in r for r in tier_rows)
+    assert any("no shared tier took its entry" in r["reason"] for r in shared.cc.CACHE.bypass_reasons())
+
+
 def test_a_new_encoder_from_a_copy_of_the_file_hits_and_other_weights_miss(shared):
     files = _tiny_files()
     path = files.write_tiny_clip_file(str(shared.files), 0)
