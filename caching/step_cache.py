@@ -69,6 +69,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1006,7 +1007,8 @@ class Calibration:
 
 
 class _Unreadable(Exception):
-    """The calibration file exists but is not a JSON object (cut short, edited by hand)."""
+    """The calibration file exists but cannot be read (its permissions) or is not a JSON object (cut short,
+    edited by hand)."""
 
 
 class CalibrationStore:
@@ -1033,24 +1035,17 @@ class CalibrationStore:
         return f"{self._saved}:{mtime}"
 
     def _read(self) -> dict[str, Any]:
-        """The file's calibrations ({} without a file); _Unreadable where it holds no JSON object."""
+        """The file's calibrations ({} without a file); _Unreadable where it cannot be read or holds no JSON
+        object."""
         if self.path is None or not self.path.is_file():
             return {}
         try:
             data = json.loads(self.path.read_text())
-        except OSError:
-            return {}
-        except ValueError as exc:
-            raise _Unreadable(str(exc)) from None
+        except (OSError, ValueError) as exc:
+            raise _Unreadable(f"{type(exc).__name__}: {exc}" if isinstance(exc, OSError) else str(exc)) from None
         if not isinstance(data, dict):
             raise _Unreadable(f"it holds a {type(data).__name__}, not an object")
         return data
-
-    def _readable(self) -> dict[str, Any]:
-        try:
-            return self._read()
-        except _Unreadable:
-            return {}
 
     @contextmanager
     def _file_lock(self):
@@ -1081,17 +1076,24 @@ class CalibrationStore:
         found = [f for f in found if not (same_dtypes and f[0])]
         return min(found)[1] if found else None
 
-    def get(self, key: str, ident: WeightsIdentity) -> Calibration | None:
+    def get(self, key: str, ident: WeightsIdentity, unreadable: Callable[[str], None] | None = None
+            ) -> Calibration | None:
         """The calibration made on these weights in their dtypes (this process's, else the file's), else
-        one made on a copy of them in other dtypes."""
+        one made on a copy of them in other dtypes. A file that cannot be read is passed over, what is
+        wrong with it given to ``unreadable`` (after the store's lock is let go): the caller counts it where
+        the user sees it. The next save moves such a file aside, never overwrites it."""
+        problem = None
         with self._lock:
-            sources = (self._memory.get(key), self._readable().get(key))
-            for same_dtypes in (True, False):
-                for entries in sources:
-                    i = self._find(entries, ident, same_dtypes=same_dtypes)
-                    if i is not None:
-                        return Calibration.from_json(entries[i])
-        return None
+            try:
+                stored = self._read().get(key)
+            except _Unreadable as exc:
+                stored, problem = None, f"the calibration file {self.path} cannot be read ({exc})"
+            sources = (self._memory.get(key), stored)
+            found = next((Calibration.from_json(entries[i]) for same_dtypes in (True, False) for entries in sources
+                          if (i := self._find(entries, ident, same_dtypes=same_dtypes)) is not None), None)
+        if problem is not None and unreadable is not None:
+            unreadable(problem)
+        return found
 
     def put(self, key: str, ident: WeightsIdentity, calibration: Calibration, **info: Any) -> None:
         """Keep a calibration in memory, then in the file, replacing only one made on matching weights in

@@ -1046,10 +1046,14 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None, steps:
 
     if cfg.model_type not in ("auto", "calibrated"):
         return plan(cfg.model_type, published(cfg.model_type))
-    stored = STORE.get(key, ident)
+    unread: list[str] = []  # the calibration file, where it cannot be read
+    stored = STORE.get(key, ident, unread.append)
     borrowed = stored is None and base_key is not None  # a LoRA'd clone not calibrated itself: its base model's
     if borrowed:
-        stored = STORE.get(base_key, ident)
+        stored = STORE.get(base_key, ident, unread.append)
+    if unread:
+        stats().count_reason("fallback", f"{unread[0]}: the calibrations in it are not used (the next one saved "
+                             "moves it aside)", source=family.name)
     upgrade, upgrade_mode = tc.CALIBRATED_RULES.get(family.name, (None, None))
     if (upgrade is not None and stored is not None and getattr(stored, tc.TABLE_FIELDS[upgrade]) is not None
             and settings.config.rule == "auto" and settings.config.threshold < 0 and cfg.model_type == "auto"
@@ -1081,11 +1085,12 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None, steps:
         cfg = dataclasses.replace(cfg, rule="first_block", threshold=float(threshold))
         return plan("none")
     if table is None:
-        stats().count_reason("refused", f"no calibration of this model yet ({variant}, {cfg.rule}): run it once "
-                             "through ReuseKit TeaCache Calibrate", source=family.name)
+        unreadable = f"; {unread[0]}" if unread else ""
+        stats().count_reason("refused", f"no calibration of this model yet ({variant}, {cfg.rule}{unreadable}): run "
+                             "it once through ReuseKit TeaCache Calibrate", source=family.name)
         raise ValueError(f"ReuseKit Step Cache: model_type: no calibration for this {family.name} model yet "
-                         f"({variant}, {cfg.rule}); run it once through ReuseKit TeaCache Calibrate (or pick "
-                         "published coefficients)")
+                         f"({variant}, {cfg.rule}{unreadable}); run it once through ReuseKit TeaCache Calibrate (or "
+                         "pick published coefficients)")
     return plan(variant, table)
 
 
@@ -1215,15 +1220,12 @@ def _finish(run: tc.RunState, settings: Settings, plan: Plan, total_steps: int |
     s.set_memory("cpu", 0)
     per_cond = ", ".join(f"{lab} {c['computed']}/{c['computed'] + c['skipped']}" for lab, c in summary["conds"].items())
     if run.config.calibrate and outcome != "completed":
-        reason = f"calibration: the run did not complete ({outcome}); nothing is saved (calibration comes from complete runs only)"
-        s.count_reason("refused", reason, source=settings.family.name)
-        log.warning("ReuseKit TeaCache Calibrate (%s): %s", settings.family.name, reason)
+        _calibration_said(settings.family.name, "refused", f"the run did not complete ({outcome}); nothing is saved "
+                          "(calibration comes from complete runs only)")
     elif run.config.calibrate and (run.windowed or run.partial):
         why = run.partial or "it sampled in context windows, each window a part of the picture"
-        reason = (f"calibration: {why}; nothing is saved (calibrate with a whole run: denoise 1 to the last step, "
-                  "no context windows)")
-        s.count_reason("refused", reason, source=settings.family.name)
-        log.warning("ReuseKit TeaCache Calibrate (%s): %s", settings.family.name, reason)
+        _calibration_said(settings.family.name, "refused", f"{why}; nothing is saved (calibrate with a whole run: "
+                          "denoise 1 to the last step, no context windows)")
     elif run.config.calibrate:
         _save_calibration(run, settings, plan, summary)
     s.set_info("last_run", summary)
@@ -1241,31 +1243,33 @@ def _finish(run: tc.RunState, settings: Settings, plan: Plan, total_steps: int |
              summary["time_saved_s"])
 
 
+def _calibration_said(family: str, event: str, reason: str) -> None:
+    """A calibration run that saved nothing, or kept it in memory only: counted where the panel shows it, and
+    logged."""
+    stats().count_reason(event, f"calibration: {reason}", source=family)
+    log.warning("ReuseKit TeaCache Calibrate (%s): %s", family, reason)
+
+
 def _save_calibration(run: tc.RunState, settings: Settings, plan: Plan, summary: dict) -> None:
     """Fit and keep what a complete calibration run measured: the teacache polynomial and the
     magcache curves; a run with fewer than MIN_CALIBRATION_POINTS fitted points is discarded."""
     family = settings.family.name
-
-    def said(event: str, reason: str) -> None:  # counted where the panel shows it, and logged
-        stats().count_reason(event, f"calibration: {reason}", source=family)
-        log.warning("ReuseKit TeaCache Calibrate (%s): %s", family, reason)
-
     xs, ys = run.calibration_points()
     if len(xs) < tc.MIN_CALIBRATION_POINTS:
-        said("refused", f"only {len(xs)} fitted points (at least {tc.MIN_CALIBRATION_POINTS} needed: sample more "
-                        "steps); nothing is saved")
+        _calibration_said(family, "refused", f"only {len(xs)} fitted points (at least {tc.MIN_CALIBRATION_POINTS} "
+                          "needed: sample more steps); nothing is saved")
         return
     try:
         coeffs = tc.fit_polynomial(xs, ys)
     except ValueError as exc:
-        said("refused", f"no polynomial fitted ({exc}); nothing is saved")
+        _calibration_said(family, "refused", f"no polynomial fitted ({exc}); nothing is saved")
         return
     calibration = tc.Calibration(coeffs, run.calibration_magnitudes() or None, run.residual_table())
     try:
         STORE.put(plan.key, plan.ident, calibration, family=family, points=len(xs))
     except OSError as exc:  # never lose the run for the file: it is kept in memory
-        said("fallback", f"could not save the calibration to {STORE.path} ({exc}); it is used until ComfyUI "
-                         "restarts")
+        _calibration_said(family, "fallback", f"could not save the calibration to {STORE.path} ({exc}); it is used "
+                          "until ComfyUI restarts")
     summary["calibration"] = {"coefficients": list(coeffs), "points": len(xs), "fingerprint": plan.fp,
                               "magnitudes": sorted(calibration.magnitudes or ())}
     stats().set_info("last_calibration", summary["calibration"])

@@ -8,6 +8,7 @@ import dataclasses
 import importlib
 import json
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -1653,6 +1654,28 @@ def test_a_calibration_file_that_cannot_be_written_keeps_the_run_and_the_calibra
     assert last_run()["model_type"] == "calibrated"
     left = sorted(p.name for p in target.parent.iterdir())  # beside it only the writers' lock: no temporary file
     assert left == [target.name, f"{target.name}.lock"] and not any(target.iterdir())
+
+
+def test_a_calibration_file_that_cannot_be_read_is_named_where_the_user_sees_it(flux, conds,
+                                                                              _isolated_calibrations):
+    """A calibration file broken by hand (a stray comma): every calibration in it was passed over as if none had
+    been made, with no row naming the file, and a calibrated run was refused with "run it once". Now an auto
+    run falls back to the published table, counted naming the file; a calibrated one is refused naming it."""
+    (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
+    sample(cal, conds)
+    sample(teacache(flux, 0.3, model_type="calibrated"), conds)
+    calibrated = sample(teacache(flux, 0.3, model_type="calibrated"), conds)
+    path = _isolated_calibrations.path
+    path.write_text(path.read_text().rstrip().rstrip("}") + ",}")
+    P().STORE = tc().CalibrationStore(path)  # a new process: nothing in memory
+    P().stats().reset_counters()
+    auto = sample(teacache(flux, 0.3, model_type="auto"), conds)
+    assert last_run()["model_type"] == "flux" and not torch.equal(auto, calibrated)
+    assert torch.equal(auto, sample(teacache(flux, 0.3, model_type="flux"), conds))  # the published table's run
+    rows = [r for r in P().stats().reasons() if str(path) in r["reason"]]
+    assert [r["event"] for r in rows] == ["fallback"] and "cannot be read" in rows[0]["reason"], rows
+    with pytest.raises(ValueError, match=f"model_type: no calibration .*{re.escape(str(path))} cannot be read"):
+        sample(teacache(flux, 0.3, model_type="calibrated"), conds)
 
 
 def test_a_calibration_is_found_whichever_lora_clone_of_the_model_sampled_before(conds):
