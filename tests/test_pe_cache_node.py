@@ -157,6 +157,42 @@ def test_a_builder_a_newer_comfyui_reshaped_stays_uncached_with_one_warning(monk
     assert "off" not in host.layers()["PE cache"][1]
 
 
+def test_a_run_no_builder_reached_is_counted_naming_the_builder_left_off(tiny, caplog):
+    """Another pack's code on Flux's EmbedND.forward when ReuseKit installs: that builder is left unpatched, and
+    a model with the node sampled wholly uncached while its card showed nothing at all. Now the run is counted,
+    naming the builder and why, and the picture is the host's."""
+    import importlib
+
+    layers = importlib.import_module("comfy.ldm.flux.layers")
+    patch = next(p for p in rope.PATCHES if p.module == "comfy.ldm.flux.layers" and p.attr == "EmbedND.forward")
+    model = tiny.tiny_flux(0)
+    plain = sample(model, tiny)
+    rope.uninstall()
+    host_forward = layers.EmbedND.forward
+
+    def forward(self, ids):  # another pack's wrapper (an fp32 rope, say)
+        return host_forward(self, ids)
+
+    forward.__module__ = "some_other_pack.rope"
+    layers.EmbedND.forward = forward
+    try:
+        rope.install()
+        assert not patch.installed and patch.off
+        (cached_model,) = node().execute(model, True).result
+        assert torch.equal(sample(cached_model, tiny), plain)
+        cache = rope.model_cache(model.model)
+        assert not any(counters(cache).values())
+        (row,) = cache.stats.reasons()
+        assert row["event"] == "bypass" and "comfy.ldm.flux.layers.EmbedND.forward" in row["reason"]
+        assert "some_other_pack.rope" in row["reason"] and "runs uncached" in row["reason"]
+    finally:
+        rope.uninstall()
+        layers.EmbedND.forward = host_forward
+        host._off.pop(f"PE cache for {patch.family}", None)
+        rope.install()
+    assert patch.installed
+
+
 def test_bad_inputs_name_the_node_and_the_input():
     with pytest.raises(ValueError, match="ReuseKit PE Cache.*'model'"):
         node().execute("not a model", True)
