@@ -1499,6 +1499,32 @@ def test_the_calibration_store_reads_each_dtype_first_keeps_both_writers_and_nev
     assert list(json.loads(path.read_text())) == ["flux:w"]
 
 
+def test_a_calibration_file_the_store_cannot_read_is_moved_aside_never_replaced(tmp_path, monkeypatch):
+    """A file whose read fails (its permissions, an I/O error) was taken for an empty one: the next save
+    replaced it with a file holding only the new calibration, and every other was lost."""
+    wi = rkharness.pack("caching.weights_identity")
+    ident = wi.identity([("w", torch.linspace(-1, 1, 64))])
+    path = tmp_path / "cal.json"
+    store = tc().CalibrationStore(path)
+    store.put("flux:x", ident, tc().Calibration((1.0, 0.0, 0.0, 1.0, 0.0), None, None))
+    kept = path.read_text()
+    read = type(path).read_text
+
+    def denied(self, *args, **kwargs):
+        if self == path:
+            raise PermissionError(13, "Permission denied")
+        return read(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(path), "read_text", denied)
+    said = []
+    assert tc().CalibrationStore(path).get("flux:x", ident, said.append) is None
+    assert said and str(path) in said[0] and "Permission denied" in said[0]
+    store.put("flux:y", ident, tc().Calibration((2.0, 0.0, 0.0, 1.0, 0.0), None, None))
+    monkeypatch.undo()
+    (aside,) = tmp_path.glob("cal.json.unreadable-*")
+    assert aside.read_text() == kept and list(json.loads(path.read_text())) == ["flux:y"]
+
+
 def test_one_calibration_run_serves_teacache_and_magcache_per_cond(flux, conds, _isolated_calibrations):
     (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
     sample(cal, conds)
