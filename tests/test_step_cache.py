@@ -2199,6 +2199,25 @@ def test_a_host_that_reshaped_what_a_family_reads_runs_that_family_uncached(flux
     assert "apply_mod" in rkharness.pack("patches.host").off_features()["TeaCache (flux)"]
 
 
+def test_a_batch_a_wrapper_made_uneven_is_decided_as_one_counted(flux, conds):
+    """A model function wrapper that adds a row to the batch (a reference row: 3 rows for 2 conds): the
+    conds were decided as one with no row saying so. Now it is counted; nothing is skipped at threshold 0,
+    so the picture is the wrapper's own."""
+    def extra_row(apply_model, a):
+        x, t, c = a["input"], a["timestep"], a["c"]
+        grown = {k: torch.cat([v, v[:1]]) if torch.is_tensor(v) and v.ndim and v.shape[0] == x.shape[0] else v
+                 for k, v in c.items()}
+        return apply_model(torch.cat([x, x[:1]]), torch.cat([t, t[:1]]), **grown)[:x.shape[0]]
+
+    model = flux.clone()
+    model.set_model_unet_function_wrapper(extra_row)
+    plain = sample(model, conds)
+    assert torch.equal(sample(teacache(model, 0.0), conds), plain)
+    assert list(last_run()["conds"]) == ["batch"]
+    rows = [r for r in P().stats().reasons() if "does not split across its 2 conds" in r["reason"]]
+    assert [r["event"] for r in rows] == ["fallback"] and rows[0]["count"] == STEPS
+
+
 def test_a_host_without_the_wrapper_kinds_passes_the_model_through(flux, monkeypatch):
     """A ComfyUI whose WrappersMP lacks a kind the cache wraps: the node returns a plain clone and
     the host's report names it, never an AttributeError from the node."""
