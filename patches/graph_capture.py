@@ -288,6 +288,8 @@ def _step_hook_finished(call: _Call) -> bool:
     else:
         probed = hook.probe(call.forward)
         if probed is not None and getattr(hook, "half", False):  # a step on some conds' rows: it ran eagerly
+            STATS.reason("fallback", "a step cache cond-only step (schedule rule) runs the blocks on some conds' rows, "
+                         "which a graph of the whole call cannot replay: it ran eagerly", source="step_hook_half")
             call.done = call.eager(probed)
             return True
         if probed is not None and not hook.skip:  # finished without deciding: it ran eagerly

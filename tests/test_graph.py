@@ -624,6 +624,8 @@ def test_the_schedule_rules_cond_only_steps_run_eagerly_and_its_whole_steps_repl
             c: expected["conds"][c]["pattern"] for c in expected["conds"]}
         assert tea["calls_half"] == expected["calls_half"] > 0 and run["eager_steps"] == tea["calls_half"]
         assert run["bypasses"] == {} and run["replays"] + run["captures"] == tea["calls_computed"] - tea["calls_half"]
+    rows = [r for r in gc.STATS.handle.reasons() if r["source"] == "step_hook_half"]
+    assert [(r["event"], r["count"]) for r in rows] == [("fallback", 2 * tea["calls_half"])]  # both seeds, counted
 
 
 def test_teacache_over_another_nodes_block_patch_runs_eagerly(gc, monkeypatch, trained_flux, conds):
