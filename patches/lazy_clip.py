@@ -245,9 +245,23 @@ def _ineligible(arguments: dict, paths: list[str], stamps: tuple) -> str | None:
     return None
 
 
+_EAGER_WHY = {  # what each eager load's reason means, as the panel's reasons show it
+    "host_seams_differ": "this ComfyUI's loader seams differ from those lazy loading needs",
+    "no_shared_tier": "no shared tier is on, so no encode could be answered without the weights",
+    "cache_off": "the conditioning cache or its weight check is off",
+    "options": "the loader was given an initial device",
+    "format": "its files are not all safetensors",
+    "hash_unknown": "its files' hashes are not known yet (the next start knows them)",
+    "changed": "its files changed while they were read",
+    "error": "its files' headers could not build it (the log says why, at debug level)",
+}
+
+
 def _eager(reason: str) -> None:
     STATS.incr("eager_loads")
     STATS.incr(f"eager.{reason}")
+    STATS.count_reason("bypass", f"a text encoder loaded its weights at once: {_EAGER_WHY.get(reason, reason)}",
+                       source="lazy loading")
     host.say_once(f"lazy-eager:{reason}", "ReuseKit: a text encoder loads its weights now (%s)", reason.replace("_", " "))
 
 

@@ -374,6 +374,9 @@ def test_without_a_shared_tier_it_loads_as_today(lazy):
     path = files().write_tiny_clip_l(str(lazy.files), 0)
     clip = files().load(path)
     assert not lazy.lc.pending(clip.cond_stage_model) and count(lazy, "eager.no_shared_tier") == 1
+    assert [(r["event"], r["reason"]) for r in lazy.lc.STATS.reasons()] == [
+        ("bypass", "a text encoder loaded its weights at once: no shared tier is on, so no encode could be answered "
+                   "without the weights")]  # where the panel shows it, not a counter alone
     assert equal(encode(clip), files().reference(path, TEXT))
 
 
