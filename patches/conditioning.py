@@ -247,11 +247,11 @@ def _patch_tensors(patcher, weights) -> list[torch.Tensor] | None:
     return memo[2] if memo is not None and memo[1] is weights else None
 
 
-def _precision() -> tuple:
+def _precision(on_cpu: bool) -> tuple:
     """Autocast and what else changes an encode's bits on the same device: ComfyUI's attention
     functions and their upcasting, its ``--fast`` options, TF32 and reduced-precision matmul flags, the scaled-dot-product
-    backends, cuDNN's algorithm choice, torch's CPU thread count (which splits a CPU encode's matrix products:
-    a node may set it between two encodes)."""
+    backends, cuDNN's algorithm choice; for an encode on the CPU (``on_cpu``), torch's thread count, which splits
+    its matrix products (a node may set it between two encodes)."""
     if torch.is_grad_enabled():
         raise Uncacheable("autograd is enabled")
     fields = []
@@ -261,7 +261,7 @@ def _precision() -> tuple:
             fields.append((device_type, on, str(torch.get_autocast_dtype(device_type)) if on else None))
         except (AttributeError, TypeError, RuntimeError):
             fields.append((device_type, None, None))
-    return (*fields, torch.get_num_threads(), _numerics())
+    return (*fields, torch.get_num_threads() if on_cpu else None, _numerics())
 
 
 def _where_defined(fn) -> str | None:
@@ -944,7 +944,8 @@ def text_key(clip, tokens, return_pooled, return_dict, extra: dict | None = None
     fields = ("encode_from_tokens", type(model).__module__, type(model).__qualname__, generation,
               encode(clip.patcher.load_device),  # where it runs: CPU and GPU results differ in bits
               encode(clip.layer_idx), encode(return_pooled), encode(return_dict),
-              _options(extra or {}), _precision(), _patcher_fields(clip.patcher), _module_state(model, clip.patcher, clip),
+              _options(extra or {}), _precision(_computes_on_cpu(model, clip.patcher)), _patcher_fields(clip.patcher),
+              _module_state(model, clip.patcher, clip),
               encode(tokens))
     return Key("text", fields, owners=(serial,), weights=(_weights(clip.patcher),))
 
@@ -953,7 +954,8 @@ def vision_key(clip_vision, image, crop, extra: dict | None = None) -> Key:
     model = clip_vision.model
     serial, generation = _owner(model, clip_vision.patcher)
     fields = ("encode_image", type(model).__qualname__, generation, encode(crop), _options(extra or {}),
-              _precision(), _config(clip_vision, ("patcher", "model")), _patcher_fields(clip_vision.patcher),
+              _precision(_computes_on_cpu(model, clip_vision.patcher)), _config(clip_vision, ("patcher", "model")),
+              _patcher_fields(clip_vision.patcher),
               _module_state(model, clip_vision.patcher, clip_vision), encode(image))
     return Key("vision", fields, owners=(serial,), weights=(_weights(clip_vision.patcher),))
 
@@ -963,8 +965,9 @@ def vae_key(vae, method: str, pixels, options: tuple, extra: dict | None = None)
     if model is None:
         raise Uncacheable("invalid VAE")
     serial, generation = _owner(model, vae.patcher)
-    fields = (method, type(model).__qualname__, generation, encode(options), _options(extra or {}), _precision(),
-              _config(vae, ("patcher", "first_stage_model")), _patcher_fields(vae.patcher), _module_state(model, vae.patcher, vae),
+    fields = (method, type(model).__qualname__, generation, encode(options), _options(extra or {}),
+              _precision(_computes_on_cpu(model, vae.patcher)), _config(vae, ("patcher", "first_stage_model")),
+              _patcher_fields(vae.patcher), _module_state(model, vae.patcher, vae),
               encode(pixels))
     return Key("vae", fields, owners=(serial,), weights=(_weights(vae.patcher),))
 

@@ -239,14 +239,22 @@ def test_a_cpu_encode_is_shared_only_with_cpus_of_its_instruction_set(shared, mo
     pc = rkharness.pack("patches.conditioning")
     tokens = clip.tokenize(TEXT)
 
-    def name(capability, device):
+    def name(capability, device, threads=None):
+        before = torch.get_num_threads()
         with monkeypatch.context() as machine:
             machine.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
             machine.setattr(clip.patcher, "load_device", torch.device(device))
-            return pc.shared_key(pc.text_key(clip, tokens, False, False), clip.cond_stage_model, clip.patcher).name
+            torch.set_num_threads(threads or before)
+            try:
+                return pc.shared_key(pc.text_key(clip, tokens, False, False), clip.cond_stage_model, clip.patcher).name
+            finally:
+                torch.set_num_threads(before)
 
     assert name("AVX2", "cpu") != name("AVX512", "cpu")
     assert name("AVX2", "cuda:0") == name("AVX512", "cuda:0") != name("AVX2", "cpu")
+    # and its CPU threads, which split no GPU kernel (two GPU workers on machines of other core counts share)
+    assert name("AVX2", "cuda:0", threads=1) == name("AVX2", "cuda:0", threads=2)
+    assert name("AVX2", "cpu", threads=1) != name("AVX2", "cpu", threads=2)
 
 
 @pytest.mark.parametrize("difference", ["pytorch attention", "threads", "cpu model"])
