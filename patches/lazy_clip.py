@@ -270,7 +270,7 @@ def build(load, arguments: dict):
     when it cannot be lazy (the caller loads it as usual). Called by the loader wrapper of
     patches/conditioning.py, which then records the encoder's files like any other load."""
     if not wanted():
-        if getattr(_local, "requested", 0) > 0:  # a Lazy CLIP Loader node, on a host whose seams differ
+        if getattr(_local, "requested", 0) > 0 or SETTINGS.get(SETTING):  # asked for, on a host whose seams differ
             _eager("host_seams_differ")
         return None
     close_dead_files()

@@ -479,6 +479,12 @@ def test_a_lazy_encoder_the_loader_cannot_record_loads_now_and_says_why(lazy, mo
     clip = files().load(path)
     assert not lazy.lc.pending(clip.cond_stage_model) and count(lazy, "eager.host_seams_differ") == 1
     assert count(lazy, "eager_loads") == 2
+    lazy.settings.set(lazy.lc.SETTING, True)  # every CLIP loader asked to be lazy, not only the node
+    try:
+        clip = files().load(path, lazy=False)
+    finally:
+        lazy.settings.set(lazy.lc.SETTING, False)
+    assert count(lazy, "eager.host_seams_differ") == 2 and equal(encode(clip), files().reference(path, TEXT))
 
 
 def test_weights_replaced_before_they_were_read_are_refused_with_a_clear_error(lazy):
