@@ -56,7 +56,7 @@ class PECacheNode(io.ComfyNode):
         model.add_wrapper_with_key(wrappers.APPLY_MODEL, WRAPPER_KEY, rope.ApplyModelWrapper(enabled))
         if enabled:
             model.add_wrapper_with_key(wrappers.OUTER_SAMPLE, WRAPPER_KEY, rope.RunSummary())
-            rope.model_cache(model.model)  # registered now, so the panel lists it before the first step
+            rope.count_unpatched(rope.model_cache(model.model).stats)  # registered now: listed before the first step
         return io.NodeOutput(model)
 
 

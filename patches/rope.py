@@ -140,23 +140,11 @@ class RunSummary:
         finally:
             cache.publish()  # the per-name counts of the run's hits
             run = {c: stats.counter(c) - before[c] for c in self.COUNTERS}
-            if not any(run.values()):
-                _nothing_reached(stats, patcher.model)
             run["time_saved_s"] = round(stats.snapshot()["time_saved_s"] - saved_before, 6)
             stats.set_info("last_run", run)
             log.info("ReuseKit PE cache (%s): %d hits, %d misses, %d replacements, %d shared, %d uncached, "
                      "%.1f ms saved", stats.name, run["hits"], run["misses"], run["replacements"], run["shared"],
                      run["bypasses"], run["time_saved_s"] * 1e3)
-
-
-def _nothing_reached(stats, base_model) -> None:
-    """A run in which no builder reached the model's PE cache: counted, with the builders of its package
-    that this ComfyUI left unpatched (another pack's code there, a reshaped seam), so the panel says why."""
-    package = type(getattr(base_model, "diffusion_model", base_model)).__module__.rsplit(".", 1)[0]
-    off = [f"{p.module}.{p.attr} {p.off}" for p in PATCHES if p.off and p.module.startswith(package)]
-    stats.count_reason("bypass", "no position-embedding builder of this model reached the PE cache in a run: "
-                       + ("; ".join(off) + ", so it runs uncached" if off else "its family builds none ReuseKit "
-                          "caches (or builds them before sampling)"))
 
 
 def _requires_grad(args, kwargs) -> bool:
@@ -573,6 +561,15 @@ def install() -> list[str]:
     else:
         host.set_layer("PE cache", "on", f"{len(covered)} builders" + "".join(f"; {o}" for o in off))
     return covered
+
+
+def count_unpatched(stats) -> None:
+    """Count in a model's PE cache stats each builder this ComfyUI left unpatched (another pack's code there, a
+    reshaped seam): a model whose family builds its tables there runs uncached, and its card says why."""
+    for p in PATCHES:
+        if p.off:
+            stats.count_reason("bypass", f"{p.module}.{p.attr} {p.off}: the tables it builds ({p.family}) are not "
+                               "cached", source=p.family)
 
 
 def uninstall() -> None:

@@ -157,10 +157,10 @@ def test_a_builder_a_newer_comfyui_reshaped_stays_uncached_with_one_warning(monk
     assert "off" not in host.layers()["PE cache"][1]
 
 
-def test_a_run_no_builder_reached_is_counted_naming_the_builder_left_off(tiny, caplog):
+def test_a_builder_left_unpatched_is_counted_on_the_nodes_model(tiny):
     """Another pack's code on Flux's EmbedND.forward when ReuseKit installs: that builder is left unpatched, and
-    a model with the node sampled wholly uncached while its card showed nothing at all. Now the run is counted,
-    naming the builder and why, and the picture is the host's."""
+    a model with the node sampled wholly uncached while its card showed nothing at all. Now the node counts it
+    on the model's card, naming the builder and why; the picture is the host's."""
     import importlib
 
     layers = importlib.import_module("comfy.ldm.flux.layers")
@@ -181,16 +181,18 @@ def test_a_run_no_builder_reached_is_counted_naming_the_builder_left_off(tiny, c
         (cached_model,) = node().execute(model, True).result
         assert torch.equal(sample(cached_model, tiny), plain)
         cache = rope.model_cache(model.model)
-        assert not any(counters(cache).values())
+        assert not any(counters(cache).values())  # nothing cached
         (row,) = cache.stats.reasons()
         assert row["event"] == "bypass" and "comfy.ldm.flux.layers.EmbedND.forward" in row["reason"]
-        assert "some_other_pack.rope" in row["reason"] and "runs uncached" in row["reason"]
+        assert "some_other_pack.rope" in row["reason"] and "not cached" in row["reason"]
     finally:
         rope.uninstall()
         layers.EmbedND.forward = host_forward
         host._off.pop(f"PE cache for {patch.family}", None)
         rope.install()
     assert patch.installed
+    (again,) = node().execute(tiny.tiny_flux(0), True).result
+    assert rope.model_cache(again.model).stats.reasons() == []  # all patched: nothing to say
 
 
 def test_bad_inputs_name_the_node_and_the_input():
