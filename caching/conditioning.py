@@ -415,8 +415,8 @@ class ConditioningCache:
                     self.kept_local(kind, f"the shared write failed: {type(exc).__name__}: {exc}", encoder)
                     return
                 if not taken:
-                    self.kept_local(kind, "no shared tier took its entry (its size, a failed or dropped write: "
-                                    "see the tiers' rows)", encoder)
+                    self.kept_local(kind, "no shared tier took its entry (its size, a failed disk write, a Redis "
+                                    "write dropped: the tiers' rows say which)", encoder)
                     return
                 with self._lock:
                     self._count("published", kind)
