@@ -1054,9 +1054,6 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None, steps:
     borrowed = stored is None and base_key is not None  # a LoRA'd clone not calibrated itself: its base model's
     if borrowed:
         stored = STORE.get(base_key, ident, unread.append)
-    if unread:
-        stats().count_reason("fallback", f"{unread[0]}: the calibrations in it are not used (the next one saved "
-                             "moves it aside)", source=family.name)
     upgrade, upgrade_mode = tc.CALIBRATED_RULES.get(family.name, (None, None))
     if (upgrade is not None and stored is not None and getattr(stored, tc.TABLE_FIELDS[upgrade]) is not None
             and settings.config.rule == "auto" and settings.config.threshold < 0 and cfg.model_type == "auto"
@@ -1075,6 +1072,9 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None, steps:
                                  "their own: its base model's is used (calibrate the patched model for its own)",
                                  source=family.name)
         return plan("calibrated", table)
+    if unread and cfg.model_type != "calibrated":  # (a calibrated run is refused below, naming the file)
+        stats().count_reason("fallback", f"{unread[0]}: this run did without the calibrations in it (the next "
+                             "calibration saved moves the file aside)", source=family.name)
     table = None if cfg.model_type == "calibrated" else published(variant)
     if table is None and settings.config.rule == "auto" and cfg.model_type == "auto":
         # the family's rule has no table for this model yet: First-Block needs none, so "auto" still saves

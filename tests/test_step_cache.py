@@ -1702,6 +1702,7 @@ def test_a_calibration_file_that_cannot_be_read_is_named_where_the_user_sees_it(
     assert [r["event"] for r in rows] == ["fallback"] and "cannot be read" in rows[0]["reason"], rows
     with pytest.raises(ValueError, match=f"model_type: no calibration .*{re.escape(str(path))} cannot be read"):
         sample(teacache(flux, 0.3, model_type="calibrated"), conds)
+    assert [r["event"] for r in P().stats().reasons() if str(path) in r["reason"]] == ["fallback", "refused"]
 
 
 def test_a_calibration_is_found_whichever_lora_clone_of_the_model_sampled_before(conds):
