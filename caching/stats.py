@@ -34,7 +34,7 @@ from typing import Any
 SCHEMA_VERSION = 1
 STORAGE_TIERS = frozenset({"disk", "redis"})  # bytes held outside this process: never in the memory total
 REASON_CHARS = 200  # a reason is kept to this length (an exception's message may be long)
-MAX_REASONS = 64  # distinct (event, source, reason) kept per cache; later ones count under OTHER_REASON
+MAX_REASONS = 64  # distinct (event, source, reason) kept per cache; the least frequent go under OTHER_REASON
 OTHER_REASON = f"other reasons (more than {MAX_REASONS} kinds seen)"
 
 log = logging.getLogger("reusekit")
@@ -106,13 +106,20 @@ class CacheStats:
         says what it did instead (``bypass``: ran them uncached or eagerly; ``refused``: would not take a
         model or a value; ``fallback``: served them another way; ``disabled``: computed a whole run),
         ``source`` where it happened (a model family, a check's name) when the reason does not say.
-        True when this row is new since the counts were reset (a cache logs a reason once by it)."""
+        Past MAX_REASONS rows a new one takes the place of the least frequent (the oldest of those), whose
+        count goes to its event's OTHER_REASON row: a reason that becomes frequent late is still named.
+        True when this row is new since the counts were reset and took no other's place (a cache logs a
+        reason once by it: at most MAX_REASONS lines)."""
         reason = clip_reason(reason)
         with self._lock:
             slot = (event, source, reason)
-            if slot not in self._reasons and len(self._reasons) >= MAX_REASONS:
-                slot = (event, "", OTHER_REASON)
             new = slot not in self._reasons
+            named = [s for s in self._reasons if s[2] != OTHER_REASON] if new else ()
+            if len(named) >= MAX_REASONS:
+                least = min(named, key=self._reasons.__getitem__)  # (the first of equals: the oldest)
+                other = (least[0], "", OTHER_REASON)
+                self._reasons[other] = self._reasons.get(other, 0) + self._reasons.pop(least)
+                new = False
             self._reasons[slot] = self._reasons.get(slot, 0) + int(n)
         self._registry._changed()
         return new

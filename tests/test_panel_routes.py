@@ -184,14 +184,21 @@ def test_reasons_are_counted_in_one_form_bounded_and_reset_with_the_counters():
         {"event": "fallback", "source": "eager", "reason": "no CUDA device", "count": 5},
         {"event": "bypass", "source": "partial_load", "reason": "weights are partially loaded", "count": 2}]
     assert len(c["reasons"][2]["reason"]) == stats.REASON_CHARS and c["reasons"][2]["reason"].endswith("…")
-    for i in range(stats.MAX_REASONS):  # past the bound: one row of the rest
+    for i in range(stats.MAX_REASONS):  # past the bound: the least frequent (the oldest first) go to a row of the rest
         handle.count_reason("bypass", f"reason {i}")
     rows = registry.snapshot()["caches"][0]["reasons"]
-    assert len(rows) == stats.MAX_REASONS + 1
-    assert handle.count_reason("bypass", "one reason more") is False  # into the row of the rest, seen before
-    assert {"event": "bypass", "source": "", "reason": stats.OTHER_REASON, "count": 3} in rows
+    assert len(rows) == stats.MAX_REASONS + 2  # one row of the rest per event
+    assert {"event": "refused", "source": "", "reason": stats.OTHER_REASON, "count": 1} in rows
+    assert {"event": "bypass", "source": "", "reason": stats.OTHER_REASON, "count": 2} in rows
+    named = {r["reason"] for r in rows}
+    assert "reason 1" not in named and "reason 2" in named and "no CUDA device" in named
+    # a reason that becomes frequent late is still named (once the panel's whole list was full, it was not)
+    assert handle.count_reason("bypass", "late and frequent", n=500) is False  # took a place: not logged again
+    assert registry.snapshot()["caches"][0]["reasons"][0] == {
+        "event": "bypass", "source": "", "reason": "late and frequent", "count": 500}
+    assert sum(r["count"] for r in handle.reasons()) == 1 + 5 + 2 + stats.MAX_REASONS + 500  # nothing lost
     text = stats.format_snapshot(registry.snapshot())
-    assert "    5x fallback (eager): no CUDA device" in text and "    2x bypass (partial_load): weights" in text
+    assert "    500x bypass: late and frequent\n    5x fallback (eager): no CUDA device" in text
     version = registry.version
     handle.set_off("start it")
     handle.set_off("start it")  # unchanged: no push

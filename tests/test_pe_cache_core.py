@@ -184,7 +184,8 @@ def test_stats_register_per_owner_clear_and_release_with_the_owner(pc):
 
 def test_bypass_reasons_are_the_stats_rows_bounded_and_reset_with_the_counts(pc):
     """One list of reasons per cache, the stats' own: a cache the panel sees and one it does not read
-    them alike, past MAX_REASONS kinds they count under one row, and a reset of the counts clears them."""
+    them alike, past MAX_REASONS kinds the least frequent count under one row, and a reset of the counts
+    clears them."""
     st = rkharness.pack("caching.stats")
     registry = st.REGISTRY
     shown, own = pc.PECache("pe:reasons-test#1"), pc.PECache()
