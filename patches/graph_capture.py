@@ -161,7 +161,8 @@ def _state_bypass(base_model, compiled: bool) -> tuple[str, str] | None:
 
 def _state_fields(base_model, device: torch.device, backend: str) -> tuple:
     patcher = getattr(base_model, "current_patcher", None)
-    weights = (getattr(patcher, "patches_uuid", None), getattr(base_model, "current_weight_patches_uuid", None))
+    weights = (getattr(patcher, "patches_uuid", None), getattr(base_model, "current_weight_patches_uuid", None),
+               graph_release.set_anew(base_model))
     autocast = torch.is_autocast_enabled(device.type)
     mode = (torch.is_inference_mode_enabled(), torch.is_grad_enabled(), autocast,
             torch.get_autocast_dtype(device.type) if autocast else None)
@@ -338,6 +339,7 @@ def _capture(gs: gr.GraphSet, call: _Call, decision: gr.Decision):
         _count(run, "bypasses", "captures_off", graph_runners.CAPTURES_OFF)
         return call.eager()
     STATS.incr("misses")
+    graph_release.follow_modules(call.base_model)
     if decision.reason != "first":
         _count(run, "rebuilds", decision.reason)
         log.debug("ReuseKit graph: rebuild (%s): %s", decision.reason, decision.detail)

@@ -30,6 +30,9 @@ MEMORY_RELEASER = "graph capture"
 _SETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # BaseModel -> {max_graphs: GraphSet}
 _SETS_LOCK = threading.Lock()
 _died: deque = deque()  # one item per model whose graph sets went with it (its finalizer only appends)
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a captured model's module -> its BaseModel, weakly
+_SET_ANEW: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # BaseModel -> parameters and buffers set since
+_hooks: list = []  # torch's global registration hooks, while installed
 
 
 def _dynamic_vram_default() -> bool:
@@ -71,6 +74,29 @@ def graph_set(base_model, max_graphs: int) -> gr.GraphSet:
         if gs is None:
             gs = sets[max_graphs] = gr.GraphSet(max_graphs=max_graphs)
         return gs
+
+
+def follow_modules(base_model) -> None:
+    """At a capture: the model's modules (object patches swapped in included), so a parameter or buffer set
+    anew on one (``comfy.utils.set_attr_param`` by a node, ``module.weight = Parameter(...)``) outside a
+    load, which no listener sees, changes the graphs' state (:func:`set_anew`): the next call rebuilds
+    rather than replay the old tensor."""
+    ref = weakref.ref(base_model)
+    for module in base_model.modules():
+        _OWNERS[module] = ref
+
+
+def set_anew(base_model) -> int:
+    """How many parameters and buffers were set on the modules of ``base_model`` since it was followed."""
+    return _SET_ANEW.get(base_model, 0)
+
+
+def _registered(module, name, value) -> None:
+    """torch's registration hook, on every parameter and buffer set on any module: one lookup."""
+    ref = _OWNERS.get(module)
+    base_model = ref() if ref is not None else None
+    if base_model is not None:
+        _SET_ANEW[base_model] = _SET_ANEW.get(base_model, 0) + 1
 
 
 def settle() -> None:
@@ -191,6 +217,10 @@ def install() -> bool:
     (listeners on patches/lifecycle.py). Idempotent; False when the host lacks those methods."""
     for event, fn in _LISTENERS:
         lifecycle.add_listener(event, fn)
+    if not _hooks:
+        hooks = torch.nn.modules.module
+        _hooks.extend((hooks.register_module_parameter_registration_hook(_registered),
+                       hooks.register_module_buffer_registration_hook(_registered)))
     memory.add_releaser(MEMORY_RELEASER, free_for_memory)
     report_layer(installed())
     if not installed():
@@ -204,6 +234,8 @@ def uninstall() -> None:
     """Stop following weight changes and drop every graph (idempotent)."""
     for event, fn in _LISTENERS:
         lifecycle.remove_listener(event, fn)
+    while _hooks:
+        _hooks.pop().remove()
     memory.remove_releaser(MEMORY_RELEASER)
     release_all("uninstalled")
 

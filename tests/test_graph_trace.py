@@ -76,6 +76,32 @@ def test_resolution_batch_lora_and_object_patch_changes_rebuild_and_stay_correct
     assert torch.equal(sample(captured, conds), sample(model, conds))
 
 
+@pytest.mark.parametrize("where", ["model", "object patch"])
+def test_a_weight_set_anew_between_runs_rebuilds_never_replays_the_old_one(gc, tiny, conds, where):
+    """A node that sets a weight anew (``comfy.utils.set_attr_param``, as ComfyUI's loads do) outside a load,
+    on the model or on a module an object patch swapped in: no listener saw it and the graph replayed the old
+    weight (3.2 and 4.7 off). Now the next call rebuilds and equals the plain run."""
+    import copy
+
+    import comfy.utils
+
+    model = tiny.tiny_flux(0)
+    captured, plain = capture(model), model
+    if where == "object patch":
+        module = copy.deepcopy(model.model.diffusion_model.img_in)
+        captured, plain = captured.clone(), model.clone()
+        for patcher in (captured, plain):
+            patcher.add_object_patch("diffusion_model.img_in", module)
+        owner, name = module, "weight"
+    else:
+        owner, name = model.model, "diffusion_model.img_in.weight"
+    sample(captured, conds)
+    assert last_run(gc)["replays"] > 0
+    comfy.utils.set_attr_param(owner, name, comfy.utils.get_attr(owner, name).detach() * 1.5)
+    assert torch.equal(sample(captured, conds), sample(plain, conds))
+    assert last_run(gc)["rebuilds"] == {"weights": 1}
+
+
 @pytest.mark.parametrize("backend", ["trace", "emulate"])
 def test_a_controlnets_residuals_reach_every_replay_of_an_sd_unet(gc, monkeypatch, tiny, conds, backend):
     """SD1.5's UNet pops each ControlNet residual from the lists it is handed as it adds it: a capture's
