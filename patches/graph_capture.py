@@ -361,9 +361,10 @@ def _capture(gs: gr.GraphSet, call: _Call, decision: gr.Decision):
         gs.retire(gs.add(gr.Entry(call.spec.signature)))
         publish_memory()
         return _decisions_only(call)
-    if not any(e.runner is not None for e in gs.entries.values()):
-        gs.shared.clear()  # no graph holds the backend's pool any more: the next one starts anew
-    generation = gs.generation  # a release during the capture: the new graph is not kept
+    with gs.lock:  # (a release from another thread, the panel's clear, empties the entries meanwhile)
+        if not any(e.runner is not None for e in gs.entries.values()):
+            gs.shared.clear()  # no graph holds the backend's pool any more: the next one starts anew
+        generation = gs.generation  # a release during the capture: the new graph is not kept
     runner = call.runner_cls(call.original, call.named, len(call.args), call.spec, call.device, gs.shared,
                              (comfy.model_management.InterruptProcessingException,))
     try:

@@ -102,6 +102,38 @@ def test_a_weight_set_anew_between_runs_rebuilds_never_replays_the_old_one(gc, t
     assert last_run(gc)["rebuilds"] == {"weights": 1}
 
 
+def test_a_clear_from_the_panel_while_a_capture_starts_never_fails_the_run(gc, tiny, conds):
+    """The panel's clear runs on another thread. One landing while a capture read the kept graphs (a failed
+    capture's entry among them) emptied them mid-read: the user's run died ("OrderedDict changed size during
+    iteration"). Now the capture reads them under the set's lock; the clear waits, and the run equals eager."""
+    import collections
+    import threading
+
+    registry = rkharness.pack("caching.stats").REGISTRY
+    reuse = rkharness.pack("caching.graph_reuse")
+    model = tiny.tiny_flux(0)
+    captured = capture(model, max_graphs=4)
+    sample(captured, conds, (1, 16, 8, 8))
+    (gs,) = [gs for sets in gc.graph_release._SETS.values() for gs in sets.values()]
+    clears = []
+
+    class ClearedMidRead(collections.OrderedDict):
+        def values(self):
+            for i, value in enumerate(super().values()):
+                yield value
+                if i == 0 and not clears:  # the server thread's clear, given half a second to land
+                    clears.append(threading.Thread(target=registry.clear, args=(gc.STATS.NAME,)))
+                    clears[0].start()
+                    clears[0].join(0.5)
+
+    failed = reuse.Entry(reuse.Signature(("a failed capture",)), failed="kept after a fallback")
+    with gs.lock:
+        gs.entries = ClearedMidRead([(failed.signature, failed), *gs.entries.items()])
+    out = sample(captured, conds, (1, 16, 12, 12))
+    clears[0].join(30)
+    assert torch.equal(out, sample(model, conds, (1, 16, 12, 12)))
+
+
 @pytest.mark.parametrize("backend", ["trace", "emulate"])
 def test_a_controlnets_residuals_reach_every_replay_of_an_sd_unet(gc, monkeypatch, tiny, conds, backend):
     """SD1.5's UNet pops each ControlNet residual from the lists it is handed as it adds it: a capture's
