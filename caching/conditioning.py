@@ -468,14 +468,14 @@ class ConditioningCache:
     def _admit(self, entry: Entry, since: int | None = None, encoder: str = "",
                during: str = "this encode ran") -> bool | None:
         """Whether ``entry`` is kept; None where the cache was cleared after ``since`` (its clear count when the
-        entry's computation, or its read from the shared tiers, began: ``during`` says which): neither kept nor
-        shared, counted."""
+        entry's computation, or its read from the shared tiers, began: ``during`` says which) or turned off
+        (its budget or entries set to 0) meanwhile: neither kept nor shared, counted."""
         key = entry.key
         with self._lock:
             if since is not None and since != self._clears:
-                admitted = None
+                admitted, why = None, f"the cache was cleared (or its check_weight_edits mode switched) while {during}"
             elif not self.enabled:
-                return False
+                admitted, why = None, f"the cache's budget_mib or max_entries was set to 0 while {during}"
             else:
                 old = self._entries.pop(key, None)
                 if old is not None:
@@ -491,8 +491,7 @@ class ConditioningCache:
                     self._shrink(0, 1)
                     self._entries[key] = entry
         if admitted is None:
-            self.bypass(key.kind, f"the cache was cleared (or its check_weight_edits mode switched) while {during}: "
-                        "its result is not kept", encoder)
+            self.bypass(key.kind, f"{why}: its result is not kept", encoder)
             return None
         if not admitted:
             self.stats.count_reason("refused", f"an entry of {need / MIB:.1f} MiB (with its weight sets) is larger "

@@ -131,6 +131,29 @@ def test_a_shared_hit_read_while_the_cache_is_cleared_is_returned_not_kept(share
     assert any("while its result was read from the shared tiers" in r for r in reasons), reasons
 
 
+def test_an_encode_that_ran_while_the_cache_was_turned_off_is_neither_kept_nor_shared(shared):
+    """The budget set to 0 (the panel's setting) while an encode ran: its result was dropped with no reason
+    counted, and still written to the shared tiers. Now it is returned, counted, and neither kept nor shared."""
+    cc = shared.cc
+    cache = cc.ConditioningCache()
+
+    def fetch(name, compute):
+        key = cc.Key("text", (cc.encode(name),), owners=(1,))
+        return cache.fetch(key, compute, shared=lambda: shared.tiers.SharedKey.of_text(f"a test entry: {name}"))
+
+    assert torch.equal(fetch("kept", lambda: torch.ones(3)), torch.ones(3))  # as usual: kept, and on disk
+    assert len(cache) == 1 and len(entry_files(shared.folder)) == 1
+
+    def turned_off_meanwhile():
+        cache.configure(budget_bytes=0)
+        return torch.ones(3) * 2
+
+    assert torch.equal(fetch("turned off", turned_off_meanwhile), torch.ones(3) * 2)
+    assert len(entry_files(shared.folder)) == 1 and cache.count("bypasses.text") == 1
+    assert any("budget_mib or max_entries was set to 0 while this encode ran" in r["reason"]
+               for r in cache.stats.reasons() if r["event"] == "bypass")
+
+
 @pytest.mark.parametrize("why", ["too large", "write failed"])
 def test_an_entry_no_tier_takes_is_counted_not_shared_not_published(shared, monkeypatch, why):
     """An entry over the disk tier's size limit was skipped with no row and counted "published"; a failed write
