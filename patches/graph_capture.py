@@ -339,7 +339,6 @@ def _capture(gs: gr.GraphSet, call: _Call, decision: gr.Decision):
         _count(run, "bypasses", "captures_off", graph_runners.CAPTURES_OFF)
         return call.eager()
     STATS.incr("misses")
-    graph_release.follow_modules(call.base_model)
     if decision.reason != "first":
         _count(run, "rebuilds", decision.reason)
         log.debug("ReuseKit graph: rebuild (%s): %s", decision.reason, decision.detail)
@@ -357,6 +356,7 @@ def _capture(gs: gr.GraphSet, call: _Call, decision: gr.Decision):
             _count(run, "bypasses", "unstable_inputs", f"more than {gr.THRASH_LIMIT} rebuilds in a row: no more "
                    "captures in this run (raise max_graphs?)")
             return call.eager()
+    graph_release.follow_modules(call.base_model)
     if call.runner_cls is None:  # decisions only
         gs.retire(gs.add(gr.Entry(call.spec.signature)))
         publish_memory()

@@ -92,10 +92,14 @@ def set_anew(base_model) -> int:
 
 
 def _registered(module, name, value) -> None:
-    """torch's registration hook, on every parameter and buffer set on any module: one lookup."""
-    ref = _OWNERS.get(module)
+    """torch's registration hook, on every parameter and buffer set on any module: one lookup. A patcher's
+    load or unload (which sets the weights it patches anew) releases the graphs itself: not counted there."""
+    try:
+        ref = _OWNERS.get(module)
+    except TypeError:  # a module class that cannot be hashed (one defining __eq__ alone): never a captured one
+        return
     base_model = ref() if ref is not None else None
-    if base_model is not None:
+    if base_model is not None and not lifecycle.in_progress():
         _SET_ANEW[base_model] = _SET_ANEW.get(base_model, 0) + 1
 
 

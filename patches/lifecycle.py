@@ -96,6 +96,11 @@ def settle() -> None:
             _notify(event, _Finalized(model), args, kwargs)
 
 
+def in_progress() -> bool:
+    """Whether a patcher's load, unload or detach runs on this thread (ComfyUI sets weights anew there)."""
+    return bool(getattr(_active, "calls", None))
+
+
 def _wrap(event: str, original: Callable) -> Callable:
     def wrapper(self, *args, **kwargs):
         running = _active.__dict__.setdefault("calls", set())

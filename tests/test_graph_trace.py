@@ -102,6 +102,24 @@ def test_a_weight_set_anew_between_runs_rebuilds_never_replays_the_old_one(gc, t
     assert last_run(gc)["rebuilds"] == {"weights": 1}
 
 
+def test_weights_a_patchers_reload_sets_anew_are_counted_as_the_reload(gc, tiny, conds):
+    """ComfyUI's unload and load set a LoRA'd model's weights anew themselves: the graphs are released for the
+    reload, and the rebuild says so, not that a node set a weight (which a review saw after the hooks came)."""
+    import comfy.model_management
+    import comfy.sd
+    from graph_helpers import tiny_lora
+
+    model = tiny.tiny_flux(0)
+    (lora, _) = comfy.sd.load_lora_for_models(capture(model), None, tiny_lora(), 1.0, 0)
+    (plain, _) = comfy.sd.load_lora_for_models(model, None, tiny_lora(), 1.0, 0)
+    sample(lora, conds)
+    comfy.model_management.unload_all_models()
+    assert torch.equal(sample(lora, conds), sample(plain, conds))
+    comfy.model_management.unload_all_models()
+    sample(lora, conds)
+    assert last_run(gc)["rebuilds"] == {"unloaded": 1}
+
+
 def test_a_clear_from_the_panel_while_a_capture_starts_never_fails_the_run(gc, tiny, conds):
     """The panel's clear runs on another thread. One landing while a capture read the kept graphs (a failed
     capture's entry among them) emptied them mid-read: the user's run died ("OrderedDict changed size during
