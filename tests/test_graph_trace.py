@@ -102,6 +102,22 @@ def test_a_weight_set_anew_between_runs_rebuilds_never_replays_the_old_one(gc, t
     assert last_run(gc)["rebuilds"] == {"weights": 1}
 
 
+def test_a_module_class_that_cannot_be_hashed_still_builds_while_graphs_follow_weights(gc):
+    """The hook that sees weights set anew runs for every module in the process: one whose class defines
+    ``__eq__`` alone (not hashable) failed to build once it was installed."""
+    assert gc.graph_release.installed()
+
+    class Compared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(2))
+
+        def __eq__(self, other):
+            return isinstance(other, Compared)
+
+    assert torch.equal(Compared().weight, torch.ones(2))
+
+
 def test_weights_a_patchers_reload_sets_anew_are_counted_as_the_reload(gc, tiny, conds):
     """ComfyUI's unload and load set a LoRA'd model's weights anew themselves: the graphs are released for the
     reload, and the rebuild says so, not that a node set a weight (which a review saw after the hooks came)."""
