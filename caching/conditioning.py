@@ -474,6 +474,8 @@ class ConditioningCache:
         with self._lock:
             if since is not None and since != self._clears:
                 admitted, why = None, f"the cache was cleared (or its check_weight_edits mode switched) while {during}"
+            elif not self.enabled and since is None:  # (store(): nothing ran under the cache)
+                return False
             elif not self.enabled:
                 admitted, why = None, f"the cache's budget_mib or max_entries was set to 0 while {during}"
             else:

@@ -161,15 +161,16 @@ def _state_bypass(base_model, compiled: bool) -> tuple[str, str] | None:
 
 def _state_fields(base_model, device: torch.device, backend: str) -> tuple:
     patcher = getattr(base_model, "current_patcher", None)
-    weights = (getattr(patcher, "patches_uuid", None), getattr(base_model, "current_weight_patches_uuid", None),
-               graph_release.set_anew(base_model))
+    weights = (getattr(patcher, "patches_uuid", None), getattr(base_model, "current_weight_patches_uuid", None))
     autocast = torch.is_autocast_enabled(device.type)
     mode = (torch.is_inference_mode_enabled(), torch.is_grad_enabled(), autocast,
             torch.get_autocast_dtype(device.type) if autocast else None)
     objects = getattr(patcher, "object_patches", None)
     objects = tuple((k, gr.Same(v)) for k, v in objects.items()) if objects else ()
+    # (weights set anew after the object patches: applying those sets their modules, and a rebuild names the
+    # first field that differs)
     return (("model.weights", "weights", weights), ("model.object_patches", "object_patches", objects),
-            ("mode", "mode", mode + (backend,)))
+            ("model.set_anew", "weights", graph_release.set_anew(base_model)), ("mode", "mode", mode + (backend,)))
 
 
 _NOT_RUN = object()
@@ -356,11 +357,11 @@ def _capture(gs: gr.GraphSet, call: _Call, decision: gr.Decision):
             _count(run, "bypasses", "unstable_inputs", f"more than {gr.THRASH_LIMIT} rebuilds in a row: no more "
                    "captures in this run (raise max_graphs?)")
             return call.eager()
-    graph_release.follow_modules(call.base_model)
     if call.runner_cls is None:  # decisions only
         gs.retire(gs.add(gr.Entry(call.spec.signature)))
         publish_memory()
         return _decisions_only(call)
+    graph_release.follow_modules(call.base_model)  # (nothing replays in decisions only)
     with gs.lock:  # (a release from another thread, the panel's clear, empties the entries meanwhile)
         if not any(e.runner is not None for e in gs.entries.values()):
             gs.shared.clear()  # no graph holds the backend's pool any more: the next one starts anew

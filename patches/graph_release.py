@@ -30,7 +30,7 @@ MEMORY_RELEASER = "graph capture"
 _SETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # BaseModel -> {max_graphs: GraphSet}
 _SETS_LOCK = threading.Lock()
 _died: deque = deque()  # one item per model whose graph sets went with it (its finalizer only appends)
-_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a captured model's module -> its BaseModel, weakly
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a captured model's module -> its BaseModels, weakly
 _SET_ANEW: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # BaseModel -> parameters and buffers set since
 _hooks: list = []  # torch's global registration hooks, while installed
 
@@ -77,13 +77,16 @@ def graph_set(base_model, max_graphs: int) -> gr.GraphSet:
 
 
 def follow_modules(base_model) -> None:
-    """At a capture: the model's modules (object patches swapped in included), so a parameter or buffer set
-    anew on one (``comfy.utils.set_attr_param`` by a node, ``module.weight = Parameter(...)``) outside a
-    load, which no listener sees, changes the graphs' state (:func:`set_anew`): the next call rebuilds
-    rather than replay the old tensor."""
-    ref = weakref.ref(base_model)
+    """At a capture: the model's modules (object patches swapped in included, one module may be in several
+    models), so a parameter, buffer or submodule set anew on one (``comfy.utils.set_attr_param`` by a node,
+    ``module.weight = Parameter(...)``, ``block.attn = other``) outside the model's own load or unload, which
+    no listener sees, changes the graphs' state (:func:`set_anew`): the next call rebuilds rather than replay
+    the old tensor."""
     for module in base_model.modules():
-        _OWNERS[module] = ref
+        owners = _OWNERS.get(module)
+        if owners is None:
+            owners = _OWNERS[module] = weakref.WeakSet()
+        owners.add(base_model)
 
 
 def set_anew(base_model) -> int:
@@ -91,16 +94,19 @@ def set_anew(base_model) -> int:
     return _SET_ANEW.get(base_model, 0)
 
 
+_RELEASING = ("load", "unpatch_model", "partially_unload")  # the events whose listeners release a model's graphs
+
+
 def _registered(module, name, value) -> None:
-    """torch's registration hook, on every parameter and buffer set on any module: one lookup. A patcher's
-    load or unload (which sets the weights it patches anew) releases the graphs itself: not counted there."""
+    """torch's registration hook, on every parameter, buffer and submodule set on any module: one lookup. A
+    model's own load or unload (which sets the weights it patches anew) releases its graphs: not counted."""
     try:
-        ref = _OWNERS.get(module)
+        owners = _OWNERS.get(module)
     except TypeError:  # a module class that cannot be hashed (one defining __eq__ alone): never a captured one
         return
-    base_model = ref() if ref is not None else None
-    if base_model is not None and not lifecycle.in_progress():
-        _SET_ANEW[base_model] = _SET_ANEW.get(base_model, 0) + 1
+    for base_model in list(owners or ()):
+        if not lifecycle.in_progress(base_model, _RELEASING):
+            _SET_ANEW[base_model] = _SET_ANEW.get(base_model, 0) + 1
 
 
 def settle() -> None:
@@ -224,7 +230,8 @@ def install() -> bool:
     if not _hooks:
         hooks = torch.nn.modules.module
         _hooks.extend((hooks.register_module_parameter_registration_hook(_registered),
-                       hooks.register_module_buffer_registration_hook(_registered)))
+                       hooks.register_module_buffer_registration_hook(_registered),
+                       hooks.register_module_module_registration_hook(_registered)))
     memory.add_releaser(MEMORY_RELEASER, free_for_memory)
     report_layer(installed())
     if not installed():

@@ -51,7 +51,7 @@ _lock = threading.RLock()
 _listeners: dict[str, list[Callable]] = {e: [] for e in EVENTS}
 _originals: dict[tuple[type, str], Callable] = {}  # (class, event) -> the class's own method
 _base: list[type] = []  # the ModelPatcher class, while installed
-_active = threading.local()  # (event, id(patcher)) calls in progress on this thread
+_active = threading.local()  # calls in progress on this thread: (event, id(patcher)); models: (event, id(model))
 _deferred: deque = deque()  # (event, weakref to the model, args, kwargs) recorded inside finalizers
 _FINALIZE_CALL = weakref.finalize.__call__.__code__
 
@@ -96,9 +96,10 @@ def settle() -> None:
             _notify(event, _Finalized(model), args, kwargs)
 
 
-def in_progress() -> bool:
-    """Whether a patcher's load, unload or detach runs on this thread (ComfyUI sets weights anew there)."""
-    return bool(getattr(_active, "calls", None))
+def in_progress(model, events: tuple[str, ...]) -> bool:
+    """Whether one of ``events`` runs on this thread for a patcher of ``model`` (ComfyUI sets its weights anew
+    in a load or an unload)."""
+    return any(e in events and m == id(model) for e, m in getattr(_active, "models", ()))
 
 
 def _wrap(event: str, original: Callable) -> Callable:
@@ -118,11 +119,14 @@ def _wrap(event: str, original: Callable) -> Callable:
         else:
             settle()
             _notify(event, self, args, kwargs)
+        models, model = _active.__dict__.setdefault("models", []), (event, id(getattr(self, "model", None)))
         running.add(key)
+        models.append(model)
         try:
             return original(self, *args, **kwargs)
         finally:
             running.discard(key)
+            models.remove(model)
 
     wrapper.__name__ = original.__name__
     wrapper.__qualname__ = getattr(original, "__qualname__", original.__name__)

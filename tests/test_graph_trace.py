@@ -34,7 +34,8 @@ def test_replayed_traces_equal_the_plain_run_across_seeds(gc, tiny, conds, famil
 
 
 def test_a_replay_the_signature_should_have_refused_shows_as_a_wrong_output(gc, monkeypatch, tiny, conds):
-    """Blind the signature to object patches: the trace replays the old module's weights."""
+    """Blind the signature to object patches (and the modules set anew by applying them): the trace replays the
+    old module's weights."""
     model = tiny.tiny_flux(0)
     captured = capture(model)
     sample(captured, conds)
@@ -44,8 +45,9 @@ def test_a_replay_the_signature_should_have_refused_shows_as_a_wrong_output(gc, 
     plain.add_object_patch("diffusion_model.img_in", patched.object_patches["diffusion_model.img_in"])
     expected = sample(plain, conds)
     fields = gc._state_fields
-    monkeypatch.setattr(gc, "_state_fields", lambda *a: tuple(f if f[1] != "object_patches" else f[:2] + ((),)
-                                                             for f in fields(*a)))
+    blind = {"model.object_patches": (), "model.set_anew": 0}  # as when the graph was captured
+    monkeypatch.setattr(gc, "_state_fields", lambda *a: tuple(
+        f if f[0] not in blind else (*f[:2], blind[f[0]]) for f in fields(*a)))
     stale = sample(patched, conds)
     assert last_run(gc)["replays"] == 3 and not torch.equal(stale, expected)
     monkeypatch.setattr(gc, "_state_fields", fields)
@@ -76,28 +78,51 @@ def test_resolution_batch_lora_and_object_patch_changes_rebuild_and_stay_correct
     assert torch.equal(sample(captured, conds), sample(model, conds))
 
 
-@pytest.mark.parametrize("where", ["model", "object patch"])
+@pytest.mark.parametrize("where", ["model", "object patch", "module shared by two models", "submodule",
+                                   "inside another model's load"])
 def test_a_weight_set_anew_between_runs_rebuilds_never_replays_the_old_one(gc, tiny, conds, where):
-    """A node that sets a weight anew (``comfy.utils.set_attr_param``, as ComfyUI's loads do) outside a load,
-    on the model or on a module an object patch swapped in: no listener saw it and the graph replayed the old
-    weight (3.2 and 4.7 off). Now the next call rebuilds and equals the plain run."""
+    """A node that sets a weight anew (``comfy.utils.set_attr_param``, as ComfyUI's loads do) outside the model's
+    own load: on the model, on a module an object patch swapped in (also one swapped into two models), a
+    submodule replaced whole, or a weight set while another model loads. No listener saw it and the graph
+    replayed the old weight (3.2 and 4.7 off). Now the next call rebuilds and equals the plain run."""
     import copy
 
+    import comfy.model_management
+    import comfy.patcher_extension
     import comfy.utils
 
     model = tiny.tiny_flux(0)
     captured, plain = capture(model), model
-    if where == "object patch":
+    if where in ("object patch", "module shared by two models"):
         module = copy.deepcopy(model.model.diffusion_model.img_in)
         captured, plain = captured.clone(), model.clone()
         for patcher in (captured, plain):
             patcher.add_object_patch("diffusion_model.img_in", module)
-        owner, name = module, "weight"
-    else:
-        owner, name = model.model, "diffusion_model.img_in.weight"
+        if where == "module shared by two models":  # captured last: the module is the other model's too
+            other = capture(tiny.tiny_flux(1)).clone()
+            other.add_object_patch("diffusion_model.img_in", module)
     sample(captured, conds)
+    if where == "module shared by two models":
+        sample(other, conds)
     assert last_run(gc)["replays"] > 0
-    comfy.utils.set_attr_param(owner, name, comfy.utils.get_attr(owner, name).detach() * 1.5)
+    dm = model.model.diffusion_model
+    if where == "submodule":
+        swapped = copy.deepcopy(dm.img_in)
+        with torch.no_grad():
+            swapped.weight.mul_(1.5)
+        dm.img_in = swapped
+    elif where in ("object patch", "module shared by two models"):
+        comfy.utils.set_attr_param(module, "weight", module.weight.detach() * 1.5)
+    else:
+        def edit(*args, **kwargs):
+            comfy.utils.set_attr_param(model.model, "diffusion_model.img_in.weight", dm.img_in.weight.detach() * 1.5)
+
+        loading = tiny.tiny_flux(2)
+        if where == "inside another model's load":  # a node's callback on another model's load edits this one
+            loading.add_callback(comfy.patcher_extension.CallbacksMP.ON_LOAD, edit)
+            comfy.model_management.load_models_gpu([loading])
+        else:
+            edit()
     assert torch.equal(sample(captured, conds), sample(plain, conds))
     assert last_run(gc)["rebuilds"] == {"weights": 1}
 
