@@ -14,7 +14,7 @@ from comfy_api.latest import io
 
 from ..caching.conditioning import CACHE
 from ..caching.stats import REGISTRY
-from . import CATEGORY, _number_error, compat, refusal
+from . import CATEGORY, _number_error, brief, compat, refusal
 
 AREA = f"{CATEGORY}/demo"
 STATS_NAME = "demo models"
@@ -152,7 +152,8 @@ class DemoDecode(io.ComfyNode):
             latent = latent.new_zeros((latent.shape[0], 16, *latent.shape[2:]))
         if not isinstance(latent, torch.Tensor) or latent.ndim not in (4, 5) or latent.shape[1] != 16 \
                 or latent.numel() == 0:
-            got = tuple(latent.shape) if isinstance(latent, torch.Tensor) else type(latent).__name__
+            got = (tuple(latent.shape) if isinstance(latent, torch.Tensor) else
+                   f"a dict whose 'samples' is {brief(latent)}" if isinstance(samples, dict) else brief(samples))
             raise refusal(_stats(), node, f"samples must be a demo model's non-empty 16-channel latent, got {got}")
         if (error := _number_error("scale", scale, 1, 64, whole=True)) is not None:
             raise refusal(_stats(), node, error)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib
 import inspect
 
+import comfy.model_management
+import torch
 from comfy_api.latest import io
 
 from ..patches.conditioning import install, mark
@@ -97,11 +99,18 @@ class _LazyLoader(io.ComfyNode):
             raise refusal(STATS, cls.DISPLAY, error.removeprefix(f"{cls.DISPLAY}: "))
         install()
         host = cls._host()
-        with lazily():
-            if hasattr(host, "GET_SCHEMA"):  # a V3 node (TripleCLIPLoader)
-                clip = host.execute(**inputs).args[0]
-            else:
-                (clip,) = getattr(host(), host.FUNCTION)(**inputs)
+        try:
+            with lazily():
+                if hasattr(host, "GET_SCHEMA"):  # a V3 node (TripleCLIPLoader)
+                    clip = host.execute(**inputs).args[0]
+                else:
+                    (clip,) = getattr(host(), host.FUNCTION)(**inputs)
+        except (comfy.model_management.InterruptProcessingException, torch.OutOfMemoryError):
+            raise  # ComfyUI's own handling: a cancel, or memory it frees and retries
+        except Exception as exc:  # a file cut short, not safetensors, or no text encoder ComfyUI knows
+            files = ", ".join(f"{k} {brief(v)}" for k, v in inputs.items() if k.startswith("clip_name"))
+            raise refusal(STATS, cls.DISPLAY, f"{files}: could not be loaded ({type(exc).__name__}: "
+                          f"{str(exc)[:200]})") from exc
         mark(clip.patcher)  # its encodes go through the cache even with global mode off
         return io.NodeOutput(clip)
 

@@ -615,6 +615,15 @@ def test_each_lazy_loader_offers_its_host_loaders_choices_and_takes_the_same_pro
     (message,) = [m[1] for m in executor.executor.status_messages if m[0] == "execution_error"]
     assert message["node_type"] == lazy_id
     assert f"{lazy_node.DISPLAY}: 'treshold' is not an input of this node" in message["exception_message"], message
+    # a file that holds no text encoder (empty here) is refused naming the node and its files: it failed with
+    # safetensors' own "header too small", naming neither
+    executor = rkharness.Executor(cache="none")
+    with pytest.raises(AssertionError):
+        executor.run(prompt(lazy_id))
+    (message,) = [m[1] for m in executor.executor.status_messages if m[0] == "execution_error"]
+    assert message["node_type"] == lazy_id
+    assert message["exception_message"].startswith(f"{lazy_node.DISPLAY}: {clip_names[0]} 'rk_a.safetensors'")
+    assert ": could not be loaded (" in message["exception_message"], message
 
 
 def test_a_choice_from_an_empty_list_says_the_list_is_empty(monkeypatch):

@@ -95,8 +95,16 @@ def test_demo_decode_inverts_the_picture_code_for_both_families():
     ({"samples": torch.zeros(1, 16, 8, 8)}, 0, "scale"), ({"samples": torch.zeros(1, 16, 8, 8)}, 2.5, "scale")])
 def test_demo_decode_refuses_what_is_not_a_demo_latent(samples, scale, name):
     """Refused naming the input (an empty latent failed inside torch's interpolation, or made no image)."""
-    with pytest.raises(ValueError, match=f"ReuseKit Demo Decode: {name} must be"):
+    with pytest.raises(ValueError, match=f"ReuseKit Demo Decode: {name} must be") as refused:
         demo().DemoDecode.execute(samples, scale)
+    assert "got NoneType" not in str(refused.value)  # what was given, not what was read from it
+
+
+def test_demo_decode_says_what_it_was_given_where_it_is_no_latent():
+    for given, said in ((torch.zeros(1, 3, 8, 8), r"got a torch.float32 tensor of shape \(1, 3, 8, 8\)"),
+                        ({"image": 1}, "got a dict whose 'samples' is None")):
+        with pytest.raises(ValueError, match=said):
+            demo().DemoDecode.execute(given, 1)
 
 
 def test_demo_decode_takes_a_linked_numpy_scale():
