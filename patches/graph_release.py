@@ -31,7 +31,7 @@ _SETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # BaseModel -> {
 _SETS_LOCK = threading.Lock()
 _died: deque = deque()  # one item per model whose graph sets went with it (its finalizer only appends)
 _OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a captured model's module -> its BaseModels, weakly
-_SET_ANEW: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # BaseModel -> parameters and buffers set since
+_SET_ANEW: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # BaseModel -> parameters, buffers, modules set
 _hooks: list = []  # torch's global registration hooks, while installed
 
 
@@ -90,7 +90,8 @@ def follow_modules(base_model) -> None:
 
 
 def set_anew(base_model) -> int:
-    """How many parameters and buffers were set on the modules of ``base_model`` since it was followed."""
+    """How many parameters, buffers and submodules were set on the modules of ``base_model`` since it was
+    followed. (The hook may run inside a finalizer, a patcher's ``__del__`` unpatching: it takes no lock.)"""
     return _SET_ANEW.get(base_model, 0)
 
 
