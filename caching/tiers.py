@@ -846,8 +846,9 @@ class SharedTiers:
     def put(self, key: SharedKey, stored: Any, seconds: float, names: dict[type, str]) -> bool:
         """Write an entry through to every enabled tier (Redis in the background: queued is taken, a write
         that fails later counts in its ``errors``); False where none took it (too large, a failed disk write, a
-        Redis write dropped unqueued: counted in each tier's stats): the caller counts it, not shared. A value the entry format cannot hold (a container not registered...) raises: the caller counts
-        it, not shared."""
+        Redis write dropped unqueued: counted in each tier's stats): the caller counts it, not shared. A value
+        the entry format cannot hold (a container not registered...) raises: the caller counts it, not
+        shared."""
         data = pack(key, stored, seconds, self.secret, names)
         disk, redis = self.disk, self.redis  # the settings may rebuild the tiers meanwhile
         taken = False
