@@ -51,7 +51,7 @@ _lock = threading.RLock()
 _listeners: dict[str, list[Callable]] = {e: [] for e in EVENTS}
 _originals: dict[tuple[type, str], Callable] = {}  # (class, event) -> the class's own method
 _base: list[type] = []  # the ModelPatcher class, while installed
-_active = threading.local()  # calls in progress on this thread: (event, id(patcher)); models: (event, id(model))
+_active = threading.local()  # calls in progress on this thread: (event, id(patcher), id(model))
 _deferred: deque = deque()  # (event, weakref to the model, args, kwargs) recorded inside finalizers
 _FINALIZE_CALL = weakref.finalize.__call__.__code__
 
@@ -99,14 +99,13 @@ def settle() -> None:
 def in_progress(model, events: tuple[str, ...]) -> bool:
     """Whether one of ``events`` runs on this thread for a patcher of ``model`` (ComfyUI sets its weights anew
     in a load or an unload)."""
-    return any(e in events and m == id(model) for e, m in getattr(_active, "models", ()))
+    return any(e in events and m == id(model) for e, _, m in getattr(_active, "calls", ()))
 
 
 def _wrap(event: str, original: Callable) -> Callable:
     def wrapper(self, *args, **kwargs):
-        running = _active.__dict__.setdefault("calls", set())
-        key = (event, id(self))
-        if key in running:  # an override's super() call: its listeners already ran
+        calls = _active.__dict__.setdefault("calls", [])
+        if any(e == event and p == id(self) for e, p, _ in calls):  # an override's super() call: its listeners ran
             return original(self, *args, **kwargs)
         if _in_finalizer():  # record only (docs/development.md, "Rules for contributors"); settle() notifies
             model = getattr(self, "model", None)
@@ -119,14 +118,12 @@ def _wrap(event: str, original: Callable) -> Callable:
         else:
             settle()
             _notify(event, self, args, kwargs)
-        models, model = _active.__dict__.setdefault("models", []), (event, id(getattr(self, "model", None)))
-        running.add(key)
-        models.append(model)
+        call = (event, id(self), id(getattr(self, "model", None)))
+        calls.append(call)
         try:
             return original(self, *args, **kwargs)
         finally:
-            running.discard(key)
-            models.remove(model)
+            calls.remove(call)
 
     wrapper.__name__ = original.__name__
     wrapper.__qualname__ = getattr(original, "__qualname__", original.__name__)
