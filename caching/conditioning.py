@@ -496,8 +496,8 @@ class ConditioningCache:
             self.bypass(key.kind, f"{why}: its result is not kept", encoder)
             return None
         if not admitted:
-            self.stats.count_reason("refused", f"an entry of {need / MIB:.1f} MiB (with its weight sets) is larger "
-                                    f"than the whole budget ({budget / MIB:.1f} MiB): not kept; raise the budget",
+            self.stats.count_reason("refused", f"an entry (with its weight sets) is larger than the whole budget "
+                                    f"({budget / MIB:.1f} MiB): not kept; raise the budget",
                                     source=key.kind)
         self._publish()
         return admitted

@@ -856,8 +856,8 @@ class SharedTiers:
             if tier is None:
                 continue
             if len(data) > tier.max_bytes:
-                self.stats[name].count_reason("refused", f"an entry of {len(data) / MIB:.1f} MiB is larger than "
-                                              f"this tier's limit ({tier.max_bytes / MIB:.1f} MiB): not written")
+                self.stats[name].count_reason("refused", f"an entry is larger than this tier's limit "
+                                              f"({tier.max_bytes / MIB:.1f} MiB): not written")
                 continue
             if tier is disk:
                 taken = self._write_disk(disk, key.name, data) or taken

@@ -431,7 +431,7 @@ class _Call:
     def _decide(self, args: dict) -> None:
         img = _pack(args["img"])
         if img.shape[0] % len(self.keys):  # a batch we cannot split per cond: treat as one
-            stats().count_reason("fallback", f"a batch of {img.shape[0]} rows does not split across its "
+            stats().count_reason("fallback", f"a batch does not split across its "
                                  f"{len(self.keys)} conds (a wrapper changed the batch): they are decided as one",
                                  source=self.family.name)
             self.keys, self.labels = [tuple(self.keys)], ["batch"]
