@@ -1475,6 +1475,15 @@ def test_an_entry_whose_weights_another_entry_pinned_stays_within_the_budget(cc)
     assert cache.total_bytes() == sum(e.own_bytes for e in cache._entries.values()) + lora.nbytes
 
 
+def test_entries_over_the_budget_count_on_one_row_whatever_their_size(cc):
+    """The refused row names no entry's size: a row per size would crowd the panel's reason list."""
+    cache = cc.ConditioningCache(budget_bytes=cc.MIB // 4, max_entries=100)
+    for i, mib in enumerate((1, 2, 3)):
+        assert not cache.store(cc.Key("text", (("i", i),), owners=(1,)), torch.zeros(mib * cc.MIB // 4), 0.1)
+    (refused,) = [r for r in cache.stats.reasons() if r["event"] == "refused"]
+    assert refused["count"] == 3 and cache.total_bytes() == 0
+
+
 def test_dead_encoders_drop_their_entries(cc, tiny):
     import gc
 
