@@ -21,7 +21,7 @@ Exactness rules kept here:
   returns a fresh copy (containers and tensors, on the device they came from) of the same types (a ``torch.Size`` stays one; other subclasses of built-in containers are not
   stored), so no caller can change a stored entry.
 - Bytes (values + key contents + pinned weights, which stay where their patcher keeps them: the
-  ``device`` tier) and entries are bounded; an entry larger than the
+  ``device`` tier; a tensor counts once, however many weight sets hold it) and entries are bounded; an entry larger than the
   budget is not admitted; a budget or entry capacity of 0 disables the cache.
 - Behind the LRU, the shared tiers (``caching/tiers.py``: disk, then Redis) are asked on a miss with
   a key that means the same in every process; a shared hit is promoted into the LRU, a computed
@@ -118,21 +118,27 @@ class WeightSet:
     """An interned set of weight patches; equal contents share one object (compared by identity).
     ``prints``: each tensor's full fingerprint when the set was made, what the set means."""
 
-    __slots__ = ("skeleton", "tensors", "prints", "nbytes", "device", "__weakref__")
+    __slots__ = ("skeleton", "tensors", "prints", "memory", "__weakref__")
 
     def __init__(self, skeleton: tuple, tensors: list[torch.Tensor], prints: tuple[int, ...]):
         self.skeleton = skeleton
         self.tensors = tensors
         self.prints = prints
-        unique = {id(t): t for t in tensors}
-        self.nbytes = sum(t.numel() * t.element_size() for t in unique.values())
-        self.device = "cpu" if all(t.device.type == "cpu" for t in unique.values()) else "device"
+        self.memory = {_where(t): (t.numel() * t.element_size(), "cpu" if t.device.type == "cpu" else "device")
+                       for t in tensors}
+        """The memory its tensors hold, ``{where: (bytes, tier)}``: a LoRA at two strengths makes two sets of the
+        same tensors, whose bytes the cache counts once."""
 
     def holds(self, tensors: list[torch.Tensor]) -> bool:
         """Whether ``tensors`` (a patcher's, in the set's order) are, every byte, what the set was made of."""
         return (len(tensors) == len(self.tensors)
                 and all(t.dtype == s.dtype and t.shape == s.shape for t, s in zip(tensors, self.tensors, strict=True))
                 and tuple(fingerprints(tensors)) == self.prints)
+
+
+def _where(t: torch.Tensor) -> tuple:
+    """Where a tensor's bytes are: the same for the same tensor in two weight sets."""
+    return str(t.device), t.data_ptr(), t.numel() * t.element_size()
 
 
 _weights_lock = threading.Lock()
@@ -306,6 +312,7 @@ class ConditioningCache:
         self._lock = threading.RLock()
         self._entries: OrderedDict[Key, Entry] = OrderedDict()
         self._pinned: dict[int, list] = {}  # id(WeightSet) -> [weight set, refcount]
+        self._held: dict[tuple, list] = {}  # a pinned tensor's where -> [pinned sets holding it, bytes, tier, kind]
         self._bytes = {"cpu": 0, "device": 0}
         self._kind_bytes = dict.fromkeys(KINDS, 0)
         self.budget_bytes = int(budget_bytes)
@@ -483,7 +490,8 @@ class ConditioningCache:
                 if old is not None:
                     self._remove(old)
                 # its weight sets count whole, pinned by others or not: making room may evict those others
-                need = entry.own_bytes + sum(w.nbytes for w in {id(w): w for w in key.weights}.values())
+                need = entry.own_bytes + sum(n for n, _ in {k: v for w in key.weights for k, v in w.memory.items()}
+                                             .values())
                 budget = self.budget_bytes
                 admitted = need <= budget
                 if not admitted:
@@ -593,12 +601,18 @@ class ConditioningCache:
         self._kind_bytes[entry.key.kind] += entry.own_bytes
         for w in entry.key.weights:
             pin = self._pinned.get(id(w))
-            if pin is None:
-                self._pinned[id(w)] = [w, 1]
-                self._bytes[w.device] += w.nbytes
-                self._kind_bytes[entry.key.kind] += w.nbytes
-            else:
+            if pin is not None:
                 pin[1] += 1
+                continue
+            self._pinned[id(w)] = [w, 1]
+            for where, (size, tier) in w.memory.items():
+                held = self._held.get(where)
+                if held is not None:
+                    held[0] += 1
+                    continue
+                self._held[where] = [1, size, tier, entry.key.kind]
+                self._bytes[tier] += size
+                self._kind_bytes[entry.key.kind] += size
 
     def _remove(self, entry: Entry) -> None:
         self._bytes["cpu"] -= entry.own_bytes
@@ -606,10 +620,17 @@ class ConditioningCache:
         for w in entry.key.weights:
             pin = self._pinned[id(w)]
             pin[1] -= 1
-            if pin[1] == 0:
-                del self._pinned[id(w)]
-                self._bytes[w.device] -= w.nbytes
-                self._kind_bytes[entry.key.kind] -= w.nbytes
+            if pin[1]:
+                continue
+            del self._pinned[id(w)]
+            for where in w.memory:
+                held = self._held[where]
+                held[0] -= 1
+                if not held[0]:
+                    del self._held[where]
+                    _, size, tier, kind = held
+                    self._bytes[tier] -= size
+                    self._kind_bytes[kind] -= size
 
     def _publish(self) -> None:
         with self._lock:

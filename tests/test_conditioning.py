@@ -272,6 +272,28 @@ def test_lora_strength_changes_miss_and_same_lora_on_a_new_clone_hits(cc, uncach
     assert cc.CACHE.count("hits.text") == 3
 
 
+def test_one_lora_at_several_strengths_counts_its_tensors_once(cc, tiny):
+    """A strength sweep makes a weight set per strength, all of the same loaded tensors: the budget and the panel
+    count those bytes once (they counted once per strength, and the sweep evicted its own entries)."""
+    import comfy.sd
+    import comfy.utils
+    import folder_paths
+
+    loras = __import__(f"{tiny.__name__}.conditioning", fromlist=["write_lora"])
+    path = folder_paths.get_full_path_or_raise("loras", loras.write_lora("rk_test_sweep.safetensors", seed=3,
+                                                                         flux=False))
+    lora = comfy.utils.load_torch_file(path, safe_load=True)
+    lora_bytes = sum(t.numel() * t.element_size() for t in lora.values())
+    clip = tiny.tiny_clip(0)
+    for strength in (1.0, 0.5, 0.25):
+        comfy.sd.load_lora_for_models(None, clip, lora, 0.0, strength)[1].encode_from_tokens(clip.tokenize("a sweep"))
+    cache = cc.CACHE
+    assert len(cache) == 3 and cache.count("evictions") == 0
+    assert cache.total_bytes() == sum(e.own_bytes for e in cache._entries.values()) + lora_bytes
+    cache.clear()  # the counts come back down with the entries
+    assert cache.total_bytes() == 0 and not cache._held
+
+
 def _edit_away_from_samples(t: torch.Tensor, samples: int = 8, checked: bool = True) -> None:
     """Triple in place every value of ``t`` but ``samples`` evenly spaced ones and (``checked``) the 32 fixed
     positions the cheap weight checks read."""
@@ -1472,7 +1494,7 @@ def test_an_entry_whose_weights_another_entry_pinned_stays_within_the_budget(cc)
     assert not cache.store(key(3, (lora,)), torch.zeros(3000), 0.1)  # with its weights, over the whole budget
     (refused,) = [r for r in cache.stats.reasons() if r["event"] == "refused"]
     assert refused["source"] == "text" and "larger than the whole budget" in refused["reason"]
-    assert cache.total_bytes() == sum(e.own_bytes for e in cache._entries.values()) + lora.nbytes
+    assert cache.total_bytes() == sum(e.own_bytes for e in cache._entries.values()) + 2000 * 4
 
 
 def test_entries_over_the_budget_count_on_one_row_whatever_their_size(cc):
