@@ -91,11 +91,13 @@ class KeepExternal(torch.overrides.TorchFunctionMode):
     capture (weights, buffers, a PE cache's stored tensors) is kept alive with the graph, so the
     memory a replay reads is never freed and reused while the graph lives (a cache may drop its
     own reference when its key changes). Tensors made during the capture are not kept; with
-    ``track_made`` each is remembered weakly (see :func:`_park`)."""
+    ``track_made`` each is remembered weakly (see :func:`_park`). ``own``: what the runner holds itself (its
+    static inputs), not kept twice nor counted as kept alive."""
 
-    def __init__(self, track_made: bool = False):
+    def __init__(self, track_made: bool = False, own=()):
         super().__init__()
         self.made: set = set()  # keys (see _keep_key) of what the forward made
+        self.own = {_keep_key(t) for t in own}
         self.kept: dict = {}  # key -> the storage (or wrapper tensor) kept alive
         self.made_refs: list | None = [] if track_made else None  # weak references to what it made
 
@@ -114,7 +116,7 @@ class KeepExternal(torch.overrides.TorchFunctionMode):
 
     def _see(self, t: torch.Tensor) -> None:
         key = _keep_key(t)
-        if key not in self.made and key not in self.kept:
+        if key not in self.made and key not in self.kept and key not in self.own:
             # the memory itself (even where a .data is swapped later), or a wrapper subclass (a
             # quantized weight) whole, and so what it wraps
             self.kept[key] = t.untyped_storage() if isinstance(key, int) else t
@@ -157,7 +159,7 @@ class StaticRunner:
 
     def capture(self, warmup: int):
         """Returns (first output, failure text or "")."""
-        with KeepExternal() as keep:
+        with KeepExternal(own=self.static) as keep:
             out = self._call()
         self.kept = keep.kept
         return _clone_tree(out), ""
@@ -509,7 +511,7 @@ def _park(keep: KeepExternal, device) -> None:
     Memory from before the capture (a weight, also under a view or a wrapper made in the capture)
     is never kept. Never raises: the step runs eagerly either way."""
     try:
-        before = {k for k in keep.kept if isinstance(k, int)}
+        before = {k for k in (*keep.kept, *keep.own) if isinstance(k, int)}
         before.update(_storage_ptr(x) for k, w in keep.kept.items() if not isinstance(k, int) for x in _inner(w))
         found: dict = {}
         for ref in keep.made_refs or ():
@@ -587,7 +589,7 @@ class CudaGraphRunner(StaticRunner):
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         before = _graph_memory(device)
-        keep = KeepExternal(track_made=torch.cuda.get_allocator_backend() != "native")
+        keep = KeepExternal(track_made=torch.cuda.get_allocator_backend() != "native", own=self.static)
         uploads.replaying = True
         failure = static_out = None
         forward_failed = False
@@ -672,7 +674,7 @@ class TraceRunner(StaticRunner):
     traced = None
 
     def capture(self, warmup: int):
-        with KeepExternal() as keep:
+        with KeepExternal(own=self.static) as keep:
             out = self._call()
         self.kept = keep.kept
         if self.hook is not None:  # its outputs come from patches that decide per call
