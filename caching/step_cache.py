@@ -639,12 +639,15 @@ class RunState:
 
     def decide_scheduled(self, keys: list[Any], labels: list[str], signals: list[torch.Tensor],
                          residual_shape: tuple | None, sigma: torch.Tensor | float | None,
-                         half: bool = True, effects: tuple = ()) -> list[str]:
+                         half: bool = True, effects: tuple = (), may_skip: bool | torch.Tensor = True) -> list[str]:
         """The schedule rule's decision for one model call, per cond: "C" computed, "S" its forecast
         added, "E" rebuilt from the cond's residual at this step (:meth:`estimate`). The plan's S skips
         every cond, H (``half``) computes the cond branch and rebuilds the uncond one, C computes all; a
         step computes whatever the plan's action cannot serve (no residual of this shape yet, no
-        difference measured, conds that are not one cond and one uncond)."""
+        difference measured, conds that are not one cond and one uncond). The plan keeps the window and
+        the skip limit per step; a sampler that calls the model twice in a step (heun, dpm_2) is held to
+        them per call: a call outside the window (``may_skip`` False), or one that would skip a cond past
+        ``max_consecutive_skips`` calls in a row, computes."""
         states = [self.cond(k, lab) for k, lab in zip(keys, labels, strict=True)]
         for state, sig in zip(states, signals, strict=True):
             meta = (tuple(sig.shape), sig.dtype, sig.device, effects)
@@ -670,6 +673,11 @@ class RunState:
                 if state.label == "uncond" and (cond_key in keys or (cond.residual_step == step
                                                                      and not cond.estimated)):
                     out[i] = "E"
+        limit = self.config.max_consecutive_skips
+        if "C" not in out or "E" in out:
+            if (limit and any(state.consecutive >= limit for state, got in zip(states, out, strict=True) if got != "C")
+                    or not bool(may_skip)):  # (a host sync where it is a tensor: only where the plan skips)
+                out = ["C"] * len(keys)
         for state, got in zip(states, out, strict=True):
             if got == "C":
                 state.consecutive = 0

@@ -460,7 +460,7 @@ class _Call:
         if rule == "schedule":
             half = self.family.half and self.scoped is None
             self.roles = self.run.decide_scheduled(self.keys, self.labels, list(signals), chunk, self.sigma,
-                                                   half=half, effects=self.effects)
+                                                   half=half, effects=self.effects, may_skip=self.may_skip)
             if self.family.half and not half and self.run.planned == "H":
                 stats().count_reason("fallback", f"no cond-only step for a call with {self.scoped} (the planned "
                                      "cond-only step was computed whole)", source=self.family.name)

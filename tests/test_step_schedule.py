@@ -204,11 +204,11 @@ def flux():
     return importlib.import_module(f"{rkharness.TINY.__name__}.trained_flux").build()
 
 
-def sample(model, conds, steps=10, cfg=3.0):
+def sample(model, conds, steps=10, cfg=3.0, sampler="euler"):
     import nodes
 
     pos, neg = conds
-    (out,) = nodes.common_ksampler(model, 3, steps, cfg, "euler", "simple", pos, neg,
+    (out,) = nodes.common_ksampler(model, 3, steps, cfg, sampler, "simple", pos, neg,
                                    {"samples": torch.zeros(1, 16, 8, 8)})
     return out["samples"]
 
@@ -317,6 +317,34 @@ def test_an_uncond_called_apart_from_its_cond_is_rebuilt_from_the_conds_call_at_
     assert [s.pattern for s in run.conds.values()] == [["C", "C"], ["C", "S"]]
     for a, b in zip(first, second, strict=True):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_a_two_call_sampler_is_held_to_the_skip_limit_and_the_window_per_call(flux, conds):
+    """dpm_2 calls the model twice a step (its step's sigma and a midpoint), both under the step's plan: each
+    call keeps the skip limit and the window itself. Both calls of a planned skip were skipped under a limit of
+    1 (two in a row), and a midpoint call above the window's start was skipped."""
+    import comfy.samplers
+
+    calibrated(flux, conds, 12)
+    ref = sample(flux, conds, 12, sampler="dpm_2")
+
+    def run(**settings):
+        values = dict(rule="schedule", threshold=0.5, model_type="calibrated", start_percent=0.0, end_percent=1.0,
+                      max_consecutive_skips=0, cache_device="device", residual_mode="extrapolate") | settings
+        out = sample(N().TeaCacheNode.execute(model=flux, **values).args[0], conds, 12, sampler="dpm_2")
+        return out, [last_run()["conds"][label]["pattern"] for label in ("cond", "uncond")]
+
+    out, patterns = run(max_consecutive_skips=1)
+    assert all("S" in p and "SS" not in p for p in patterns), patterns
+    assert float((out - ref).norm() / ref.norm()) < 0.05
+    sampling = flux.get_model_object("model_sampling")
+    sigmas = [float(s) for s in comfy.samplers.calculate_sigmas(sampling, "simple", 12)]
+    midpoint = math.exp((math.log(sigmas[2]) + math.log(sigmas[3])) / 2)  # the sixth call's
+    start = (midpoint + sigmas[3]) / 2  # below the midpoint, above the next step's sigma
+    percent = next(p / 10000 for p in range(10000) if float(sampling.percent_to_sigma(p / 10000)) <= start)
+    assert midpoint > float(sampling.percent_to_sigma(percent)) > sigmas[3]
+    _, patterns = run(start_percent=percent)
+    assert all(p.startswith("CCCCCC") and "S" in p for p in patterns), patterns
 
 
 def test_the_rule_without_a_calibration_is_a_clear_error(flux, conds):
