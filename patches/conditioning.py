@@ -112,7 +112,8 @@ def _patch_structure(value):
     if isinstance(value, dict):
         return {k: _patch_structure(v) for k, v in value.items()}
     if isinstance(value, types.FunctionType) and value.__closure__ is None:
-        return ("function", value.__module__, value.__qualname__)
+        return ("function", value.__module__, value.__qualname__, _patch_structure(value.__defaults__),
+                _patch_structure(value.__kwdefaults__))
     weights = getattr(value, "weights", None)
     if isinstance(weights, (list, tuple)) and hasattr(value, "loaded_keys"):  # comfy.weight_adapter
         return ("adapter", type(value).__module__, type(value).__qualname__,
@@ -325,7 +326,8 @@ def _bound_method(name: str, value: types.MethodType, closures: bool, modules: d
     ``closures``) or its object is one a key cannot describe."""
     if value.__func__.__closure__ is not None and not closures:
         raise Uncacheable(f"encoder setting {name!r} is a method whose function captures values")
-    return (*_own_method(value), _setting(f"{name}.__self__", value.__self__, closures, modules, depth + 1))
+    return (_function(name, value.__func__, closures, modules, depth),
+            _setting(f"{name}.__self__", value.__self__, closures, modules, depth + 1))
 
 
 def _instance_method(value: types.MethodType, name: str, path: str, modules: dict):
@@ -353,8 +355,7 @@ def _setting(name: str, value, closures: bool = False, modules: dict | None = No
     if isinstance(value, types.BuiltinFunctionType):
         return ("builtin", getattr(value, "__module__", None), value.__qualname__)
     if isinstance(value, types.FunctionType) and (closures or value.__closure__ is None):
-        code = value.__code__
-        return ("function", value.__module__, value.__qualname__, code.co_filename, code.co_firstlineno)
+        return _function(name, value, closures, modules, depth)
     if isinstance(value, types.MethodType) and isinstance(value.__func__, types.FunctionType):
         return _bound_method(name, value, closures, modules, depth)
     if type(value) in (list, tuple):
@@ -376,6 +377,30 @@ def _setting(name: str, value, closures: bool = False, modules: dict | None = No
 
 
 _OBJECT_DEPTH = 4  # how deep plain objects are followed inside a setting
+
+
+def _function(name: str, fn: types.FunctionType, closures: bool, modules: dict | None, depth: int) -> tuple:
+    """A function as a key field: where it is defined, its defaults and, for code not ComfyUI's, what it
+    captures (a node's ``lambda image, s=s: ...``, or one closing over ``s``, is another function for each
+    ``s``). The host's own closures (a VAE's memory estimators) by where they are defined: they follow from
+    its code."""
+    if depth > _OBJECT_DEPTH:
+        raise Uncacheable(f"encoder setting {name!r} nests functions too deep")
+    code = fn.__code__
+    defaults = _setting(f"{name} (its defaults)", (fn.__defaults__, tuple(sorted((fn.__kwdefaults__ or {}).items()))),
+                        closures, modules, depth + 1)
+    cells = ()
+    if fn.__closure__ and _origin(fn.__module__) != "host":
+        cells = tuple(_setting(f"{name} (its {var})", _contents(cell), closures, modules, depth + 1)
+                      for var, cell in zip(code.co_freevars, fn.__closure__, strict=True))
+    return ("function", fn.__module__, fn.__qualname__, code.co_filename, code.co_firstlineno, defaults, cells)
+
+
+def _contents(cell) -> tuple:
+    try:
+        return ("cell", cell.cell_contents)
+    except ValueError:  # a variable not yet assigned
+        return ("empty cell",)
 
 
 def _host_object(value) -> bool:

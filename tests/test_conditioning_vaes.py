@@ -7,6 +7,7 @@ its reason; other pixels miss; tiled encodes are keyed apart from plain ones."""
 
 import copy
 import importlib
+import types
 
 import pytest
 import rkharness
@@ -112,6 +113,45 @@ def test_the_seedvr2_vaes_own_method_is_keyed_by_where_it_is_defined(cc):  # noq
     vae.format_encoded = torch.nn.Identity().forward  # a method of a module the key does not describe
     vae.encode(pixels)
     assert [r["reason"] for r in cc.CACHE.bypass_reasons()] == ["encoder setting 'format_encoded.__self__' holds a Identity"]
+
+
+def _scaled_input(scale, default: bool):
+    """A node's ``process_input`` at a widget's value: one line of code, the value in a default or a closure."""
+    if default:
+        return lambda image, s=scale: image * s - 1.0
+    return lambda image: image * scale - 1.0
+
+
+@pytest.mark.parametrize("default", [True, False], ids=["default", "closure"])
+def test_functions_a_node_sets_on_a_vae_are_keyed_by_their_defaults_and_what_they_capture(cc, uncached,  # noqa: F811
+                                                                                          default):
+    """Two functions from one line of a node's code that differ in a default or a captured value compute apart:
+    the second encode is its own (it hit the first's latent, 1.9 off), on the VAE and on a module's forward."""
+    vae = rkharness.TINY.tiny_vae(0)
+    image = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(1))
+    outs = []
+    for scale in (2.0, 0.5, 2.0):
+        vae.process_input = _scaled_input(scale, default)
+        outs.append(vae.encode(image))
+        assert same(outs[-1], uncached(vae.encode, image))
+    assert not same(outs[0], outs[1]) and (cc.CACHE.count("misses"), cc.CACHE.count("hits")) == (2, 1)
+    encoder = vae.first_stage_model.encoder
+    forward = type(encoder).forward
+
+    def scaled(s):
+        def scaled_forward(x, s=s, module=encoder, forward=forward):  # the module: keyed by its path in the encoder
+            return forward(module, x * s)
+        return scaled_forward
+
+    for scale in (1.0, 0.25):
+        encoder.forward = scaled(scale)
+        assert same(vae.encode(image), uncached(vae.encode, image))
+    assert (cc.CACHE.count("misses"), cc.CACHE.count("hits")) == (4, 1) and cc.CACHE.bypass_reasons() == []
+    options = types.SimpleNamespace(scale=3.0)  # an object a key cannot describe: computed, counted
+    vae.process_input = lambda image: image * options.scale - 1.0
+    assert same(vae.encode(image), uncached(vae.encode, image))
+    assert [r["reason"] for r in cc.CACHE.bypass_reasons()] == [
+        "encoder setting 'process_input (its options)' holds a SimpleNamespace"]
 
 
 def test_the_ltx2_audio_vaes_helper_objects_are_keyed_by_value_and_their_module_by_its_path(cc, uncached):  # noqa: F811
