@@ -828,8 +828,15 @@ def _diffusion_model(executor, *args, **kwargs):
     if call.on_output and run.renoised:
         call.noisy = _noisy_input(settings.family, args, kwargs, sigmas)
     t0 = time.perf_counter()
-    with _calling(to, call):
-        out = executor(*args, **kwargs)
+    try:
+        with _calling(to, call):
+            out = executor(*args, **kwargs)
+    except BaseException:  # cut off (an interrupt) after its conds counted it: the run counts it alike
+        if call.skip:
+            run.calls_skipped += 1
+        elif call.skip is not None:
+            run.calls_computed += 1
+        raise
     dt = time.perf_counter() - t0
     if call.skip is None:  # our first block never saw this call: computed, and the run says so
         host.say_once(f"teacache-unreached:{type(executor.class_obj).__name__}", "ReuseKit Step Cache: the blocks of "

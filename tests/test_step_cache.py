@@ -688,6 +688,30 @@ def test_under_a_sampler_that_adds_noise_the_output_forecast_holds_the_denoised_
     assert rel_err(cached, reference) < bound, rel_err(cached, reference)
 
 
+@pytest.mark.parametrize("cut_at", [4, 5])
+def test_a_call_an_interrupt_cuts_off_counts_in_the_run_as_in_its_conds(flux, conds, monkeypatch, cut_at):
+    """An interrupt inside a model call, after its conds counted it (computed or skipped): the run's count left
+    it out, so the report's calls disagreed with its conds' by one."""
+    import comfy.model_management
+
+    final = flux.model.diffusion_model.final_layer
+    seen = []
+
+    def cut(x, *args, **kwargs):  # the final layer runs on computed and skipped calls alike
+        seen.append(1)
+        if len(seen) == cut_at:
+            raise comfy.model_management.InterruptProcessingException()
+        return type(final).forward(final, x, *args, **kwargs)
+
+    monkeypatch.setattr(final, "forward", cut)
+    with pytest.raises(comfy.model_management.InterruptProcessingException):
+        sample(teacache(flux, 3.0, rule="interval", mode="reuse"), conds)
+    run = last_run()
+    (pattern,) = {c["pattern"] for c in run["conds"].values()}
+    assert run["outcome"] == "interrupted" and len(pattern) == cut_at
+    assert (run["calls_computed"], run["calls_skipped"]) == (pattern.count("C"), pattern.count("S"))
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_nag_keeps_the_whole_batch_where_the_schedule_rule_would_compute_the_cond_alone(flux, conds, batch):
     """NAG's attention patch reads the batch's conds by ``cond_or_uncond`` inside the blocks. A cond-only step
