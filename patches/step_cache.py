@@ -836,6 +836,7 @@ def _diffusion_model(executor, *args, **kwargs):
             run.calls_skipped += 1
         elif call.skip is not None:
             run.calls_computed += 1
+            run.calls_half += bool(call.half)
         raise
     dt = time.perf_counter() - t0
     if call.skip is None:  # our first block never saw this call: computed, and the run says so
@@ -1168,7 +1169,7 @@ def _plan_schedule(run: tc.RunState, table: step_schedule.ResidualTable, guider,
     scale = float(getattr(guider, "cfg", 1.0))
     negative = bool((getattr(guider, "conds", None) or {}).get("negative"))
     two = negative and not (math.isclose(scale, 1.0) and not guider.model_options.get("disable_cfg1_optimization"))
-    allowed = [run.start_sigma >= s > run.end_sigma for s in sigmas[:-1]]
+    allowed = run.in_window(torch.tensor(sigmas[:-1], dtype=torch.float32)).tolist()  # as each call is held to
     mode = "reuse" if cfg.residual_mode == "reuse" else "extrapolate"
 
     def replan(step: int, threshold: float) -> step_schedule.Plan:

@@ -347,6 +347,45 @@ def test_a_two_call_sampler_is_held_to_the_skip_limit_and_the_window_per_call(fl
     assert all(p.startswith("CCCCCC") and "S" in p for p in patterns), patterns
 
 
+def test_the_plan_holds_its_steps_to_the_window_as_each_call_is_and_a_cut_off_half_step_counts(flux, conds,
+                                                                                             monkeypatch):
+    """The plan read the window in float64, each call in float32: where end_percent's sigma rounds onto a step's,
+    the plan skipped a step its call then computed (the run no longer followed its plan). An interrupt inside a
+    cond-only step counts it as a half call, as a run that completes does."""
+    import comfy.model_management
+
+    calibrated(flux, conds)
+    plans = []
+    set_plan = tc().RunState.set_plan
+    monkeypatch.setattr(tc().RunState, "set_plan",
+                        lambda self, plan, *args: (plans.append("".join(plan.actions)), set_plan(self, plan, *args))[1])
+
+    def run(end_percent):
+        sample(N().TeaCacheNode.execute(model=flux, rule="schedule", threshold=0.5, model_type="calibrated",
+                                        start_percent=0.0, end_percent=end_percent, max_consecutive_skips=0,
+                                        cache_device="device", residual_mode="reuse").args[0], conds)
+        return [last_run()["conds"][label]["pattern"] for label in ("cond", "uncond")]
+
+    for end_percent in (0.2, 0.5, 0.6, 0.8):  # 0.5: its sigma rounds onto the sixth step's in float32
+        assert run(end_percent) == [plans[-1].replace("H", "C"), plans[-1].replace("H", "S")], (end_percent, plans[-1])
+    half = plans[-1].index("H")  # a call per step: the (half + 1)th call is the cond-only step
+    final = flux.model.diffusion_model.final_layer
+    seen = []
+
+    def cut(x, *args, **kwargs):
+        seen.append(1)
+        if len(seen) == half + 1:
+            raise comfy.model_management.InterruptProcessingException()
+        return type(final).forward(final, x, *args, **kwargs)
+
+    monkeypatch.setattr(final, "forward", cut)
+    with pytest.raises(comfy.model_management.InterruptProcessingException):
+        run(0.8)
+    report = last_run()
+    assert report["outcome"] == "interrupted" and report["calls_half"] == 1
+    assert report["calls_computed"] == report["conds"]["cond"]["pattern"].count("C")
+
+
 def test_the_rule_without_a_calibration_is_a_clear_error(flux, conds):
     with pytest.raises(ValueError, match="no calibration"):
         sample(scheduled(flux, 0.05), conds)
