@@ -7,8 +7,8 @@ an empty negative, through the real sampler. For each sampler, each seed: the un
 cache with its defaults (``auto``), TeaCache 0.3 and a step in 3 (even, and placed with ``interval_power``
 1.3) with the output forecast, the defaults with extrapolated residuals, and MagCache 0.05; the relative L2 distance of each from the uncached latent, mean and worst over
 the seeds, and the skipped calls. Under a sampler that adds noise between calls the output forecast follows
-the denoised picture, held (docs/step_cache.md, "Rules"); the ``velocity`` rows run the same with that off
-(the forecast before 2026-12-06), side by side. Deterministic samplers never had it: their two rows are equal.
+the denoised picture, held, and a residual forecast holds the last computed residual (docs/step_cache.md,
+"Rules"); the ``velocity`` rows run the same with that off (the forecasts before 2026-12-06), side by side. Deterministic samplers never had it: their two rows are equal.
 Last line: ``RESULT noisy_defaults_mean_over_velocity=<x> noisy_defaults_worst_over_velocity=<x>`` (the
 defaults' mean and worst distance over the samplers that add noise, against the velocity forecast's).
 """

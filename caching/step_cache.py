@@ -434,8 +434,9 @@ class RunState:
         # the wrapper), and the effects the last call had on
         self.switches: tuple[list, list] = ([], [])
         self.effects_seen: tuple | None = None
-        # output mode: the sampler adds noise between calls (a flow model's), so the output is kept and forecast
-        # as the denoised picture it gives (set by the wrapper)
+        # the sampler adds noise between calls (set by the wrapper; :meth:`held`); renoised (a flow model's): the
+        # output mode keeps the denoised picture the output gives
+        self.adds_noise = False
         self.renoised = False
         # the ControlNets' ranges as read, with the timestep dtype, and their ends rounded to it (read per call)
         self.switch_ends: tuple | None = None
@@ -726,7 +727,7 @@ class RunState:
         state.residual_step = self._scheduled_step
         state.estimated = estimated
         mode = self.config.residual_mode
-        forecast = mode in ("extrapolate", "taylor2")
+        forecast = mode in ("extrapolate", "taylor2") and not self.adds_noise
         dev = residual.device
         prev = (state.residual.to(dev, non_blocking=True) if state.residual is not None
                 and (forecast or mode in STEP_ORDERS or self.config.calibrate) else None)
@@ -779,7 +780,7 @@ class RunState:
         residual's device."""
         mode = self.config.residual_mode
         if mode not in STEP_ORDERS or prev is None or state.step_index is None or index <= state.step_index \
-                or (self.renoised and mode == OUTPUT_MODE):  # the denoised picture is held: no rates read
+                or self.held():  # held over the skipped calls: no rates read
             return [], None
         dev = residual.device
         gap = index - state.step_index
@@ -806,6 +807,11 @@ class RunState:
                 and cond.residual.shape == uncond.residual.shape):
             self.delta, self.delta_step = cond.residual - uncond.residual, cond.residual_step
 
+    def held(self) -> bool:
+        """Whether a skipped call holds the last computed value rather than forecast it: between calls that add
+        noise the rates carry that noise (the output mode's value: the denoised picture, where renoised)."""
+        return self.renoised if self.config.residual_mode == OUTPUT_MODE else self.adds_noise
+
     def residual(self, key: Any, like: torch.Tensor, sigma: torch.Tensor | float | None = None) -> torch.Tensor:
         """The residual to add on a skipped call: the stored one, or (``extrapolate``/``taylor2``)
         its Newton forecast to ``sigma`` from the last two/three computed residuals, or (taylorseer,
@@ -813,8 +819,8 @@ class RunState:
         host sync)."""
         state = self.conds[key]
         res = state.residual.to(like.device, like.dtype, non_blocking=True)
-        if self.renoised and self.config.residual_mode == OUTPUT_MODE:
-            return res  # the denoised picture, held: between calls that add noise its rates carry that noise
+        if self.held():
+            return res
         if self.config.residual_mode in STEP_ORDERS:
             return self._step_forecast(state, res, like)
         if state.slope is not None and sigma is not None:

@@ -1132,10 +1132,15 @@ def _outer_sample(executor, *args, **kwargs):
         run.partial = (f"it stopped after {len(sigmas) - 1} steps of a longer schedule (an end step before the last, "
                        "the rest of the noise removed at once)")
     run.switches = _switches(getattr(guider, "conds", None))
-    run.renoised = _adds_noise(args[2] if len(args) > 2 else kwargs.get("sampler")) and _flow_denoised(ms)
+    run.adds_noise = _adds_noise(args[2] if len(args) > 2 else kwargs.get("sampler"))
+    run.renoised = run.adds_noise and _flow_denoised(ms)
     run.disabled_reason = replaced_reason(orig.get("transformer_options", {}), settings)
     if run.disabled_reason is not None:
         stats().count_reason("disabled", run.disabled_reason, source=settings.family.name)
+    elif run.held() and cfg.residual_mode not in ("reuse", tc.OUTPUT_MODE) and cfg.threshold and not cfg.calibrate:
+        stats().count_reason("fallback", f"the sampler adds noise between its calls: residual_mode "
+                             f"{cfg.residual_mode} held the last computed residual over skipped calls (a forecast "
+                             "along rates that carry the noise overshoots)", source=settings.family.name)
     guider.model_options = comfy.model_patcher.create_model_options_clone(orig)
     guider.model_options["transformer_options"][RUN_KEY] = run
     guider.model_options["transformer_options"][PLAN_KEY] = (cfg.rule, cfg.residual_mode, cfg.first_blocks,
@@ -1170,7 +1175,7 @@ def _plan_schedule(run: tc.RunState, table: step_schedule.ResidualTable, guider,
     negative = bool((getattr(guider, "conds", None) or {}).get("negative"))
     two = negative and not (math.isclose(scale, 1.0) and not guider.model_options.get("disable_cfg1_optimization"))
     allowed = run.in_window(torch.tensor(sigmas[:-1], dtype=torch.float32)).tolist()  # as each call is held to
-    mode = "reuse" if cfg.residual_mode == "reuse" else "extrapolate"
+    mode = "reuse" if cfg.residual_mode == "reuse" or run.held() else "extrapolate"
 
     def replan(step: int, threshold: float) -> step_schedule.Plan:
         return step_schedule.plan(table, sigmas[step:], threshold, scale, two, mode, cfg.max_consecutive_skips,
