@@ -444,7 +444,7 @@ def _module_state(model: torch.nn.Module, patcher, wrapper) -> tuple:
             continue
         full = f"{path}.{name}" if path else name
         field = _setting(full, value, modules=modules)
-        if method or _may_change(value):
+        if method or isinstance(value, types.FunctionType) or _may_change(value):  # (a function: its defaults)
             mutables.append((full, value, field))  # may change in place: compared by value on every use
         out.append((path, name, field))
     found = tree.memo["settings"] = (digest(tuple(out)), mutables, modules)  # thousands of settings in a VAE: a digest

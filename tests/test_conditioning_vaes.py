@@ -146,7 +146,12 @@ def test_functions_a_node_sets_on_a_vae_are_keyed_by_their_defaults_and_what_the
     for scale in (1.0, 0.25):
         encoder.forward = scaled(scale)
         assert same(vae.encode(image), uncached(vae.encode, image))
-    assert (cc.CACHE.count("misses"), cc.CACHE.count("hits")) == (4, 1) and cc.CACHE.bypass_reasons() == []
+    options = {"s": 2.0}  # a default that changes in place: compared on every encode
+    encoder.forward = lambda x, options=options, module=encoder, forward=forward: forward(module, x * options["s"])
+    assert same(vae.encode(image), uncached(vae.encode, image))
+    options["s"] = 0.5
+    assert same(vae.encode(image), uncached(vae.encode, image))
+    assert (cc.CACHE.count("misses"), cc.CACHE.count("hits")) == (6, 1) and cc.CACHE.bypass_reasons() == []
     options = types.SimpleNamespace(scale=3.0)  # an object a key cannot describe: computed, counted
     vae.process_input = lambda image: image * options.scale - 1.0
     assert same(vae.encode(image), uncached(vae.encode, image))
