@@ -46,6 +46,7 @@ files read after they were moved or deleted.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -105,10 +106,11 @@ class _Pending:
     """A lazy encoder's record: how to load it, what it was built from, what it must still be."""
 
     __slots__ = ("load", "arguments", "paths", "stamps", "layout", "tensors", "nbytes", "header_bytes", "counted",
-                 "lock", "refused", "fds", "close")
+                 "lock", "refused", "fds", "close", "settings")
 
-    def __init__(self, load, arguments, paths, stamps, tensors, header_bytes, fds, close):
+    def __init__(self, load, arguments, paths, stamps, tensors, header_bytes, fds, close, settings):
         self.load, self.arguments, self.paths, self.stamps = load, arguments, paths, stamps
+        self.settings = settings  # its modules' settings as built (:func:`_settings_as_built`)
         self.fds, self.close = fds, close  # the files as built, kept open until the load; close: their finalizer
         self.tensors, self.header_bytes = tensors, header_bytes
         self.layout = _layout(tensors)
@@ -316,7 +318,8 @@ def build(load, arguments: dict):
         _eager("error")
         return None
     with _pending_lock:
-        _pending[module] = _Pending(load, dict(arguments), paths, stamps, tensors, read, fds, _keep_open(module, fds))
+        _pending[module] = _Pending(load, dict(arguments), paths, stamps, tensors, read, fds, _keep_open(module, fds),
+                                    _settings_as_built(module))
     return clip
 
 
@@ -402,6 +405,68 @@ def _adopt(module: torch.nn.Module, loaded: torch.nn.Module) -> None:
     vars(loaded).update(_parameters={}, _buffers={}, _modules={})
 
 
+def _settings(module: torch.nn.Module) -> dict[tuple[str, str], object]:
+    """Every plain attribute of the encoder's modules, by (module path, name)."""
+    return {(path, name): value for path, m in module.named_modules() for name, value in vars(m).items()
+            if not name.startswith("_") and name not in PATCHER_STATE
+            and not isinstance(value, (torch.Tensor, torch.nn.Module))}
+
+
+_UNCOPIED = object()
+
+
+def _settings_as_built(module: torch.nn.Module) -> dict[tuple[str, str], tuple]:
+    """{(path, name): (value, a copy of it)}: what a setting set or changed in place since reads against."""
+    built = {}
+    for where, value in _settings(module).items():
+        try:
+            built[where] = (value, copy.deepcopy(value))
+        except Exception:  # a value that cannot be copied: only a new one is seen
+            built[where] = (value, _UNCOPIED)
+    return built
+
+
+def _unchanged(value, built: tuple) -> bool:
+    if value is not built[0]:
+        return False
+    try:
+        return built[1] is _UNCOPIED or bool(built[1] == value)
+    except Exception:
+        return False
+
+
+def _settings_set(module, patcher, found: _Pending) -> tuple[dict, list]:
+    """What a node set on the lazy encoder's modules since it was built (``layer_norm_hidden_state = False``,
+    a dict of special tokens changed in place), which the loaded state must keep: ({(path, name): value},
+    [(path, name) deleted]); the loading patcher's object patches are put on again by themselves."""
+    patched = set(getattr(patcher, "object_patches", None) or ()) if getattr(patcher, "model", None) is module \
+        else set()
+    now = _settings(module)
+    set_ = {where: value for where, value in now.items()
+            if ".".join(filter(None, where)) not in patched
+            and (where not in found.settings or not _unchanged(value, found.settings[where]))}
+    gone = [where for where in found.settings if where not in now and ".".join(filter(None, where)) not in patched]
+    return set_, gone
+
+
+def _set_again(module, set_: dict, gone: list) -> str | None:
+    """Put ``_settings_set``'s findings on the adopted state; what could not be, if anything."""
+    missing = []
+    for (path, name), value in set_.items():
+        try:
+            setattr(module.get_submodule(path), name, value)
+        except AttributeError:
+            missing.append(f"{path}.{name}" if path else name)
+    for path, name in gone:
+        try:
+            target = module.get_submodule(path)
+        except AttributeError:
+            continue
+        vars(target).pop(name, None)
+    return f"settings set on it before its weights were read have no module to go on ({', '.join(missing)})" \
+        if missing else None
+
+
 def _patch_again(module, patcher) -> None:
     """The object patches ``patcher`` had put on ``module`` before its weights were read (ComfyUI's
     ``patch_model`` sets them before it loads): put on the adopted state too, each one's backup now what that
@@ -438,9 +503,11 @@ def materialise(module, patcher) -> None:
             raise RuntimeError(f"ReuseKit Lazy CLIP Loader: {found.paths} now hold a {type(fresh).__name__}, "
                                f"not the {type(module).__name__} built from their header")
         loaded.patcher.detach()  # undo whatever ComfyUI's load did with its own patcher
+        set_, gone = _settings_set(module, patcher, found)
         _adopt(module, fresh)
+        unset = _set_again(module, set_, gone)
         _patch_again(module, patcher)
-        problems = []
+        problems = [unset] if unset else []
         if kept:  # the very files built from, but their ctime moved with their names: nothing vouches for them
             problems.append("its files were moved or deleted since it was built (read as kept open)")
         elif before != found.stamps or after != before:

@@ -457,6 +457,39 @@ def test_a_hook_scheduled_encode_of_a_lazy_clip_keeps_its_clip_skip(lazy):
     assert count(lazy, "weights_loaded") == 1
 
 
+def test_settings_a_node_set_on_a_lazy_encoder_before_its_weights_are_read_stay_on_it(lazy):
+    """A node's settings on the encoder's modules before the first encode (plain attributes set anew or added)
+    are kept when the weights are read: the loaded state replaced them all,
+    so the encode ran without them (0.76 off the eager encoder's) and was stored, and shared, under the key
+    that holds them."""
+    path = files().write_tiny_clip_l(str(lazy.files), 0)
+
+    def set_on(clip):
+        clip.clip_layer(-2)
+        model = clip.cond_stage_model.clip_l
+        model.layer_norm_hidden_state = False
+        model.rk_note = "set by a node"
+        model.options_default = (*model.options_default[:-1], False)
+        return model
+
+    with torch.inference_mode():
+        eager = files().load(path, lazy=False)
+        set_on(eager)
+        lazy.settings.set("conditioning.enabled", False)
+        truth = eager.encode_from_tokens(eager.tokenize(TEXT), return_pooled=True)
+        lazy.settings.set("conditioning.enabled", True)
+        clip = files().load(path)
+        model = set_on(clip)
+        assert lazy.lc.pending(clip.cond_stage_model)
+        assert equal(encode(clip), truth) and count(lazy, "weights_loaded") == 1
+        assert model.layer_norm_hidden_state is False and model.rk_note == "set by a node"
+        assert not equal(truth, files().reference(path, TEXT))  # the settings are in force
+        lazy.cc.CACHE.clear()  # another worker's eager encoder with the same settings: the disk tier's entry
+        other = files().load(path, lazy=False)
+        set_on(other)
+        assert equal(encode(other), truth) and lazy.tiers.TIERS.stats["disk"].counter("hits") == 1
+
+
 def test_a_lazy_encoder_the_loader_cannot_record_loads_now_and_says_why(lazy, monkeypatch):
     """A file that changes right after the lazy build (before the loader records it), and a host whose
     seams the lazy loading does not fit: the encoder loads as CLIPLoader loads it, counted with the reason."""
