@@ -228,11 +228,11 @@ def graph_call(original, args: tuple, kwargs: dict, opts: dict, ctx):
     if why is not None:
         _count(call.run, "bypasses", *why)
         return call.eager()
-    if call.hook is not None and _step_hook_finished(call):
-        return call.done
     gs = graph_set(call.base_model, int(opts.get("max_graphs", 2)))
     with gs.in_use():  # a release from another thread until the replay or capture ends frees nothing
         decision = gs.decide(call.spec.signature)
+        if call.hook is not None and _step_hook_finished(call, probe=not _runs_eagerly(call, decision)):
+            return call.done
         if decision.hit:
             return _replay(call, decision.entry)
         return _capture(gs, call, decision)
@@ -279,13 +279,23 @@ def _why_eager(call: _Call, ctx) -> tuple[str, str] | None:
     return None
 
 
-def _step_hook_finished(call: _Call) -> bool:
+def _runs_eagerly(call: _Call, decision: gr.Decision) -> bool:
+    """Whether the call runs eagerly whatever the step cache decides: its signature's capture failed, or it
+    needs a capture where none may be made now (this run stopped capturing, captures are off on the device)."""
+    if decision.hit:
+        return bool(decision.entry.failed)
+    return (call.run is not None and call.run.capture_stopped) or (
+        call.backend == "cuda" and graph_runners.captures_off(call.device))
+
+
+def _step_hook_finished(call: _Call, probe: bool = True) -> bool:
     """The step cache's decision, made eagerly outside the graph: True where it finished the call
-    (a skipped step, or a forward that ended without deciding), with its output in ``call.done``."""
+    (a skipped step, or a forward that ended without deciding), with its output in ``call.done``. Without
+    ``probe`` (nothing will replay) one eager pass decides and computes."""
     hook = call.hook
     # the forward may write into its options (Flux: block indices); buffers follow the signature
     call.named = [(k, dict(v) if k == protocol.OPTIONS_NAME and isinstance(v, dict) else v) for k, v in call.named]
-    if call.runner_cls is None:  # decisions only: nothing replays, so no probe; one eager pass decides
+    if call.runner_cls is None or not probe:  # nothing replays: one eager pass decides (and computes)
         call.done = call.forward()
     else:
         probed = hook.probe(call.forward)

@@ -234,6 +234,34 @@ def test_a_forward_no_capture_can_follow_runs_eagerly_and_each_of_its_steps_is_c
     assert gc.STATS.handle.snapshot()["counters"]["capture_failures"] == 1
 
 
+def test_a_step_cached_call_whose_graph_cannot_replay_runs_its_forward_once(gc, tiny, conds, monkeypatch):
+    """Where a signature's capture failed (tracing cannot follow a step cache's hook), a computed step ran the
+    step cache's probe, its first block here, then the whole forward again: a block more per computed step. It
+    runs once now, as the step cache alone does, to the same latent."""
+    import comfy.ldm.flux.layers as layers
+
+    calls = []
+    forward = layers.DoubleStreamBlock.forward
+    monkeypatch.setattr(layers.DoubleStreamBlock, "forward",
+                        lambda self, *args, **kwargs: (calls.append(1), forward(self, *args, **kwargs))[1])
+    model = importlib.import_module(f"{tiny.__name__}.trained_flux").build()
+    step = rkharness.pack("nodes.step_cache").TeaCacheNode
+
+    def cached():
+        return step.execute(model=model, rule="first_block", threshold=0.3, model_type="flux", start_percent=0.0,
+                            end_percent=1.0, max_consecutive_skips=0, cache_device="device", residual_mode="reuse",
+                            interval_power=1.0, first_blocks=1).args[0]
+
+    alone = sample(cached(), conds, cfg=3.5, steps=6)
+    once = len(calls)
+    stacked = capture(cached())
+    sample(stacked, conds, cfg=3.5, steps=6)  # its capture fails
+    calls.clear()
+    assert torch.equal(sample(stacked, conds, cfg=3.5, steps=6), alone) and len(calls) == once
+    run, steps = last_run(gc), rkharness.pack("patches.step_cache").stats().snapshot()["info"]["last_run"]
+    assert steps["calls_skipped"] > 0 and run["bypasses"] == {"capture_failed": steps["calls_computed"]}
+
+
 def test_ltx2_stgs_blocks_key_the_graph_across_runs_and_within_one(gc, tiny):
     """LTXVSpatioTemporalGuidance puts the blocks it perturbs in the options as a frozenset, and the LTX-2
     forward branches on it in Python: keyed by its type alone, a graph captured for blocks 5 replayed for
