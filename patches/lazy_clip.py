@@ -26,8 +26,9 @@ weights (``CLIP.load_model``, ``load_sd``, ``get_sd``, ``get_key_patches``, ``st
 patcher loading the model by another way): ComfyUI's ``load_clip`` runs again with the same arguments, for
 real (its model built on the offload device, as ComfyUI does when VRAM is short), its patcher is detached
 (what ComfyUI does to unload it), and the lazy encoder's module takes the loaded module's state in place:
-every attribute (children, weights, settings) but the few its own patchers keep on it; the object patches
-the loading patcher had put on it (it patches before it loads) are put on again. Clones made
+every attribute (children, weights, settings) but the few its own patchers keep on it; the settings a node
+set on its modules since it was built, and the object patches the loading patcher had put on it (it patches
+before it loads), are put on again. Clones made
 before (a LoraLoader's) share the module, so they see it. From then on it is an ordinary loaded encoder
 (its weights fingerprinted as the reference of the edit checks). A file that changed since the build
 is loaded as it is now; the encode that asked is then neither stored nor shared, and the encoder
