@@ -387,8 +387,9 @@ def _function(name: str, fn: types.FunctionType, closures: bool, modules: dict |
     if depth > _OBJECT_DEPTH:
         raise Uncacheable(f"encoder setting {name!r} nests functions too deep")
     code = fn.__code__
-    defaults = _setting(f"{name} (its defaults)", (fn.__defaults__, tuple(sorted((fn.__kwdefaults__ or {}).items()))),
-                        closures, modules, depth + 1)
+    defaults = None if fn.__defaults__ is None and not fn.__kwdefaults__ else _setting(
+        f"{name} (its defaults)", (fn.__defaults__, tuple(sorted((fn.__kwdefaults__ or {}).items()))), closures,
+        modules, depth + 1)
     cells = ()
     if fn.__closure__ and _origin(fn.__module__) != "host":
         cells = tuple(_setting(f"{name} (its {var})", _contents(cell), closures, modules, depth + 1)
