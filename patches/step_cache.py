@@ -870,18 +870,20 @@ def _diffusion_model(executor, *args, **kwargs):
 
 
 _OWN_NOISE = ("sample_lcm_upscale",)  # samplers that add noise without taking a noise sampler
+_NO_NOISE = ("sample_res_multistep", "sample_res_multistep_cfg_pp")  # take one, hand it on with eta 0
 
 
 def _adds_noise(sampler) -> bool:
     """Whether the run's sampler adds noise between its model calls: a k-diffusion sampler taking a noise
-    sampler (ancestral, SDE, LCM, DDPM...) whose ``eta`` and ``s_noise`` are not 0, or one that adds its own
-    (SamplerLCMUpscale's)."""
+    sampler (ancestral, SDE, LCM, DDPM...) whose ``eta`` and ``s_noise`` are not 0, but for the res_multistep
+    pair, which call their solver with eta 0, or one that adds its own (SamplerLCMUpscale's)."""
     try:
         params = inspect.signature(sampler.sampler_function).parameters
     except (AttributeError, TypeError, ValueError):
         return False
-    if "noise_sampler" not in params:
-        return getattr(sampler.sampler_function, "__name__", None) in _OWN_NOISE
+    name = getattr(sampler.sampler_function, "__name__", None)
+    if "noise_sampler" not in params or name in _NO_NOISE:
+        return name in _OWN_NOISE
     options = getattr(sampler, "extra_options", None) or {}
 
     def given(name: str):

@@ -706,6 +706,12 @@ def test_under_a_sampler_that_adds_noise_a_residual_forecast_holds_the_last_comp
     assert torch.equal(run("euler_ancestral", mode), run("euler_ancestral", "reuse"))
     assert held() == before + 1
     assert not torch.equal(run("euler", mode), run("euler", "reuse")) and held() == before + 1
+    # res_multistep takes a noise sampler but calls its solver with eta 0: it was taken for one adding noise
+    assert not torch.equal(run("res_multistep", mode), run("res_multistep", "reuse")) and held() == before + 1
+    import comfy.samplers
+
+    assert [P()._adds_noise(comfy.samplers.sampler_object(name)) for name in
+            ("res_multistep", "res_multistep_cfg_pp", "res_multistep_ancestral")] == [False, False, True]
 
 
 @pytest.mark.parametrize("cut_at", [4, 5])
