@@ -392,18 +392,34 @@ def settle(clip, unrecorded: str | None) -> None:
 # ---- loading the weights ----------------------------------------------------------------------------
 
 def _adopt(module: torch.nn.Module, loaded: torch.nn.Module) -> None:
-    """``module`` takes ``loaded``'s state in place (children, weights, settings), keeping what its own
-    patchers and ReuseKit keep on it; ``loaded`` is left empty (its patcher, when it goes, touches nothing)."""
-    own = {k: v for k, v in vars(module).items() if k in PATCHER_STATE or k.startswith("_reusekit")}
-    state = dict(vars(loaded))
-    for name, value in state.items():  # a method of the loaded module kept as an attribute: now ours
-        if isinstance(value, types.MethodType) and value.__self__ is loaded:
-            state[name] = types.MethodType(value.__func__, module)
-    d = vars(module)
-    d.clear()
-    d.update(state)
-    d.update(own)
-    vars(loaded).update(_parameters={}, _buffers={}, _modules={})
+    """``module`` and each of its submodules take the state of ``loaded``'s at the same path in place (children,
+    weights, settings), keeping what its own patchers and ReuseKit keep on them, so whatever refers to one of
+    them (a method a node bound to a child, a closure) refers to a loaded module; a path ``module`` lacks, or
+    holds another class at, takes the loaded module itself. ``loaded``'s modules are left empty (its patcher,
+    when it goes, touches nothing)."""
+    fresh = list(loaded.named_modules())  # (held: their ids key ``taker`` until the end)
+    mine = dict(module.named_modules())
+    taker = {id(f): mine[path] if path in mine and _class_name(mine[path]) == _class_name(f) else f
+             for path, f in fresh}
+    for _, f in fresh:
+        ours = taker[id(f)]
+        if ours is f:
+            continue
+        own = {k: v for k, v in vars(ours).items() if k in PATCHER_STATE or k.startswith("_reusekit")}
+        state = dict(vars(f))
+        for name, value in state.items():  # a method of a loaded module kept as an attribute: now its taker's
+            if isinstance(value, types.MethodType) and id(value.__self__) in taker:
+                state[name] = types.MethodType(value.__func__, taker[id(value.__self__)])
+        d = vars(ours)
+        d.clear()
+        d.update(state)
+        d.update(own)
+        vars(f).update(_parameters={}, _buffers={}, _modules={})
+    for ours in {id(t): t for t in taker.values()}.values():
+        children = vars(ours).get("_modules") or {}
+        for name, child in list(children.items()):
+            if child is not None:
+                children[name] = taker.get(id(child), child)
 
 
 def _settings(module: torch.nn.Module) -> dict[tuple[str, str], object]:

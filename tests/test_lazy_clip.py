@@ -6,6 +6,7 @@ import json
 import os
 import threading
 import time
+import types
 from importlib import import_module
 from pathlib import Path
 
@@ -457,9 +458,14 @@ def test_a_hook_scheduled_encode_of_a_lazy_clip_keeps_its_clip_skip(lazy):
     assert count(lazy, "weights_loaded") == 1
 
 
+def _halved_forward(self, *args, **kwargs):  # a node's wrapper of a child's forward
+    return tuple(o * 0.5 if isinstance(o, torch.Tensor) and o.is_floating_point() else o
+                 for o in type(self).forward(self, *args, **kwargs))
+
+
 def test_settings_a_node_set_on_a_lazy_encoder_before_its_weights_are_read_stay_on_it(lazy):
-    """A node's settings on the encoder's modules before the first encode (plain attributes set anew or added)
-    are kept when the weights are read: the loaded state replaced them all,
+    """A node's settings on the encoder's modules before the first encode (plain attributes set anew or added, a
+    method bound to a child) are kept when the weights are read: the loaded state replaced them all,
     so the encode ran without them (0.76 off the eager encoder's) and was stored, and shared, under the key
     that holds them."""
     path = files().write_tiny_clip_l(str(lazy.files), 0)
@@ -470,6 +476,8 @@ def test_settings_a_node_set_on_a_lazy_encoder_before_its_weights_are_read_stay_
         model.layer_norm_hidden_state = False
         model.rk_note = "set by a node"
         model.options_default = (*model.options_default[:-1], False)
+        transformer = model.transformer  # bound to the child: it must be the loaded one after the load
+        transformer.forward = types.MethodType(_halved_forward, transformer)
         return model
 
     with torch.inference_mode():
