@@ -25,8 +25,8 @@ weights (``CLIP.load_model``, ``load_sd``, ``get_sd``, ``get_key_patches``, ``st
 ``generate``, a hook-scheduled encode: each before ComfyUI's code sets anything on the module; ComfyUI's
 patcher loading the model by another way): ComfyUI's ``load_clip`` runs again with the same arguments, for
 real (its model built on the offload device, as ComfyUI does when VRAM is short), its patcher is detached
-(what ComfyUI does to unload it), and the lazy encoder's module takes the loaded module's state in place:
-every attribute (children, weights, settings) but the few its own patchers keep on it; the settings a node
+(what ComfyUI does to unload it), and each module of the lazy encoder takes the state of the loaded one at
+its path in place: every attribute (children, weights, settings) but the few its own patchers keep on it; the settings a node
 set on its modules since it was built, and the object patches the loading patcher had put on it (it patches
 before it loads), are put on again. Clones made
 before (a LoraLoader's) share the module, so they see it. From then on it is an ordinary loaded encoder
