@@ -50,6 +50,7 @@ PATCH_OPTIONS = ("patches", "patches_replace")
 PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 SMALL_FOREIGN_TENSOR = 4096  # elements: a tensor on another device is compared by value up to this
 THRASH_LIMIT = 4  # misses in a row within one run after which it stops capturing (eager, same result)
+FAILED_KEPT = 16  # failed signatures remembered per model (each runs eagerly, never retried, while kept)
 
 
 def env_disabled() -> bool:
@@ -379,7 +380,8 @@ class Entry:
     signature: Signature
     runner: Any = None
     nbytes: int = 0
-    failed: str = ""          # the capture failed: this signature runs eagerly, never retried
+    failed: str = ""          # the capture failed: this signature runs eagerly, never retried (kept apart
+    #                           from the graphs, up to FAILED_KEPT: it holds no memory, so takes no max_graphs slot)
 
 
 def _free(entries: list[Entry]) -> None:
@@ -399,11 +401,12 @@ class Decision:
 
 @dataclass
 class GraphSet:
-    """The kept graphs of one model, most recently used last. ``release`` drops them all (the
-    model was unloaded or its weights changed)."""
+    """The kept graphs of one model, most recently used last, and the signatures whose capture failed.
+    ``release`` drops them all (the model was unloaded or its weights changed)."""
 
     max_graphs: int = 2
     entries: OrderedDict = field(default_factory=OrderedDict)
+    failures: OrderedDict = field(default_factory=OrderedDict)  # failed entries, most recently used last
     last: Signature | None = None
     pending_reason: tuple[str, str] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -436,9 +439,10 @@ class GraphSet:
 
     def decide(self, sig: Signature) -> Decision:
         with self.lock:
-            entry = self.entries.get(sig)
+            kept = self.entries if sig in self.entries else self.failures
+            entry = kept.get(sig)
             if entry is not None:
-                self.entries.move_to_end(sig)
+                kept.move_to_end(sig)
                 self.last = sig
                 return Decision(True, entry)
             same, reason, detail = can_reuse(self.last, sig)
@@ -452,16 +456,18 @@ class GraphSet:
         with self.lock:
             if generation is not None and generation != self.generation:
                 return [entry]
-            self.entries[entry.signature] = entry
-            self.entries.move_to_end(entry.signature)
+            kept, limit = (self.failures, FAILED_KEPT) if entry.failed else (self.entries, max(1, self.max_graphs))
+            kept[entry.signature] = entry
+            kept.move_to_end(entry.signature)
             self.last = entry.signature
             self.pending_reason = None
-            return self._trim()
+            return self._trim(kept, limit)
 
-    def _trim(self) -> list[Entry]:
+    @staticmethod
+    def _trim(kept: OrderedDict, limit: int) -> list[Entry]:
         evicted = []
-        while len(self.entries) > max(1, self.max_graphs):
-            _, old = self.entries.popitem(last=False)
+        while len(kept) > limit:
+            _, old = kept.popitem(last=False)
             evicted.append(old)
         return evicted
 
@@ -470,8 +476,9 @@ class GraphSet:
         when nothing did, this reason)."""
         with self.lock:
             self.generation += 1
-            dropped = list(self.entries.values())
+            dropped = [*self.entries.values(), *self.failures.values()]
             self.entries.clear()
+            self.failures.clear()
             if dropped:
                 self.pending_reason = (reason, detail)
             return dropped

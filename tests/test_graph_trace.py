@@ -234,6 +234,30 @@ def test_a_forward_no_capture_can_follow_runs_eagerly_and_each_of_its_steps_is_c
     assert gc.STATS.handle.snapshot()["counters"]["capture_failures"] == 1
 
 
+def test_a_failed_capture_takes_no_graphs_place(gc, tiny, conds):
+    """A signature whose capture failed holds no graph, only the verdict: kept among the graphs, it took a
+    max_graphs slot, so with one graph kept a failed 12x12 latent evicted the 8x8 graph and the next 8x8 run
+    captured again. Kept apart, the 8x8 graph replays after it, to the plain run's latent."""
+    protocol = rkharness.pack("caching.protocol")
+
+    def reads_the_host_at_12(args, extra):
+        out = extra["original_block"](args)
+        if out["img"].shape[1] != 36:  # 12x12 latent, 2x2 patches
+            return out
+        return {**out, "img": out["img"] * (1.0 + 0.0 * out["img"].abs().max().item())}
+
+    setattr(reads_the_host_at_12, protocol.GRAPH_SAFE, True)
+    model = tiny.tiny_flux(0)
+    plain, captured = model.clone(), capture(model, max_graphs=1)
+    for m in (plain, captured):
+        m.set_model_patch_replace(reads_the_host_at_12, "dit", "double_block", 0)
+    for shape, captures, replays, failed in (((1, 16, 8, 8), 1, 2, 0), ((1, 16, 12, 12), 0, 0, 2),
+                                             ((1, 16, 8, 8), 0, 3, 0), ((1, 16, 12, 12), 0, 0, 3)):
+        assert torch.equal(sample(captured, conds, shape), sample(plain, conds, shape))
+        run = last_run(gc)
+        assert (run["captures"], run["replays"], run["bypasses"].get("capture_failed", 0)) == \
+            (captures, replays, failed), (shape, run)
+    assert gc.STATS.handle.snapshot()["counters"]["capture_failures"] == 1
 def test_a_step_cached_call_whose_graph_cannot_replay_runs_its_forward_once(gc, tiny, conds, monkeypatch):
     """Where a signature's capture failed (tracing cannot follow a step cache's hook), a computed step ran the
     step cache's probe, its first block here, then the whole forward again: a block more per computed step. It
