@@ -727,7 +727,7 @@ class RunState:
         state.residual_step = self._scheduled_step
         state.estimated = estimated
         mode = self.config.residual_mode
-        forecast = mode in ("extrapolate", "taylor2") and not self.adds_noise
+        forecast = mode in ("extrapolate", "taylor2") and not self.held()
         dev = residual.device
         prev = (state.residual.to(dev, non_blocking=True) if state.residual is not None
                 and (forecast or mode in STEP_ORDERS or self.config.calibrate) else None)
