@@ -325,14 +325,16 @@ def _replay(call: _Call, entry: gr.Entry):
     if entry.failed:
         _count(run, "bypasses", "capture_failed", f"this signature's capture failed: {entry.failed}")
         return call.eager()
+    if entry.runner is not None:
+        # ComfyUI checks for a cancel in every op of the forward; a replay runs none of them (before the
+        # counts: a cancelled step is no hit)
+        comfy.model_management.throw_exception_if_processing_interrupted()
     STATS.incr("hits")
     if run is not None:
         run.hits += 1
         run.misses_in_row = 0
     if entry.runner is None:
         return _decisions_only(call)
-    # ComfyUI checks for a cancel in every op of the forward; a replay runs none of them
-    comfy.model_management.throw_exception_if_processing_interrupted()
     out = entry.runner.replay(call.spec.tensors)
     STATS.incr("replays")
     if run is not None:

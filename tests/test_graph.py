@@ -467,20 +467,29 @@ def test_clears_from_another_thread_all_through_sampling_leave_the_result_unchan
     assert not gc.graph_release.graph_set(model.model, 2).doomed and gc.graph_release.graph_set(model.model, 2).busy == 0
 
 
-def test_interrupt_mid_run_leaves_graphs_usable(gc, monkeypatch, tiny, conds):
+@pytest.mark.parametrize("warm", [False, True], ids=["capturing", "replaying"])
+def test_interrupt_mid_run_leaves_graphs_usable(gc, monkeypatch, tiny, conds, warm):
+    """A cancel mid-run leaves the graphs usable; in a run that replays, the cut-off step is no hit (it was
+    counted one, its replay never run, until 2026-12-06)."""
     import comfy.model_management as mm
 
     monkeypatch.setattr(gc, "FORCE_BACKEND", "emulate")
     model = tiny.tiny_flux(0)
     captured = capture(model)
+    if warm:
+        sample(captured, conds, steps=4)
 
     def interrupt(step, *args):
         if step == 1:
             mm.interrupt_current_processing()
 
+    hits = counters(gc).get("hits", 0)
     with pytest.raises(mm.InterruptProcessingException):
         sample(captured, conds, steps=4, callback=interrupt)
-    assert last_run(gc)["steps"] >= 2  # the summary is published on the way out
+    run = last_run(gc)
+    assert run["steps"] >= 2  # the summary is published on the way out
+    assert run["hits"] == run["replays"] == (run["steps"] - 1 if warm else run["steps"] - 2), run
+    assert counters(gc).get("hits", 0) - hits == run["hits"]
     assert torch.equal(sample(captured, conds, steps=4), sample(model, conds, steps=4))
 
 
