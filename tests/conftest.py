@@ -62,6 +62,16 @@ def comfy_server():
         yield server
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_users_calibrations():
+    """The step cache's calibrations kept in memory for the session: one saved in the host's user folder (by a
+    developer's own run of the calibrate node) changed what model_type auto means in the tests."""
+    step = rkharness.pack("patches.step_cache")
+    before, step.STORE = step.STORE, rkharness.pack("caching.step_cache").CalibrationStore(None)
+    yield
+    step.STORE = before
+
+
 @pytest.fixture(autouse=True)
 def _inference_mode():
     """Run every test under inference mode, as ComfyUI's executor runs nodes."""
