@@ -177,7 +177,7 @@ def given_inputs(cls, node: str, threshold, rule, residual_mode, passed: dict) -
 
 def attach(node: str, model, config: StepCacheConfig):
     try:
-        return patch.apply(model, config)
+        return patch.apply(model, config, node)
     except ValueError as exc:
         raise ValueError(f"{node}: {exc}") from None
 

@@ -152,13 +152,13 @@ def report_layer() -> None:
                    ", ".join(hooked) + (f"; reshaped here: {', '.join(off)}" if off else ""))
 
 
-def apply(model_patcher, config: tc.StepCacheConfig):
+def apply(model_patcher, config: tc.StepCacheConfig, node: str = ""):
     """A clone of ``model_patcher`` with the step cache attached (the input is not changed); a model or a
-    setting it refuses is a ValueError, counted with its message."""
+    setting it refuses is a ValueError, counted with its message as a refusal from ``node``."""
     try:
         return _attach(model_patcher, config)
     except ValueError as exc:
-        stats().count_reason("refused", str(exc))
+        stats().count_reason("refused", str(exc), source=node)
         raise
 
 

@@ -1163,7 +1163,8 @@ def test_a_skipped_call_adds_controlnet_once_not_again_on_top_of_the_residual(fl
     ({"model_type": "nope"}, "model_type"),
 ])
 def test_bad_inputs_raise_value_errors_naming_node_and_input(flux, kwargs, needle):
-    """Named in the error, and counted in the stats as a refusal with the same words (the panel shows it)."""
+    """Named in the error, and counted in the stats as a refusal with the same words from the node (the panel
+    shows it; a refusal of the model's, e.g. first_blocks over its blocks, came from no node until 2026-12-06)."""
     args = {"thresh": 0.4} | kwargs
     P().stats().reset_counters()  # the reason rows are bounded: start from none
     with pytest.raises(ValueError, match=f"ReuseKit Step Cache: {needle}") as err:
@@ -1172,6 +1173,7 @@ def test_bad_inputs_raise_value_errors_naming_node_and_input(flux, kwargs, needl
     assert sum(r["count"] for r in refused) == 1
     said = str(err.value).removeprefix("ReuseKit Step Cache: ")
     assert any(r["reason"] == rkharness.pack("caching.stats").clip_reason(said) for r in refused)
+    assert [r["source"] for r in refused] == ["ReuseKit Step Cache"], refused
 
 
 @pytest.mark.hardening
