@@ -159,6 +159,11 @@ def given_inputs(cls, node: str, threshold, rule, residual_mode, passed: dict) -
     values = {"threshold": threshold, "rule": rule, "residual_mode": residual_mode}
     if OLD_THRESHOLD in old:
         rel = old[OLD_THRESHOLD]
+        if isinstance(rel, str):  # a number written as text: ComfyUI converted the FLOAT input it was
+            try:
+                rel = float(rel)
+            except ValueError:
+                pass
         if isinstance(rel, bool) or not isinstance(rel, numbers.Real) or not (0.0 <= rel <= OLD_THRESHOLD_MAX):
             raise refused(node, f"{OLD_THRESHOLD} (now threshold) must be a number from 0 to {OLD_THRESHOLD_MAX:g}, "
                                 f"got {brief(rel)}")

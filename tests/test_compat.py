@@ -122,7 +122,14 @@ def test_rel_l1_thresh_is_mapped_with_one_log_line(caplog):
     assert len(said) == 1 and "threshold=0.77" in said[0] and "rule=teacache" in said[0], said
 
 
-@pytest.mark.parametrize("value", [-0.1, float("nan"), "0.4", True, 10.5,  # 10: its old maximum
+def test_a_rel_l1_thresh_written_as_text_is_read_as_its_number():
+    """ComfyUI converts a FLOAT input written as text ("0.4"), as it did rel_l1_thresh before the rename: the
+    old name refused it until 2026-12-06, where ``threshold: "0.4"`` runs."""
+    assert validate(_legacy("0.8"))[0]
+    assert torch.equal(run(_legacy("0.8"))[0][0], run(_legacy(0.8))[0][0])
+
+
+@pytest.mark.parametrize("value", [-0.1, float("nan"), "nan", "0.4x", True, 10.5,  # 10: its old maximum
                                    [0.3, 1]])  # a list, not a link (ComfyUI's links start with a node id string)
 def test_a_bad_rel_l1_thresh_is_an_error_naming_it(value):
     with pytest.raises(AssertionError, match=r"ReuseKit Step Cache: rel_l1_thresh \(now threshold\) must be"):
@@ -171,3 +178,4 @@ def test_removed_inputs_of_the_conditioning_nodes_are_ignored_with_one_log_line(
     assert sorted(m.split(":")[0] for m in said) == ["ReuseKit Cached CLIP", "ReuseKit Conditioning Cache Settings"]
     assert "device_hot=True" in said[0] + said[1] and "device_hot_negatives=True" in said[0] + said[1]
     assert settings.get("conditioning.budget_mib") == current["budget_mib"]
+
