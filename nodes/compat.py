@@ -5,8 +5,9 @@ maps it to the new one, and a removed one whose value no longer matters is accep
 either with one log line. ComfyUI hands ``execute`` only the inputs the schema
 declares, plus every linked one (``validate_prompt`` and the executor never refuse an input they
 do not know, on 0.3.75 as on 0.33 and 0.38), so an old input written as a value is read here from
-the prompt itself: the node declares the hidden PROMPT input (:func:`hidden`; it leaves ComfyUI's
-cache keys as they are, unlike UNIQUE_ID) and :func:`old_inputs` finds the executing node's entry.
+the prompt itself, and an unknown one is refused from there (:func:`unknown`): every node declares the
+hidden PROMPT input (:func:`hidden`; it leaves ComfyUI's cache keys as they are, unlike UNIQUE_ID) and
+:func:`old_inputs` finds the executing node's entry.
 
 UI workflows keep widget values by position, not by name: web/compat.js maps the old layouts when
 the page loads a workflow.
@@ -38,18 +39,23 @@ def _executing_node() -> str | None:
     return None if context is None else context.node_id
 
 
-def old_inputs(cls, names: tuple[str, ...], passed: dict[str, Any]) -> dict[str, Any]:
-    """The inputs among ``names`` (old names) that this node's prompt entry gives: linked ones from
-    ``passed`` (the keyword arguments ComfyUI passed beyond the schema's), values from the prompt."""
-    found = {name: passed[name] for name in names if name in passed}
+def _prompt_inputs(cls) -> dict | None:
+    """The inputs this node's prompt entry gives (ComfyUI's executing node in the hidden PROMPT), if found."""
     prompt = getattr(getattr(cls, "hidden", None), "prompt", None)
     node_id = _executing_node()
     entry = prompt.get(node_id) if isinstance(prompt, dict) and node_id is not None else None
     given = entry.get("inputs") if isinstance(entry, dict) else None
-    if isinstance(given, dict):
-        for name in names:
-            if name not in found and name in given and not is_link(given[name]):
-                found[name] = given[name]
+    return given if isinstance(given, dict) else None
+
+
+def old_inputs(cls, names: tuple[str, ...], passed: dict[str, Any]) -> dict[str, Any]:
+    """The inputs among ``names`` (old names) that this node's prompt entry gives: linked ones from
+    ``passed`` (the keyword arguments ComfyUI passed beyond the schema's), values from the prompt."""
+    found = {name: passed[name] for name in names if name in passed}
+    given = _prompt_inputs(cls) or {}
+    for name in names:
+        if name not in found and name in given and not is_link(given[name]):
+            found[name] = given[name]
     return found
 
 
@@ -61,12 +67,17 @@ def say_removed(cls, node: str, removed: dict[str, str], passed: dict[str, Any])
                       value, removed[name])
 
 
-def unknown(passed: dict[str, Any], known_old: tuple[str, ...] = ()) -> str | None:
-    """Why a linked input this node does not have is refused (None: there is none). ComfyUI drops an unknown
-    value but hands ``execute`` every linked input, so a typo or an input of a newer ReuseKit, linked, would
-    otherwise be ignored without a word."""
-    names = sorted(set(passed) - set(known_old))
+def unknown(cls, passed: dict[str, Any], known_old: tuple[str, ...] = ()) -> str | None:
+    """Why an input this node does not have is refused (None: there is none): a linked one (ComfyUI hands
+    ``execute`` every linked input) or one written as a value in its prompt entry (ComfyUI drops those
+    without a word), so a typo (``"thresold": 0``), or an input of a newer ReuseKit, is never ignored."""
+    names = set(passed) - set(known_old)
+    given = _prompt_inputs(cls)
+    if given:
+        declared = {name for section in ("required", "optional") for name in cls.INPUT_TYPES().get(section, {})}
+        names |= set(given) - declared - set(known_old)
     if not names:
         return None
+    names = sorted(names)
     return (f"{', '.join(map(repr, names))} {'is not an input' if len(names) == 1 else 'are not inputs'} of this "
             "node (a typo, or a workflow made with a newer ReuseKit?)")

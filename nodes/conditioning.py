@@ -43,7 +43,7 @@ class CachedCLIP(io.ComfyNode):
 
     @classmethod
     def execute(cls, clip, **linked_old) -> io.NodeOutput:
-        if (extra := compat.unknown(linked_old, ("device_hot",))) is not None:
+        if (extra := compat.unknown(cls, linked_old, ("device_hot",))) is not None:
             raise refusal(CACHE.stats, "ReuseKit Cached CLIP", extra)
         compat.say_removed(cls, "ReuseKit Cached CLIP", {"device_hot": DEVICE_HOT}, linked_old)
         _require("ReuseKit Cached CLIP", "clip", clip, "patcher", "clone")
@@ -67,11 +67,12 @@ class _CachedCopy(io.ComfyNode):
             node_id=cls.NODE_ID, display_name=cls.DISPLAY, category=AREA, description=cls.DESCRIPTION,
             inputs=[cls.KIND.Input(cls.INPUT, tooltip=f"The {label} to cache; it is copied, never changed.")],
             outputs=[cls.KIND.Output(display_name=label, tooltip="A copy routed through the cache.")],
+            hidden=compat.hidden(),
         )
 
     @classmethod
     def execute(cls, **inputs) -> io.NodeOutput:
-        if (extra := compat.unknown(inputs, (cls.INPUT,))) is not None:
+        if (extra := compat.unknown(cls, inputs, (cls.INPUT,))) is not None:
             raise refusal(CACHE.stats, cls.DISPLAY, extra)
         value = inputs.get(cls.INPUT)
         _require(cls.DISPLAY, cls.INPUT, value, "patcher", *cls.NEEDS)
@@ -133,7 +134,7 @@ class ConditioningCacheSettings(io.ComfyNode):
 
     @classmethod
     def execute(cls, global_mode=True, budget_mib=512, max_entries=128, clear=False, **linked_old) -> io.NodeOutput:
-        if (extra := compat.unknown(linked_old, ("device_hot_negatives",))) is not None:
+        if (extra := compat.unknown(cls, linked_old, ("device_hot_negatives",))) is not None:
             raise refusal(CACHE.stats, "ReuseKit Conditioning Cache Settings", extra)
         compat.say_removed(cls, "ReuseKit Conditioning Cache Settings", {"device_hot_negatives": DEVICE_HOT},
                            linked_old)

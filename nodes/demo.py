@@ -88,11 +88,12 @@ class DemoFlux(io.ComfyNode):
             outputs=[io.Model.Output(display_name="MODEL", tooltip="The tiny Flux trained on captioned shapes "
                                                                    "(use cfg 3-4, euler, 20 steps)."),
                      io.Clip.Output(display_name="CLIP", tooltip=CLIP_TOOLTIP)],
+            hidden=compat.hidden(),
         )
 
     @classmethod
     def execute(cls, **linked) -> io.NodeOutput:
-        if (extra := compat.unknown(linked)) is not None:
+        if (extra := compat.unknown(cls, linked)) is not None:
             raise refusal(_stats(), "ReuseKit Demo Flux", extra)
         return io.NodeOutput(*load_demo("flux"))
 
@@ -111,11 +112,12 @@ class DemoWan(io.ComfyNode):
             outputs=[io.Model.Output(display_name="MODEL", tooltip="The tiny Wan 2.1 trained on captioned shapes "
                                                                    "(one frame; cfg 3-4, euler, 20 steps)."),
                      io.Clip.Output(display_name="CLIP", tooltip=CLIP_TOOLTIP)],
+            hidden=compat.hidden(),
         )
 
     @classmethod
     def execute(cls, **linked) -> io.NodeOutput:
-        if (extra := compat.unknown(linked)) is not None:
+        if (extra := compat.unknown(cls, linked)) is not None:
             raise refusal(_stats(), "ReuseKit Demo Wan", extra)
         return io.NodeOutput(*load_demo("wan"))
 
@@ -135,6 +137,7 @@ class DemoDecode(io.ComfyNode):
                     io.Int.Input("scale", default=16, min=1, max=64,
                                  tooltip="Enlarge the small picture this many times (nearest neighbour).")],
             outputs=[io.Image.Output(tooltip="The picture (RGB).")],
+            hidden=compat.hidden(),
         )
 
     @classmethod
@@ -144,7 +147,7 @@ class DemoDecode(io.ComfyNode):
         from .demo_models import shapes
 
         node = "ReuseKit Demo Decode"
-        if (extra := compat.unknown(linked)) is not None:
+        if (extra := compat.unknown(cls, linked)) is not None:
             raise refusal(_stats(), node, extra)
         latent = samples.get("samples") if isinstance(samples, dict) else None
         if isinstance(latent, torch.Tensor) and latent.ndim in (4, 5) and latent.shape[1] != 16 \
@@ -187,19 +190,24 @@ class PromptBatch(io.ComfyNode):
                                       tooltip="The prompts, one item per line."),
                      io.String.Output(display_name="negative", is_output_list=True,
                                       tooltip="The negative, once per prompt.")],
+            hidden=compat.hidden(),
         )
 
     @classmethod
     def execute(cls, prompts, negative="", **linked) -> io.NodeOutput:
-        node = "ReuseKit Prompt Batch"
-        if (extra := compat.unknown(linked)) is not None:
-            raise refusal(CACHE.stats, node, extra)
-        if not isinstance(prompts, str) or not isinstance(negative, str):
-            raise refusal(CACHE.stats, node, "prompts and negative must be text")  # its prompts feed the encodes
-        lines = [line.strip() for line in prompts.splitlines() if line.strip()]
-        if not lines:
-            raise refusal(CACHE.stats, node, "prompts has no prompt (one per line)")
-        return io.NodeOutput(lines, [negative] * len(lines))
+        return _prompt_batch(cls, "ReuseKit Prompt Batch", prompts, negative, linked)
+
+
+def _prompt_batch(cls, node: str, prompts, negative, linked: dict) -> io.NodeOutput:
+    """A prompt batch node's work, refused under ``node``: the name of the node the user has."""
+    if (extra := compat.unknown(cls, linked)) is not None:
+        raise refusal(CACHE.stats, node, extra)
+    if not isinstance(prompts, str) or not isinstance(negative, str):
+        raise refusal(CACHE.stats, node, "prompts and negative must be text")  # its prompts feed the encodes
+    lines = [line.strip() for line in prompts.splitlines() if line.strip()]
+    if not lines:
+        raise refusal(CACHE.stats, node, "prompts has no prompt (one per line)")
+    return io.NodeOutput(lines, [negative] * len(lines))
 
 
 class OldPromptBatch(io.ComfyNode):
@@ -208,16 +216,17 @@ class OldPromptBatch(io.ComfyNode):
     of the node search. Its own class: ComfyUI caches a schema's fields on the class, a subclass would inherit
     them."""
 
+    DISPLAY = "ReuseKit Demo Prompt Batch (old name of ReuseKit Prompt Batch)"
+
     @classmethod
     def define_schema(cls) -> io.Schema:
         schema = PromptBatch.define_schema()
-        schema.node_id, schema.is_deprecated = "ReuseKitDemoPromptBatch", True
-        schema.display_name = "ReuseKit Demo Prompt Batch (old name of ReuseKit Prompt Batch)"
+        schema.node_id, schema.is_deprecated, schema.display_name = "ReuseKitDemoPromptBatch", True, cls.DISPLAY
         return schema
 
     @classmethod
     def execute(cls, prompts, negative="", **linked) -> io.NodeOutput:
-        return PromptBatch.execute(prompts, negative, **linked)
+        return _prompt_batch(cls, cls.DISPLAY, prompts, negative, linked)
 
 
 NODES = [DemoFlux, DemoWan, DemoDecode, PromptBatch, OldPromptBatch]

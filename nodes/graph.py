@@ -81,11 +81,12 @@ class GraphCaptureNode(io.ComfyNode):
                 *switches("enable"),
             ],
             outputs=[io.Model.Output(tooltip="The model with graph capture.")],
+            hidden=compat.hidden(),
         )
 
     @classmethod
     def execute(cls, model, enable=True, max_graphs=2, keep_graphs=True, **linked) -> io.NodeOutput:
-        if (extra := compat.unknown(linked)) is not None:
+        if (extra := compat.unknown(cls, linked)) is not None:
             raise _refused("ReuseKit Graph Capture", extra)
         return io.NodeOutput(with_capture("ReuseKit Graph Capture", "enable", model, enable, max_graphs, keep_graphs))
 
@@ -107,12 +108,13 @@ class GraphKSamplerNode(SamplerInputs, io.ComfyNode):
                 *switches("enable_graphs"),
             ],
             outputs=[io.Latent.Output(tooltip="The denoised latent.")],
+            hidden=compat.hidden(),
         )
 
     @classmethod
     def execute(cls, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
                 denoise=1.0, enable_graphs=True, max_graphs=2, keep_graphs=True, **linked) -> io.NodeOutput:
-        if (extra := compat.unknown(linked)) is not None:
+        if (extra := compat.unknown(cls, linked)) is not None:
             raise _refused(cls.NODE, extra)
         cls.check_inputs(graph_capture.STATS.handle, seed=seed, steps=steps, cfg=cfg, sampler_name=sampler_name, scheduler=scheduler,
                          positive=positive, negative=negative, latent_image=latent_image, denoise=denoise)

@@ -68,7 +68,9 @@ class _LazyLoader(io.ComfyNode):
             node_id=cls.NODE_ID, display_name=cls.DISPLAY, category=AREA,
             description=DESCRIPTION.format(host=cls.HOST), inputs=inputs,
             outputs=[io.Clip.Output(display_name="CLIP", tooltip="The text encoder; its encodes go through the "
-                                                                 "conditioning cache.")])
+                                                                 "conditioning cache.")],
+            hidden=compat.hidden(),
+        )
 
     @classmethod
     def validate_inputs(cls, **inputs):
@@ -79,7 +81,7 @@ class _LazyLoader(io.ComfyNode):
     def _error(cls, inputs: dict):
         spec = cls._spec()
         known = {name for name, _, _, _ in spec}
-        if (extra := compat.unknown({k: v for k, v in inputs.items() if k not in known})) is not None:
+        if (extra := compat.unknown(cls, {k: v for k, v in inputs.items() if k not in known})) is not None:
             return f"{cls.DISPLAY}: {extra}"
         for name, options, _, _ in spec:
             value = inputs.get(name)

@@ -38,11 +38,12 @@ class PECacheNode(io.ComfyNode):
                                          "default 'pe_cache.default_enabled' is on."),
             ],
             outputs=[io.Model.Output(tooltip="A clone of the model that reuses its position embeddings.")],
+            hidden=compat.hidden(),
         )
 
     @classmethod
     def execute(cls, model, enabled=True, **linked) -> io.NodeOutput:
-        if (extra := compat.unknown(linked)) is not None:
+        if (extra := compat.unknown(cls, linked)) is not None:
             raise _refused(extra)
         if not isinstance(model, comfy.model_patcher.ModelPatcher):
             raise _refused(f"input 'model' must be a MODEL, got {type(model).__name__}")

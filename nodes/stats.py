@@ -25,6 +25,7 @@ class CacheStatsNode(io.ComfyNode):
             ],
             outputs=[io.String.Output(display_name="text", tooltip="The same text, for other nodes.")],
             is_output_node=True,
+            hidden=compat.hidden(),
         )
 
     @classmethod
@@ -33,7 +34,7 @@ class CacheStatsNode(io.ComfyNode):
 
     @classmethod
     def execute(cls, after=None, **linked) -> io.NodeOutput:
-        if (extra := compat.unknown(linked)) is not None:
+        if (extra := compat.unknown(cls, linked)) is not None:
             stats = REGISTRY.register("stats_node", "stats", "Inputs the ReuseKit Cache Stats node refused.")
             raise refusal(stats, "ReuseKit Cache Stats", extra)
         text = format_snapshot(REGISTRY.snapshot())

@@ -223,7 +223,7 @@ class TeaCacheNode(io.ComfyNode):
                 max_consecutive_skips=0, cache_device="device", residual_mode=LEFT_OUT, rule=LEFT_OUT,
                 interval_power=1.0, first_blocks=1, **linked_old) -> io.NodeOutput:
         node = "ReuseKit Step Cache"
-        if (extra := compat.unknown(linked_old, (OLD_THRESHOLD,))) is not None:
+        if (extra := compat.unknown(cls, linked_old, (OLD_THRESHOLD,))) is not None:
             raise refused(node, extra)
         threshold, rule, residual_mode = given_inputs(cls, node, threshold, rule, residual_mode, linked_old)
         config = make_config(node, model_type, threshold, start_percent, end_percent,
@@ -249,12 +249,13 @@ class TeaCacheCalibrateNode(io.ComfyNode):
             inputs=[io.Model.Input("model", tooltip="The diffusion model to calibrate; sample with it once "
                                                     "(20+ steps give a better fit).")],
             outputs=[io.Model.Output(tooltip="A copy of the model that records the calibration while it samples.")],
+            hidden=compat.hidden(),
         )
 
     @classmethod
     def execute(cls, model, **linked) -> io.NodeOutput:
         node = "ReuseKit TeaCache Calibrate"
-        if (extra := compat.unknown(linked)) is not None:
+        if (extra := compat.unknown(cls, linked)) is not None:
             raise refused(node, extra)
         config = make_config(node, "auto", 0.0, 0.0, 1.0, 0, "device", "reuse", calibrate=True, rule="teacache")
         return io.NodeOutput(attach(node, model, config))
@@ -290,7 +291,7 @@ class CachedKSamplerNode(SamplerInputs, io.ComfyNode):
         import nodes
 
         node = cls.NODE
-        if (extra := compat.unknown(linked_old, (OLD_THRESHOLD,))) is not None:
+        if (extra := compat.unknown(cls, linked_old, (OLD_THRESHOLD,))) is not None:
             raise refused(node, extra)
         cls.check_inputs(patch.stats(), seed=seed, steps=steps, cfg=cfg, sampler_name=sampler_name, scheduler=scheduler,
                          positive=positive, negative=negative, latent_image=latent_image, denoise=denoise)

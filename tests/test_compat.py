@@ -179,3 +179,15 @@ def test_removed_inputs_of_the_conditioning_nodes_are_ignored_with_one_log_line(
     assert "device_hot=True" in said[0] + said[1] and "device_hot_negatives=True" in said[0] + said[1]
     assert settings.get("conditioning.budget_mib") == current["budget_mib"]
 
+
+def test_the_old_prompt_batch_id_names_itself_in_its_errors():
+    """ReuseKitDemoPromptBatch ran ReuseKit Prompt Batch's code under that node's name: its refusal named a node
+    the user's workflow does not have, in the error and in the stats (until 2026-12-06)."""
+    import nodes
+
+    stats = rkharness.pack("caching.conditioning").CACHE.stats
+    old = nodes.NODE_CLASS_MAPPINGS["ReuseKitDemoPromptBatch"]
+    name = old.GET_SCHEMA().display_name
+    with pytest.raises(ValueError, match=r"^ReuseKit Demo Prompt Batch \(old name of ReuseKit Prompt Batch\): prompts has"):
+        old.execute(prompts=" \n")
+    assert any(r["source"] == name and r["event"] == "refused" for r in stats.reasons()), stats.reasons()

@@ -499,11 +499,14 @@ def test_every_node_is_checked_for_unknown_inputs():
     assert set(UNKNOWN_CHECKED) | lazy == set(_reusekit_nodes())
 
 
+@pytest.mark.parametrize("linked", [True, False], ids=["linked", "written"])
 @pytest.mark.parametrize("class_type", UNKNOWN_CHECKED)
-def test_an_input_the_node_does_not_have_given_through_a_link_is_refused_naming_it(class_type, settings):
-    """ComfyUI drops an unknown value but hands the node every linked input: the step cache and conditioning
-    nodes ignored a linked typo ('treshold') without a word, the others (the demo, prompt batch and stats nodes
-    until 2026-12-06) failed with a TypeError naming their Python class. Each refuses it naming the node and the input, counted in the stats; a good prompt runs."""
+def test_an_input_the_node_does_not_have_is_refused_naming_it(class_type, linked, settings):
+    """ComfyUI hands the node every linked input: the step cache and conditioning nodes ignored a linked typo
+    ('treshold') without a word, the others (the demo, prompt batch and stats nodes until 2026-12-06) failed
+    with a TypeError naming their Python class. ComfyUI drops an unknown value written in the prompt: until
+    2026-12-06 every node ran without it, a step cache given ``"thresold": 0`` skipping steps at its default
+    threshold. Each refuses either naming the node and the input, counted in the stats; a good prompt runs."""
     executor = rkharness.Executor(cache="none")
     registry = rkharness.pack("caching.stats").REGISTRY
 
@@ -513,8 +516,9 @@ def test_an_input_the_node_does_not_have_given_through_a_link_is_refused_naming_
 
     prompt = _node_prompt(class_type, _reusekit_nodes()[class_type])
     assert _run_bad(executor, prompt) == (None, None)
-    prompt["20"] = {"class_type": "RKTestPass", "inputs": {"value": 0.9}}
-    prompt["9"]["inputs"]["treshold"] = ["20", 0]
+    if linked:
+        prompt["20"] = {"class_type": "RKTestPass", "inputs": {"value": 0.9}}
+    prompt["9"]["inputs"]["treshold"] = ["20", 0] if linked else 0.9
     counted = refusals()
     where, detail = _run_bad(executor, prompt)
     assert where == "execution", detail

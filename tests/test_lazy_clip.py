@@ -614,7 +614,8 @@ def test_each_lazy_loader_offers_its_host_loaders_choices_and_takes_the_same_pro
     host_inputs = {name: (entry[1]["options"] if entry[0] == "COMBO" else entry[0])
                    for section in host_node.INPUT_TYPES().values() for name, entry in section.items()}
     lazy_inputs = {name: list(entry[0]) if isinstance(entry[0], list) else entry[1]["options"]
-                   for section in lazy_node.INPUT_TYPES().values() for name, entry in section.items()}
+                   for key, section in lazy_node.INPUT_TYPES().items() if key != "hidden"  # (its prompt: compat)
+                   for name, entry in section.items()}
     assert lazy_inputs == {name: list(options) for name, options in host_inputs.items()}
     clip_names = [n for n in host_inputs if n.startswith("clip_name")]
     assert clip_names and all(set(names) <= set(host_inputs[n]) for n in clip_names)
@@ -647,15 +648,17 @@ def test_each_lazy_loader_offers_its_host_loaders_choices_and_takes_the_same_pro
     assert f"{lazy_node.DISPLAY}: {clip_names[-1]}: 'rk_missing.safetensors' is not one of" in message[
         "exception_message"]
     # an input the loader does not have, given through a link, is refused naming it (it failed with a TypeError
-    # from the host loader)
-    typo = prompt(lazy_id)
-    typo["1"]["inputs"]["treshold"] = ["3", 0]
-    executor = rkharness.Executor(cache="none")
-    with pytest.raises(AssertionError):
-        executor.run(typo)
-    (message,) = [m[1] for m in executor.executor.status_messages if m[0] == "execution_error"]
-    assert message["node_type"] == lazy_id
-    assert f"{lazy_node.DISPLAY}: 'treshold' is not an input of this node" in message["exception_message"], message
+    # from the host loader), and so is one written as a value (ComfyUI dropped it without a word)
+    for given in (["3", 0], 0.5):
+        typo = prompt(lazy_id)
+        typo["1"]["inputs"]["treshold"] = given
+        executor = rkharness.Executor(cache="none")
+        with pytest.raises(AssertionError):
+            executor.run(typo)
+        (message,) = [m[1] for m in executor.executor.status_messages if m[0] == "execution_error"]
+        assert message["node_type"] == lazy_id
+        assert f"{lazy_node.DISPLAY}: 'treshold' is not an input of this node" in message["exception_message"], \
+            message
     # a file that holds no text encoder (empty here) is refused naming the node and its files: it failed with
     # safetensors' own "header too small", naming neither
     executor = rkharness.Executor(cache="none")
