@@ -452,7 +452,6 @@ def _module_state(model: torch.nn.Module, patcher, wrapper) -> tuple:
     return found[0], classes
 
 
-_STDLIB, _TORCH = (os.path.dirname(os.path.realpath(m.__file__)) + os.sep for m in (os, torch))
 _PACK = __name__.rsplit(".", 2)[0]  # this pack's package, as ComfyUI imported it
 _origins: dict[str, str] = {}  # module name -> "host", "library" or "other"
 
@@ -468,20 +467,9 @@ def _origin(module: str | None) -> str:
         elif path is None:  # builtins, a frozen module; a module no longer imported
             found = "library" if module in sys.builtin_module_names or module in sys.modules else "other"
         else:
-            found = _file_origin(path)
+            found = host.file_origin(path)
         _origins[module] = found
     return found
-
-
-def _file_origin(path: str) -> str:
-    """Where a source file is, as :func:`_origin` tells a module's code."""
-    path = os.path.realpath(path)
-    root = os.path.dirname(os.path.dirname(os.path.realpath(sys.modules["comfy.model_management"].__file__))) + os.sep
-    if path.startswith(root) and not path[len(root):].startswith("custom_nodes" + os.sep):
-        return "host"
-    if path.startswith(_TORCH) or path.startswith(_STDLIB) or "-packages" + os.sep in path:
-        return "library"
-    return "other"
 
 
 def _compiled_from(fn, module: str | None) -> str | None:
@@ -540,7 +528,7 @@ def _class_code(cls: type, name: str, fn, gaps: list, depth: int = 0) -> tuple:
         raise Uncacheable(f"{_what(cls, name)} is code from {module}")
     elsewhere = _compiled_from(fn, module)
     if elsewhere is not None:
-        if _file_origin(elsewhere) == "other":
+        if host.file_origin(elsewhere) == "other":
             raise Uncacheable(f"{_what(cls, name)} runs code from {elsewhere}")
         gaps.append(f"{_what(cls, name)} runs code compiled from another file")
     if depth > _DEPTH:
@@ -796,7 +784,7 @@ _KEYED_ELSEWHERE = frozenset({"comfy.model_management", "comfy.memory_management
 def _host_module(module) -> bool:
     """Whether a module is ComfyUI's (its ``comfy`` package too, a namespace package with no file of its own)."""
     paths = [] if getattr(module, "__file__", None) else list(getattr(module, "__path__", ()))
-    return _origin(module.__name__) == "host" or any(_file_origin(os.path.join(p, "")) == "host" for p in paths)
+    return _origin(module.__name__) == "host" or any(host.file_origin(os.path.join(p, "")) == "host" for p in paths)
 
 
 _READ = "global "  # the label of a module-level function a class's code reads, before its module and name

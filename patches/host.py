@@ -14,6 +14,8 @@ import functools
 import importlib
 import inspect
 import logging
+import os
+import sys
 import threading
 from collections.abc import Callable
 
@@ -43,6 +45,41 @@ def say_once(key: str, msg: str, *args, level: int = logging.INFO) -> None:
             return
         _said.add(key)
     log.log(level, msg, *args)
+
+
+_STDLIB = os.path.dirname(os.path.realpath(os.__file__)) + os.sep
+
+
+def file_origin(path: str) -> str:
+    """Where a source file is: "host" (ComfyUI outside its custom_nodes), "library" (the standard library,
+    torch, an installed package) or "other" (another custom node, a script)."""
+    path = os.path.realpath(path)
+    root = os.path.dirname(os.path.dirname(os.path.realpath(sys.modules["comfy.model_management"].__file__))) + os.sep
+    if path.startswith(root) and not path[len(root):].startswith("custom_nodes" + os.sep):
+        return "host"
+    torch = os.path.dirname(os.path.realpath(sys.modules["torch"].__file__)) + os.sep
+    if path.startswith(torch) or path.startswith(_STDLIB) or "-packages" + os.sep in path:
+        return "library"
+    return "other"
+
+
+def foreign_code(fn) -> str | None:
+    """The file of code in ``fn``, or in what it wraps (``__wrapped__``, through this pack's own patches), that
+    is neither ComfyUI's nor a library's (torch's decorators): another pack's wrapper, which
+    ``functools.wraps`` gives ComfyUI's module name; as it is shown (from custom_nodes on, else its name).
+    None where there is none."""
+    seen = set()
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        if isinstance(fn, (staticmethod, classmethod)):
+            fn = fn.__func__
+            continue
+        code = getattr(fn, "__code__", None)
+        if code is not None and not getattr(fn, MARK, False) and file_origin(code.co_filename) == "other":
+            path = code.co_filename.replace(os.sep, "/")
+            return path[path.index("custom_nodes/"):] if "custom_nodes/" in path else os.path.basename(path)
+        fn = getattr(fn, "__wrapped__", None)
+    return None
 
 
 def _parameter_names(target) -> list[str] | None:
@@ -228,8 +265,9 @@ class Patch:
             self.off = differs(original, self.params, exact=self.exact)
             return False
         source = getattr(original, "__module__", None) or ""
-        if self.host_only and not source.startswith("comfy."):
-            self.off = f"is {source or 'something'}'s, not ComfyUI's"
+        foreign = foreign_code(original) if self.host_only else None
+        if self.host_only and (not source.startswith("comfy.") or foreign):
+            self.off = f"is {foreign if source.startswith('comfy.') else source or 'something'}'s, not ComfyUI's"
             say_once(f"replaced-{where}", "ReuseKit %s: %s %s; left unpatched", self.layer, where, self.off,
                      level=logging.WARNING)
             return False

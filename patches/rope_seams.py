@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from ..caching.keys import Uncacheable, encode, encode_geometry, tensor_meta, tensors_in
+from . import host
 
 _GEOMETRY: contextvars.ContextVar[Geometry | None] = contextvars.ContextVar("reusekit_pe_geometry", default=None)
 
@@ -165,8 +166,10 @@ class ForwardSeam:
                 fn = getattr(owner, name, None)
                 if fn is None:  # a helper this ComfyUI does not have
                     continue
-                if not getattr(fn, "__module__", "").startswith("comfy."):
-                    self.off = f"{name} is not ComfyUI's own (from {fn.__module__})"
+                source = getattr(fn, "__module__", None) or ""
+                foreign = host.foreign_code(fn)  # a wrapper of another pack's that took ComfyUI's module name
+                if not source.startswith("comfy.") or foreign:
+                    self.off = f"{name} is not ComfyUI's own (from {foreign if source.startswith('comfy.') else source})"
                 self._host.append((owner is cls, owner, name, fn))
 
     def make(self, original: Callable, active: Callable[[], bool]) -> Callable:

@@ -157,10 +157,14 @@ def test_a_builder_a_newer_comfyui_reshaped_stays_uncached_with_one_warning(monk
     assert "off" not in host.layers()["PE cache"][1]
 
 
-def test_a_builder_left_unpatched_is_counted_on_the_nodes_model(tiny):
+@pytest.mark.parametrize("how", ["named", "wrapped"])
+def test_a_builder_left_unpatched_is_counted_on_the_nodes_model(tiny, how):
     """Another pack's code on Flux's EmbedND.forward when ReuseKit installs: that builder is left unpatched, and
     a model with the node sampled wholly uncached while its card showed nothing at all. Now the node counts it
-    on the model's card, naming the builder and why; the picture is the host's."""
+    on the model's card, naming the builder and why; the picture is the host's. A wrapper made with
+    ``functools.wraps`` carries ComfyUI's module name: until 2026-12-06 it was taken for ComfyUI's builder, and a
+    setting of the other pack's that changed its tables (ids scaled by a factor) got the first table back."""
+    import functools
     import importlib
 
     layers = importlib.import_module("comfy.ldm.flux.layers")
@@ -170,21 +174,29 @@ def test_a_builder_left_unpatched_is_counted_on_the_nodes_model(tiny):
     rope.uninstall()
     host_forward = layers.EmbedND.forward
 
-    def forward(self, ids):  # another pack's wrapper (an fp32 rope, say)
-        return host_forward(self, ids)
+    scale = [1.0]
 
-    forward.__module__ = "some_other_pack.rope"
+    def forward(self, ids):  # another pack's wrapper (position interpolation by its node's factor, say)
+        return host_forward(self, ids * scale[0])
+
+    if how == "named":
+        forward.__module__ = "some_other_pack.rope"
+    else:
+        forward = functools.wraps(host_forward)(forward)
     layers.EmbedND.forward = forward
     try:
         rope.install()
         assert not patch.installed and patch.off
         (cached_model,) = node().execute(model, True).result
         assert torch.equal(sample(cached_model, tiny), plain)
+        scale[0] = 0.5
+        assert torch.equal(sample(cached_model, tiny), sample(model, tiny))
         cache = rope.model_cache(model.model)
         assert not any(counters(cache).values())  # nothing cached
         (row,) = cache.stats.reasons()
         assert row["event"] == "bypass" and "comfy.ldm.flux.layers.EmbedND.forward" in row["reason"]
-        assert "some_other_pack.rope" in row["reason"] and "not cached" in row["reason"]
+        named = "some_other_pack.rope" if how == "named" else "test_pe_cache_node.py"
+        assert named in row["reason"] and "not cached" in row["reason"], row
     finally:
         rope.uninstall()
         layers.EmbedND.forward = host_forward
