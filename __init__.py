@@ -1,13 +1,27 @@
 """ReuseKit: a ComfyUI node pack that never computes the same thing twice.
 
 ComfyUI imports this folder as a custom-node package and calls :func:`comfy_entrypoint` (the V3
-node API). Importing it does no work: nodes, patches and routes load inside the entrypoint.
+node API). Importing it does no work: nodes, patches and routes load inside the entrypoint. A second
+copy in another folder (a clone beside a Manager install) serves no page and registers nothing: its
+nodes would replace the first copy's and count into stats no panel shows; it says where both are.
 """
 
-WEB_DIRECTORY = "./web"
+import os
+import sys
+import types
+
+_HERE = os.path.dirname(os.path.realpath(__file__))
+_FIRST = sys.modules.setdefault("_reusekit_first_copy", types.ModuleType("_reusekit_first_copy")).__dict__.setdefault(
+    "path", _HERE)  # the folder of the copy ComfyUI loaded first, for the whole process
+
+WEB_DIRECTORY = "./web" if _FIRST == _HERE else None
 
 
 async def comfy_entrypoint():
+    if _FIRST != _HERE:
+        from .nodes import OtherCopyExtension
+
+        return OtherCopyExtension(_FIRST, _HERE)
     from .caching.settings import SETTINGS
     from .nodes import ReuseKitExtension
     from .patches import graph_release, host, rope, step_cache

@@ -189,6 +189,18 @@ def pack_version() -> str:
     return found.group(1) if found else "(version unknown)"
 
 
+class OtherCopyExtension(ComfyExtension):
+    """A second copy of the pack, loaded after ``first``: no nodes (theirs would replace the first copy's)."""
+
+    def __init__(self, first: str, here: str):
+        self.first, self.here = first, here
+
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        log.warning("ReuseKit: another copy is loaded already, from %s: this one, %s, registers no nodes and serves "
+                    "no page; remove one of the two folders", self.first, self.here)
+        return []
+
+
 class ReuseKitExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         from ..patches import host

@@ -25,6 +25,33 @@ def test_pack_is_a_v3_extension_with_a_web_directory():
     assert pack.WEB_DIRECTORY == "./web" and (rkharness.ROOT / "web" / "reusekit.js").is_file()
 
 
+def test_a_second_copy_in_another_folder_registers_nothing_and_says_where_both_are(tmp_path, caplog):
+    """A clone beside a Manager install: the copy ComfyUI loaded second replaced every node of the first, whose
+    panel routes and stats registry answered the page, so the panel showed none of what those nodes counted.
+    It now serves no page, registers no node and names both folders; the first copy's nodes stay."""
+    import asyncio
+    import logging
+    import shutil
+
+    import nodes
+
+    copy = tmp_path / "custom_nodes" / "ComfyUI-ReuseKit"
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=rkharness.ROOT, capture_output=True, check=True)
+    for name in filter(None, tracked.stdout.decode().split("\0")):
+        if (rkharness.ROOT / name).is_file():
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(rkharness.ROOT / name, copy / name)
+    before = dict(nodes.NODE_CLASS_MAPPINGS)
+    caplog.set_level(logging.WARNING, logger="reusekit")
+    assert asyncio.run(nodes.load_custom_node(str(copy)))
+    second = sys.modules[str(copy).replace(".", "_x_")]
+    assert second.WEB_DIRECTORY is None and rkharness.PACK.WEB_DIRECTORY == "./web"
+    assert nodes.NODE_CLASS_MAPPINGS == before
+    assert not [d for d in nodes.EXTENSION_WEB_DIRS.values() if str(copy) in d]
+    (said,) = [r.getMessage() for r in caplog.records if "another copy" in r.getMessage()]
+    assert str(rkharness.ROOT.resolve()) in said and str(copy.resolve()) in said, said
+
+
 def test_every_node_is_prefixed_and_in_the_reusekit_category():
     found = reusekit_nodes()
     assert "ReuseKitCacheStats" in found
