@@ -391,7 +391,8 @@ def _function(name: str, fn: types.FunctionType, closures: bool, modules: dict |
         f"{name} (its defaults)", (fn.__defaults__, tuple(sorted((fn.__kwdefaults__ or {}).items()))), closures,
         modules, depth + 1)
     cells = ()
-    if fn.__closure__ and _origin(fn.__module__) != "host":
+    if fn.__closure__ and (_origin(fn.__module__) != "host" or host.file_origin(code.co_filename) != "host"):
+        # (a wrapper made with functools.wraps takes the module name of what it wraps: told by its file)
         cells = tuple(_setting(f"{name} (its {var})", _contents(cell), closures, modules, depth + 1)
                       for var, cell in zip(code.co_freevars, fn.__closure__, strict=True))
     return ("function", fn.__module__, fn.__qualname__, code.co_filename, code.co_firstlineno, defaults, cells)

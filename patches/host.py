@@ -50,9 +50,13 @@ def say_once(key: str, msg: str, *args, level: int = logging.INFO) -> None:
 _STDLIB = os.path.dirname(os.path.realpath(os.__file__)) + os.sep
 
 
+@functools.lru_cache(maxsize=4096)
 def file_origin(path: str) -> str:
     """Where a source file is: "host" (ComfyUI outside its custom_nodes), "library" (the standard library,
-    torch, an installed package) or "other" (another custom node, a script)."""
+    torch, an installed package) or "other" (another custom node, a script). Code without a file (``<string>``:
+    a dataclass's generated methods, ``exec``) reads as a library's: where it comes from cannot be told."""
+    if not os.path.isabs(path):
+        return "library"
     path = os.path.realpath(path)
     root = os.path.dirname(os.path.dirname(os.path.realpath(sys.modules["comfy.model_management"].__file__))) + os.sep
     if path.startswith(root) and not path[len(root):].startswith("custom_nodes" + os.sep):

@@ -6,6 +6,7 @@ MiniMax H3 audio...) and every CLIP-vision model its CLIP-vision loader picks
 its reason; other pixels miss; tiled encodes are keyed apart from plain ones."""
 
 import copy
+import functools
 import importlib
 import types
 
@@ -115,23 +116,29 @@ def test_the_seedvr2_vaes_own_method_is_keyed_by_where_it_is_defined(cc):  # noq
     assert [r["reason"] for r in cc.CACHE.bypass_reasons()] == ["encoder setting 'format_encoded.__self__' holds a Identity"]
 
 
-def _scaled_input(scale, default: bool):
-    """A node's ``process_input`` at a widget's value: one line of code, the value in a default or a closure."""
-    if default:
+def _scaled_input(scale, how: str, host_function):
+    """A node's ``process_input`` at a widget's value: one line of code, the value in a default or a closure
+    (``wrapped``: a closure made with ``functools.wraps`` over the host's function, whose module name it takes)."""
+    if how == "default":
         return lambda image, s=scale: image * s - 1.0
+    if how == "wrapped":
+        return functools.wraps(host_function)(lambda image: image * scale - 1.0)
     return lambda image: image * scale - 1.0
 
 
-@pytest.mark.parametrize("default", [True, False], ids=["default", "closure"])
+@pytest.mark.parametrize("how", ["default", "closure", "wrapped"])
 def test_functions_a_node_sets_on_a_vae_are_keyed_by_their_defaults_and_what_they_capture(cc, uncached,  # noqa: F811
-                                                                                          default):
+                                                                                          how):
     """Two functions from one line of a node's code that differ in a default or a captured value compute apart:
-    the second encode is its own (it hit the first's latent, 1.9 off), on the VAE and on a module's forward."""
+    the second encode is its own (it hit the first's latent, 1.9 off), on the VAE and on a module's forward. A
+    closure wrapped over the host's function took ComfyUI's module name, and its captures were not keyed
+    (until 2026-12-06): code is told by its file."""
     vae = rkharness.TINY.tiny_vae(0)
     image = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(1))
     outs = []
+    host_function = vae.process_input
     for scale in (2.0, 0.5, 2.0):
-        vae.process_input = _scaled_input(scale, default)
+        vae.process_input = _scaled_input(scale, how, host_function)
         outs.append(vae.encode(image))
         assert same(outs[-1], uncached(vae.encode, image))
     assert not same(outs[0], outs[1]) and (cc.CACHE.count("misses"), cc.CACHE.count("hits")) == (2, 1)
