@@ -401,8 +401,8 @@ def _capture(gs: gr.GraphSet, call: _Call, decision: gr.Decision):
             run.captures += 1
         entry = gr.Entry(call.spec.signature, runner, runner.nbytes)
     evicted = gs.add(entry, generation)
-    if any(e is not entry for e in evicted):
-        STATS.incr("evictions", sum(e is not entry for e in evicted))
+    if graphs := sum(e is not entry and not e.failed for e in evicted):  # (an old failure's verdict is no graph)
+        STATS.incr("evictions", graphs)
     gs.retire(evicted)
     publish_memory()
     return _hand_back(out, call.hook)

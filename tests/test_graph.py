@@ -241,6 +241,21 @@ def test_graph_set_keeps_a_few_graphs_lru_and_release_names_the_reason():
     assert gs.decide(s1).reason == "shape"  # a real difference is named before the release
 
 
+def test_failed_captures_are_kept_apart_from_the_graphs_and_bounded():
+    """A failed capture's verdict holds no graph: it takes no max_graphs place, and the verdicts are bounded by
+    themselves (the oldest goes, as no graph does); a release drops both."""
+    gr = rkharness.pack("caching.graph_reuse")
+    good, *failing = (gr.analyse_call(call_args(x_shape=(2, 16, 8, n))).signature
+                      for n in range(8, 8 + 2 * (gr.FAILED_KEPT + 3), 2))
+    gs = gr.GraphSet(max_graphs=1)
+    gs.add(gr.Entry(good))
+    dropped = [e for sig in failing for e in gs.add(gr.Entry(sig, failed="a host sync"))]
+    assert [e.signature for e in dropped] == failing[:2] and all(e.failed for e in dropped)
+    assert list(gs.entries) == [good] and list(gs.failures) == failing[2:]
+    assert gs.decide(good).hit and gs.decide(failing[-1]).entry.failed and not gs.decide(failing[0]).hit
+    assert len(gs.release("unloaded")) == 1 + gr.FAILED_KEPT and not gs.entries and not gs.failures
+
+
 # ---- real tiny models through the real sampler -------------------------------------------------
 
 @pytest.mark.parametrize("family", ["flux", "wan"])
