@@ -17,11 +17,26 @@ _FIRST = sys.modules.setdefault("_reusekit_first_copy", types.ModuleType("_reuse
 WEB_DIRECTORY = "./web" if _FIRST == _HERE else None
 
 
+def _step_aside() -> None:
+    """This copy failed to start: a copy ComfyUI loads after it may take its place."""
+    marker = sys.modules.get("_reusekit_first_copy")
+    if marker is not None and marker.__dict__.get("path") == _HERE:
+        del marker.path
+
+
 async def comfy_entrypoint():
-    if _FIRST != _HERE:
+    if sys.modules["_reusekit_first_copy"].__dict__.setdefault("path", _HERE) != _HERE:
         from .nodes import OtherCopyExtension
 
-        return OtherCopyExtension(_FIRST, _HERE)
+        return OtherCopyExtension(sys.modules["_reusekit_first_copy"].path, _HERE)
+    try:
+        return _start()
+    except BaseException:
+        _step_aside()
+        raise
+
+
+def _start():
     from .caching.settings import SETTINGS
     from .nodes import ReuseKitExtension
     from .patches import graph_release, host, rope, step_cache
@@ -44,4 +59,4 @@ async def comfy_entrypoint():
         host.set_layer("panel", "on")
     else:
         host.set_layer("panel", "off", "no ComfyUI server in this process")
-    return ReuseKitExtension()
+    return ReuseKitExtension(on_failure=_step_aside)

@@ -25,22 +25,46 @@ def test_pack_is_a_v3_extension_with_a_web_directory():
     assert pack.WEB_DIRECTORY == "./web" and (rkharness.ROOT / "web" / "reusekit.js").is_file()
 
 
+def _copy_of_the_pack(folder):
+    import shutil
+
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=rkharness.ROOT, capture_output=True, check=True)
+    for name in filter(None, tracked.stdout.decode().split("\0")):
+        if (rkharness.ROOT / name).is_file():
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(rkharness.ROOT / name, folder / name)
+    return folder
+
+
+def test_a_copy_that_fails_to_start_leaves_the_place_to_the_next(tmp_path):
+    """A broken copy ComfyUI loads first (a half-finished update) claimed the place and registered nothing: the
+    working copy after it stood aside, leaving no ReuseKit node. Its failed start now gives the claim up."""
+    import asyncio
+
+    import nodes
+
+    broken = _copy_of_the_pack(tmp_path / "custom_nodes" / "ComfyUI-ReuseKit")
+    (broken / "caching" / "settings.py").write_text("import reusekit_missing_dependency\n")
+    marker = sys.modules["_reusekit_first_copy"]
+    first = marker.__dict__.pop("path")
+    try:
+        before = dict(nodes.NODE_CLASS_MAPPINGS)
+        assert not asyncio.run(nodes.load_custom_node(str(broken)))  # (ComfyUI logs the failure)
+        assert nodes.NODE_CLASS_MAPPINGS == before and "path" not in marker.__dict__
+    finally:
+        marker.path = first
+
+
 def test_a_second_copy_in_another_folder_registers_nothing_and_says_where_both_are(tmp_path, caplog):
     """A clone beside a Manager install: the copy ComfyUI loaded second replaced every node of the first, whose
     panel routes and stats registry answered the page, so the panel showed none of what those nodes counted.
     It now serves no page, registers no node and names both folders; the first copy's nodes stay."""
     import asyncio
     import logging
-    import shutil
 
     import nodes
 
-    copy = tmp_path / "custom_nodes" / "ComfyUI-ReuseKit"
-    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=rkharness.ROOT, capture_output=True, check=True)
-    for name in filter(None, tracked.stdout.decode().split("\0")):
-        if (rkharness.ROOT / name).is_file():
-            (copy / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(rkharness.ROOT / name, copy / name)
+    copy = _copy_of_the_pack(tmp_path / "custom_nodes" / "ComfyUI-ReuseKit")
     before = dict(nodes.NODE_CLASS_MAPPINGS)
     caplog.set_level(logging.WARNING, logger="reusekit")
     assert asyncio.run(nodes.load_custom_node(str(copy)))
