@@ -18,10 +18,16 @@ WEB_DIRECTORY = "./web" if _FIRST == _HERE else None
 
 
 def _step_aside() -> None:
-    """This copy failed to start: a copy ComfyUI loads after it may take its place."""
+    """This copy failed to load its code, before it changed anything in ComfyUI: a copy ComfyUI loads after it
+    may take its place, page included."""
     marker = sys.modules.get("_reusekit_first_copy")
     if marker is not None and marker.__dict__.get("path") == _HERE:
         del marker.path
+    web = sys.modules.get("nodes")
+    folders = getattr(web, "EXTENSION_WEB_DIRS", None)
+    if isinstance(folders, dict):
+        for name in [k for k, v in folders.items() if os.path.realpath(v) == os.path.join(_HERE, "web")]:
+            del folders[name]
 
 
 async def comfy_entrypoint():
@@ -30,18 +36,14 @@ async def comfy_entrypoint():
 
         return OtherCopyExtension(sys.modules["_reusekit_first_copy"].path, _HERE)
     try:
-        return _start()
-    except BaseException:
+        from .caching.settings import SETTINGS
+        from .nodes import ReuseKitExtension
+        from .patches import graph_release, host, rope, step_cache
+        from .patches.conditioning import install as install_conditioning_cache
+        from .routes import register as register_routes
+    except BaseException:  # (past here ComfyUI holds this copy's patches: it keeps its place)
         _step_aside()
         raise
-
-
-def _start():
-    from .caching.settings import SETTINGS
-    from .nodes import ReuseKitExtension
-    from .patches import graph_release, host, rope, step_cache
-    from .patches.conditioning import install as install_conditioning_cache
-    from .routes import register as register_routes
 
     # global mode (on unless REUSEKIT_CONDITIONING=0) routes every encode
     if not install_conditioning_cache():
@@ -59,4 +61,4 @@ def _start():
         host.set_layer("panel", "on")
     else:
         host.set_layer("panel", "off", "no ComfyUI server in this process")
-    return ReuseKitExtension(on_failure=_step_aside)
+    return ReuseKitExtension()

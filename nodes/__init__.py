@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable
 
 from comfy_api.latest import ComfyExtension, io
 
@@ -203,19 +202,9 @@ class OtherCopyExtension(ComfyExtension):
 
 
 class ReuseKitExtension(ComfyExtension):
-    """The pack's nodes; ``on_failure`` runs where listing them fails (another copy may then load)."""
-
-    def __init__(self, on_failure: Callable[[], None] | None = None):
-        self.on_failure = on_failure
-
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         from ..patches import host
 
-        try:
-            classes = load_node_classes()
-            log.info("%s", host.startup_line(pack_version()))  # which layers are on, and why the others are off
-        except BaseException:
-            if self.on_failure is not None:
-                self.on_failure()
-            raise
+        classes = load_node_classes()
+        log.info("%s", host.startup_line(pack_version()))  # which layers are on, and why the others are off
         return classes

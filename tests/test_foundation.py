@@ -38,7 +38,8 @@ def _copy_of_the_pack(folder):
 
 def test_a_copy_that_fails_to_start_leaves_the_place_to_the_next(tmp_path):
     """A broken copy ComfyUI loads first (a half-finished update) claimed the place and registered nothing: the
-    working copy after it stood aside, leaving no ReuseKit node. Its failed start now gives the claim up."""
+    working copy after it stood aside, leaving no ReuseKit node. A copy whose code fails to load (before it
+    changed anything in ComfyUI) now gives the place up, and its page."""
     import asyncio
 
     import nodes
@@ -51,6 +52,7 @@ def test_a_copy_that_fails_to_start_leaves_the_place_to_the_next(tmp_path):
         before = dict(nodes.NODE_CLASS_MAPPINGS)
         assert not asyncio.run(nodes.load_custom_node(str(broken)))  # (ComfyUI logs the failure)
         assert nodes.NODE_CLASS_MAPPINGS == before and "path" not in marker.__dict__
+        assert not [d for d in nodes.EXTENSION_WEB_DIRS.values() if str(broken) in d]
     finally:
         marker.path = first
 
