@@ -86,6 +86,15 @@ def foreign_code(fn) -> str | None:
     return None
 
 
+def owner_if_not_host(fn) -> str | None:
+    """Whose ``fn`` is where it is not ComfyUI's own (None where it is): its module where that is not
+    ComfyUI's, else the file of another pack's wrapper that took ComfyUI's module name (:func:`foreign_code`)."""
+    source = getattr(fn, "__module__", None) or ""
+    if not source.startswith("comfy."):
+        return source or "something"
+    return foreign_code(fn)
+
+
 def _parameter_names(target) -> list[str] | None:
     try:
         sig = inspect.signature(target)
@@ -268,10 +277,9 @@ class Patch:
         if not check(f"{self.layer} for {self.family}", where, original, self.params, exact=self.exact):
             self.off = differs(original, self.params, exact=self.exact)
             return False
-        source = getattr(original, "__module__", None) or ""
-        foreign = foreign_code(original) if self.host_only else None
-        if self.host_only and (not source.startswith("comfy.") or foreign):
-            self.off = f"is {foreign if source.startswith('comfy.') else source or 'something'}'s, not ComfyUI's"
+        owner_name = owner_if_not_host(original) if self.host_only else None
+        if owner_name:
+            self.off = f"is {owner_name}'s, not ComfyUI's"
             say_once(f"replaced-{where}", "ReuseKit %s: %s %s; left unpatched", self.layer, where, self.off,
                      level=logging.WARNING)
             return False

@@ -166,10 +166,9 @@ class ForwardSeam:
                 fn = getattr(owner, name, None)
                 if fn is None:  # a helper this ComfyUI does not have
                     continue
-                source = getattr(fn, "__module__", None) or ""
-                foreign = host.foreign_code(fn)  # a wrapper of another pack's that took ComfyUI's module name
-                if not source.startswith("comfy.") or foreign:
-                    self.off = f"{name} is not ComfyUI's own (from {foreign if source.startswith('comfy.') else source})"
+                owner_name = host.owner_if_not_host(fn)
+                if owner_name:
+                    self.off = f"{name} is not ComfyUI's own (from {owner_name})"
                 self._host.append((owner is cls, owner, name, fn))
 
     def make(self, original: Callable, active: Callable[[], bool]) -> Callable:

@@ -207,6 +207,49 @@ def test_a_builder_left_unpatched_is_counted_on_the_nodes_model(tiny, how):
     assert rope.model_cache(again.model).stats.reasons() == []  # all patched: nothing to say
 
 
+@pytest.mark.parametrize("how", ["named", "wrapped"])
+def test_a_forward_helper_another_pack_wraps_turns_the_geometry_key_off(tiny, how):
+    """Packs wrap Flux's ``forward_orig`` (step caches, position tricks), some with ``functools.wraps``, which gives
+    the wrapper ComfyUI's module name. Such a wrapper may change the ids after the forward made them from the
+    geometry (here: scaled by its node's factor), so the tables are keyed by the ids' values instead: the picture is
+    the host's at each factor, and the start-up line says why, naming the helper and whose it is (on a GPU, where
+ids are not read, each table computed is counted on the model's card)."""
+    import functools
+    import importlib
+
+    flux = importlib.import_module("comfy.ldm.flux.model")
+    seam = next(s for s in rkharness.pack("patches.rope_seams").SEAMS if s.family == "flux")
+    model = tiny.tiny_flux(0)
+    rope.uninstall()
+    host_forward_orig = flux.Flux.forward_orig
+    scale = [1.0]
+
+    def forward_orig(self, img, img_ids, *args, **kwargs):
+        return host_forward_orig(self, img, img_ids * scale[0], *args, **kwargs)
+
+    if how == "named":
+        forward_orig.__module__ = "some_other_pack.flux"
+    else:
+        forward_orig = functools.wraps(host_forward_orig)(forward_orig)
+    flux.Flux.forward_orig = forward_orig
+    try:
+        rope.install()
+        named = "some_other_pack.flux" if how == "named" else "test_pe_cache_node.py"
+        assert seam.off is not None and "forward_orig" in seam.off and named in seam.off
+        (cached_model,) = node().execute(model, True).result
+        for factor in (1.0, 0.5):
+            scale[0] = factor
+            assert torch.equal(sample(cached_model, tiny), sample(model, tiny))
+        assert counters(rope.model_cache(model.model))["hits"] > 0  # on the CPU the ids' values are read
+        state, detail = host.layers()["PE cache"]
+        assert state == "on" and "flux geometry off" in detail and named in detail, detail
+    finally:
+        rope.uninstall()
+        flux.Flux.forward_orig = host_forward_orig
+        rope.install()
+    assert seam.off is None
+
+
 def test_bad_inputs_name_the_node_and_the_input():
     with pytest.raises(ValueError, match="ReuseKit PE Cache.*'model'"):
         node().execute("not a model", True)
