@@ -156,13 +156,13 @@ def apply(model_patcher, config: tc.StepCacheConfig, node: str = ""):
     """A clone of ``model_patcher`` with the step cache attached (the input is not changed); a model or a
     setting it refuses is a ValueError, counted with its message as a refusal from ``node``."""
     try:
-        return _attach(model_patcher, config)
+        return _attach(model_patcher, config, node)
     except ValueError as exc:
         stats().count_reason("refused", str(exc), source=node)
         raise
 
 
-def _attach(model_patcher, config: tc.StepCacheConfig):
+def _attach(model_patcher, config: tc.StepCacheConfig, node: str):
     family = detect_family(model_patcher)
     if not _seams_fit(family):  # this host reshaped what the family reads: it runs uncached
         stats().count_reason("bypass", "this ComfyUI reshaped a seam the family uses (the log names it): "
@@ -186,6 +186,9 @@ def _attach(model_patcher, config: tc.StepCacheConfig):
         if config.model_type not in table:
             raise ValueError(f"model_type: {config.model_type!r} has no published {rule} table (use auto or "
                              "calibrated)")
+    if config.model_type != "auto" and not config.calibrate and _rule(config, family) in ("first_block", "interval"):
+        stats().count_reason("fallback", f"model_type: {config.model_type!r} is not read by rule "
+                             f"{_rule(config, family)}, which runs without a table", source=node)
     earlier: Settings | None = model_patcher.model_options.get("transformer_options", {}).get(KEY)
     if earlier is not None and earlier.config.calibrate and not config.calibrate:
         raise ValueError("model: it comes from ReuseKit TeaCache Calibrate, whose run would then skip steps and "

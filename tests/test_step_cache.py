@@ -797,6 +797,19 @@ def test_auto_takes_the_familys_rule_threshold_and_mode(flux, conds):
     assert run["threshold"] == tc().RULE_THRESHOLDS["flux"]["first_block"] and run["residual_mode"] == mode
 
 
+@pytest.mark.parametrize("rule,thresh", [("interval", 3.0), ("first_block", 0.25)])
+@pytest.mark.parametrize("model_type", ["calibrated", "flux"])
+def test_a_model_type_the_rule_does_not_read_is_said_and_changes_nothing(flux, conds, rule, thresh, model_type):
+    """First-Block and the interval rule read no table: a model_type set beside them (a calibration asked for,
+    or published coefficients) runs as ``auto`` does, and the stats say it was not read, naming the node."""
+    expected = sample(teacache(flux, thresh, model_type="auto", rule=rule, mode="reuse"), conds)
+    P().stats().reset_counters()
+    assert torch.equal(sample(teacache(flux, thresh, model_type=model_type, rule=rule, mode="reuse"), conds), expected)
+    (row,) = P().stats().reasons()
+    assert (row["event"], row["source"], row["count"]) == ("fallback", "ReuseKit Step Cache", 1), row
+    assert f"model_type: '{model_type}' is not read by rule {rule}" in row["reason"], row
+
+
 def test_the_rule_threshold_and_mode_the_log_names_give_the_defaults_picture(flux, conds, caplog):
     """The defaults mean the installed version's (README "Compatibility"): the run's log line names the rule,
     threshold and mode they resolved to, exactly, and a node set to them samples the same latent, so a
