@@ -386,10 +386,10 @@ class ConditioningCache:
         if not self.enabled:
             return compute()
         self.reap()
+        since = self._clears  # (an int read: atomic; before the lookup, so a clear after it is never missed)
         found = self.lookup(key)
         if found is not _MISS:
             return found
-        since = self._clears  # (an int read: atomic)
         skey = self._shared_key(shared, key.kind, encoder)
         if skey is not None:
             got = self._shared_get(skey, key.kind, encoder)
@@ -416,6 +416,12 @@ class ConditioningCache:
             kind = key.kind
 
             def publish() -> None:
+                with self._lock:  # (on the publishing thread, maybe seconds later: the panel may have acted)
+                    gone = self._clears != since or not self.enabled
+                if gone:
+                    self.kept_local(kind, "the cache was cleared, turned off or switched to another weight check "
+                                    "before its shared write", encoder)
+                    return
                 try:
                     taken = TIERS.put(skey, stored, seconds, _CONTAINERS)
                 except Exception as exc:  # a shared tier never fails an encode: counted, the result kept here

@@ -1084,6 +1084,43 @@ def test_an_entry_waiting_for_publication_when_an_edit_is_seen_is_never_publishe
     assert counter(shared.tiers, "disk", "hits") == 0 and not equal(clean, first)
 
 
+@pytest.mark.parametrize("action", ["clear", "budget 0", "entries 0", "checks off"])
+def test_a_panel_action_while_an_entry_waits_for_publication_keeps_it_off_the_shared_tiers(shared, monkeypatch, action):
+    """The publication check runs on its own thread, seconds after the encode on a large encoder. A clear, a
+    budget or limit of 0, or the weight checks switched off ("the shared tiers neither read nor write") in that
+    time kept nothing in this process but still wrote the entry to the disk tier. Now it is not written, and
+    counted as not shared; the encode's own result is the encoder's."""
+    files = _tiny_files()
+    weights = rkharness.pack("patches.encoder_weights")
+    gate = threading.Event()
+    real = weights._publication_check
+    monkeypatch.setattr(weights, "_publication_check", lambda *a: gate.wait(30) and real(*a))
+    act, undo = {
+        "clear": (lambda: rkharness.pack("caching.stats").REGISTRY.clear(None), lambda: None),
+        "budget 0": (lambda: shared.settings.update({"conditioning.budget_mib": 0}),
+                     lambda: shared.settings.update({"conditioning.budget_mib": 512})),
+        "entries 0": (lambda: shared.settings.update({"conditioning.max_entries": 0}),
+                      lambda: shared.settings.update({"conditioning.max_entries": 128})),
+        "checks off": (lambda: shared.settings.update({"conditioning.check_weight_edits": "off"}),
+                       lambda: shared.settings.update({"conditioning.check_weight_edits": "events"})),
+    }[action]
+    clip = files.load_tiny_clip_file(files.write_tiny_clip_file(str(shared.files), 0))
+    try:
+        out = clip.encode_from_tokens(clip.tokenize(TEXT), return_pooled=True)
+        worker = threading.Thread(target=act)  # the panel's route, on the server's thread
+        worker.start()
+        worker.join(30)
+        gate.set()
+        assert entry_files(shared.folder) == [] and equal(out, reference(0))
+        assert any("before its shared write" in r["reason"] for r in shared.cc.CACHE.bypass_reasons()), \
+            shared.cc.CACHE.bypass_reasons()
+    finally:
+        gate.set()
+        undo()
+    encode(clip)  # the same encode with nothing done meanwhile is written
+    assert len(entry_files(shared.folder)) == 1
+
+
 def test_checks_switched_on_compare_with_the_weights_as_loaded(shared):
     """Loaded with the checks off, edited, then checks on: the first encode compares with the weights as
     loaded (taken in every mode), so the edit is an edit, never the reference: nothing reaches the disk
