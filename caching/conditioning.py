@@ -310,6 +310,8 @@ class ConditioningCache:
 
     def __init__(self, budget_bytes: int = 512 * MIB, max_entries: int = 128, stats=None):
         self._lock = threading.RLock()
+        self._publishing = threading.Lock()  # around the stats' writes alone (only their locks inside)
+        self._readings = self._written = 0  # the figures read for the stats, and the newest of them written
         self._entries: OrderedDict[Key, Entry] = OrderedDict()
         self._pinned: dict[int, list] = {}  # id(WeightSet) -> [weight set, refcount]
         self._held: dict[tuple, list] = {}  # a pinned tensor's where -> [pinned sets holding it, bytes, tier, kind]
@@ -640,6 +642,8 @@ class ConditioningCache:
 
     def _publish(self) -> None:
         with self._lock:
+            self._readings += 1
+            reading = self._readings
             tiers = dict(self._bytes)
             n = len(self._entries)
             by_kind = {k: {"entries": 0, "bytes": self._kind_bytes[k],
@@ -648,11 +652,15 @@ class ConditioningCache:
             for e in self._entries.values():
                 by_kind[e.key.kind]["entries"] += 1
             budget, max_entries = self.budget_bytes, self.max_entries
-        for tier, held in tiers.items():
-            self.stats.set_memory(tier, held, budget)
-        self.stats.set_entries(n)
-        self.stats.set_info("by_kind", by_kind)
-        self.stats.set_info("limits", {"budget_bytes": budget, "max_entries": max_entries})
+        with self._publishing:  # a reading older than one written is dropped, never written over it
+            if reading < self._written:
+                return
+            self._written = reading
+            for tier, held in tiers.items():
+                self.stats.set_memory(tier, held, budget)
+            self.stats.set_entries(n)
+            self.stats.set_info("by_kind", by_kind)
+            self.stats.set_info("limits", {"budget_bytes": budget, "max_entries": max_entries})
 
     def reset_counts(self) -> None:
         with self._lock:

@@ -184,6 +184,7 @@ class PECache:
 
     def __init__(self, stats_name: str | None = None, description: str = ""):
         self._lock = threading.Lock()
+        self._publishing = threading.Lock()  # taken before _lock, never under it
         self._entries: dict[str, _Entry] = {}
         self._per_name: dict[str, dict[str, int]] = {}
         self._shared = bool(stats_name)  # in the registry the panel reads; close() folds it away
@@ -312,18 +313,20 @@ class PECache:
             if saved:
                 stats.add_time_saved(saved)
             if counter != "hits":  # a hit changes no entry: its per-name count goes out with the next
-                stats.set_info("names", self.name_stats())  # change and at the end of each run (publish)
+                with self._publishing:  # change and at the end of each run (publish)
+                    stats.set_info("names", self.name_stats())
 
     def publish(self) -> None:
         """Put the memory held, the entries and the per-name counters into the stats."""
         stats = self.stats
         if stats is None:
             return
-        by_tier = self.nbytes()
-        for tier in ("cpu", "device"):
-            stats.set_memory(tier, by_tier.get(tier, 0))
-        stats.set_entries(len(self.names()))
-        stats.set_info("names", self.name_stats())
+        with self._publishing:  # one at a time, so an older reading is never written over a newer one
+            by_tier = self.nbytes()
+            for tier in ("cpu", "device"):
+                stats.set_memory(tier, by_tier.get(tier, 0))
+            stats.set_entries(len(self.names()))
+            stats.set_info("names", self.name_stats())
 
 
 # ---- one cache per model -------------------------------------------------------------------

@@ -271,3 +271,44 @@ def test_a_setting_refuses_huge_numbers_with_a_short_message_and_changes_nothing
         assert key in str(err.value) and len(str(err.value)) < 200
         assert reg.get("t.ratio") == 0.5 and reg.get("t.count") == 4
     assert reg.set("t.count", 7.0) == 7 and reg.set("t.ratio", 10 ** 3) == 1000.0
+
+
+@pytest.mark.parametrize("which", ["conditioning", "pe"])
+def test_a_caches_figures_end_at_its_state_when_two_threads_publish_them(which):
+    """A cache reads its figures under its lock and writes them to its stats after: a clear from the panel's
+    thread while the worker's publish was between the two wrote 0 entries, then the worker's older reading
+    over it (the panel showed 0 entries of 17 held, or an entry after the clear, until the next change)."""
+    import torch
+
+    if which == "conditioning":
+        cc = rkharness.pack("caching.conditioning")
+        cache = cc.ConditioningCache()
+        cache.fetch(cc.Key("text", (cc.encode(1),), owners=(1,)), lambda: torch.ones(3))
+        publish = cache._publish
+    else:
+        pc = rkharness.pack("caching.pe_cache")
+        cache = pc.PECache()
+        cache.get_or_create(pc.PECacheKey("n").add(1), lambda: torch.ones(3))
+        publish = cache.publish
+    assert cache.stats.snapshot()["entries"] == 1
+    reading, go = threading.Event(), threading.Event()
+    real = cache.stats.set_entries
+
+    def set_entries(n):  # the worker's publish stops between its reading and its writing
+        if threading.current_thread() is worker:
+            reading.set()
+            assert go.wait(10)
+        real(n)
+
+    cache.stats.set_entries = set_entries
+    worker = threading.Thread(target=publish)
+    worker.start()
+    assert reading.wait(10)
+    panel = threading.Thread(target=cache.clear)
+    panel.start()
+    panel.join(0.5)  # (a publish that waits for the worker's holds the clear's figures until it ends)
+    go.set()
+    worker.join(10)
+    panel.join(10)
+    snap = cache.stats.snapshot()
+    assert snap["entries"] == 0 and not any(snap["bytes"].values()), snap
