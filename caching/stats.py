@@ -63,6 +63,7 @@ class CacheStats:
         self._time_saved_s = 0.0
         self._info: dict[str, Any] = {}
         self._reasons: dict[tuple[str, str, str], int] = {}  # (event, source, reason) -> count
+        self._took: dict[tuple[str, str, str], int] = {}  # a row that took another's place -> that row's rank then
         self._off: str | None = None
 
     def incr(self, counter: str, n: int = 1) -> None:
@@ -106,8 +107,11 @@ class CacheStats:
         says what it did instead (``bypass``: ran them uncached or eagerly; ``refused``: would not take a
         model or a value; ``fallback``: served them another way; ``disabled``: computed a whole run),
         ``source`` where it happened (a model family, a check's name) when the reason does not say.
-        Past MAX_REASONS rows a new one takes the place of the least frequent (the oldest of those), whose
-        count goes to its event's OTHER_REASON row: a reason that becomes frequent late is still named.
+        Past MAX_REASONS rows a new one takes the place of the lowest ranked (the oldest of those), whose
+        count goes to its event's OTHER_REASON row, and ranks from that row's rank on (Space-Saving, Metwally et
+        al. 2005: a newcomer ranked from 1 was always the next one out, so two late reasons coming in turns
+        took each other's place and neither was ever named); a row shows the count since it came in. So a
+        reason that becomes frequent late is still named.
         True when this row is new since the counts were reset and took no other's place (a cache logs a
         reason once by it: at most MAX_REASONS lines)."""
         reason = clip_reason(reason)
@@ -116,7 +120,11 @@ class CacheStats:
             new = slot not in self._reasons
             named = [s for s in self._reasons if s[2] != OTHER_REASON] if new else ()
             if len(named) >= MAX_REASONS:
-                least = min(named, key=self._reasons.__getitem__)  # (the first of equals: the oldest)
+                def rank(s):
+                    return self._reasons[s] + self._took.get(s, 0)
+                least = min(named, key=rank)  # (the first of equals: the oldest)
+                self._took[slot] = rank(least)
+                self._took.pop(least, None)
                 other = (least[0], "", OTHER_REASON)
                 self._reasons[other] = self._reasons.get(other, 0) + self._reasons.pop(least)
                 new = False
@@ -147,6 +155,7 @@ class CacheStats:
         with self._lock:
             self._counters.clear()
             self._reasons.clear()
+            self._took.clear()
             self._time_saved_s = 0.0
         self._registry._changed()
 

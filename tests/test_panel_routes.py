@@ -208,6 +208,27 @@ def test_reasons_are_counted_in_one_form_bounded_and_reset_with_the_counters():
     assert registry.snapshot()["caches"][0]["reasons"] == []
 
 
+def test_late_reasons_coming_in_turns_on_a_full_list_are_both_named_with_their_counts():
+    """Past the bound a newcomer counted from 1 was the least frequent at once: two late reasons coming in turns
+    each took the other's place, 400 counts went to the row of the rest and the panel named one of them, at 1.
+    A newcomer now ranks from the rank of the row it replaced, and shows the counts since it came in."""
+    stats = rkharness.pack("caching.stats")
+    handle = stats.StatsRegistry().register("why", "conditioning")
+    for i in range(stats.MAX_REASONS):
+        handle.count_reason("bypass", f"early {i}", n=5)
+    for _ in range(200):
+        handle.count_reason("bypass", "late A")
+        handle.count_reason("bypass", "late B")
+    rows = handle.reasons()
+    assert rows[:2] == [{"event": "bypass", "source": "", "reason": f"late {x}", "count": 200} for x in "AB"], rows[:3]
+    assert len(rows) == stats.MAX_REASONS + 1
+    assert sum(r["count"] for r in rows) == 5 * stats.MAX_REASONS + 400  # nothing lost: two early rows in the rest
+    assert {"event": "bypass", "source": "", "reason": stats.OTHER_REASON, "count": 10} in rows
+    handle.reset_counters()
+    handle.count_reason("bypass", "after the reset")
+    assert handle.reasons() == [{"event": "bypass", "source": "", "reason": "after the reset", "count": 1}]
+
+
 @pytest.mark.hardening
 def test_a_body_that_is_not_json_gets_400(server):
     for path in ("/reusekit/settings", "/reusekit/clear"):
