@@ -691,16 +691,25 @@ class RunState:
         self._scheduled_step = step
         return out
 
-    def pair(self) -> tuple[Any, Any] | None:
-        """(cond key, uncond key) where the run has exactly one of each, else None (no H step). A pass with
-        some blocks replaced (SkipLayerGuidance's) is a call of its own beside them, never one of the pair."""
+    def _branches(self) -> dict[str, list]:
+        """The run's conds by label, but for passes with some blocks replaced (SkipLayerGuidance's): calls of
+        their own beside the branches."""
         by_label: dict[str, list] = {}
         for key, state in self.conds.items():
             if not (isinstance(key, tuple) and len(key) == 3 and key[1] == REPLACED):
                 by_label.setdefault(state.label, []).append(key)
+        return by_label
+
+    def pair(self) -> tuple[Any, Any] | None:
+        """(cond key, uncond key) where the run has exactly one of each, else None (no H step)."""
+        by_label = self._branches()
         if len(by_label.get("cond", ())) != 1 or len(by_label.get("uncond", ())) != 1 or len(by_label) != 2:
             return None
         return by_label["cond"][0], by_label["uncond"][0]
+
+    def branches(self) -> str:
+        """The run's branches as a reason names them: "2 cond, 1 uncond"."""
+        return ", ".join(f"{len(keys)} {label}" for label, keys in sorted(self._branches().items()))
 
     def estimate(self, cond_residual: torch.Tensor) -> torch.Tensor:
         """An H step's uncond residual: the cond's residual at this step minus the difference measured at

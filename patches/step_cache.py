@@ -464,9 +464,14 @@ class _Call:
             half = self.family.half and self.scoped is None
             self.roles = self.run.decide_scheduled(self.keys, self.labels, list(signals), chunk, self.sigma,
                                                    half=half, effects=self.effects, may_skip=self.may_skip)
-            if self.family.half and not half and self.run.planned == "H":
-                stats().count_reason("fallback", f"no cond-only step for a call with {self.scoped} (the planned "
-                                     "cond-only step was computed whole)", source=self.family.name)
+            if self.family.half and self.run.planned == "H":
+                if not half:
+                    stats().count_reason("fallback", f"no cond-only step for a call with {self.scoped} (the planned "
+                                         "cond-only step was computed whole)", source=self.family.name)
+                elif self.run.pair() is None:  # PerpNeg's three branches, two prompts combined...
+                    stats().count_reason("fallback", f"no cond-only step in a run whose branches are not one cond and "
+                                         f"one uncond ({self.run.branches()}): the planned cond-only step was "
+                                         "computed whole", source=self.family.name)
             self.skip = "C" not in self.roles
             self.half = not self.skip and "E" in self.roles
             return

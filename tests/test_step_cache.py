@@ -1326,6 +1326,50 @@ def test_an_uncond_a_guider_drops_for_some_steps_starts_over_when_it_comes_back(
     assert errors[True] < 1.5 * errors[False], errors
 
 
+def test_planned_cond_only_steps_in_a_run_of_three_branches_are_computed_whole_and_counted(flux, conds):
+    """PerpNegGuider runs three branches (the prompt, the negative, the empty prompt). The schedule rule plans
+    cond-only steps from the guider's cfg and negative, and a run that is not one cond and one uncond cannot
+    rebuild its uncond: those steps were computed whole with nothing said. Each is now counted, naming the
+    branches, and the picture is as near PerpNeg's own as CFGGuider's skipped run is to CFG's."""
+    import comfy.sample
+    import comfy.samplers
+    from comfy_extras import nodes_perpneg
+
+    pos, neg = conds
+
+    def run(model, perpneg):
+        guider = nodes_perpneg.Guider_PerpNeg(model) if perpneg else comfy.samplers.CFGGuider(model)
+        guider.set_conds(pos, neg, neg) if perpneg else guider.set_conds(pos, neg)
+        guider.set_cfg(3.0, 1.0) if perpneg else guider.set_cfg(3.0)
+        sigmas = comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), "simple", STEPS)
+        latent = torch.zeros(1, 16, 8, 8)
+        return guider.sample(comfy.sample.prepare_noise(latent, 3), latent, comfy.samplers.sampler_object("euler"),
+                             sigmas, seed=3)
+
+    planned = []
+    real = P()._plan_schedule
+
+    def plan(run_state, *args):
+        real(run_state, *args)
+        planned.append(run_state.plan.actions.count("H"))
+
+    m = teacache(flux, 0.03, model_type="flux", rule="schedule", mode="reuse")
+    errors, halves = {}, {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(P(), "_plan_schedule", plan)
+        for perpneg in (False, True):
+            P().stats().reset_counters()
+            errors[perpneg] = rel_err(run(m, perpneg), run(flux, perpneg))
+            halves[perpneg] = last_run()["calls_half"]
+            fallbacks = [r for r in P().stats().reasons() if "not one cond and one uncond" in r["reason"]]
+            if perpneg:
+                (row,) = fallbacks
+                assert "(1 cond, 1 cond2, 1 uncond)" in row["reason"] and row["count"] == planned[-1] > 0, (row, planned)
+            else:
+                assert fallbacks == [] and halves[perpneg] > 0
+    assert halves[True] == 0 and errors[True] < 1.5 * errors[False], (errors, halves)
+
+
 def test_skip_layer_guidance_simple_through_the_sampler_is_exact_unskipped(flux, conds):
     """SkipLayerGuidanceDiTSimple from 30% on: with nothing skipped the picture is the uncached one, and
     skipping keeps its pass in a state of its own."""
