@@ -56,7 +56,8 @@ def _cache_inputs() -> list:
                                "step (exact); higher skips more. interval: the interval N, a whole number >= 1 "
                                "(one call computed in N; 1 computes every step, exact). -1 takes the family's "
                                "default for the rule (auto's TeaCache: larger for more steps, e.g. Wan 0.343 at 20 "
-                               "and 28 steps, 0.504 at 50; interval: 3)."),
+                               "and 28 steps, 0.504 at 50; interval: 3). With rule auto a value set here is "
+                               "TeaCache's: where auto runs first_block (no table yet), first_block's default runs."),
         io.Combo.Input("model_type", options=list(patch.MODEL_TYPES), default="auto", optional=True,
                        tooltip="Which table the rule uses (teacache: rescale polynomial; magcache: magnitude "
                                "ratios; schedule: residual table; first_block needs none). auto: this model's "

@@ -1096,11 +1096,15 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None, steps:
     table = None if cfg.model_type == "calibrated" else published(variant)
     if table is None and settings.config.rule == "auto" and cfg.model_type == "auto":
         # the family's rule has no table for this model yet: First-Block needs none, so "auto" still saves
+        which = "none is published" if variant == "calibrated" else variant  # a family without published tables
         host.say_once(f"teacache-no-table:{family.name}:{cfg.rule}", "ReuseKit Step Cache: no %s table for this %s "
                       "model yet (%s); rule auto uses first_block until ReuseKit TeaCache Calibrate has run on it",
-                      cfg.rule, family.name, variant)
-        stats().count_reason("fallback", f"no {cfg.rule} table for this model yet ({variant}): rule auto used "
-                             "first_block (run ReuseKit TeaCache Calibrate on it once)", source=family.name)
+                      cfg.rule, family.name, which)
+        by_hand = settings.config.threshold > 0  # TeaCache's: it has no meaning for first_block
+        stats().count_reason("fallback", f"no {cfg.rule} table for this model yet ({which}): rule auto used first_block"
+                             + (" at its own default threshold, not the one set by hand (which is TeaCache's; set rule "
+                                "first_block to set first_block's)" if by_hand else "")
+                             + " (run ReuseKit TeaCache Calibrate on it once)", source=family.name)
         threshold = 0.0 if settings.config.threshold == 0.0 else tc.RULE_THRESHOLDS.get(
             family.name, tc.FALLBACK_THRESHOLDS).get("first_block", tc.FALLBACK_THRESHOLDS["first_block"])
         cfg = dataclasses.replace(cfg, rule="first_block", threshold=float(threshold))

@@ -175,9 +175,19 @@ def test_rule_auto_without_a_table_runs_first_block_until_calibrated(conds, capl
         (auto,) = N().TeaCacheNode.execute(model=model, **{**defaults, "threshold": 0.0}).args
         assert torch.equal(sample(auto, conds, shape), ref)
         assert last_run()["rule"] == "first_block" and last_run()["model_type"] == "none"
+        (auto,) = N().TeaCacheNode.execute(model=model, **defaults).args
+        default = sample(auto, conds, shape)
+        assert last_run()["rule"] == "first_block" and not any("set by hand" in r["reason"]
+                                                                for r in P().stats().reasons())
+        # a threshold set by hand is TeaCache's: first_block's default runs, and the fallback says so (it was
+        # replaced without a word until 2026-12-07)
         (auto,) = N().TeaCacheNode.execute(model=model, **{**defaults, "threshold": 5.0}).args
-        assert torch.isfinite(sample(auto, conds, shape)).all() and last_run()["rule"] == "first_block"
-    assert len([r for r in caplog.records if "rule auto uses first_block" in r.getMessage()]) == 1
+        assert torch.equal(sample(auto, conds, shape), default) and last_run()["rule"] == "first_block"
+        (row,) = [r for r in P().stats().reasons() if "set by hand" in r["reason"]]
+        assert row["event"] == "fallback" and "(none is published)" in row["reason"], row
+    assert [r.getMessage() for r in caplog.records if "rule auto uses first_block" in r.getMessage()] == [
+        "ReuseKit Step Cache: no teacache table for this chroma model yet (none is published); rule auto uses "
+        "first_block until ReuseKit TeaCache Calibrate has run on it"]
     with pytest.raises(ValueError, match="no calibration"):
         sample(step_cache(model, threshold=0.0), conds, shape)
     (cal,) = N().TeaCacheCalibrateNode.execute(model).args
