@@ -157,6 +157,17 @@ def test_a_builder_a_newer_comfyui_reshaped_stays_uncached_with_one_warning(monk
     assert "off" not in host.layers()["PE cache"][1]
 
 
+def another_packs(fn, host_fn, how: str, module: str):
+    """``fn`` as another pack sets it over ComfyUI's ``host_fn``: under its own module's name (``named``), or made
+    with ``functools.wraps`` (``wrapped``), which gives it ComfyUI's."""
+    import functools
+
+    if how == "named":
+        fn.__module__ = module
+        return fn
+    return functools.wraps(host_fn)(fn)
+
+
 @pytest.mark.parametrize("how", ["named", "wrapped"])
 def test_a_builder_left_unpatched_is_counted_on_the_nodes_model(tiny, how):
     """Another pack's code on Flux's EmbedND.forward when ReuseKit installs: that builder is left unpatched, and
@@ -164,7 +175,6 @@ def test_a_builder_left_unpatched_is_counted_on_the_nodes_model(tiny, how):
     on the model's card, naming the builder and why; the picture is the host's. A wrapper made with
     ``functools.wraps`` carries ComfyUI's module name: until 2026-12-06 it was taken for ComfyUI's builder, and a
     setting of the other pack's that changed its tables (ids scaled by a factor) got the first table back."""
-    import functools
     import importlib
 
     layers = importlib.import_module("comfy.ldm.flux.layers")
@@ -179,11 +189,7 @@ def test_a_builder_left_unpatched_is_counted_on_the_nodes_model(tiny, how):
     def forward(self, ids):  # another pack's wrapper (position interpolation by its node's factor, say)
         return host_forward(self, ids * scale[0])
 
-    if how == "named":
-        forward.__module__ = "some_other_pack.rope"
-    else:
-        forward = functools.wraps(host_forward)(forward)
-    layers.EmbedND.forward = forward
+    layers.EmbedND.forward = forward = another_packs(forward, host_forward, how, "some_other_pack.rope")
     try:
         rope.install()
         assert not patch.installed and patch.off
@@ -214,7 +220,6 @@ def test_a_forward_helper_another_pack_wraps_turns_the_geometry_key_off(tiny, ho
     geometry (here: scaled by its node's factor), so the tables are keyed by the ids' values instead: the picture is
     the host's at each factor, and the start-up line says why, naming the helper and whose it is (on a GPU, where
 ids are not read, each table computed is counted on the model's card)."""
-    import functools
     import importlib
 
     flux = importlib.import_module("comfy.ldm.flux.model")
@@ -227,11 +232,7 @@ ids are not read, each table computed is counted on the model's card)."""
     def forward_orig(self, img, img_ids, *args, **kwargs):
         return host_forward_orig(self, img, img_ids * scale[0], *args, **kwargs)
 
-    if how == "named":
-        forward_orig.__module__ = "some_other_pack.flux"
-    else:
-        forward_orig = functools.wraps(host_forward_orig)(forward_orig)
-    flux.Flux.forward_orig = forward_orig
+    flux.Flux.forward_orig = another_packs(forward_orig, host_forward_orig, how, "some_other_pack.flux")
     try:
         rope.install()
         named = "some_other_pack.flux" if how == "named" else "test_pe_cache_node.py"
