@@ -344,10 +344,13 @@ class ConditioningCache:
 
     def configure(self, budget_bytes: int | None = None, max_entries: int | None = None) -> None:
         with self._lock:
+            was = self.enabled
             if budget_bytes is not None:
                 self.budget_bytes = int(budget_bytes)
             if max_entries is not None:
                 self.max_entries = int(max_entries)
+            if was and not self.enabled:  # as a clear: what an encode began before is neither kept nor shared,
+                self._clears += 1         # even where a limit is set back before it ends
             self._shrink(0, 0)
         self._publish()
 
@@ -487,12 +490,13 @@ class ConditioningCache:
         (its budget or entries set to 0) meanwhile: neither kept nor shared, counted."""
         key = entry.key
         with self._lock:
-            if since is not None and since != self._clears:
-                admitted, why = None, f"the cache was cleared (or its check_weight_edits mode switched) while {during}"
-            elif not self.enabled and since is None:  # (store(): nothing ran under the cache)
-                return False
-            elif not self.enabled:
+            if since is not None and not self.enabled:
                 admitted, why = None, f"the cache's budget_mib or max_entries was set to 0 while {during}"
+            elif since is not None and since != self._clears:
+                admitted, why = None, (f"the cache was cleared (or set to a limit of 0, or its check_weight_edits mode "
+                                       f"switched) while {during}")
+            elif not self.enabled:  # (store(): nothing ran under the cache)
+                return False
             else:
                 old = self._entries.pop(key, None)
                 if old is not None:

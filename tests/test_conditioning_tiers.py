@@ -1084,12 +1084,13 @@ def test_an_entry_waiting_for_publication_when_an_edit_is_seen_is_never_publishe
     assert counter(shared.tiers, "disk", "hits") == 0 and not equal(clean, first)
 
 
-@pytest.mark.parametrize("action", ["clear", "budget 0", "entries 0", "checks off"])
+@pytest.mark.parametrize("action", ["clear", "budget 0", "entries 0", "checks off", "budget 0 and back"])
 def test_a_panel_action_while_an_entry_waits_for_publication_keeps_it_off_the_shared_tiers(shared, monkeypatch, action):
     """The publication check runs on its own thread, seconds after the encode on a large encoder. A clear, a
     budget or limit of 0, or the weight checks switched off ("the shared tiers neither read nor write") in that
     time kept nothing in this process but still wrote the entry to the disk tier. Now it is not written, and
-    counted as not shared; the encode's own result is the encoder's."""
+    counted as not shared, even where the limit was set back before the check ended; the encode's own result is
+    the encoder's."""
     files = _tiny_files()
     weights = rkharness.pack("patches.encoder_weights")
     gate = threading.Event()
@@ -1103,6 +1104,8 @@ def test_a_panel_action_while_an_entry_waits_for_publication_keeps_it_off_the_sh
                       lambda: shared.settings.update({"conditioning.max_entries": 128})),
         "checks off": (lambda: shared.settings.update({"conditioning.check_weight_edits": "off"}),
                        lambda: shared.settings.update({"conditioning.check_weight_edits": "events"})),
+        "budget 0 and back": (lambda: [shared.settings.update({"conditioning.budget_mib": b}) for b in (0, 512)],
+                              lambda: None),
     }[action]
     clip = files.load_tiny_clip_file(files.write_tiny_clip_file(str(shared.files), 0))
     try:
