@@ -64,6 +64,7 @@ log = logging.getLogger("reusekit")
 FORMAT = "reusekit-conditioning-4"
 MIB = 1 << 20
 MAX_ENTRY_BYTES = 256 * MIB  # an entry larger than this is neither written nor read
+MAX_HEADER_BYTES = 4 * MIB  # an entry's JSON header: its key and its value's structure, far less than this
 
 
 class Rejected(Exception):
@@ -279,7 +280,10 @@ def pack(key: SharedKey, stored: Any, seconds: float, secret: bytes | None, name
     meta["checksum"] = _checksum(meta, named)
     if secret:
         meta["hmac"] = _signature(secret, meta, named)
-    return st_save(named, metadata=meta)
+    data = st_save(named, metadata=meta)
+    if struct.unpack("<Q", data[:8])[0] > MAX_HEADER_BYTES:  # every reader would reject it
+        raise ValueError(f"its header is over the {MAX_HEADER_BYTES // MIB} MiB a reader parses")
+    return data
 
 
 def _header(data: bytes) -> dict[str, str]:
@@ -288,6 +292,8 @@ def _header(data: bytes) -> dict[str, str]:
     (n,) = struct.unpack("<Q", data[:8])
     if n > len(data) - 8:
         raise Rejected("corrupt", "truncated header")
+    if n > MAX_HEADER_BYTES:  # parsed before any check: a planted one would cost every reader ~25x its bytes
+        raise Rejected("corrupt", f"a header of {n} bytes, over {MAX_HEADER_BYTES}")
     try:
         meta = json.loads(data[8:8 + n]).get("__metadata__")
     except (ValueError, AttributeError) as exc:

@@ -1267,6 +1267,30 @@ def test_a_fifo_a_link_or_an_oversized_file_where_an_entry_should_be_is_a_counte
 
 
 @pytest.mark.hardening
+def test_an_entry_whose_header_is_over_the_cap_is_rejected_before_it_is_parsed(shared, monkeypatch):
+    """A header is JSON parsed before any check (key, checksum, signature): a planted entry of a large one cost
+    every reader about 25 times its bytes in memory, even with a secret set. One over the cap is rejected unparsed,
+    and an entry whose own header would be over it is never written."""
+    import json
+    import struct
+
+    clip, path = _stored_entry(shared)
+    tiers = shared.tiers
+    n = tiers.MAX_HEADER_BYTES + 1
+    header = b"[" + b"{}," * ((n - 4) // 3) + b"{}]"  # (what parses slowest: ~25x its bytes held)
+    path.write_bytes(struct.pack("<Q", n) + header + b" " * (n - len(header)) + bytes(16))
+    parsed = []
+    real = json.loads
+    monkeypatch.setattr(tiers.json, "loads", lambda text, *a, **k: parsed.append(len(text)) or real(text, *a, **k))
+    assert equal(encode(clip), reference(0))
+    assert counter(tiers, "disk", "rejected.corrupt") == 1 and counter(tiers, "disk", "hits") == 0
+    assert not parsed or max(parsed) <= tiers.MAX_HEADER_BYTES, parsed
+    monkeypatch.setattr(tiers, "MAX_HEADER_BYTES", 64)  # a reader would reject this entry: it is not written
+    with pytest.raises(ValueError, match="header is over"):
+        tiers.pack(tiers.SharedKey("x" * 100), shared.cc.freeze(torch.ones(2))[0], 0.0, None, {})
+
+
+@pytest.mark.hardening
 def test_a_malformed_unsigned_entry_is_a_counted_rejection(shared):
     """An entry whose checksum is right but whose value names a device that is no device: rejected
     and counted as malformed, never an exception out of the tier and never a hit."""
