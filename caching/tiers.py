@@ -381,6 +381,8 @@ class DiskTier:
         and without blocking (a FIFO), and read only when it is a regular file under the size cap
         (Rejected otherwise)."""
         path = self.path(name)
+        if path.parent.is_symlink():  # (O_NOFOLLOW covers the file alone)
+            raise Rejected("not_a_file", f"{path.parent} is a link")
         flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
         try:
             fd = os.open(path, flags)
@@ -400,13 +402,12 @@ class DiskTier:
             view, n = memoryview(buf), 0
             while n < len(buf) and (got := f.readinto(view[n:])):
                 n += got
+            if n <= st.st_size and time.time() - st.st_mtime > self.TOUCH_S:  # least recently used: a hit is a use
+                with contextlib.suppress(OSError):
+                    os.utime(fd if os.utime in os.supports_fd else path)  # the file read, not what a path holds now
         if n > st.st_size:
             raise Rejected("corrupt", "grew while read")
-        data = bytes(view[:n])
-        if time.time() - st.st_mtime > self.TOUCH_S:  # least recently used: a hit is a use
-            with contextlib.suppress(OSError):
-                os.utime(path)
-        return data
+        return bytes(view[:n])
 
     def write(self, name: str, data: bytes) -> None:
         """Write atomically: a reader sees the old file, the new one or none, never a part. The file is
@@ -414,6 +415,8 @@ class DiskTier:
         one cannot open them): an entry holds a prompt's conditioning."""
         path = self.path(name)
         _private_folders(path.parent)
+        if path.parent.is_symlink():  # someone's link to files elsewhere: never written through
+            raise NotADirectoryError(errno.ENOTDIR, "a link, not a folder of the tier's", str(path.parent))
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
@@ -430,8 +433,10 @@ class DiskTier:
             self.evict()
 
     def remove(self, name: str) -> None:
+        path = self.path(name)
         try:
-            self.path(name).unlink()
+            if not path.parent.is_symlink():
+                path.unlink()
         except OSError:
             pass
 
@@ -442,7 +447,7 @@ class DiskTier:
         if not self.folder.is_dir():
             return out
         for sub in self.folder.iterdir():
-            if not (_HEX2.match(sub.name) and sub.is_dir()):
+            if not (_HEX2.match(sub.name) and sub.is_dir() and not sub.is_symlink()):
                 continue
             for entry in os.scandir(sub):
                 ours = _ENTRY.match(entry.name)

@@ -1291,6 +1291,31 @@ def test_an_entry_whose_header_is_over_the_cap_is_rejected_before_it_is_parsed(s
 
 
 @pytest.mark.hardening
+def test_an_entry_folder_someone_replaced_with_a_link_is_never_read_written_counted_or_swept(shared, tmp_path):
+    """An entry's folder (``<2 hex>``) replaced by a link to a folder elsewhere: O_NOFOLLOW covers the file alone,
+    so the tier read entries through it, wrote there, counted the files there and evicted them. Now a read is a
+    counted rejection, a write a counted refusal, and the files elsewhere are neither counted nor removed."""
+    clip, path = _stored_entry(shared)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.replace(path, elsewhere / path.name)  # a valid entry, reached only through the link
+    other = elsewhere / (path.parent.name + "f" * 62 + path.suffix)
+    other.write_bytes(b"another tier's file")
+    path.parent.rmdir()
+    path.parent.symlink_to(elsewhere, target_is_directory=True)
+    assert equal(encode(clip), reference(0))
+    assert counter(shared.tiers, "disk", "rejected.not_a_file") == 1 and counter(shared.tiers, "disk", "hits") == 0
+    assert sorted(p.name for p in elsewhere.iterdir()) == sorted([path.name, other.name])  # nothing written there
+    assert any("could not be written" in r["reason"] for r in shared.tiers.TIERS.stats["disk"].reasons())
+    disk = shared.tiers.TIERS.disk
+    assert disk.usage(fresh=True) == (0, 0)
+    disk.budget_bytes = 0
+    disk.evict()
+    disk.remove(path.stem)
+    assert sorted(p.name for p in elsewhere.iterdir()) == sorted([path.name, other.name])  # nothing swept there
+
+
+@pytest.mark.hardening
 def test_a_malformed_unsigned_entry_is_a_counted_rejection(shared):
     """An entry whose checksum is right but whose value names a device that is no device: rejected
     and counted as malformed, never an exception out of the tier and never a hit."""
