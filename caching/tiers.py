@@ -292,7 +292,7 @@ def _header(data: bytes) -> dict[str, str]:
     (n,) = struct.unpack("<Q", data[:8])
     if n > len(data) - 8:
         raise Rejected("corrupt", "truncated header")
-    if n > MAX_HEADER_BYTES:  # parsed before any check: a planted one would cost every reader ~25x its bytes
+    if n > MAX_HEADER_BYTES:  # parsed before any check: a planted one would cost every reader many times its bytes
         raise Rejected("corrupt", f"a header of {n} bytes, over {MAX_HEADER_BYTES}")
     try:
         meta = json.loads(data[8:8 + n]).get("__metadata__")

@@ -1269,7 +1269,7 @@ def test_a_fifo_a_link_or_an_oversized_file_where_an_entry_should_be_is_a_counte
 @pytest.mark.hardening
 def test_an_entry_whose_header_is_over_the_cap_is_rejected_before_it_is_parsed(shared, monkeypatch):
     """A header is JSON parsed before any check (key, checksum, signature): a planted entry of a large one cost
-    every reader about 25 times its bytes in memory, even with a secret set. One over the cap is rejected unparsed,
+    every reader many times its bytes in memory, even with a secret set. One over the cap is rejected unparsed,
     and an entry whose own header would be over it is never written."""
     import json
     import struct
@@ -1277,7 +1277,7 @@ def test_an_entry_whose_header_is_over_the_cap_is_rejected_before_it_is_parsed(s
     clip, path = _stored_entry(shared)
     tiers = shared.tiers
     n = tiers.MAX_HEADER_BYTES + 1
-    header = b"[" + b"{}," * ((n - 4) // 3) + b"{}]"  # (what parses slowest: ~25x its bytes held)
+    header = b"[" + b"{}," * ((n - 4) // 3) + b"{}]"  # (what parses slowest: many times its bytes held)
     path.write_bytes(struct.pack("<Q", n) + header + b" " * (n - len(header)) + bytes(16))
     parsed = []
     real = json.loads
