@@ -285,9 +285,11 @@ SEAMS: tuple[ForwardSeam, ...] = (
     ForwardSeam("qwen-image", "comfy.ldm.qwen_image.model", "QwenImageTransformer2DModel._forward",
                 ("self", "x", "timesteps", "context", "attention_mask", "ref_latents", "transformer_options"),
                 helpers=("process_img",), blocking_patches=("post_input",)),
-    ForwardSeam("lumina2 / z-image", "comfy.ldm.lumina.model", "NextDiT._forward",
-                ("self", "x", "timesteps", "context", "num_tokens", "attention_mask"), embedders=("rope_embedder",),
-                helpers=("patchify_and_embed", "embed_all", "embed_cap"), module_helpers=("pos_ids_x",)),
+    *(ForwardSeam(family, "comfy.ldm.lumina.model", f"{cls}._forward",
+                  ("self", "x", "timesteps", "context", "num_tokens", "attention_mask"), embedders=("rope_embedder",),
+                  helpers=("patchify_and_embed", "embed_all", "embed_cap"), module_helpers=("pos_ids_x",))
+      for family, cls in (("lumina2 / z-image", "NextDiT"),
+                          ("z-image pixel space", "NextDiTPixelSpace"))),  # its _forward is its own (ComfyUI 0.3x)
     ForwardSeam("hidream", "comfy.ldm.hidream.model", "HiDreamImageTransformer2DModel._forward",
                 ("self", "x", "t", "y", "context", "encoder_hidden_states_llama3", "image_cond", "control",
                  "transformer_options"), helpers=("patchify",)),

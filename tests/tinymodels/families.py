@@ -104,8 +104,10 @@ def tiny_qwen_image(seed: int = 0, context_dim: int = TEXT_DIM):
     return _from_config(_sm().QwenImage, cfg, seed)
 
 
-def tiny_lumina2(seed: int = 0, z_image: bool = False, cap_feat_dim: int = TEXT_DIM, n_layers: int = 2):
-    """Lumina 2 (or Z-Image) at a test size; ``cap_feat_dim``: the text encoder's width."""
+def tiny_lumina2(seed: int = 0, z_image: bool = False, cap_feat_dim: int = TEXT_DIM, n_layers: int = 2,
+                 pixel: bool = False):
+    """Lumina 2 (or Z-Image) at a test size; ``cap_feat_dim``: the text encoder's width; ``pixel``: Z-Image
+    Pixel Space (RGB patches of 16, a small MLP decoder in place of the final layer)."""
     cfg = dict(image_model="lumina2", patch_size=2, in_channels=16, dim=64, cap_feat_dim=cap_feat_dim,
                n_layers=n_layers, n_refiner_layers=1, n_heads=2, n_kv_heads=2, qk_norm=True,
                axes_dims=[8, 12, 12], axes_lens=[300, 512, 512], rope_theta=10000.0, ffn_dim_multiplier=4.0, multiple_of=16)
@@ -115,6 +117,9 @@ def tiny_lumina2(seed: int = 0, z_image: bool = False, cap_feat_dim: int = TEXT_
                    rope_theta=256.0, ffn_dim_multiplier=1.0, z_image_modulation=True, time_scale=1000.0,
                    pad_tokens_multiple=32)
         cls = _sm().ZImage
+    if pixel:
+        cfg.update(in_channels=3, patch_size=16, decoder_hidden_size=32, decoder_num_res_blocks=1)
+        cls = _sm().ZImagePixelSpace
     return _from_config(cls, cfg, seed)
 
 
@@ -285,6 +290,8 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
     "lumina2": FamilySpec(tiny_lumina2, _tokens_inputs, ((16, 8, 8), (16, 12, 8))),
     "z_image": FamilySpec(lambda seed=0: tiny_lumina2(seed, z_image=True), _tokens_inputs,
                           ((16, 8, 8), (16, 12, 8))),
+    "z_image_pixel": FamilySpec(lambda seed=0: tiny_lumina2(seed, z_image=True, pixel=True), _tokens_inputs,
+                                ((3, 64, 64), (3, 96, 64)), requires=(_SM + "ZImagePixelSpace",)),
     "hidream": FamilySpec(tiny_hidream, _hidream_inputs, ((16, 8, 8), (16, 12, 8))),
     "ltxv": FamilySpec(tiny_ltxv, _ltxv_inputs, ((128, 2, 2, 2), (128, 3, 2, 3))),
     "cosmos": FamilySpec(tiny_cosmos, _plain_inputs, ((16, 1, 8, 8), (16, 2, 6, 8))),
