@@ -327,7 +327,9 @@ def _embednd(builder: str):
                         return
                     if ids.device.type not in VALUE_KEYS_ON:
                         raise Uncached(why)
-                _add_value(k, ids, f"{builder} ids")
+                    _add_value(k, ids, f"{builder} ids")
+                else:  # a model class whose forward has no seam (a custom node's, a ControlNet's)
+                    _add_value(k, ids, f"{builder} ids outside a family forward with a geometry seam")
             return cached(builder, key, lambda: original(self, ids), (ids,))
         return forward
     return make
