@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 pytestmark = pytest.mark.pe_cache
 
 FAMILIES = ["flux", "wan", "chroma", "chroma_radiance", "hunyuan_video", "qwen_image", "lumina2", "z_image", "z_image_pixel",
-            "hidream", "ltxv", "cosmos", "mochi", "omnigen2",
+            "hidream", "hunyuan_dit", "ltxv", "cosmos", "anima", "mochi", "omnigen2",
             "flux2", "flux2_klein", "qwen_image_edit", "hunyuan_video15", "ltx2", "wan22", "wan22_14b"]
 # families whose positions come from tensor values (LTXV's keyframe and mask grid): on a device they
 # compute every call, and say why

@@ -132,6 +132,20 @@ def tiny_hidream(seed: int = 0):
     return _from_config(_sm().HiDream, cfg, seed)
 
 
+def tiny_hunyuan_dit(seed: int = 0):
+    """HunyuanDiT at hidden 64, 2 blocks (its RoPE is ``calc_rope`` of the latent's size)."""
+    cfg = dict(image_model="hydit", input_size=(16, 16), patch_size=2, in_channels=4, hidden_size=64, depth=2,
+               num_heads=2, mlp_ratio=2.0, text_states_dim=TEXT_DIM, text_states_dim_t5=48, text_len=7, text_len_t5=9,
+               learn_sigma=True, size_cond=False, use_style_cond=False)
+    return _from_config(_sm().HunyuanDiT, cfg, seed)
+
+
+def _hydit_inputs(shape, seed):
+    t5 = torch.randn((1, 9, 48), generator=_gen(seed + 7))
+    return _x(shape, seed), _sigma(), {"c_crossattn": _ctx(seed), "text_embedding_mask": torch.ones(1, 7),
+                                       "encoder_hidden_states_t5": t5, "text_embedding_mask_t5": torch.ones(1, 9)}
+
+
 def _hidream_inputs(shape, seed):
     return _x(shape, seed), _sigma(), {"c_crossattn": _ctx(seed),
                                        "y": torch.randn((1, TEXT_DIM), generator=_gen(seed + 1)),
@@ -293,6 +307,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
     "z_image_pixel": FamilySpec(lambda seed=0: tiny_lumina2(seed, z_image=True, pixel=True), _tokens_inputs,
                                 ((3, 64, 64), (3, 96, 64)), requires=(_SM + "ZImagePixelSpace",)),
     "hidream": FamilySpec(tiny_hidream, _hidream_inputs, ((16, 8, 8), (16, 12, 8))),
+    "hunyuan_dit": FamilySpec(tiny_hunyuan_dit, _hydit_inputs, ((4, 16, 16), (4, 24, 16))),
     "ltxv": FamilySpec(tiny_ltxv, _ltxv_inputs, ((128, 2, 2, 2), (128, 3, 2, 3))),
     "cosmos": FamilySpec(tiny_cosmos, _plain_inputs, ((16, 1, 8, 8), (16, 2, 6, 8))),
     "anima": FamilySpec(lambda seed=0: tiny_cosmos(seed, anima=True), _plain_inputs, ((16, 1, 8, 8), (16, 2, 6, 8)),
