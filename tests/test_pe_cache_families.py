@@ -567,3 +567,46 @@ def test_causal_wan_under_the_ar_video_sampler_keys_each_frame_blocks_rope_by_it
     run = rope.model_cache(model.model).stats.snapshot()["info"]["last_run"]
     # 3 frame blocks x (4 steps + the cache-filling call at sigma 0): a miss per block, the rest hits
     assert (run["misses"], run["hits"], run["bypasses"]) == (3, 12, 0)
+
+
+def _variant_calls(family, spec):
+    """Calls of one model whose positions differ only by a family's extra inputs: Wan's frames concatenated in
+    time and its in-context latents (``source_id``), Z-Image Omni's reference latents and contexts, HunyuanVideo's
+    reference latent and guiding frame. A host without an input ignores it (the call repeats another)."""
+    g = torch.Generator().manual_seed(5)
+    r = lambda *shape: torch.randn(shape, generator=g)  # noqa: E731
+    x, sigma, kw = spec.inputs(spec.sizes[0], 1)
+    x2, _, _ = spec.inputs(spec.sizes[1], 2)
+    extras = {
+        "wan": [{}, {"time_dim_concat": r(1, 16, 1, 8, 8)}, {"time_dim_concat": r(1, 16, 2, 8, 8)},
+                {"context_latents": [r(1, 16, 1, 8, 8)]}, {"context_latents": [r(1, 16, 1, 6, 8), r(1, 16, 1, 8, 8)]},
+                {"context_latents": [r(1, 16, 1, 8, 8), r(1, 16, 1, 6, 8)]}],
+        "z_image": [{}, {"ref_latents": [r(1, 16, 8, 8)]}, {"ref_latents": [r(1, 16, 12, 8)]},
+                    {"ref_latents": [r(1, 16, 8, 8), r(1, 16, 12, 8)]}, {"ref_latents": [r(1, 16, 12, 8), r(1, 16, 8, 8)]},
+                    {"ref_latents": [r(1, 16, 8, 8)], "ref_contexts": [r(1, 5, kw["c_crossattn"].shape[-1])]}],
+        "hunyuan_video": [{}, {"ref_latent": r(1, 16, 1, 8, 8)}, {"ref_latent": r(1, 16, 1, 6, 8)},
+                          {"guiding_frame_index": torch.tensor([0.0])}, {"guiding_frame_index": torch.tensor([2.0])}],
+    }[family]
+    return [(x, sigma, dict(kw, **e)) for e in extras] + [(x2, sigma, dict(kw))]
+
+
+@pytest.mark.parametrize("device", ["cpu", "as on a device"])
+@pytest.mark.parametrize("family", ["wan", "z_image", "hunyuan_video"])
+def test_a_familys_extra_position_inputs_interleaved_in_one_model_never_share_a_table(family, device, families, rope,
+                                                                                      monkeypatch):
+    """Each extra input that moves the positions makes its own table: every call, in a shuffled order with
+    repeats, equals the uncached forward, and repeats hit (on a device too, where the ids are never read)."""
+    import random
+
+    if device != "cpu":
+        monkeypatch.setattr(rope, "VALUE_KEYS_ON", frozenset())
+    spec = families.family_spec(family)
+    model = spec.build(0)
+    calls = _variant_calls(family, spec)
+    plain = [run(model, call, {}) for call in calls]
+    order = [i for _ in range(2) for i in range(len(calls))]
+    random.Random(1).shuffle(order)
+    for i in order:
+        assert torch.equal(run(model, calls[i], cached_options(rope)), plain[i]), (family, i)
+    counted = rope.model_cache(model.model).stats.snapshot()["counters"]
+    assert counted.get("hits", 0) >= 1 and not counted.get("bypasses"), counted
