@@ -79,6 +79,12 @@ from ..caching.weight_edits import SETTING as CHECK_SETTING
 from ..caching.weight_edits import WeightWatch
 from . import encoder_weights, host, lazy_clip, module_tree
 
+# What a shared key's value means: raised with every fix that changes what an encode stores under a key
+# whose text stays the same (a wrong value an older ReuseKit shared), so after an upgrade no worker reads an
+# entry an older one wrote (a lazy encoder that dropped its module settings stored a wrong encode under the
+# key that held them: an upgraded worker read it as a hit, 0.76 from the encode). 1: the first revision.
+KEY_REVISION = 1
+
 log = logging.getLogger("reusekit")
 
 MARKER = "reusekit_conditioning"
@@ -1172,8 +1178,8 @@ def shared_key(key: Key, module, patcher=None) -> SharedKey:
         raise LocalOnly(f"the key cannot tell this state of the encoder's classes in another process: {local}")
     fields = tuple((settings, classes) if i == _MODULE_STATE_AT[key.kind] else f
                    for i, f in enumerate(key.fields) if i != _GENERATION_AT[key.kind])
-    tree = (FORMAT, key.kind, _host_versions(), (source[1], hashes, source[3]), _weight_layout(module, patcher),
-            tuple(_patch_digest(w) for w in key.weights), fields)
+    tree = (FORMAT, KEY_REVISION, key.kind, _host_versions(), (source[1], hashes, source[3]),
+            _weight_layout(module, patcher), tuple(_patch_digest(w) for w in key.weights), fields)
     text = repr(tree)  # written out once: the fields hold hundreds of token values
     if _INDEXED_TEXT.search(text):
         text = repr((*tree[:-1], _portable_walk(fields)))

@@ -109,6 +109,25 @@ def test_disk_tier_hit_after_the_lru_is_emptied_equals_encoding(shared):
     assert counter(shared.tiers, "disk", "hits") == 1
 
 
+@pytest.mark.hardening
+def test_an_entry_an_older_revision_of_the_keys_wrote_is_never_read(shared, monkeypatch):
+    """A fix that changes what an encode stores under an unchanged key raises ``KEY_REVISION``: what an older
+    ReuseKit shared under that key (a wrong value, in the case that made it) is never read after the upgrade."""
+    conditioning = rkharness.pack("patches.conditioning")
+    clip = _tiny_files().load_tiny_clip_file(_tiny_files().write_tiny_clip_file(str(shared.files), 0))
+    with monkeypatch.context() as m:
+        m.setattr(conditioning, "KEY_REVISION", conditioning.KEY_REVISION - 1)
+        encode(clip)  # the older ReuseKit's entry
+    assert len(entry_files(shared.folder)) == 1
+    shared.cc.CACHE.clear()
+    assert equal(encode(clip), reference(0))
+    assert shared.cc.CACHE.count("encodes") == 2 and counter(shared.tiers, "disk", "hits") == 0
+    assert len(entry_files(shared.folder)) == 2  # the older entry is left to the budget's eviction
+    shared.cc.CACHE.clear()
+    encode(clip)
+    assert shared.cc.CACHE.count("encodes") == 2 and counter(shared.tiers, "disk", "hits") == 1
+
+
 def test_a_shared_hit_read_while_the_cache_is_cleared_is_returned_not_kept(shared, monkeypatch):
     """A clear (the panel's, or a check_weight_edits switch) while a disk-tier entry is read: the entry is
     returned, not promoted into the emptied LRU, and counted with what ran meanwhile (no encode did)."""
