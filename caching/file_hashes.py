@@ -224,7 +224,7 @@ class FileHashes:
                 entries[(real, size, mtime, inode, ctime)] = digest
         except FileNotFoundError:
             pass
-        except (OSError, ValueError, KeyError, TypeError) as exc:  # a memo that cannot be trusted: none
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:  # a memo that cannot be trusted: none
             log.debug("ReuseKit: file-hash memo %s ignored (%s)", path, exc)
             entries = {}
         self._memo_entries, self._memo_seen = entries, seen

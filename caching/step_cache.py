@@ -1012,9 +1012,7 @@ class Calibration:
             return None
         coeffs, mags = entry.get("coefficients"), entry.get("magnitudes")
 
-        def number(v):
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
+        number = step_schedule.finite_number
         if coeffs is not None and not (isinstance(coeffs, list) and len(coeffs) == 5 and all(map(number, coeffs))):
             return None
         if mags is not None and not (isinstance(mags, dict) and all(
@@ -1064,7 +1062,7 @@ class CalibrationStore:
             return {}
         try:
             data = json.loads(self.path.read_text())
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # (JSON nested deeper than the parser recurses)
             raise _Unreadable(f"{type(exc).__name__}: {exc}" if isinstance(exc, OSError) else str(exc)) from None
         if not isinstance(data, dict):
             raise _Unreadable(f"it holds a {type(data).__name__}, not an object")

@@ -134,15 +134,15 @@ class ResidualTable:
             return None
         sigmas, branches, gram, gains, sens = (data.get(k) for k in ("sigmas", "branches", "gram", "gains",
                                                                       "sensitivity"))
-        ok = (isinstance(sigmas, list) and len(sigmas) >= 2 and all(map(_number, sigmas))
+        ok = (isinstance(sigmas, list) and len(sigmas) >= 2 and all(map(finite_number, sigmas))
               and all(a > b for a, b in zip(sigmas, sigmas[1:], strict=False))
               and branches in (["cond"], ["cond", "uncond"]) and isinstance(gram, list)
               and len(gram) == len(sigmas) * len(branches)
-              and all(isinstance(r, list) and len(r) == len(gram) and all(map(_number, r)) for r in gram)
-              and isinstance(gains, list) and len(gains) == len(sigmas) and all(map(_number, gains))
+              and all(isinstance(r, list) and len(r) == len(gram) and all(map(finite_number, r)) for r in gram)
+              and isinstance(gains, list) and len(gains) == len(sigmas) and all(map(finite_number, gains))
               and all(g >= 0 for g in gains)
               and (sens is None or (isinstance(sens, list) and len(sens) == len(sigmas)
-                                    and all(_number(v) and v >= 0 for v in sens))))
+                                    and all(finite_number(v) and v >= 0 for v in sens))))
         if not ok:
             return None
         return cls(tuple(float(s) for s in sigmas), tuple(branches), tuple(tuple(float(v) for v in r) for r in gram),
@@ -185,8 +185,14 @@ class ResidualTable:
         return gram.tolist(), gains
 
 
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+def finite_number(v) -> bool:
+    """A JSON number a float holds finitely (an integer too large for one, 10**400, is not: no OverflowError)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ class WeightsIdentity:
         try:
             ident = cls(str(data["structure"]), tuple(str(d) for d in data["dtypes"]),
                         tuple(int(c) for c in data["counts"]), tuple(float(s) for s in data["samples"]))
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):  # (a count of 1e400: int(inf))
             return None
         ok = (len(ident.dtypes) == len(ident.counts) and sum(ident.counts) == len(ident.samples)
               and all(_known(d) for d in ident.dtypes))

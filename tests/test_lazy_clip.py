@@ -169,7 +169,8 @@ def test_a_memo_that_cannot_be_trusted_is_ignored(tmp_path, monkeypatch):
     del unsigned["hmac"]
     assert read(json.dumps(unsigned), b"k1") is None
     for junk in ("{", json.dumps({"format": "other", "entries": []}), json.dumps({"format": fh.FORMAT, "entries": [[1]]}),
-                 json.dumps({"format": fh.FORMAT, "entries": [[path, 1, 2, 3, 4, "x" * 64], "tail"]})):
+                 json.dumps({"format": fh.FORMAT, "entries": [[path, 1, 2, 3, 4, "x" * 64], "tail"]}),
+                 "[" * 100_000 + "]" * 100_000):  # nested past the JSON parser's recursion: a RecursionError
         assert read(junk, None) is None
 
 

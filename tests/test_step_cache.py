@@ -1634,6 +1634,43 @@ def test_a_calibration_file_the_store_cannot_read_is_moved_aside_never_replaced(
     assert aside.read_text() == kept and list(json.loads(path.read_text())) == ["flux:y"]
 
 
+@pytest.mark.hardening
+@pytest.mark.parametrize("damage", ["nested past the parser's recursion", "a count of 1e400", "a sample of 10**400",
+                                    "a coefficient of 10**400", "a sigma of 10**400 in its table"])
+def test_a_damaged_calibration_file_is_passed_over_and_said_never_an_error(tmp_path, damage):
+    """Deep nesting made the file's read raise a RecursionError, and a number too large for a float an
+    OverflowError where an identity or a calibration is read: every step-cached sampling run failed with it,
+    naming nothing, and a calibration could not be saved. Each is now a file passed over (said, and moved
+    aside at the next save) or an entry that matches nothing."""
+    wi = rkharness.pack("caching.weights_identity")
+    ident = wi.identity([("w", torch.linspace(-1, 1, 64))])
+    path = tmp_path / "cal.json"
+    tc().CalibrationStore(path).put("flux:x", ident, tc().Calibration((1.0, 0.0, 0.0, 1.0, 0.0), None, None))
+    entry = json.loads(path.read_text())["flux:x"][0]
+    if damage.startswith("nested"):
+        text = "[" * 100_000 + "]" * 100_000
+    else:
+        if "count" in damage:
+            entry["identity"]["counts"][0] = 1e400
+        elif "sample" in damage:
+            entry["identity"]["samples"][0] = 10**400
+        elif "coefficient" in damage:
+            entry["coefficients"][0] = 10**400
+        else:
+            entry["table"] = {"sigmas": [10**400, 0.5], "branches": ["cond"], "gram": [[1.0, 0.0], [0.0, 1.0]],
+                              "gains": [1.0, 1.0]}
+        text = json.dumps({"flux:x": [entry]}).replace("Infinity", "1e400")
+    path.write_text(text)
+    said = []
+    found = tc().CalibrationStore(path).get("flux:x", ident, said.append)
+    assert found is None or ("table" in damage and found.table is None and found.coefficients == (1.0, 0.0, 0.0, 1.0,
+                                                                                                   0.0))
+    assert bool(said) == damage.startswith("nested"), said
+    tc().CalibrationStore(path).put("flux:y", ident, tc().Calibration((2.0, 0.0, 0.0, 1.0, 0.0), None, None))
+    assert "flux:y" in json.loads(path.read_text())
+    assert [p.read_text() for p in tmp_path.glob("cal.json.unreadable-*")] == ([text] if said else [])
+
+
 def test_one_calibration_run_serves_teacache_and_magcache_per_cond(flux, conds, _isolated_calibrations):
     (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
     sample(cal, conds)
