@@ -528,8 +528,11 @@ class _Call:
         start, end = self._image_tokens(args, img.shape[1])
         self.first = img[:, start:end] - self.stack_in
         if self.skip is None:
-            if last:  # a stack of one block leaves nothing to skip
+            if last:  # a stack of one block leaves nothing to skip (rule first_block, or auto's fallback to it)
                 self.may_skip = False
+                stats().count_reason("bypass", "first_block decides after the first block, the only one of this "
+                                     f"{self.family.name} model: none is left to skip, every call is computed (rule "
+                                     "teacache decides before it)", source=self.family.name)
             self._decide(args)
             if self.undecided:
                 return out

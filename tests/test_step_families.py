@@ -106,6 +106,10 @@ def test_a_skipped_step_on_the_same_input_returns_the_computed_output(name, rule
         pytest.skip(f"{name}: no cond-only steps (its block inputs are not cut by rows)")
     first, again, run = h.two_calls(cached, x, sigma, kwargs, second=second)
     one_block = rule == "first_block" and len(settings.blocks) == 1  # the first block is the whole stack
+    said = [r["reason"] for r in P().stats().snapshot()["reasons"] if "the only one of this" in r["reason"]]
+    assert said == ([f"first_block decides after the first block, the only one of this {settings.family.name} model: "
+                     "none is left to skip, every call is computed (rule teacache decides before it)"]
+                    if one_block else []), said
     want = [["C", "C"], ["C", "S"]] if second == "H" else [["C", "C" if one_block else "S"]] * 2
     assert [s.pattern for s in run.conds.values()] == want
     assert torch.allclose(again, first, atol=1e-5, rtol=1e-5), rel_err(again, first)
