@@ -44,6 +44,7 @@ encoder with no record, with weights replaced or edited since loading, a file ch
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import enum
@@ -1225,6 +1226,17 @@ def _tiled_fallback_reason():
     return "VAE encode fell back to tiles (out of memory)" if getattr(_local, "fell_back", False) else None
 
 
+def _oom_marks() -> tuple[int, int]:
+    """What counts the out-of-memory errors ComfyUI went on from: those its ``raise_non_oom`` let pass on this
+    thread (ComfyUI 0.4 and newer: it then slices the attention, or tiles), and those the CUDA allocator met
+    in this process (every host; one met on another thread meanwhile only makes a miss)."""
+    cuda = 0
+    if torch.cuda.is_initialized():
+        with contextlib.suppress(Exception):  # (an allocator without the count)
+            cuda = sum(torch.cuda.memory_stats(i).get("num_ooms", 0) for i in range(torch.cuda.device_count()))
+    return getattr(_local, "ooms", 0), cuda
+
+
 def _route(kind: str, patcher, module, make_key, compute, check_rng=False, admit=None):
     if not _routed(patcher) or not _active:
         return compute()
@@ -1266,7 +1278,20 @@ def _route(kind: str, patcher, module, make_key, compute, check_rng=False, admit
 
         encoder_weights.vouch(module, patcher, same_generation, drop)
 
-    return CACHE.fetch(key, compute, check_rng=check_rng, admit=admit, shared=shared, encoder=encoder,
+    marks = []
+
+    def watched():  # (a miss only)
+        marks.append(_oom_marks())
+        return compute()
+
+    def admitted():  # ComfyUI went on from an out-of-memory error by another way: returned, never stored
+        why = admit() if admit is not None else None
+        if why is None and marks and _oom_marks() != marks[0]:
+            why = ("an out-of-memory error inside it, from which ComfyUI went on another way (sliced attention, "
+                   "tiles): not what it gives with room to spare")
+        return why
+
+    return CACHE.fetch(key, watched, check_rng=check_rng, admit=admitted, shared=shared, encoder=encoder,
                        vouch=vouch)
 
 
@@ -1301,6 +1326,7 @@ def _by_name(orig, head: tuple, more: tuple, extra: dict) -> dict:
 
 def _make_methods():
     import comfy.clip_vision
+    import comfy.model_management as mm
     import comfy.sd
 
     CLIP, VAE = comfy.sd.CLIP, comfy.sd.VAE
@@ -1376,8 +1402,13 @@ def _make_methods():
         _orig(VAE, "__init__")(self, *args, **kwargs)
         _weights_loaded(getattr(self, "first_stage_model", None), getattr(self, "patcher", None), started)
 
+    def raise_non_oom(e):
+        _orig(mm, "raise_non_oom")(e)  # raises what is not an out-of-memory error
+        _local.ooms = getattr(_local, "ooms", 0) + 1  # ComfyUI goes on another way: an encode it was in is not stored
+
     # (owner, name, replacement, the parameters it relies on, whether the host must have it)
     return [
+        (mm, "raise_non_oom", raise_non_oom, ("e",), False),  # ComfyUI 0.4 and newer
         (VAE, "__init__", vae_init, ("self", "sd", "device", "config", "dtype"), True),
         (CLIP, "encode_from_tokens", encode_from_tokens, ("self", "tokens", "return_pooled", "return_dict"), True),
         (CLIP, "encode_from_tokens_scheduled", encode_from_tokens_scheduled, ("self", "tokens"), True),

@@ -1008,6 +1008,41 @@ def test_a_plain_vae_encode_that_fell_back_to_tiles_is_not_stored(cc, tiny):
     assert len(cc.CACHE) == 1 and same(plain, vae.encode(img)) and cc.CACHE.count("hits.vae") == 1
 
 
+@pytest.mark.hardening
+def test_an_encode_whose_attention_ran_out_of_memory_is_returned_never_stored(cc, uncached, tiny, monkeypatch):
+    """ComfyUI's VAE attention that runs out of memory goes on with sliced attention (its ``raise_non_oom``
+    lets the error pass), 6e-7 from the plain encode: that result was stored, and every later encode of the
+    image with room to spare got it. It is returned, counted with its reason, never stored."""
+    import comfy.model_management as mm
+    import comfy.ops
+
+    if not hasattr(mm, "raise_non_oom"):
+        pytest.skip("this ComfyUI catches out-of-memory errors itself (no raise_non_oom): on a GPU the CUDA "
+                    "allocator's count of them tells")
+    monkeypatch.setattr(mm, "ENABLE_PYTORCH_ATTENTION", True)  # the VAE's attention as on a CUDA machine
+    vae = tiny.tiny_vae(0)
+    img = image(9)
+    sdpa, failed = comfy.ops.scaled_dot_product_attention, []
+
+    def out_of_memory_once(*args, **kwargs):
+        if not failed:
+            failed.append(1)
+            raise mm.OOM_EXCEPTION("simulated")
+        return sdpa(*args, **kwargs)
+
+    plain = uncached(vae.encode, img)
+    monkeypatch.setattr(comfy.ops, "scaled_dot_product_attention", out_of_memory_once)
+    sliced = uncached(vae.encode, img)
+    assert failed and not torch.equal(sliced, plain)  # what ComfyUI gives under the error
+    failed.clear()
+    assert torch.equal(vae.encode(img), sliced) and failed
+    assert len(cc.CACHE) == 0 and cc.CACHE.count("bypasses.vae") == 1
+    assert any("out-of-memory error inside it" in r["reason"] for r in cc.CACHE.bypass_reasons())
+    monkeypatch.setattr(comfy.ops, "scaled_dot_product_attention", sdpa)
+    assert torch.equal(vae.encode(img), plain) and len(cc.CACHE) == 1
+    assert torch.equal(vae.encode(img), plain) and cc.CACHE.count("hits.vae") == 1
+
+
 def test_a_video_vae_fallback_to_its_own_tiling_is_not_stored(cc, uncached, tiny):
     """A video VAE that tiles itself (0.33's ``_encode_tiled_owned``) answers a plain encode that ran
     out of memory: that result is returned, never stored as the plain encode."""
