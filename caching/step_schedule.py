@@ -250,7 +250,10 @@ class _Run:
 
     def norm(self, v: Vec) -> float:
         items = list(v.items())
-        return math.sqrt(max(0.0, sum(ci * cj * self.gram[i][j] for i, ci in items for j, cj in items)))
+        squared = sum(ci * cj * self.gram[i][j] for i, ci in items for j, cj in items)
+        if not math.isfinite(squared):  # a table of huge values overflows (inf - inf: NaN): no step is that safe
+            return math.inf
+        return math.sqrt(max(0.0, squared))
 
     def weight(self, k: int) -> float:
         """A step's output error moves the latent by its sigma step (times the gain, and the sensitivity)."""

@@ -88,8 +88,16 @@ def _finfo(name: str) -> torch.finfo:
 
 
 def _known(name: str) -> bool:
+    """A floating dtype whose precision ``matches`` can read (float4_e2m1fn_x2 is floating, and torch has no
+    epsilon for it: a stored identity naming it matches nothing, never an error)."""
     dtype = getattr(torch, name, None)
-    return isinstance(dtype, torch.dtype) and dtype.is_floating_point
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return False
+    try:
+        info = torch.finfo(dtype)
+        return info.eps > 0 and info.smallest_normal > 0  # (read when the dtypes differ)
+    except (TypeError, NotImplementedError, RuntimeError):
+        return False
 
 
 def identity(named_weights: Iterable[tuple[str, torch.Tensor]]) -> WeightsIdentity:

@@ -1636,11 +1636,13 @@ def test_a_calibration_file_the_store_cannot_read_is_moved_aside_never_replaced(
 
 @pytest.mark.hardening
 @pytest.mark.parametrize("damage", ["nested past the parser's recursion", "a count of 1e400", "a sample of 10**400",
-                                    "a coefficient of 10**400", "a sigma of 10**400 in its table"])
+                                    "a coefficient of 10**400", "a sigma of 10**400 in its table",
+                                    "a dtype torch has no epsilon for"])
 def test_a_damaged_calibration_file_is_passed_over_and_said_never_an_error(tmp_path, damage):
     """Deep nesting made the file's read raise a RecursionError, and a number too large for a float an
-    OverflowError where an identity or a calibration is read: every step-cached sampling run failed with it,
-    naming nothing, and a calibration could not be saved. Each is now a file passed over (said, and moved
+    OverflowError where an identity or a calibration is read, and a dtype torch has no epsilon for a
+    NotImplementedError where identities are compared: every step-cached sampling run failed with it, naming
+    nothing, and a calibration could not be saved. Each is now a file passed over (said, and moved
     aside at the next save) or an entry that matches nothing."""
     wi = rkharness.pack("caching.weights_identity")
     ident = wi.identity([("w", torch.linspace(-1, 1, 64))])
@@ -1650,7 +1652,9 @@ def test_a_damaged_calibration_file_is_passed_over_and_said_never_an_error(tmp_p
     if damage.startswith("nested"):
         text = "[" * 100_000 + "]" * 100_000
     else:
-        if "count" in damage:
+        if "dtype" in damage:  # (matches reads the epsilon of two dtypes that differ)
+            entry["identity"]["dtypes"][0] = "float4_e2m1fn_x2"
+        elif "count" in damage:
             entry["identity"]["counts"][0] = 1e400
         elif "sample" in damage:
             entry["identity"]["samples"][0] = 10**400

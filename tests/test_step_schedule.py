@@ -119,6 +119,20 @@ def test_a_table_round_trips_and_anything_malformed_is_a_miss():
         assert S().ResidualTable.from_json(broken) is None
 
 
+@pytest.mark.hardening
+def test_a_table_of_values_whose_products_overflow_plans_no_skip():
+    """A damaged calibration file's table of huge finite values (1e300) passes the read, and its error sums
+    overflowed to NaN, which the planner read as no error: nearly every step skipped. Such a step is never
+    taken for safe."""
+    table = table_of(residual_fn(1), flow_sigmas(10)[:-1]).to_json()
+    plain = S().plan(S().ResidualTable.from_json(table), flow_sigmas(10), 0.05, 3.5, True)
+    assert "S" in plain.actions
+    for huge in ({**table, "gains": [1e300] * len(table["gains"])},
+                 {**table, "gram": [[v * 1e300 for v in row] for row in table["gram"]]}):
+        plan = S().plan(S().ResidualTable.from_json(huge), flow_sigmas(10), 0.05, 3.5, True)
+        assert "S" not in plan.actions, plan.actions  # (a cond-only step whose error is exactly 0 stays)
+
+
 def test_threshold_zero_computes_every_step():
     table = table_of(residual_fn(1), flow_sigmas(10)[:-1])
     assert S().plan(table, flow_sigmas(7), 0.0, 3.5, True).actions == ("C",) * 7
