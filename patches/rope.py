@@ -328,8 +328,10 @@ def _embednd(builder: str):
                     if ids.device.type not in VALUE_KEYS_ON:
                         raise Uncached(why)
                     _add_value(k, ids, f"{builder} ids")
-                else:  # a model class whose forward has no seam (a custom node's, a ControlNet's)
+                elif geometry is None:  # a model class whose forward has no seam (a custom node's, a ControlNet's)
                     _add_value(k, ids, f"{builder} ids outside a family forward with a geometry seam")
+                else:  # another module's embedder called inside a family forward (a patch's own)
+                    _add_value(k, ids, f"{builder} ids of an embedder not the running family forward's own")
             return cached(builder, key, lambda: original(self, ids), (ids,))
         return forward
     return make

@@ -241,9 +241,16 @@ def test_on_a_gpu_a_hit_copies_nothing_and_value_keyed_builders_compute(families
             mochi.compute_mixed_rotation(freqs=torch.zeros(3, 2, 16, device="cuda"),
                                          pos=torch.zeros(24, 3, device="cuda"))
         assert syncs.seen == []
+        own = dm.pe_embedder
+        other = type(own)(dim=own.dim, theta=own.theta, axes_dim=own.axes_dim)  # a patch's own embedder
+        with DeviceSyncs() as syncs, rope.scope(cache), seam.opened(dm, (x, sigma, ctx), {}):
+            other(ids)
+        assert syncs.seen == []
     reasons = cache.bypass_reasons()
     assert set(reasons) == {"EmbedND ids outside a family forward with a geometry seam on the cuda device, keyed by value: "
                             "not read, computed",
+                            "EmbedND ids of an embedder not the running family forward's own on the cuda device, keyed "
+                            "by value: not read, computed",
                             "mochi.rotation freqs on the cuda device, keyed by value: not read, computed"}, reasons
 
 
