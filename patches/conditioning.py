@@ -1226,14 +1226,14 @@ def _tiled_fallback_reason():
     return "VAE encode fell back to tiles (out of memory)" if getattr(_local, "fell_back", False) else None
 
 
-def _oom_marks() -> tuple[int, int]:
+def _oom_marks(device) -> tuple[int, int]:
     """What counts the out-of-memory errors ComfyUI went on from: those its ``raise_non_oom`` let pass on this
     thread (ComfyUI 0.4 and newer: it then slices the attention, or tiles), and those the CUDA allocator met
-    in this process (every host; one met on another thread meanwhile only makes a miss)."""
+    on the encoder's ``device`` (every host; one met on another thread meanwhile only makes a miss)."""
     cuda = 0
-    if torch.cuda.is_initialized():
+    if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_initialized():
         with contextlib.suppress(Exception):  # (an allocator without the count)
-            cuda = sum(torch.cuda.memory_stats(i).get("num_ooms", 0) for i in range(torch.cuda.device_count()))
+            cuda = torch.cuda.memory_stats(device).get("num_ooms", 0)
     return getattr(_local, "ooms", 0), cuda
 
 
@@ -1278,15 +1278,15 @@ def _route(kind: str, patcher, module, make_key, compute, check_rng=False, admit
 
         encoder_weights.vouch(module, patcher, same_generation, drop)
 
-    marks = []
+    marks, device = [], getattr(patcher, "load_device", None)
 
     def watched():  # (a miss only)
-        marks.append(_oom_marks())
+        marks.append(_oom_marks(device))
         return compute()
 
     def admitted():  # ComfyUI went on from an out-of-memory error by another way: returned, never stored
         why = admit() if admit is not None else None
-        if why is None and marks and _oom_marks() != marks[0]:
+        if why is None and marks and _oom_marks(device) != marks[0]:
             why = ("an out-of-memory error inside it, from which ComfyUI went on another way (sliced attention, "
                    "tiles): not what it gives with room to spare")
         return why

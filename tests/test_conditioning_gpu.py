@@ -82,3 +82,30 @@ def test_the_fingerprint_is_the_same_on_the_gpu_and_the_cpu_and_sees_edits_there
     after = we.fingerprints(on_gpu)
     assert after[0] == before[0] and after[1] != before[1]
     assert watch.quick({str(i): w for i, w in enumerate(on_gpu)})
+
+
+def test_a_vae_encode_whose_attention_ran_out_of_gpu_memory_is_returned_never_stored(cc, tiny, monkeypatch):
+    """A real out-of-memory error of the CUDA allocator inside the VAE's attention: ComfyUI goes on with sliced
+    attention (0.3.75 catches the error itself, with no hook: the allocator's count tells). That result is
+    returned and counted, never stored; the next encode with room to spare is."""
+    import comfy.ops
+
+    vae = tiny.tiny_vae(0)
+    attention = getattr(vae.first_stage_model.encoder.mid.attn_1, "optimized_attention", None)
+    if getattr(attention, "__name__", "") != "pytorch_attention":
+        pytest.skip(f"the VAE's attention here is {getattr(attention, '__name__', attention)}, not pytorch's")
+    image = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(3))
+    sdpa, failed = comfy.ops.scaled_dot_product_attention, []
+
+    def out_of_memory_once(*args, **kwargs):
+        if not failed:
+            failed.append(1)
+            torch.empty(1 << 48, dtype=torch.uint8, device="cuda")  # the allocator's own error
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(comfy.ops, "scaled_dot_product_attention", out_of_memory_once)
+    vae.encode(image)
+    assert failed and len(cc.CACHE) == 0 and cc.CACHE.count("bypasses.vae") == 1
+    monkeypatch.setattr(comfy.ops, "scaled_dot_product_attention", sdpa)
+    plain = vae.encode(image)
+    assert len(cc.CACHE) == 1 and torch.equal(vae.encode(image), plain) and cc.CACHE.count("hits.vae") == 1
