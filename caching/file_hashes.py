@@ -59,6 +59,7 @@ class FileHashes:
         self.inline_bytes = inline_bytes
         self.memo: str | None = None  # the memo file (patches/conditioning.py sets it); None: this process only
         self.secret: bytes | None = None
+        self.ignored = None  # called with why, when a memo that cannot be trusted is passed over (the tiers count it)
         self.hashed_bytes = 0  # bytes read to hash files, in all (the tests and the bench read it)
         self._known: dict[tuple, str] = {}
         self._unsettled: set[tuple] = set()  # known, hashed too soon after a change for the memo
@@ -227,6 +228,8 @@ class FileHashes:
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:  # a memo that cannot be trusted: none
             log.debug("ReuseKit: file-hash memo %s ignored (%s)", path, exc)
             entries = {}
+            if self.ignored is not None:  # (once per change of the file: the stamp is remembered below)
+                self.ignored(f"{type(exc).__name__}: {exc}"[:200])
         self._memo_entries, self._memo_seen = entries, seen
         return entries
 

@@ -755,6 +755,7 @@ class SharedTiers:
 
     def __init__(self, registry):
         self.hashes = FileHashes()
+        self.hashes.ignored = self._memo_ignored
         self.disk: DiskTier | None = None
         self.redis: RedisTier | None = None
         self.secret: bytes | None = None
@@ -775,6 +776,11 @@ class SharedTiers:
     @property
     def active(self) -> bool:
         return self.disk is not None or self.redis is not None
+
+    def _memo_ignored(self, why: str) -> None:
+        for name, _ in self._tiers():
+            self.stats[name].count_reason("fallback", f"the file-hash memo {self.hashes.memo} cannot be trusted and is "
+                                          f"passed over ({why}): its files are hashed again", source="file hashes")
 
     def _say_once(self, tag: str, msg: str, *args) -> None:
         if tag not in self._warned:

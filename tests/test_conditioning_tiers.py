@@ -110,6 +110,23 @@ def test_disk_tier_hit_after_the_lru_is_emptied_equals_encoding(shared):
 
 
 @pytest.mark.hardening
+def test_a_file_hash_memo_that_cannot_be_trusted_is_counted_where_the_panel_shows_it(shared, monkeypatch):
+    """Passed over (its files are hashed again), and said on the tier's card, no longer in a debug log alone."""
+    hashes = shared.tiers.TIERS.hashes
+    memo = shared.files / "memo.json"
+    memo.write_text("[" * 100_000 + "]" * 100_000)
+    monkeypatch.setattr(hashes, "memo", str(memo))
+    weights = shared.files / "w.bin"
+    weights.write_bytes(b"\0" * 64)
+    hashes.for_stamp(hashes.stamp(str(weights)))
+    hashes.for_stamp(hashes.stamp(str(weights)))  # (the same file read once: counted once)
+    rows = [r for r in shared.tiers.TIERS.stats["disk"].reasons() if r["source"] == "file hashes"]
+    assert [(r["event"], r["count"]) for r in rows] == [("fallback", 1)], rows
+    assert str(memo) in rows[0]["reason"] and "RecursionError" in rows[0]["reason"]
+    assert hashes.wait(10)
+
+
+@pytest.mark.hardening
 def test_an_entry_an_older_revision_of_the_keys_wrote_is_never_read(shared, monkeypatch):
     """A fix that changes what an encode stores under an unchanged key raises ``KEY_REVISION``: what an older
     ReuseKit shared under that key (a wrong value, in the case that made it) is never read after the upgrade."""
