@@ -59,7 +59,7 @@ class FileHashes:
         self.inline_bytes = inline_bytes
         self.memo: str | None = None  # the memo file (patches/conditioning.py sets it); None: this process only
         self.secret: bytes | None = None
-        self.ignored = None  # called with why, when a memo that cannot be trusted is passed over (the tiers count it)
+        self.problem = None  # called with what went wrong with the memo (the tiers count it where the panel shows it)
         self.hashed_bytes = 0  # bytes read to hash files, in all (the tests and the bench read it)
         self._known: dict[tuple, str] = {}
         self._unsettled: set[tuple] = set()  # known, hashed too soon after a change for the memo
@@ -228,8 +228,9 @@ class FileHashes:
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:  # a memo that cannot be trusted: none
             log.debug("ReuseKit: file-hash memo %s ignored (%s)", path, exc)
             entries = {}
-            if self.ignored is not None:  # (once per change of the file: the stamp is remembered below)
-                self.ignored(f"{type(exc).__name__}: {exc}"[:200])
+            if self.problem is not None:  # (once per change of the file: the stamp is remembered below)
+                self.problem(f"the file-hash memo {path} cannot be trusted and is passed over "
+                             f"({type(exc).__name__}: {str(exc)[:160]}): its files are hashed again")
         self._memo_entries, self._memo_seen = entries, seen
         return entries
 
@@ -264,6 +265,9 @@ class FileHashes:
                 log.debug("ReuseKit: file-hash memo %s not written (%s)", path, exc)
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
+                if self.problem is not None:
+                    self.problem(f"the file-hash memo {path} cannot be written ({type(exc).__name__}: "
+                                 f"{exc.strerror or exc}): a file hashed in the background is hashed again at each start")
                 return
             self._memo_entries = {tuple(r[:5]): r[5] for r in rows}
             self._memo_seen = (path, self.secret, _memo_stamp(path))

@@ -372,6 +372,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self._usage: tuple[int, int] | None = None  # (entries, bytes) at the last scan, plus our writes since
         self._scanned = 0.0
+        self.unlisted: str | None = None  # why the last scan could not list the folder (its usage unknown)
 
     def path(self, name: str) -> Path:
         return self.folder / name[:2] / f"{name}{self.SUFFIX}"
@@ -443,13 +444,20 @@ class DiskTier:
     def _files(self) -> list[tuple[float, int, Path]]:
         """(mtime, size, path) of our entries. Only names this tier writes count (``<2 hex>/<64 hex>``
         + suffix): a folder pointed at other files never has them counted, evicted or swept."""
-        out = []
-        if not self.folder.is_dir():
-            return out
-        for sub in self.folder.iterdir():
+        out, unlisted = [], None
+        try:
+            subs = list(self.folder.iterdir()) if self.folder.is_dir() else []
+        except OSError as exc:  # a folder of another user's (made 0700), say: entries may still be read and written
+            subs, unlisted = [], f"{type(exc).__name__}: {exc.strerror or exc}"
+        for sub in subs:
             if not (_HEX2.match(sub.name) and sub.is_dir() and not sub.is_symlink()):
                 continue
-            for entry in os.scandir(sub):
+            try:
+                entries = list(os.scandir(sub))
+            except OSError as exc:
+                unlisted = f"{type(exc).__name__}: {exc.strerror or exc}"
+                continue
+            for entry in entries:
                 ours = _ENTRY.match(entry.name)
                 if ours is None or not ours.group(2).startswith(sub.name):
                     continue
@@ -462,6 +470,7 @@ class DiskTier:
                 elif ours.group(1) and ours.group(3) and time.time() - st.st_mtime > self.STALE_TMP_S:
                     with contextlib.suppress(OSError):  # left by a writer that died mid-write
                         os.unlink(entry.path)
+        self.unlisted = unlisted
         return out
 
     def usage(self, fresh: bool = False) -> tuple[int, int]:
@@ -755,12 +764,13 @@ class SharedTiers:
 
     def __init__(self, registry):
         self.hashes = FileHashes()
-        self.hashes.ignored = self._memo_ignored
+        self.hashes.problem = self._memo_problem
         self.disk: DiskTier | None = None
         self.redis: RedisTier | None = None
         self.secret: bytes | None = None
         self.default_folder: str | None = None  # ComfyUI's user directory + reusekit/conditioning (patches set it)
         self._warned: set[str] = set()
+        self._said_unlisted: str | None = None
         self._redis_scanned = 0.0
         self.stats = {
             "disk": registry.register(
@@ -777,10 +787,9 @@ class SharedTiers:
     def active(self) -> bool:
         return self.disk is not None or self.redis is not None
 
-    def _memo_ignored(self, why: str) -> None:
+    def _memo_problem(self, reason: str) -> None:
         for name, _ in self._tiers():
-            self.stats[name].count_reason("fallback", f"the file-hash memo {self.hashes.memo} cannot be trusted and is "
-                                          f"passed over ({why}): its files are hashed again", source="file hashes")
+            self.stats[name].count_reason("fallback", reason, source="file hashes")
 
     def _say_once(self, tag: str, msg: str, *args) -> None:
         if tag not in self._warned:
@@ -910,6 +919,14 @@ class SharedTiers:
         if disk:
             stats = self.stats["disk"]
             entries, held = tier_disk.usage() if tier_disk is not None else (0, 0)
+            unlisted = tier_disk.unlisted if tier_disk is not None else None
+            if unlisted is not None and unlisted != self._said_unlisted:  # (once per cause)
+                stats.incr("errors")
+                stats.count_reason("fallback", f"the folder {tier_disk.folder} cannot be listed ({unlisted}): its "
+                                   "entries are not counted or evicted, so its budget is not kept", source="disk tier")
+                self._say_once(f"unlisted:{unlisted}", "ReuseKit: the disk tier cannot list %s (%s); its budget is "
+                               "not kept", tier_disk.folder, unlisted)
+            self._said_unlisted = unlisted
             stats.set_entries(entries)
             stats.set_memory("disk", held, tier_disk.budget_bytes if tier_disk is not None else 0)
             stats.set_info("folder", str(tier_disk.folder) if tier_disk is not None else None)

@@ -1553,6 +1553,9 @@ def _configure_tiers() -> None:
     except ValueError as exc:  # a bad REUSEKIT_REDIS_URL: the pack still loads, the Redis tier stays off
         host.say_once("tiers-config", "ReuseKit: the conditioning cache's Redis tier is off: %s", exc,
                       level=logging.WARNING)
+    except OSError as exc:  # a folder the tiers cannot read: the pack still loads (its panel says the rest)
+        host.say_once("tiers-config-os", "ReuseKit: the conditioning cache's shared tiers could not be read: %s", exc,
+                      level=logging.WARNING)
 
 
 def uninstall() -> None:

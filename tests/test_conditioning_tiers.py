@@ -110,8 +110,40 @@ def test_disk_tier_hit_after_the_lru_is_emptied_equals_encoding(shared):
 
 
 @pytest.mark.hardening
-def test_a_file_hash_memo_that_cannot_be_trusted_is_counted_where_the_panel_shows_it(shared, monkeypatch):
-    """Passed over (its files are hashed again), and said on the tier's card, no longer in a debug log alone."""
+def test_a_disk_tier_folder_that_cannot_be_listed_keeps_the_pack_and_its_writes_and_says_so(shared, monkeypatch):
+    """Another user's 0700 folder, say: its listing raised through the tiers' set-up, so the pack failed to load
+    with its encoders already patched, and a write that took was counted as failed. Entries are read and
+    written; what cannot be counted or evicted is said once on the tier's card."""
+    import pathlib
+
+    folder = shared.folder
+    folder.mkdir(parents=True, exist_ok=True)
+    iterdir = pathlib.Path.iterdir
+
+    def denied(self):
+        if self == folder:
+            raise PermissionError(13, "Permission denied", str(self))
+        return iterdir(self)
+
+    with monkeypatch.context() as m:
+        m.setattr(pathlib.Path, "iterdir", denied)
+        shared.tiers.TIERS.configure(shared.settings)  # (raised here)
+        clip = _tiny_files().load_tiny_clip_file(_tiny_files().write_tiny_clip_file(str(shared.files), 0))
+        encode(clip)
+        disk = shared.tiers.TIERS.stats["disk"]
+        assert disk.counter("written") == 1 and not [r for r in disk.reasons() if r["event"] == "refused"]
+        shared.cc.CACHE.clear()
+        assert equal(encode(clip), reference(0)) and counter(shared.tiers, "disk", "hits") == 1
+        rows = [r for r in disk.reasons() if r["source"] == "disk tier"]
+        assert [(r["event"], r["count"]) for r in rows] == [("fallback", 1)], rows
+        assert "cannot be listed" in rows[0]["reason"]
+    assert len(entry_files(folder)) == 1
+
+
+@pytest.mark.hardening
+def test_a_file_hash_memo_that_cannot_be_trusted_or_written_is_counted_where_the_panel_shows_it(shared, monkeypatch):
+    """Passed over (its files are hashed again), or not written (a read-only user directory: each start hashes
+    large files again), and said on the tier's card, no longer in a debug log alone."""
     hashes = shared.tiers.TIERS.hashes
     memo = shared.files / "memo.json"
     memo.write_text("[" * 100_000 + "]" * 100_000)
@@ -124,6 +156,15 @@ def test_a_file_hash_memo_that_cannot_be_trusted_is_counted_where_the_panel_show
     assert [(r["event"], r["count"]) for r in rows] == [("fallback", 1)], rows
     assert str(memo) in rows[0]["reason"] and "RecursionError" in rows[0]["reason"]
     assert hashes.wait(10)
+    blocked = shared.files / "a file" / "memo.json"  # (its folder is a file: the write fails as a read-only one)
+    (shared.files / "a file").write_bytes(b"")
+    monkeypatch.setattr(hashes, "memo", str(blocked))
+    monkeypatch.setattr(type(hashes), "SETTLE_NS", 0)
+    other = shared.files / "w2.bin"
+    other.write_bytes(b"\1" * 64)
+    assert hashes.for_stamp(hashes.stamp(str(other))) is not None and hashes.wait(10)
+    rows = [r for r in shared.tiers.TIERS.stats["disk"].reasons() if "cannot be written" in r["reason"]]
+    assert [(r["event"], r["source"]) for r in rows] == [("fallback", "file hashes")], rows
 
 
 @pytest.mark.hardening
