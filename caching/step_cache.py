@@ -365,10 +365,12 @@ class CondState:
     sigma: torch.Tensor | None = None  # of the previous call (magcache)
     residual: torch.Tensor | None = None
     residual_sigma: torch.Tensor | None = None  # 0-d, on the sampler's device
-    slope: torch.Tensor | None = None  # d residual / d sigma between the last two computed calls
-    slope_span: torch.Tensor | None = None
-    gap: torch.Tensor | None = None  # signed sigma gap of the last two computed calls (taylor2)
-    curvature: torch.Tensor | None = None  # second divided difference of the last three (taylor2)
+    # extrapolate, taylor2: the residual's change between the last two computed calls and their signed sigma
+    # gap, kept apart (a slope, their quotient, overflows fp16 where a gap is small and the change is not)
+    difference: torch.Tensor | None = None
+    gap: torch.Tensor | None = None
+    older_difference: torch.Tensor | None = None  # taylor2: the change before it, over ``older_gap``
+    older_gap: torch.Tensor | None = None
     step_index: int | None = None  # the call index (per cond) of ``residual`` (taylorseer, foca)
     derivatives: list = field(default_factory=list)  # taylorseer, foca: D1 (, D2) per call at ``residual``
     rolling: torch.Tensor | None = None  # foca: the newest value when it is a forecast (else ``residual``)
@@ -393,8 +395,8 @@ class CondState:
     calib_gain: list = field(default_factory=list)  # schedule: (output error / residual error, output norm) or None
 
     def clear(self) -> None:
-        self.prev_signal = self.residual = self.slope = self.sigma = None
-        self.residual_sigma = self.slope_span = self.gap = self.curvature = None
+        self.prev_signal = self.residual = self.difference = self.sigma = None
+        self.residual_sigma = self.gap = self.older_difference = self.older_gap = None
         self.step_index = self.rolling = self.rolling_index = self.rolling_slope = None
         self.derivatives = []
         self.accumulated, self.ratio, self.consecutive, self.meta = 0.0, 1.0, 0, None
@@ -729,7 +731,7 @@ class RunState:
 
         Every computation runs on the residual's device; with ``cache_device`` "cpu" the results are
         then copied to the CPU without waiting, so a CPU-held tensor is never read on the CPU: it only
-        goes back to the device by a copy queued on the same stream (:meth:`residual`, the slope here)."""
+        goes back to the device by a copy queued on the same stream (:meth:`residual`, the difference here)."""
         state = self.conds[key]
         if self.config.rule == "schedule" and not estimated:
             self._verify(state, key, residual, sigma)
@@ -753,23 +755,17 @@ class RunState:
             state.calib_ratio.append(ratio)
             state.calib_samples.append(step_schedule.sample(residual))
             state.calib_gain.append(gain)
-        slope = span = gap = curvature = None
+        difference = gap = older = older_gap = None
         if forecast and sigma is not None and prev is not None and state.residual_sigma is not None:
             gap = (sigma - state.residual_sigma).to(dev)
-            safe = torch.where(gap == 0, torch.ones_like(gap), gap)
-            slope = torch.where(gap == 0, 0.0, 1.0) * (residual - prev) / safe
-            span = gap.abs() * EXTRAPOLATE_SPAN
-            if mode == "taylor2" and state.slope is not None and state.gap is not None:
-                # second divided difference over the last three computed sigmas (s0, s1, s2)
-                whole = gap + state.gap.to(dev)
-                safe = torch.where(whole == 0, torch.ones_like(whole), whole)
-                old = state.slope.to(dev, non_blocking=True)
-                curvature = torch.where(whole == 0, 0.0, 1.0) * (slope - old) / safe
+            difference = residual - prev
+            if mode == "taylor2" and state.difference is not None and state.gap is not None:
+                older, older_gap = state.difference, state.gap  # (kept where the cache keeps them already)
         index = len(state.pattern) - 1
         derivatives, rolling_slope = self._step_differences(state, residual, prev, index)
         keep = self._keep
-        state.residual, state.residual_sigma, state.slope, state.slope_span = keep(residual), sigma, keep(slope), span
-        state.gap, state.curvature = gap, keep(curvature)
+        state.residual, state.residual_sigma, state.difference = keep(residual), sigma, keep(difference)
+        state.gap, state.older_difference, state.older_gap = gap, older, older_gap
         state.step_index, state.derivatives = index, [keep(d) for d in derivatives]
         state.rolling = state.rolling_index = None  # the newest value is this computed one
         state.rolling_slope = keep(rolling_slope)
@@ -832,15 +828,25 @@ class RunState:
             return res
         if self.config.residual_mode in STEP_ORDERS:
             return self._step_forecast(state, res, like)
-        if state.slope is not None and sigma is not None:
-            # never further than the span the slope was measured over: a longer line overshoots
-            span = state.slope_span.to(like.device)
-            step = torch.as_tensor(sigma, dtype=torch.float32).to(like.device) - state.residual_sigma.to(like.device)
-            step = torch.minimum(torch.maximum(step, -span), span)
-            res = res + state.slope.to(like.device, like.dtype, non_blocking=True) * step.to(like.dtype)
-            if state.curvature is not None:
-                bend = step * (step + state.gap.to(like.device))  # (s - s2)(s - s1)
-                res = res + state.curvature.to(like.device, like.dtype, non_blocking=True) * bend.to(like.dtype)
+        if state.difference is not None and sigma is not None:
+            # Newton's forecast in float32, its terms as changes times ratios of sigma gaps (a slope, a change
+            # over a small gap, overflows fp16), never further than the gap it was measured over times
+            # EXTRAPOLATE_SPAN: a longer line overshoots (step_schedule.forecast, the planner's, is the same)
+            dev = like.device
+            gap = state.gap.to(dev)
+            step = torch.as_tensor(sigma, dtype=torch.float32).to(dev) - state.residual_sigma.to(dev)
+            u = torch.where(gap == 0, 0.0, step / torch.where(gap == 0, 1.0, gap))
+            u = u.clamp(-EXTRAPOLATE_SPAN, EXTRAPOLATE_SPAN)
+            out = res.float() + state.difference.to(dev, non_blocking=True).float() * u
+            if state.older_difference is not None:
+                # (d1/g1 - d0/g0) / (g1 + g0) * (s - s2)(s - s1), with s - s2 = u g1 and s - s1 = (u + 1) g1
+                older_gap = state.older_gap.to(dev)
+                whole = gap + older_gap
+                bend = torch.where(whole == 0, 0.0, u * (u + 1) * gap / torch.where(whole == 0, 1.0, whole))
+                older = torch.where(older_gap == 0, 0.0, gap / torch.where(older_gap == 0, 1.0, older_gap))
+                out = out + (state.difference.to(dev, non_blocking=True).float()
+                             - state.older_difference.to(dev, non_blocking=True).float() * older) * bend
+            res = out.to(like.dtype)
         return res
 
     def _step_forecast(self, state: CondState, res: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -889,7 +895,7 @@ class RunState:
     def residual_bytes(self) -> dict[str, int]:
         out = {"cpu": 0, "device": 0}
         held = [t for state in self.conds.values()
-                for t in (state.residual, state.slope, state.curvature, state.prev_signal, state.rolling,
+                for t in (state.residual, state.difference, state.older_difference, state.prev_signal, state.rolling,
                           state.rolling_slope, *state.derivatives)] + [self.delta]
         for t in {id(t): t for t in held if t is not None}.values():  # foca's newest value may be the residual
             out["cpu" if t.device.type == "cpu" else "device"] += t.numel() * t.element_size()

@@ -175,6 +175,21 @@ def test_extrapolated_residual_follows_the_last_slope_and_never_overshoots_its_s
     assert torch.equal(reuse.residual("a", like, 0.7), torch.full((1, 2, 2), 2.0))
 
 
+@pytest.mark.hardening
+@pytest.mark.parametrize("mode", ["extrapolate", "taylor2"])
+def test_a_forecast_of_fp16_residuals_that_change_fast_over_a_small_gap_stays_finite(mode):
+    """A change of 700 over a sigma gap of 0.01 is a slope of 70000, over fp16's largest number: kept as a
+    slope in the model's dtype it was inf, and every skipped call of an fp16 model added inf (extrapolate) or
+    NaN (taylor2) to a run that is finite uncached. The forecast is 2100, as in float32."""
+    m = tc()
+    rs = m.RunState(m.StepCacheConfig(None, "test", 1.0, residual_mode=mode), (0, 0, 0, 1.0, 0), 1.0, 0.0)
+    rs.decide(["a"], ["cond"], [torch.ones(1, 2, 2)], True)
+    for sigma, value in ((0.51, 0.0), (0.50, 700.0), (0.49, 1400.0)):
+        rs.store_residual("a", torch.full((1, 2, 2), value, dtype=torch.float16), sigma=torch.tensor(sigma))
+    out = rs.residual("a", torch.zeros(1, 2, 2, dtype=torch.float16), torch.tensor(0.48))
+    assert out.dtype == torch.float16 and torch.allclose(out.float(), torch.full((1, 2, 2), 2100.0), rtol=2e-3)
+
+
 def test_taylor2_forecasts_a_residual_quadratic_in_sigma_exactly():
     m = tc()
 
