@@ -271,6 +271,21 @@ class FileHashes:
                 return
             self._memo_entries = {tuple(r[:5]): r[5] for r in rows}
             self._memo_seen = (path, self.secret, _memo_stamp(path))
+            sweep_temporaries(folder, f".{os.path.basename(path)}.", ".tmp")
+
+
+STALE_TMP_S = 3600.0  # a temporary file this old belongs to no live write
+
+
+def sweep_temporaries(folder: str, prefix: str, suffix: str) -> None:
+    """Remove ``prefix*suffix`` files in ``folder`` older than an hour: what a writer killed between its
+    temporary file and the rename left (never read: the names are not the file's)."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(folder):
+            if entry.name.startswith(prefix) and entry.name.endswith(suffix):
+                with contextlib.suppress(OSError):
+                    if time.time() - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_S:
+                        os.unlink(entry.path)
 
 
 def _fields(st: os.stat_result) -> tuple:

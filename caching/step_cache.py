@@ -78,6 +78,7 @@ from typing import Any
 import torch
 
 from . import step_schedule
+from .file_hashes import sweep_temporaries
 from .step_schedule import ResidualTable
 from .weights_identity import WeightsIdentity
 
@@ -1161,6 +1162,7 @@ class CalibrationStore:
                 except BaseException:
                     Path(tmp).unlink(missing_ok=True)
                     raise
+                sweep_temporaries(str(self.path.parent), ".teacache-", ".json")
 
 
 def identity_digest(ident: WeightsIdentity) -> str:

@@ -51,7 +51,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from .file_hashes import FileHashes
+from .file_hashes import STALE_TMP_S, FileHashes
 from .settings import SETTINGS, label
 from .stats import REGISTRY
 
@@ -362,7 +362,7 @@ class DiskTier:
 
     SUFFIX = ".rkcond"  # not a model extension: ComfyUI never lists these files
     RESCAN_S = 30.0  # other processes' writes are seen by a rescan at least this often
-    STALE_TMP_S = 3600.0  # a temporary file this old belongs to no live write
+    STALE_TMP_S = STALE_TMP_S
     TOUCH_S = 60.0  # a hit sets the file's mtime when older than this (a hot entry writes no metadata per hit)
 
     def __init__(self, folder: str | os.PathLike, budget_bytes: int):

@@ -8,7 +8,9 @@ import dataclasses
 import importlib
 import json
 import logging
+import os
 import re
+import time
 
 import numpy as np
 import pytest
@@ -1621,6 +1623,31 @@ def test_the_calibration_store_reads_each_dtype_first_keeps_both_writers_and_nev
     aside = list(tmp_path.glob("cal.json.unreadable-*"))
     assert len(aside) == 1 and aside[0].read_text() == '{"flux:x": [1, 2,]}'
     assert list(json.loads(path.read_text())) == ["flux:w"]
+
+
+@pytest.mark.hardening
+def test_temporary_files_a_killed_writer_left_are_swept_at_the_next_save(tmp_path, monkeypatch):
+    """A process killed between its temporary file and the rename left it there for good (19 KB a calibration
+    file, up to 8 MiB a file-hash memo): a save removes those over an hour old, never a live writer's."""
+    fh = rkharness.pack("caching.file_hashes")
+    wi = rkharness.pack("caching.weights_identity")
+    ident = wi.identity([("w", torch.linspace(-1, 1, 64))])
+    stale, live = tmp_path / ".teacache-dead.json", tmp_path / ".teacache-live.json"
+    memo_stale = tmp_path / ".file_hashes.json.0123.tmp"
+    for path in (stale, live, memo_stale):
+        path.write_text("{")
+    for path in (stale, memo_stale):
+        os.utime(path, (time.time() - 7200, time.time() - 7200))
+    tc().CalibrationStore(tmp_path / "cal.json").put("flux:x", ident, tc().Calibration((1.0, 0.0, 0.0, 1.0, 0.0),
+                                                                                         None, None))
+    assert not stale.exists() and live.exists() and memo_stale.exists()
+    monkeypatch.setattr(fh.FileHashes, "SETTLE_NS", 0)  # (a file settled since its last change: into the memo)
+    hashes = fh.FileHashes()
+    hashes.memo = str(tmp_path / "file_hashes.json")
+    weights = tmp_path / "w.bin"
+    weights.write_bytes(b"\0" * 64)
+    assert hashes.get(str(weights)) is not None and hashes.wait(10)
+    assert (tmp_path / "file_hashes.json").exists() and not memo_stale.exists() and live.exists()
 
 
 def test_a_calibration_file_the_store_cannot_read_is_moved_aside_never_replaced(tmp_path, monkeypatch):
