@@ -838,15 +838,15 @@ class RunState:
             step = torch.as_tensor(sigma, dtype=torch.float32).to(dev) - state.residual_sigma.to(dev)
             u = torch.where(gap == 0, 0.0, step / torch.where(gap == 0, 1.0, gap))
             u = u.clamp(-EXTRAPOLATE_SPAN, EXTRAPOLATE_SPAN)
-            out = res.float() + state.difference.to(dev, non_blocking=True).float() * u
+            difference = state.difference.to(dev, non_blocking=True).float()
+            out = res.float() + difference * u
             if state.older_difference is not None:
                 # (d1/g1 - d0/g0) / (g1 + g0) * (s - s2)(s - s1), with s - s2 = u g1 and s - s1 = (u + 1) g1
                 older_gap = state.older_gap.to(dev)
                 whole = gap + older_gap
                 bend = torch.where(whole == 0, 0.0, u * (u + 1) * gap / torch.where(whole == 0, 1.0, whole))
                 older = torch.where(older_gap == 0, 0.0, gap / torch.where(older_gap == 0, 1.0, older_gap))
-                out = out + (state.difference.to(dev, non_blocking=True).float()
-                             - state.older_difference.to(dev, non_blocking=True).float() * older) * bend
+                out = out + (difference - state.older_difference.to(dev, non_blocking=True).float() * older) * bend
             res = out.to(like.dtype)
         return res
 

@@ -362,7 +362,6 @@ class DiskTier:
 
     SUFFIX = ".rkcond"  # not a model extension: ComfyUI never lists these files
     RESCAN_S = 30.0  # other processes' writes are seen by a rescan at least this often
-    STALE_TMP_S = STALE_TMP_S
     TOUCH_S = 60.0  # a hit sets the file's mtime when older than this (a hot entry writes no metadata per hit)
 
     def __init__(self, folder: str | os.PathLike, budget_bytes: int):
@@ -467,7 +466,7 @@ class DiskTier:
                     continue
                 if ours.group(1) is None and ours.group(3) is None:
                     out.append((st.st_mtime, st.st_size, Path(entry.path)))
-                elif ours.group(1) and ours.group(3) and time.time() - st.st_mtime > self.STALE_TMP_S:
+                elif ours.group(1) and ours.group(3) and time.time() - st.st_mtime > STALE_TMP_S:
                     with contextlib.suppress(OSError):  # left by a writer that died mid-write
                         os.unlink(entry.path)
         self.unlisted = unlisted
