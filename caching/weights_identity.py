@@ -12,9 +12,10 @@ change stays under one ulp of the coarser copy's precision is, at that precision
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -34,6 +35,15 @@ def _sample(t: torch.Tensor) -> torch.Tensor:
     else:
         picked = flat[idx]
     return picked.float()
+
+
+def _sample_raw(t: torch.Tensor) -> list[int]:
+    """Up to SAMPLES bytes of an integer tensor's storage at fixed, evenly spread positions."""
+    flat = t.reshape(-1).view(torch.uint8) if t.dtype != torch.bool else t.reshape(-1).to(torch.uint8)
+    n = flat.numel()
+    k = min(SAMPLES, n)
+    idx = ((torch.arange(k, dtype=torch.int64) * n) // k + n // (2 * k)).clamp_max(n - 1).to(flat.device)
+    return flat[idx].cpu().tolist()
 
 
 @dataclass(frozen=True)
@@ -100,12 +110,40 @@ def _known(name: str) -> bool:
         return False
 
 
+def plain_leaves(name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """A weight as the plain tensors that hold it: itself, or a tensor subclass's inner ones
+    (``__tensor_flatten__``: a quantized layout's data and scales, ``<name>.<inner>``), whose bytes are read
+    without dequantizing the whole weight (ComfyUI 0.33's comfy_quant layouts did so at every read)."""
+    flatten = None if type(t) in (torch.Tensor, torch.nn.Parameter) else getattr(t, "__tensor_flatten__", None)
+    if flatten is None:
+        yield name, t
+        return
+    for inner in flatten()[0]:
+        value = getattr(t, inner, None)
+        if isinstance(value, torch.Tensor):
+            yield from plain_leaves(f"{name}.{inner}", value)
+
+
 def identity(named_weights: Iterable[tuple[str, torch.Tensor]]) -> WeightsIdentity:
-    """The identity of ``(name, tensor)`` pairs (a model's weights as loaded, in a fixed order)."""
+    """The identity of ``(name, tensor)`` pairs (a model's weights as loaded, in a fixed order). A weight in a
+    quantized layout is identified by its data and scales (:func:`plain_leaves`); integer data (GGUF's blocks,
+    NF4's packed values) by sampled raw values in the structure, which must then match exactly."""
     h = hashlib.sha256()
     dtypes, counts, picked = [], [], {}
-    for name, t in named_weights:
-        if not t.is_floating_point() or t.numel() == 0:
+    for name, t in ((n, leaf) for outer, weight in named_weights for n, leaf in plain_leaves(outer, weight)):
+        if t.numel() == 0:
+            continue
+        if t.is_quantized:  # torch's own quantized tensors: their integers, and what maps them to values
+            scheme = t.qscheme()
+            per_tensor = scheme in (torch.per_tensor_affine, torch.per_tensor_symmetric)
+            h.update(f"{name}:{scheme}:{(t.q_scale(), t.q_zero_point()) if per_tensor else None};".encode())
+            if not per_tensor:
+                h.update(repr(_sample(t.q_per_channel_scales().float()).tolist()).encode())
+            t = t.int_repr()
+        if not t.is_floating_point():  # a fine-tune in the same quantization differs here alone
+            raw = t.detach()
+            raw = raw if type(raw) is torch.Tensor else raw.as_subclass(torch.Tensor)
+            h.update(f"{name}:{type(t).__qualname__}:{t.dtype}:{tuple(t.shape)}:{_sample_raw(raw)};".encode())
             continue
         h.update(f"{name}:{tuple(t.shape)};".encode())
         values = _sample(t)
@@ -122,7 +160,8 @@ def identity(named_weights: Iterable[tuple[str, torch.Tensor]]) -> WeightsIdenti
     return WeightsIdentity(h.hexdigest()[:32], tuple(dtypes), tuple(counts), tuple(samples))
 
 
-_PATCH_DEPTH = 6  # how deep a patch's value is walked (ComfyUI's adapters nest a tuple or two)
+_PATCH_DEPTH = 8  # how deep a patch's value is walked (ComfyUI's adapters nest a tuple or two; a hook's
+# transformer options nest four dicts and lists above their functions)
 
 
 def _patch_parts(value: Any, out: list, depth: int = 0) -> None:
@@ -145,6 +184,9 @@ def _patch_parts(value: Any, out: list, depth: int = 0) -> None:
             _patch_parts(value[k], out, depth + 1)
     elif isinstance(value, (set, frozenset)):
         out.append(("s", tuple(sorted(map(repr, value)))))
+    elif isinstance(value, functools.partial):  # (no qualname, and nothing in its __dict__)
+        out.append(("partial",))
+        _patch_parts((value.func, value.args, value.keywords), out, depth + 1)
     elif callable(value) and hasattr(value, "__qualname__"):
         out.append(("f", getattr(value, "__module__", None), value.__qualname__))
     else:  # an adapter (ComfyUI's LoRAAdapter...): its class and what it holds
@@ -162,4 +204,28 @@ def patches_digest(patches: dict) -> str | None:
     for key in sorted(patches, key=repr):
         out.append(("key", repr(key)))
         _patch_parts(patches[key], out)
+    return hashlib.sha256(repr(out).encode()).hexdigest()[:32]
+
+
+_HOOK_SKIPPED = {"hook_keyframe", "hook_ref", "weights_clip", "_strength_clip"}
+"""A hook's fields its digest leaves out: its keyframes (digested by what they set: a run writes its place in them
+onto the group), its identity, and what reaches the text encoder alone; so do fields named with an underscore
+(run state: a transformer options hook marks itself added), but the strength it gives the model."""
+
+
+def hooks_digest(hooks: list, placement: Any = ()) -> str | None:
+    """A digest of the hooks a run's conds carry (ComfyUI's ``comfy.hooks``: a LoRA through Create Hook LoRA, its
+    model strength and keyframes, each hook by its class and what it holds), in their order, and of
+    ``placement`` (which conds carry which, over which part of the run); None without hooks. They reach the
+    model at sampling time, never its clone's ``patches``."""
+    if not hooks:
+        return None
+    out: list = [("placed", repr(placement))]
+    for hook in hooks:
+        frames = getattr(getattr(hook, "hook_keyframe", None), "keyframes", None) or ()
+        out.append(("hook", type(hook).__module__, type(hook).__qualname__,
+                    tuple(tuple(repr(getattr(k, a, None)) for a in ("strength", "start_percent", "guarantee_steps"))
+                          for k in frames)))
+        _patch_parts({k: v for k, v in vars(hook).items()
+                      if k not in _HOOK_SKIPPED and (not k.startswith("_") or k == "_strength_model")}, out)
     return hashlib.sha256(repr(out).encode()).hexdigest()[:32]

@@ -77,3 +77,78 @@ def test_a_nan_weight_never_matches(flux_weights):
     poisoned = [(n, torch.full_like(t, float("nan")) if i == 0 else t) for i, (n, t) in enumerate(flux_weights)]
     ident = wi().identity(poisoned)
     assert not ident.matches(ident)
+
+
+def test_a_hooks_digest_follows_what_reaches_the_model_and_not_its_run_state():
+    """ComfyUI's own hook classes: a transformer options hook marks itself added during a run (its digest once
+    changed after the first run, so its calibration was never found again); two partials of different functions
+    digested alike; a hook's text encoder half (its CLIP weights and strength) reaches no diffusion model."""
+    import functools
+    import operator
+
+    import comfy.hooks
+
+    def options_hook(fn):
+        return comfy.hooks.TransformerOptionsHook({"wrappers": {"outer_sample": {"test": [fn]}}})
+
+    hook = options_hook(functools.partial(operator.mul, 2))
+    before = wi().hooks_digest([hook])
+    hook._skip_adding = True  # what a run leaves on it
+    assert wi().hooks_digest([hook]) == before
+    assert wi().hooks_digest([options_hook(functools.partial(operator.add, 2))]) != before
+    weights = {"diffusion_model.w": torch.ones(4)}
+
+    def lora(clip_strength, model_strength=1.0):
+        return comfy.hooks.create_hook_model_as_lora(weights, {"clip_l.w": torch.ones(4)}, model_strength,
+                                                     clip_strength).hooks
+
+    assert wi().hooks_digest(lora(1.0)) == wi().hooks_digest(lora(0.0)) != wi().hooks_digest(lora(1.0, 0.5))
+    assert wi().hooks_digest(lora(1.0), ("positive",)) != wi().hooks_digest(lora(1.0), ("negative",))
+
+
+def test_quantized_weights_are_identified_by_their_data_and_scales_never_dequantized(monkeypatch):
+    """Integer weights (GGUF's blocks, NF4's packed values) were left out of the identity, so a GGUF fine-tune
+    read its base model's calibration; a weight in ComfyUI's mixed-precision layout was dequantized whole to
+    sample 16 values (196 ms for one 3072x12288 weight on a CPU, at every sampling run)."""
+    bias = torch.linspace(-1, 1, 8)
+    blocks = torch.randint(0, 256, (64, 34), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    tuned = blocks.clone()
+    tuned[32:] ^= 1  # a fine-tune: half the weight's quantized values moved (16 are sampled, as of a float weight)
+
+    def ident(data):
+        return wi().identity([("blocks.0.weight", data), ("blocks.0.bias", bias)])
+
+    assert ident(blocks).matches(ident(blocks.clone())) and not ident(blocks).matches(ident(tuned))
+    weight = torch.randn(40, 40, generator=torch.Generator().manual_seed(2))  # torch's own quantized tensors
+    with pytest.warns(UserWarning):  # (deprecated in torch, still made: reading one's bytes crashed the process)
+        per_tensor = [torch.quantize_per_tensor(weight, scale, 0, torch.qint8) for scale in (0.1, 0.1, 0.2)]
+        per_channel = [torch.quantize_per_channel(weight, torch.full((40,), s), torch.zeros(40, dtype=torch.int64), 0,
+                                                  torch.qint8) for s in (0.1, 0.2)]
+    assert ident(per_tensor[0]).matches(ident(per_tensor[1])) and not ident(per_tensor[0]).matches(ident(per_tensor[2]))
+    assert not ident(per_channel[0]).matches(ident(per_channel[1]))
+    try:
+        import comfy.quant_ops as quant
+    except ImportError:
+        return
+    layouts = [n for n in ("TensorCoreFP8E4M3Layout", "TensorCoreFP8Layout") if n in getattr(quant, "LAYOUTS", {})]
+    if not layouts:
+        return
+    weight = torch.randn(32, 32, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+
+    def quantized(scale_by=1.0):
+        try:
+            q = quant.QuantizedTensor.from_float(weight, layouts[0], scale="recalculate")
+        except TypeError:  # (0.3.75's layout computes its scale when given none)
+            q = quant.QuantizedTensor.from_float(weight, layouts[0])
+        if scale_by != 1.0:
+            (scale,) = [t for n, t in wi().plain_leaves("w", q) if "scale" in n]
+            scale.mul_(scale_by)
+        return q
+
+    dequantized = []
+    real = quant.QuantizedTensor.dequantize
+    monkeypatch.setattr(quant.QuantizedTensor, "dequantize", lambda self: dequantized.append(1) or real(self))
+    first = wi().identity([("w", quantized())])
+    assert first.matches(wi().identity([("w", quantized())]))
+    assert not first.matches(wi().identity([("w", quantized(2.0))]))
+    assert dequantized == []
