@@ -113,7 +113,8 @@ class ResidualTable:
             if tuple(float(s) for s in run_sigmas) != sigmas or not all(b in per_branch for b in branches) \
                     or len(run_gains) != len(sigmas):
                 raise ValueError("residual table: every run needs the same sigmas, branches and gains")
-            vectors = torch.stack([per_branch[b][i].double().cpu() for i in range(len(sigmas)) for b in branches])
+            # on the CPU first: Apple's MPS has no float64, and a calibration on a Mac was lost to the error
+            vectors = torch.stack([per_branch[b][i].cpu().double() for i in range(len(sigmas)) for b in branches])
             gram = vectors @ vectors.T
             scale = float(gram.diagonal().mean().clamp_min(1e-300))
             total = gram / scale if total is None else total + gram / scale

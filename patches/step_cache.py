@@ -89,12 +89,37 @@ def model_identity(model_patcher, family: Family) -> tuple[str, WeightsIdentity]
     return f"{family.name}:{ident.structure}", ident
 
 
-def calibration_keys(model_patcher, base_key: str) -> tuple[str, str | None]:
+def calibration_keys(model_patcher, base_key: str, conds: dict | None = None) -> tuple[str, str | None]:
     """(the key this clone's calibration is kept under, the base model's key to read where it has none):
-    a clone with weight patches (a LoRA) keeps its own, under its patches' digest, so calibrating it never
-    replaces the base model's; (base_key, None) without patches."""
+    a clone with weight patches (a LoRA), or a run whose conds carry hooks (a LoRA through Create Hook LoRA),
+    keeps its own, under their digest, so calibrating it never replaces the base model's; (base_key, None)
+    without either."""
+    key = base_key
     patched = weights_identity.patches_digest(getattr(model_patcher, "patches", None) or {})
-    return (base_key, None) if patched is None else (f"{base_key}:patches {patched}", base_key)
+    if patched is not None:
+        key += f":patches {patched}"
+    hooked = weights_identity.hooks_digest(*_cond_hooks(conds))
+    if hooked is not None:
+        key += f":hooks {hooked}"
+    return (base_key, None) if key == base_key else (key, base_key)
+
+
+def _cond_hooks(conds: dict | None) -> tuple[list, tuple]:
+    """The hooks the run's conds carry, each once, in the conds' order; and where: per cond (its name and
+    place), the hooks it carries (by their place in that list) and the part of the run it covers. A hook on the
+    positive alone computes otherwise than on both."""
+    hooks, at, placement = [], {}, []
+    for name in sorted(conds or {}):
+        for i, cond in enumerate(conds[name] or ()):
+            carried = getattr(cond.get("hooks") if isinstance(cond, dict) else None, "hooks", None) or ()
+            for hook in carried:
+                if id(hook) not in at:
+                    at[id(hook)] = len(hooks)
+                    hooks.append(hook)
+            if carried:
+                placement.append((name, i, tuple(at[id(h)] for h in carried),
+                                  repr(cond.get("start_percent")), repr(cond.get("end_percent"))))
+    return hooks, tuple(placement)
 
 
 def model_fingerprint(model_patcher, family: Family) -> str:
@@ -528,8 +553,8 @@ class _Call:
         start, end = self._image_tokens(args, img.shape[1])
         self.first = img[:, start:end] - self.stack_in
         if self.skip is None:
-            if last:  # a stack of one block leaves nothing to skip (rule first_block, or auto's fallback to it)
-                self.may_skip = False
+            if last and self.may_skip:  # a stack of one block leaves nothing to skip (rule first_block, or auto's
+                self.may_skip = False  # fallback to it); a call outside the window would not have skipped anyway
                 stats().count_reason("bypass", "first_block decides after the first block, the only one of this "
                                      f"{self.family.name} model: none is left to skip, every call is computed (rule "
                                      "teacache decides before it)", source=self.family.name)
@@ -1033,10 +1058,11 @@ def resolved_config(config: tc.StepCacheConfig, family: Family, steps: int | Non
 
 class Plan:
     """What one run uses: the resolved config, the rule's table and where it came from (``used_type``:
-    "calibrated", a published variant, "none", "calibrating"), the model's variant and identity."""
+    "calibrated", a published variant, "none", "calibrating"), the model's variant and identity, and the
+    calibration store's key where the run reads or writes a calibration (None elsewhere)."""
 
-    def __init__(self, config: tc.StepCacheConfig, used_type: str, variant: str, key: str, ident: WeightsIdentity,
-                 table=None):
+    def __init__(self, config: tc.StepCacheConfig, used_type: str, variant: str, key: str | None,
+                 ident: WeightsIdentity, table=None):
         self.config, self.used_type, self.variant = config, used_type, variant
         self.key, self.ident, self.fp = key, ident, tc.identity_digest(ident)
         rule = config.rule
@@ -1052,13 +1078,14 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None, steps:
     family = settings.family
     cfg = resolved_config(settings.config, family, steps)
     base, ident = model_identity(model_patcher, family)
-    key, base_key = calibration_keys(model_patcher, base)
     variant = step_families.model_variant(family, model_patcher, conds or {})
+    key = None  # the store's, made only where the run reads or writes a calibration (it digests LoRA weights)
 
     def plan(used_type, table=None):
         return Plan(cfg, used_type, variant, key, ident, table)
 
     if cfg.calibrate:
+        key = calibration_keys(model_patcher, base, conds)[0]
         return plan("calibrating", tc.COEFFICIENTS.get(family.default_type, (0, 0, 0, 1.0, 0)))
     if cfg.rule in ("first_block", "interval"):  # need no table
         return plan("none")
@@ -1071,6 +1098,7 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None, steps:
     if cfg.model_type not in ("auto", "calibrated"):
         return plan(cfg.model_type, published(cfg.model_type))
     unread: list[str] = []  # the calibration file, where it cannot be read
+    key, base_key = calibration_keys(model_patcher, base, conds)
     stored = STORE.get(key, ident, unread.append)
     borrowed = stored is None and base_key is not None  # a LoRA'd clone not calibrated itself: its base model's
     if borrowed:
@@ -1089,8 +1117,9 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None, steps:
         table = table.with_sensitivity_of(step_schedule.shipped_table(family.name))
     if table is not None:
         if borrowed:
-            stats().count_reason("fallback", f"this model's weight patches (a LoRA) have no {cfg.rule} calibration of "
-                                 "their own: its base model's is used (calibrate the patched model for its own)",
+            stats().count_reason("fallback", f"this model's weight patches (a LoRA, or the conds' hooks) have no {cfg.rule} "
+                                 "calibration of their own: its base model's is used (calibrate the patched model for "
+                                 "its own)",
                                  source=family.name)
         return plan("calibrated", table)
     if unread and cfg.model_type != "calibrated":  # (a calibrated run is refused below, naming the file)
@@ -1202,12 +1231,15 @@ def _plan_schedule(run: tc.RunState, table: step_schedule.ResidualTable, guider,
                                     allowed), sigmas, replan)
 
 
-def _report(*args) -> None:
-    """:func:`_finish`, whose failure is logged and never replaces the sampler's result or error."""
+def _report(run, settings: Settings, *args) -> None:
+    """:func:`_finish`, whose failure is logged and counted, and never replaces the sampler's result or error."""
     try:
-        _finish(*args)
-    except Exception:
+        _finish(run, settings, *args)
+    except Exception as exc:
         log.exception("ReuseKit Step Cache: could not report the run")
+        stats().count_reason("fallback", f"the run could not be reported ({type(exc).__name__}: {exc}): its summary, "
+                             "and a calibration run's table, were not kept (the log has the traceback)",
+                             source=settings.family.name)
 
 
 def _outcome(exc: BaseException) -> str:

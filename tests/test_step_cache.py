@@ -1594,6 +1594,85 @@ def test_a_lora_clones_calibration_is_its_own_and_the_base_models_stays(flux, co
     assert P().calibration_keys(other, P().model_identity(other, family)[0])[1] is not None
 
 
+def test_a_hooked_runs_calibration_is_its_own_and_the_base_models_stays(flux, conds, _isolated_calibrations):
+    """A LoRA set on the conds as a hook (Create Hook Model as LoRA) reaches the model at sampling time, never its
+    clone's patches: its calibration is kept under the hooks' digest, and the plain model's stays its own (a
+    hooked calibration once replaced it, and the plain model's cached run moved 5x further from its uncached
+    one with nothing said). The same hooks in a later prompt read the hooked calibration back."""
+    import comfy.hooks
+    import comfy.sampler_helpers
+
+    (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
+    sample(cal, conds)
+    base = last_run()["calibration"]["coefficients"]
+    before = sample(teacache(flux, 0.3, model_type="calibrated"), conds)
+    weight = flux.model.diffusion_model.img_in.weight
+
+    def hooked():  # the graph's nodes run again in a new prompt: new hook objects, the same LoRA
+        hooks = comfy.hooks.create_hook_model_as_lora(
+            {"diffusion_model.img_in.weight": weight + torch.randn(weight.shape,
+                                                                   generator=torch.Generator().manual_seed(1)) * 0.5},
+            None, 1.0, 1.0)
+        return tuple(comfy.hooks.set_hooks_for_conditioning(c, hooks) for c in conds)
+
+    first = hooked()
+    (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
+    sample(cal, first)
+    own = last_run()["calibration"]["coefficients"]
+    assert own != base and len(json.loads(_isolated_calibrations.path.read_text())) == 2
+
+    def coefficients(model, run_conds):
+        settings = teacache(model, 0.3, model_type="calibrated").model_options["transformer_options"][P().KEY]
+        as_guider_holds = {k: comfy.sampler_helpers.convert_cond(c) for k, c in zip(("positive", "negative"), run_conds,
+                                                                                     strict=True)}
+        return list(P().resolve(settings, model, as_guider_holds).coefficients)
+
+    assert coefficients(flux, conds) == base and coefficients(flux, hooked()) == own
+    assert not [r for r in P().stats().reasons() if r["event"] == "fallback"]
+    stronger = tuple(comfy.hooks.set_hooks_for_conditioning(
+        c, comfy.hooks.create_hook_model_as_lora({"diffusion_model.img_in.weight": weight * 1.5}, None, 1.0, 1.0))
+        for c in conds)
+    assert coefficients(flux, stronger) == base  # hooks never calibrated: the base model's, said
+    (said,) = [r for r in P().stats().reasons() if r["event"] == "fallback"]
+    assert "(a LoRA, or the conds' hooks) have no teacache calibration of their own" in said["reason"]
+    after = sample(teacache(flux, 0.3, model_type="calibrated"), conds)  # the plain model's run, as before
+    assert last_run()["model_type"] == "calibrated" and torch.equal(after, before)
+    # the same hook on the positive alone, or over part of the run, computes otherwise: not the calibration above
+    one = hooked()
+    elsewhere = [(one[0], conds[1]), (conds[0], one[1]),
+                 tuple(comfy.sampler_helpers.convert_cond(c) for c in one)]
+    for c in elsewhere[2]:
+        c[0]["end_percent"] = 0.2
+    family = SF().detect_family(flux)
+    base_key = P().model_identity(flux, family)[0]
+    keys = {P().calibration_keys(flux, base_key, {"positive": p, "negative": n})[0]
+            for p, n in [tuple(comfy.sampler_helpers.convert_cond(c) for c in pair) for pair in elsewhere[:2]]
+            + [elsewhere[2]]}
+    assert len(keys) == 3 and P().calibration_keys(flux, base_key, {
+        k: comfy.sampler_helpers.convert_cond(c) for k, c in zip(("positive", "negative"), hooked(), strict=True)
+    })[0] not in keys
+
+
+@pytest.mark.hardening
+def test_a_run_that_cannot_be_reported_still_returns_its_latent_and_says_why(flux, conds, monkeypatch,
+                                                                            _isolated_calibrations):
+    """A calibration whose table cannot be fitted (on a Mac the sampled residuals were made float64 on the MPS
+    device, which has none) returns the sampler's latent as computed, and the panel says the calibration was not
+    kept: it was in the log alone, and the next calibrated run asked for the calibration just run."""
+    schedule = rkharness.pack("caching.step_schedule")
+
+    def no_float64(*args, **kwargs):
+        raise TypeError("Cannot convert a MPS Tensor to float64 dtype as the MPS framework doesn't support float64")
+
+    monkeypatch.setattr(schedule.ResidualTable, "from_samples", no_float64)
+    (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
+    assert torch.equal(sample(cal, conds), sample(flux, conds))
+    assert not _isolated_calibrations.path.exists()
+    (said,) = [r for r in P().stats().reasons() if r["event"] == "fallback"]
+    assert said["reason"].startswith("the run could not be reported (TypeError: Cannot convert a MPS Tensor")
+    assert "a calibration run's table, were not kept" in said["reason"]
+
+
 def test_a_calibrating_model_given_to_the_step_cache_is_refused_by_name(flux):
     (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
     with pytest.raises(ValueError, match="ReuseKit Step Cache: model: it comes from ReuseKit TeaCache Calibrate"):
