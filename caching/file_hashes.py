@@ -197,13 +197,15 @@ class FileHashes:
         text = json.dumps(entries, separators=(",", ":")).encode()
         return hmac.new(self.secret, text, hashlib.sha256).hexdigest()
 
-    def _read_memo(self) -> dict[tuple, str]:
-        """The memo's entries (under ``_memo_lock``), read again only when the file changed."""
+    def _read_memo(self, fresh: bool = False) -> dict[tuple, str]:
+        """The memo's entries (under ``_memo_lock``), read again only when the file changed, or ``fresh``: a
+        stamp can miss another process's rewrite (its inode reused, the same size, within one tick of the
+        file system's clock), which a merge must never drop."""
         path = self.memo
         if not path:
             return {}
         seen = (path, self.secret, _memo_stamp(path))
-        if seen == self._memo_seen:
+        if seen == self._memo_seen and not fresh:
             return self._memo_entries
         entries: dict[tuple, str] = {}
         try:
@@ -228,7 +230,8 @@ class FileHashes:
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:  # a memo that cannot be trusted: none
             log.debug("ReuseKit: file-hash memo %s ignored (%s)", path, exc)
             entries = {}
-            if self.problem is not None:  # (once per change of the file: the stamp is remembered below)
+            if self.problem is not None and seen != self._memo_seen:  # (once per change of the file: the stamp
+                # is remembered below)
                 self.problem(f"the file-hash memo {path} cannot be trusted and is passed over "
                              f"({type(exc).__name__}: {str(exc)[:160]}): its files are hashed again")
         self._memo_entries, self._memo_seen = entries, seen
@@ -245,22 +248,23 @@ class FileHashes:
         if not path:
             return
         with self._memo_lock:
-            entries = {k: v for k, v in self._read_memo().items() if k[0] != stamp[0]}
-            entries[stamp] = digest
-            rows = [[*k, v] for k, v in list(entries.items())[-self.MEMO_ENTRIES:]]
-            memo = {"format": FORMAT, "entries": rows}
-            signature = self._signature(rows)
-            if signature is not None:
-                memo["hmac"] = signature
             folder = os.path.dirname(path) or "."
             tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
             try:
                 os.makedirs(folder, exist_ok=True)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-                             | getattr(os, "O_BINARY", 0), 0o600)
-                with open(fd, "w", encoding="utf-8") as f:
-                    json.dump(memo, f, separators=(",", ":"))
-                os.replace(tmp, path)  # whatever is at the path (a FIFO, a link) is replaced, never followed
+                with file_lock(path):  # another process merging its own meanwhile would drop ours, or we its
+                    entries = {k: v for k, v in self._read_memo(fresh=True).items() if k[0] != stamp[0]}
+                    entries[stamp] = digest
+                    rows = [[*k, v] for k, v in list(entries.items())[-self.MEMO_ENTRIES:]]
+                    memo = {"format": FORMAT, "entries": rows}
+                    signature = self._signature(rows)
+                    if signature is not None:
+                        memo["hmac"] = signature
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                                 | getattr(os, "O_BINARY", 0), 0o600)
+                    with open(fd, "w", encoding="utf-8") as f:
+                        json.dump(memo, f, separators=(",", ":"))
+                    os.replace(tmp, path)  # whatever is at the path (a FIFO, a link) is replaced, never followed
             except OSError as exc:  # a read-only user directory: the memo stays as it was
                 log.debug("ReuseKit: file-hash memo %s not written (%s)", path, exc)
                 with contextlib.suppress(OSError):
@@ -275,6 +279,43 @@ class FileHashes:
 
 
 STALE_TMP_S = 3600.0  # a temporary file this old belongs to no live write
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike):
+    """Held around a read-merge-replace of the file at ``path`` (by a ``.lock`` file beside it): another
+    process's doing the same waits (POSIX's flock, Windows' byte lock; elsewhere none). OSError where it cannot
+    be made."""
+    try:
+        import fcntl
+    except ImportError:
+        fcntl = None
+    if fcntl is not None:
+        with open(f"{os.fspath(path)}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+        return
+    try:
+        import msvcrt
+    except ImportError:
+        yield
+        return
+    with open(f"{os.fspath(path)}.lock", "a+b") as lock:
+        while True:  # its first byte (a lock may lie past the end); Windows frees it when its process ends
+            lock.seek(0)
+            try:
+                msvcrt.locking(lock.fileno(), msvcrt.LK_NBLCK, 1)
+                break
+            except OSError:
+                time.sleep(0.01)
+        try:
+            yield
+        finally:
+            lock.seek(0)
+            msvcrt.locking(lock.fileno(), msvcrt.LK_UNLCK, 1)
 
 
 def sweep_temporaries(folder: str, prefix: str, suffix: str) -> None:

@@ -70,7 +70,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,7 +77,7 @@ from typing import Any
 import torch
 
 from . import step_schedule
-from .file_hashes import sweep_temporaries
+from .file_hashes import file_lock, sweep_temporaries
 from .step_schedule import ResidualTable
 from .weights_identity import WeightsIdentity
 
@@ -1044,7 +1043,7 @@ class CalibrationStore:
     memory and in a JSON file (when given a path). A lookup returns the calibration whose identity
     matches (:meth:`WeightsIdentity.matches`: precision copies do, fine-tunes do not), one made in the
     same dtypes first, in memory or in the file; each dtype keeps its own entry. Writes take a lock on a
-    file beside it (POSIX), so two ComfyUI processes calibrating at once keep both; a file that cannot be
+    file beside it (POSIX and Windows), so two ComfyUI processes calibrating at once keep both; a file that cannot be
     read is moved aside (``.unreadable-<time>``), never overwritten."""
 
     def __init__(self, path: Path | None = None):
@@ -1075,22 +1074,10 @@ class CalibrationStore:
             raise _Unreadable(f"it holds a {type(data).__name__}, not an object")
         return data
 
-    @contextmanager
     def _file_lock(self):
-        """Held around a read-modify-replace of the file: another process's write waits (POSIX; elsewhere
-        none, as before)."""
-        try:
-            import fcntl
-        except ImportError:
-            yield
-            return
+        """Held around a read-modify-replace of the file: another process's write waits."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        return file_lock(self.path)
 
     @staticmethod
     def _find(entries: Any, ident: WeightsIdentity, same_dtypes: bool = False) -> int | None:

@@ -30,15 +30,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import hmac
 import json
 import logging
 import os
+import platform
 import queue
 import re
 import stat
 import struct
+import subprocess
 import threading
 import time
 import uuid
@@ -103,18 +106,58 @@ _INDEXED = re.compile(r"^(cuda|xpu|mps|npu|mlu|hpu|xla|privateuseone|mtia):(\d+)
 _portable_names: dict[str, str] = {}
 
 
+@functools.cache
+def cpu_model() -> str | None:
+    """The CPU's model name, where the system says it: Linux's /proc/cpuinfo (x86's model name, Arm's implementer,
+    variant and part), macOS's ``sysctl`` (Apple silicon's chip), Windows' processor string (family, model and
+    stepping); None elsewhere. Within one instruction-set level MKL and oneDNN still pick kernels by vendor and
+    model (AMX, VNNI)."""
+    system = platform.system()
+    if system == "Windows":
+        return platform.processor() or None
+    if system == "Darwin":
+        try:
+            done = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                                  timeout=10, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() or None
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            fields = dict(line.split(":", 1) for line in f.read().split("\n\n", 1)[0].splitlines() if ":" in line)
+    except OSError:
+        return None
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    if fields.get("model name"):
+        return fields["model name"]
+    arm = [fields.get(k) for k in ("CPU implementer", "CPU architecture", "CPU variant", "CPU part")]
+    return "arm " + " ".join(arm) if all(arm) else None
+
+
+def device_model(device: torch.device) -> str | None:
+    """The model of the device an encode computes on, or None where this process cannot name it (an encode
+    there is kept local): the CPU's (:func:`cpu_model`); Apple's MPS by its chip, the CPU's; a GPU (CUDA,
+    XPU...) by the name its torch module gives."""
+    if device.type in ("cpu", "mps"):
+        return cpu_model()
+    name = getattr(getattr(torch, device.type, None), "get_device_name", None)
+    try:
+        return str(name(device)) if name is not None else None
+    except Exception:  # no such device here, or no driver: nameless
+        return None
+
+
 def portable_device(name: str) -> str:
-    """``cuda:1`` as ``cuda[<device name>]``: the same kind of device in another process names alike.
-    Names without an index (``cpu``, ``cuda``) stay as they are."""
+    """``cuda:1`` as ``cuda[<device model>]`` (:func:`device_model`): the same kind and model of device in
+    another process names alike. Names without an index (``cpu``, ``cuda``) stay as they are; a device whose
+    model cannot be read names its kind alone (the shared key then keeps such an encode local)."""
     found = _portable_names.get(name)
     if found is None:
         match = _INDEXED.match(name)
         if match is None:
             return name
-        kind = match.group(1)
-        found = kind
-        if kind == "cuda" and torch.cuda.is_available():
-            found = f"cuda[{torch.cuda.get_device_name(torch.device(name))}]"
+        model = device_model(torch.device(name))
+        found = match.group(1) if model is None else f"{match.group(1)}[{model}]"
         _portable_names[name] = found
     return found
 
@@ -362,6 +405,8 @@ class DiskTier:
 
     SUFFIX = ".rkcond"  # not a model extension: ComfyUI never lists these files
     RESCAN_S = 30.0  # other processes' writes are seen by a rescan at least this often
+    RESCAN_SHARE = 16  # and after this share of the budget written here (each of N processes sharing the folder
+    # judged the budget by its own writes: N of them writing at once filled N times it)
     TOUCH_S = 60.0  # a hit sets the file's mtime when older than this (a hot entry writes no metadata per hit)
 
     def __init__(self, folder: str | os.PathLike, budget_bytes: int):
@@ -370,6 +415,7 @@ class DiskTier:
         self.max_bytes = MAX_ENTRY_BYTES
         self._lock = threading.Lock()
         self._usage: tuple[int, int] | None = None  # (entries, bytes) at the last scan, plus our writes since
+        self._written = 0  # bytes written here since the last scan
         self._scanned = 0.0
         self.unlisted: str | None = None  # why the last scan could not list the folder (its usage unknown)
 
@@ -429,7 +475,9 @@ class DiskTier:
         with self._lock:
             if self._usage is not None:
                 self._usage = (self._usage[0] + 1, self._usage[1] + len(data))
-        if self.usage()[1] > self.budget_bytes:
+            self._written += len(data)
+            rescan = self._written > self.budget_bytes / self.RESCAN_SHARE
+        if self.usage(fresh=rescan)[1] > self.budget_bytes:
             self.evict()
 
     def remove(self, name: str) -> None:
@@ -449,11 +497,11 @@ class DiskTier:
         except OSError as exc:  # a folder of another user's (made 0700), say: entries may still be read and written
             subs, unlisted = [], f"{type(exc).__name__}: {exc.strerror or exc}"
         for sub in subs:
-            if not (_HEX2.match(sub.name) and sub.is_dir() and not sub.is_symlink()):
-                continue
             try:
+                if not (_HEX2.match(sub.name) and sub.is_dir() and not sub.is_symlink()):
+                    continue
                 entries = list(os.scandir(sub))
-            except OSError as exc:
+            except OSError as exc:  # (a folder that can be listed but not entered: its entries cannot be looked at)
                 unlisted = f"{type(exc).__name__}: {exc.strerror or exc}"
                 continue
             for entry in entries:
@@ -480,7 +528,7 @@ class DiskTier:
         files = self._files()
         usage = (len(files), sum(f[1] for f in files))
         with self._lock:
-            self._usage, self._scanned = usage, time.monotonic()
+            self._usage, self._scanned, self._written = usage, time.monotonic(), 0
         return usage
 
     def evict(self) -> int:

@@ -125,6 +125,13 @@ def test_a_disk_tier_folder_that_cannot_be_listed_keeps_the_pack_and_its_writes_
             raise PermissionError(13, "Permission denied", str(self))
         return iterdir(self)
 
+    is_dir = pathlib.Path.is_dir
+
+    def not_entered(self, *args, **kwargs):  # a folder listed but not entered (read, no search bit)
+        if self.parent == folder:
+            raise PermissionError(13, "Permission denied", str(self))
+        return is_dir(self, *args, **kwargs)
+
     with monkeypatch.context() as m:
         m.setattr(pathlib.Path, "iterdir", denied)
         shared.tiers.TIERS.configure(shared.settings)  # (raised here)
@@ -138,6 +145,9 @@ def test_a_disk_tier_folder_that_cannot_be_listed_keeps_the_pack_and_its_writes_
         assert [(r["event"], r["count"]) for r in rows] == [("fallback", 1)], rows
         assert "cannot be listed" in rows[0]["reason"]
     assert len(entry_files(folder)) == 1
+    with monkeypatch.context() as m:  # its entries' folders looked at, not entered
+        m.setattr(pathlib.Path, "is_dir", not_entered)
+        assert shared.tiers.TIERS.disk.usage(fresh=True) == (0, 0) and "Permission denied" in shared.tiers.TIERS.disk.unlisted
 
 
 @pytest.mark.hardening
@@ -344,6 +354,7 @@ def test_a_cpu_encode_is_shared_only_with_cpus_of_its_instruction_set(shared, mo
         with monkeypatch.context() as machine:
             machine.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
             machine.setattr(clip.patcher, "load_device", torch.device(device))
+            machine.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
             torch.set_num_threads(threads or before)
             try:
                 return pc.shared_key(pc.text_key(clip, tokens, False, False), clip.cond_stage_model, clip.patcher).name
@@ -355,6 +366,63 @@ def test_a_cpu_encode_is_shared_only_with_cpus_of_its_instruction_set(shared, mo
     # and its CPU threads, which split no GPU kernel (two GPU workers on machines of other core counts share)
     assert name("AVX2", "cuda:0", threads=1) == name("AVX2", "cuda:0", threads=2)
     assert name("AVX2", "cpu", threads=1) != name("AVX2", "cpu", threads=2)
+
+
+@pytest.mark.parametrize("system", ["Windows", "Darwin", "Linux x86", "Linux Arm"])
+def test_the_cpus_model_is_read_on_every_system_that_says_it(monkeypatch, system):
+    """The CPU's model, which the shared key of a CPU encode names, on Windows (its processor string) and macOS
+    (sysctl's chip) as on Linux, Arm's included: it was read from /proc/cpuinfo's model name alone, so Windows,
+    macOS and Arm Linux workers of different CPUs shared one another's encodes."""
+    import builtins
+    import io
+    import platform
+    import subprocess
+
+    tiers = rkharness.pack("caching.tiers")
+    info = {"Linux x86": "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\n\n"
+                         "processor\t: 1\nmodel name\t: AMD EPYC 7B13\n",
+            "Linux Arm": "processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\nCPU architecture: 8\n"
+                         "CPU variant\t: 0x3\nCPU part\t: 0xd0c\nCPU revision\t: 1\n\nprocessor\t: 1\n"}
+    real_open = builtins.open
+    monkeypatch.setattr(platform, "system", lambda: system.split()[0])
+    monkeypatch.setattr(platform, "processor", lambda: "Intel64 Family 6 Model 183 Stepping 1, GenuineIntel")
+    monkeypatch.setattr(subprocess, "run", lambda args, **kw: subprocess.CompletedProcess(args, 0, "Apple M2 Pro\n"))
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **kw: io.StringIO(info[system])
+                        if path == "/proc/cpuinfo" else real_open(path, *a, **kw))
+    tiers.cpu_model.cache_clear()
+    try:
+        assert tiers.cpu_model() == {"Windows": "Intel64 Family 6 Model 183 Stepping 1, GenuineIntel",
+                                     "Darwin": "Apple M2 Pro", "Linux x86": "AMD EPYC 7B13",
+                                     "Linux Arm": "arm 0x41 8 0x3 0xd0c"}[system]
+        assert tiers.device_model(torch.device("mps")) == tiers.cpu_model()  # Apple's GPU: its chip's
+    finally:
+        tiers.cpu_model.cache_clear()
+
+
+@pytest.mark.parametrize("device", ["cpu", "xpu:0"])
+def test_an_encode_on_a_device_whose_model_cannot_be_read_is_kept_local_and_said(shared, monkeypatch, device):
+    """Where the encoder's device model cannot be read (a CPU whose system does not say it, a GPU torch gives no
+    name for), the shared key cannot tell its kernels from another worker's: the encode is the encoder's own,
+    counted not shared with its reason, and nothing is written (such workers once shared one key)."""
+    pc = rkharness.pack("patches.conditioning")
+    path = _tiny_files().write_tiny_clip_file(str(shared.files), 0)
+    clip = _tiny_files().load_tiny_clip_file(path)
+    shared.settings.set("conditioning.enabled", False)
+    own = clip.encode_from_tokens(clip.tokenize(TEXT), return_pooled=True)
+    shared.settings.set("conditioning.enabled", True)
+    kind = torch.device(device).type
+    real = pc.device_model
+    monkeypatch.setattr(pc, "device_model", lambda d: None if d.type == kind else real(d))
+    if kind != "cpu":  # the key's device as the patcher names it; the encode itself stays on the CPU
+        tokens = clip.tokenize(TEXT)
+        monkeypatch.setattr(clip.patcher, "load_device", torch.device(device))
+        with pytest.raises(shared.cc.LocalOnly, match="this xpu device's model cannot be read here"):
+            pc.shared_key(pc.text_key(clip, tokens, False, False), clip.cond_stage_model, clip.patcher)
+        return
+    assert equal(encode(clip), own) and entry_files(shared.folder) == []
+    (row,) = shared.cc.CACHE.bypass_reasons()
+    assert row["reason"].startswith("not shared: this cpu device's model cannot be read here"), row
+    assert shared.cc.CACHE.count("not_shared") == 1
 
 
 @pytest.mark.parametrize("difference", ["pytorch attention", "threads", "cpu model"])
@@ -378,7 +446,7 @@ def test_a_worker_that_computes_an_encode_otherwise_reads_none_of_anothers_entri
         elif difference == "threads":
             patch.setattr(torch, "get_num_threads", lambda: 1 if second else 2)
         else:
-            patch.setattr(pc, "_cpu_model", lambda: "another CPU" if second else "a CPU")
+            patch.setattr(pc, "device_model", lambda device: "another CPU" if second else "a CPU")
 
     with monkeypatch.context() as first:
         worker(False, first)
@@ -703,6 +771,21 @@ def test_the_disk_tier_evicts_least_recently_used_files_within_its_budget(shared
         assert first_name - {p.name for p in entry_files(shared.folder)}
     finally:
         shared.settings.set("conditioning.disk.budget_mib", 4096)
+
+
+def test_processes_sharing_a_disk_folder_keep_its_budget_between_them(tmp_path):
+    """Each process judged the budget by its own writes and rescanned every 30 s: two writing at once filled the
+    folder to 1.7 times its budget, each one's usage saying 0.86. Each now rescans after a sixteenth of the
+    budget written, so together they stay within it, and what each says is what the folder holds."""
+    tiers = rkharness.pack("caching.tiers")
+    budget, size = 1 << 20, 100_000
+    workers = [tiers.DiskTier(tmp_path, budget), tiers.DiskTier(tmp_path, budget)]  # two processes' tiers
+    for i in range(9):
+        for w, disk in enumerate(workers):
+            disk.write(f"{i:02x}{w:02x}" + "0" * 60, bytes([i]) * size)
+    held = sum(p.stat().st_size for p in tmp_path.rglob("*.rkcond"))
+    assert held <= budget * (1 + 2 / 16) + size, held
+    assert all(abs(disk.usage()[1] - held) <= 2 * size for disk in workers)
 
 
 # ---- faults: every bad entry is a counted miss ---------------------------------------------------

@@ -105,6 +105,42 @@ def test_the_memo_gives_a_restarted_process_the_digest_without_reading_the_file(
     assert not [p for p in Path(first.memo).parent.iterdir() if p.name.endswith(".tmp")]  # renamed into place
 
 
+WINDOWS_LOCKS = """import fcntl, sys, types
+def locking(fd, mode, n):  # Windows' msvcrt.locking, as a byte lock here: LK_NBLCK raises where it is held
+    fcntl.lockf(fd, fcntl.LOCK_UN if mode == 0 else fcntl.LOCK_EX | fcntl.LOCK_NB, n, 0, 1)
+sys.modules["msvcrt"] = types.SimpleNamespace(locking=locking, LK_UNLCK=0, LK_NBLCK=2)
+sys.modules["fcntl"] = None  # as on Windows: no flock
+"""
+
+
+@pytest.mark.parametrize("system", ["posix", "windows"])
+def test_processes_hashing_at_once_keep_every_digest_in_the_shared_memo(tmp_path, system):
+    """Two ComfyUI processes sharing a user directory hash their files at once: each read the memo, merged its
+    digest and replaced the file with no lock between them, so the last writer dropped the other's (48 of 120
+    lost, hashed again at the next start, a T5 loading eagerly until then). Each merge now holds the memo's
+    lock, on Windows too (its msvcrt byte lock, imitated here over POSIX byte locks with fcntl's flock gone):
+    every digest is kept, and a third process hashes nothing."""
+    import subprocess
+    import sys
+
+    files = [_settled_file(tmp_path, f"w{i}.bin") for i in range(60)]
+    memo = tmp_path / "memo" / "file_hashes.json"
+    start = time.time() + 3  # both begin together, past their imports
+    child = ((WINDOWS_LOCKS if system == "windows" else "")
+             + "import sys, time; sys.path.insert(0, {links!r}); from reusekit.caching.file_hashes import FileHashes\n"
+             "FileHashes.SETTLE_NS = 0; h = FileHashes(); h.memo = {memo!r}\n"
+             "time.sleep(max(0.0, {start!r} - time.time()))\n"
+             "assert all(h.get(f) is not None for f in {files!r})")
+    procs = [subprocess.Popen([sys.executable, "-c", child.format(links=str(rkharness._package_links()), memo=str(memo),
+                                                                  start=start, files=files[k::2])])
+             for k in range(2)]
+    assert [p.wait(120) for p in procs] == [0, 0]
+    kept = {row[0] for row in json.loads(memo.read_text())["entries"]}
+    assert kept == {os.path.realpath(f) for f in files}
+    third = _hashes(tmp_path, inline_bytes=0)  # the next start
+    assert all(third.get(f) is not None for f in files) and third.hashed_bytes == 0
+
+
 def test_a_changed_file_is_never_taken_for_the_old_one(tmp_path, monkeypatch):
     """The same size and even the same mtime (set back): the ctime and inode differ, so the memo's entry
     does not apply; the file is hashed again."""
