@@ -6,8 +6,8 @@ either with one log line. ComfyUI hands ``execute`` only the inputs the schema
 declares, plus every linked one (``validate_prompt`` and the executor never refuse an input they
 do not know, on 0.3.75 as on 0.33 and 0.38), so an old input written as a value is read here from
 the prompt itself, and an unknown one is refused from there (:func:`unknown`): every node declares the
-hidden PROMPT input (:func:`hidden`; it leaves ComfyUI's cache keys as they are, unlike UNIQUE_ID) and
-:func:`old_inputs` finds the executing node's entry.
+hidden PROMPT and DYNPROMPT inputs (:func:`hidden`; they leave ComfyUI's cache keys as they are, unlike
+UNIQUE_ID) and :func:`old_inputs` finds the executing node's entry, a node made by another's expansion too.
 
 UI workflows keep widget values by position, not by name: web/compat.js maps the old layouts when
 the page loads a workflow.
@@ -25,8 +25,9 @@ from ..patches import host
 
 def hidden() -> list:
     """The hidden inputs of a node with old inputs to read: a list of its own (ComfyUI adds an output
-    node's extra_pnginfo to the list its schema holds)."""
-    return [io.Hidden.prompt]
+    node's extra_pnginfo to the list its schema holds). DYNPROMPT holds the nodes another node's expansion
+    made, which PROMPT (the prompt as sent) lacks."""
+    return [io.Hidden.prompt, io.Hidden.dynprompt]
 
 
 def _executing_node() -> str | None:
@@ -40,10 +41,19 @@ def _executing_node() -> str | None:
 
 
 def _prompt_inputs(cls) -> dict | None:
-    """The inputs this node's prompt entry gives (ComfyUI's executing node in the hidden PROMPT), if found."""
-    prompt = getattr(getattr(cls, "hidden", None), "prompt", None)
+    """The inputs this node's prompt entry gives (ComfyUI's executing node in the hidden DYNPROMPT, which holds
+    the nodes an expansion made, else in PROMPT), if found."""
     node_id = _executing_node()
-    entry = prompt.get(node_id) if isinstance(prompt, dict) and node_id is not None else None
+    if node_id is None:
+        return None
+    held = getattr(cls, "hidden", None)
+    entry = None
+    dynamic = getattr(held, "dynprompt", None)
+    if dynamic is not None and dynamic.has_node(node_id):
+        entry = dynamic.get_node(node_id)
+    prompt = getattr(held, "prompt", None)
+    if entry is None and isinstance(prompt, dict):
+        entry = prompt.get(node_id)
     given = entry.get("inputs") if isinstance(entry, dict) else None
     return given if isinstance(given, dict) else None
 

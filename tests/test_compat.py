@@ -114,6 +114,44 @@ def test_a_linked_rel_l1_thresh_is_read_like_a_written_one():
     assert torch.equal(run(linked)[0][0], run(_legacy(0.8))[0][0])
 
 
+def _expanded(prompt: dict, monkeypatch) -> dict:
+    """``prompt`` with its step cache node made at run time by another node's expansion (a group or loop pack's
+    GraphBuilder), written with the same inputs: such a node is in ComfyUI's DYNPROMPT, not its PROMPT."""
+    from comfy_execution.graph_utils import GraphBuilder
+
+    import nodes
+
+    prompt = copy.deepcopy(prompt)
+    (node_id,) = [k for k, n in prompt.items() if n["class_type"] == "ReuseKitTeaCache"]
+    written = {k: v for k, v in prompt[node_id]["inputs"].items() if k != "model"}
+
+    class Expands:
+        RETURN_TYPES, FUNCTION, CATEGORY = ("MODEL",), "run", "testing"
+
+        @classmethod
+        def INPUT_TYPES(cls):
+            return {"required": {"model": ("MODEL",)}}
+
+        def run(self, model):
+            graph = GraphBuilder()
+            made = graph.node("ReuseKitTeaCache", model=model, **written)
+            return {"result": (made.out(0),), "expand": graph.finalize()}
+
+    monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, "ReuseKitTestExpands", Expands)
+    prompt[node_id] = {"class_type": "ReuseKitTestExpands", "inputs": {"model": prompt[node_id]["inputs"]["model"]}}
+    return prompt
+
+
+def test_a_step_cache_node_made_by_an_expansion_reads_its_old_inputs_and_refuses_a_typo(monkeypatch):
+    """A node another node's expansion made is not in the prompt as sent: its rel_l1_thresh was dropped without a
+    word (7.5 from the same prompt written directly) and a typo ran the defaults. Both read as on any node."""
+    assert torch.equal(run(_expanded(_legacy(0.8), monkeypatch))[0][0], run(_legacy(0.8))[0][0])
+    typo = copy.deepcopy(PROMPTS["api v2 rel=0.8 device reuse"])
+    step_nodes(typo)[0]["thresold"] = 0.3
+    with pytest.raises(AssertionError, match="'thresold' is not an input of this node"):
+        run(_expanded(typo, monkeypatch))
+
+
 def test_rel_l1_thresh_is_mapped_with_one_log_line(caplog):
     caplog.set_level(logging.INFO, logger="reusekit")
     for _ in range(2):
