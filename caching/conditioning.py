@@ -688,13 +688,20 @@ def _held_bytes(stored: Any) -> int:
 
 
 def _rng_state() -> tuple:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    return (torch.get_rng_state(), cuda)
+    """The global generators' states: the CPU's and each accelerator's in use (CUDA and XPU once initialised,
+    Apple's MPS): a sampling encode on a Mac draws from the MPS generator alone."""
+    states = [torch.get_rng_state()]
+    for kind in ("cuda", "xpu"):
+        backend = getattr(torch, kind, None)
+        if backend is not None and backend.is_available() and backend.is_initialized():
+            states.extend(backend.get_rng_state_all())
+    if torch.backends.mps.is_available():
+        states.append(torch.mps.get_rng_state())
+    return tuple(states)
 
 
 def _rng_equal(a: tuple, b: tuple) -> bool:
-    return (torch.equal(a[0], b[0]) and len(a[1]) == len(b[1])
-            and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True)))
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 # ---- the process-wide cache, its settings and stats -------------------------------------------

@@ -132,8 +132,8 @@ def _as_ints(t: torch.Tensor) -> tuple[torch.dtype, int]:
 
 def _row_words(t: torch.Tensor) -> int | None:
     """32-bit words per row of a 2-D table, when rows are whole words (else rows are not checked)."""
-    if t.dim() != 2 or not t.is_contiguous():
-        return None
+    if t.dim() != 2 or not t.is_contiguous() or type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return None  # (a subclass's shape may not be its storage's: GGUF's blocks hold a row in more bytes)
     row_bytes = t.shape[1] * t.element_size()
     return row_bytes // 4 if row_bytes % 4 == 0 and t.numel() * t.element_size() % 4 == 0 else None
 
@@ -319,8 +319,8 @@ class WeightWatch:
         if not self._names:
             return self.full(named, patched, embeddings)
         self.full_checks += 1
-        written = set(written)
-        redo = [n for n in named if n in written or n not in self._plans]
+        written = set(written)  # (a quantized weight's leaves, ``<name>.<inner>``, by their weight's name)
+        redo = [n for n in named if n in written or n not in self._plans or n.rpartition(".")[0] in written]
         if self._names != frozenset(named) | patched:
             return True
         if self._fingerprint(named, redo, embeddings):

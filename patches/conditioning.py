@@ -75,16 +75,26 @@ from ..caching.conditioning import (
 )
 from ..caching.keys import Uncacheable, digest, encode
 from ..caching.settings import SETTINGS
-from ..caching.tiers import FORMAT, TIERS, FileHashes, SharedKey, is_indexed_device, portable_device
+from ..caching.tiers import (
+    FORMAT,
+    TIERS,
+    FileHashes,
+    SharedKey,
+    device_model,
+    is_indexed_device,
+    portable_device,
+)
 from ..caching.weight_edits import SETTING as CHECK_SETTING
 from ..caching.weight_edits import WeightWatch
+from ..caching.weights_identity import plain_leaves
 from . import encoder_weights, host, lazy_clip, module_tree
 
 # What a shared key's value means: raised with every fix that changes what an encode stores under a key
 # whose text stays the same (a wrong value an older ReuseKit shared), so after an upgrade no worker reads an
 # entry an older one wrote (a lazy encoder that dropped its module settings stored a wrong encode under the
-# key that held them: an upgraded worker read it as a hit, 0.76 from the encode). 1: the first revision.
-KEY_REVISION = 1
+# key that held them: an upgraded worker read it as a hit, 0.76 from the encode). 1: the first revision;
+# 2: an encode ComfyUI finished another way after running out of memory (sliced attention) is never stored.
+KEY_REVISION = 2
 
 log = logging.getLogger("reusekit")
 
@@ -255,15 +265,18 @@ def _patch_tensors(patcher, weights) -> list[torch.Tensor] | None:
     return memo[2] if memo is not None and memo[1] is weights else None
 
 
-def _precision(on_cpu: bool) -> tuple:
-    """Autocast and what else changes an encode's bits on the same device: ComfyUI's attention
-    functions and their upcasting, its ``--fast`` options, TF32 and reduced-precision matmul flags, the scaled-dot-product
-    backends, cuDNN's algorithm choice; for an encode on the CPU (``on_cpu``), torch's thread count, which splits
-    its matrix products (a node may set it between two encodes)."""
+def _precision(device: torch.device | None) -> tuple:
+    """Autocast (on the CPU, CUDA and the encode's own device: Apple's MPS, XPU...) and what else changes an
+    encode's bits on the same device: ComfyUI's attention functions and their upcasting, its ``--fast`` options,
+    TF32 and reduced-precision matmul flags, the scaled-dot-product backends, cuDNN's algorithm choice; for an
+    encode on the CPU, torch's thread count, which splits its matrix products (a node may set it between two
+    encodes)."""
     if torch.is_grad_enabled():
         raise Uncacheable("autograd is enabled")
+    on_cpu = device is not None and device.type == "cpu"
     fields = []
-    for device_type in ("cpu", "cuda"):
+    own = () if device is None or device.type in ("cpu", "cuda") else (device.type,)
+    for device_type in ("cpu", "cuda", *own):
         try:
             on = torch.is_autocast_enabled(device_type)
             fields.append((device_type, on, str(torch.get_autocast_dtype(device_type)) if on else None))
@@ -966,7 +979,7 @@ def text_key(clip, tokens, return_pooled, return_dict, extra: dict | None = None
     fields = ("encode_from_tokens", type(model).__module__, type(model).__qualname__, generation,
               encode(clip.patcher.load_device),  # where it runs: CPU and GPU results differ in bits
               encode(clip.layer_idx), encode(return_pooled), encode(return_dict),
-              _options(extra or {}), _precision(_computes_on_cpu(model, clip.patcher)), _patcher_fields(clip.patcher),
+              _options(extra or {}), _precision(_encode_device(model, clip.patcher)), _patcher_fields(clip.patcher),
               _module_state(model, clip.patcher, clip),
               encode(tokens))
     return Key("text", fields, owners=(serial,), weights=(_weights(clip.patcher),))
@@ -976,7 +989,7 @@ def vision_key(clip_vision, image, crop, extra: dict | None = None) -> Key:
     model = clip_vision.model
     serial, generation = _owner(model, clip_vision.patcher)
     fields = ("encode_image", type(model).__qualname__, generation, encode(crop), _options(extra or {}),
-              _precision(_computes_on_cpu(model, clip_vision.patcher)), _config(clip_vision, ("patcher", "model")),
+              _precision(_encode_device(model, clip_vision.patcher)), _config(clip_vision, ("patcher", "model")),
               _patcher_fields(clip_vision.patcher),
               _module_state(model, clip_vision.patcher, clip_vision), encode(image))
     return Key("vision", fields, owners=(serial,), weights=(_weights(clip_vision.patcher),))
@@ -988,7 +1001,7 @@ def vae_key(vae, method: str, pixels, options: tuple, extra: dict | None = None)
         raise Uncacheable("invalid VAE")
     serial, generation = _owner(model, vae.patcher)
     fields = (method, type(model).__qualname__, generation, encode(options), _options(extra or {}),
-              _precision(_computes_on_cpu(model, vae.patcher)), _config(vae, ("patcher", "first_stage_model")),
+              _precision(_encode_device(model, vae.patcher)), _config(vae, ("patcher", "first_stage_model")),
               _patcher_fields(vae.patcher), _module_state(model, vae.patcher, vae),
               encode(pixels))
     return Key("vae", fields, owners=(serial,), weights=(_weights(vae.patcher),))
@@ -1100,7 +1113,10 @@ def _weight_layout(module, patcher) -> tuple:
     if found is not None and found[0] == token:
         return found[1]
     named, patched = module_tree.weights(module, patcher)
-    named.update({name: getattr(backup[name], "weight", backup[name]) for name in patched})
+    for name, entry in backup.items():  # the patched weights' originals, by the names ``patched`` gives them
+        base = getattr(entry, "weight", entry)
+        if isinstance(base, torch.Tensor):
+            named.update((n, t) for n, t in plain_leaves(name, base) if n in patched)
     layout = digest(tuple((name, str(t.dtype), tuple(t.shape)) for name, t in sorted(named.items())))
     memo["layout"] = (token, layout)
     return layout
@@ -1184,31 +1200,25 @@ def shared_key(key: Key, module, patcher=None) -> SharedKey:
     text = repr(tree)  # written out once: the fields hold hundreds of token values
     if _INDEXED_TEXT.search(text):
         text = repr((*tree[:-1], _portable_walk(fields)))
-    if _computes_on_cpu(module, patcher):  # which kernels ran, and how they split the work, follow the CPU
-        text += repr(("cpu", platform.machine(), torch.backends.cpu.get_cpu_capability(), _cpu_model(),
-                      torch.get_num_threads()))
+    device = _encode_device(module, patcher)
+    if device is not None:  # the kernels that ran follow the device's model (and the CPU's, how they split the work)
+        model = device_model(device)
+        if model is None:
+            raise LocalOnly(f"this {device.type} device's model cannot be read here: the key cannot tell its "
+                            "kernels from another model's")
+        text += repr(("cpu", platform.machine(), torch.backends.cpu.get_cpu_capability(), model,
+                      torch.get_num_threads()) if device.type == "cpu" else (device.type, model))
     return SharedKey.of_text(text, _local_devices(patcher))
 
 
-@functools.cache
-def _cpu_model() -> str | None:
-    """The CPU's model name (Linux's /proc/cpuinfo; None elsewhere): within one instruction-set level, MKL and
-    oneDNN still pick kernels by vendor and model (AMX, VNNI)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        return None
-
-
-def _computes_on_cpu(module, patcher) -> bool:
-    """Whether the encoder runs on the CPU (its patcher's load device; without a patcher, its first weight's
-    device). A worker on AVX2 and one on AVX-512 round alike no more than two GPU models do; inputs and
-    outputs held on the CPU beside a GPU encode say nothing of it."""
+def _encode_device(module, patcher) -> torch.device | None:
+    """The device the encoder runs on: its patcher's load device, without a patcher its first weight's. A
+    worker on AVX2 and one on AVX-512 round alike no more than two GPU models do; inputs and outputs held
+    on the CPU beside a GPU encode say nothing of it."""
     device = getattr(patcher, "load_device", None)
     if device is None:
         device = next((p.device for p in module.parameters()), None)
-    return device is not None and torch.device(device).type == "cpu"
+    return None if device is None else torch.device(device)
 
 
 _local = threading.local()  # per thread: inside a plain VAE encode, and whether it fell back to tiles
@@ -1237,7 +1247,7 @@ def _oom_marks(device) -> tuple[int, int]:
     return getattr(_local, "ooms", 0), cuda
 
 
-def _route(kind: str, patcher, module, make_key, compute, check_rng=False, admit=None):
+def _route(kind: str, patcher, module, make_key, compute, admit=None):
     if not _routed(patcher) or not _active:
         return compute()
     encoder = encoder_name(module)
@@ -1291,7 +1301,7 @@ def _route(kind: str, patcher, module, make_key, compute, check_rng=False, admit
                    "tiles): not what it gives with room to spare")
         return why
 
-    return CACHE.fetch(key, watched, check_rng=check_rng, admit=admitted, shared=shared, encoder=encoder,
+    return CACHE.fetch(key, watched, check_rng=True, admit=admitted, shared=shared, encoder=encoder,
                        vouch=vouch)
 
 
@@ -1358,7 +1368,7 @@ def _make_methods():
         # what a plain encode gives with room to spare, so it is returned but never stored
         return _route("vae", self.patcher, self.first_stage_model, lambda: vae_key(
             self, "encode", pixel_samples, (), _by_name(orig, (self, pixel_samples), more, extra)),
-            lambda: _plain_vae_encode(orig, self, pixel_samples, more, extra), check_rng=True,
+            lambda: _plain_vae_encode(orig, self, pixel_samples, more, extra),
             admit=_tiled_fallback_reason)
 
     def tiled_helper(name):
@@ -1374,7 +1384,7 @@ def _make_methods():
         options = (tile_x, tile_y, overlap, tile_t, overlap_t)
         return _route("vae", self.patcher, self.first_stage_model, lambda: vae_key(
             self, "encode_tiled", pixel_samples, options, _by_name(orig, (self, pixel_samples, *options), more, extra)),
-            lambda: orig(self, pixel_samples, *options, *more, **extra), check_rng=True)
+            lambda: orig(self, pixel_samples, *options, *more, **extra))
 
     def encode_image(self, image, crop=True, *more, **extra):
         orig = _orig(Vision, "encode_image")
@@ -1402,13 +1412,15 @@ def _make_methods():
         _orig(VAE, "__init__")(self, *args, **kwargs)
         _weights_loaded(getattr(self, "first_stage_model", None), getattr(self, "patcher", None), started)
 
-    def raise_non_oom(e):
-        _orig(mm, "raise_non_oom")(e)  # raises what is not an out-of-memory error
+    def raise_non_oom(*args, **kwargs):
+        _orig(mm, "raise_non_oom")(*args, **kwargs)  # raises what is not an out-of-memory error
         _local.ooms = getattr(_local, "ooms", 0) + 1  # ComfyUI goes on another way: an encode it was in is not stored
 
-    # (owner, name, replacement, the parameters it relies on, whether the host must have it)
+    # (owner, name, replacement, the parameters it relies on, whether the host must have it); the replacements
+    # that pass every argument through rely on none (another pack's plain wrapper, ``(*args, **kwargs)``, under
+    # them once turned the whole cache off)
     return [
-        (mm, "raise_non_oom", raise_non_oom, ("e",), False),  # ComfyUI 0.4 and newer
+        (mm, "raise_non_oom", raise_non_oom, (), False),  # ComfyUI 0.4 and newer
         (VAE, "__init__", vae_init, ("self", "sd", "device", "config", "dtype"), True),
         (CLIP, "encode_from_tokens", encode_from_tokens, ("self", "tokens", "return_pooled", "return_dict"), True),
         (CLIP, "encode_from_tokens_scheduled", encode_from_tokens_scheduled, ("self", "tokens"), True),
@@ -1416,8 +1428,8 @@ def _make_methods():
         (VAE, "encode", vae_encode, ("self", "pixel_samples"), True),
         (VAE, "encode_tiled", vae_encode_tiled,
          ("self", "pixel_samples", "tile_x", "tile_y", "overlap", "tile_t", "overlap_t"), True),
-        *[(VAE, name, tiled_helper(name), ("self",), True) for name in ("encode_tiled_", "encode_tiled_1d", "encode_tiled_3d")],
-        (VAE, "_encode_tiled_owned", tiled_helper("_encode_tiled_owned"), ("self", "pixel_samples"), False),  # video VAEs that tile themselves (newer hosts)
+        *[(VAE, name, tiled_helper(name), (), True) for name in ("encode_tiled_", "encode_tiled_1d", "encode_tiled_3d")],
+        (VAE, "_encode_tiled_owned", tiled_helper("_encode_tiled_owned"), (), False),  # video VAEs that tile themselves (newer hosts)
         (Vision, "encode_image", encode_image, ("self", "image", "crop"), True),
         (Vision, "load_sd", vision_load_sd, ("self", "sd"), True),
     ]

@@ -27,6 +27,8 @@ import weakref
 
 import torch
 
+from ..caching.weights_identity import plain_leaves
+
 # What ComfyUI writes on an encoder's modules while it loads, casts and unloads weights (keyed through
 # the patcher and load device instead), and the options an encode resets first (SD1ClipModel's
 # reset_clip_options: their values at the call follow from options_default and the keyed layer_idx).
@@ -184,19 +186,24 @@ def tree(module: torch.nn.Module, patcher) -> ModuleTree:
 
 
 def weights(module: torch.nn.Module, patcher) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
-    """The weights an encode reads as its base (by full name), and the names the patcher has patched
-    over right now (their base values are in its weight backup)."""
+    """The weights an encode reads as its base (by full name; a tensor subclass's by its inner tensors,
+    ``<name>.<inner>``), and the names the patcher has patched over right now (their base values are in its
+    weight backup)."""
     found = tree(module, patcher)
     weights_backup = getattr(patcher, "backup", None) or {}
     objects_backup = getattr(patcher, "object_patches_backup", None) or {}
     named: dict[str, torch.Tensor] = {}
     patched = []
     for table, key, full in found.slots:
-        if full in weights_backup:
-            patched.append(full)
+        if full in weights_backup:  # (by the names its unpatched weight has: a quantized one's leaves)
+            base = getattr(weights_backup[full], "weight", weights_backup[full])
+            if isinstance(base, torch.Tensor):
+                patched.extend(n for n, _ in plain_leaves(full, base))
+            else:
+                patched.append(full)
             continue
         t = objects_backup.get(full, _MISSING) if objects_backup else _MISSING
         t = table.get(key) if t is _MISSING else t
         if isinstance(t, torch.Tensor):
-            named[full] = t
+            named.update(plain_leaves(full, t))  # a quantized layout's data and scales, never dequantized
     return named, frozenset(patched)

@@ -1008,6 +1008,25 @@ def test_a_plain_vae_encode_that_fell_back_to_tiles_is_not_stored(cc, tiny):
     assert len(cc.CACHE) == 1 and same(plain, vae.encode(img)) and cc.CACHE.count("hits.vae") == 1
 
 
+def _attention_out_of_memory_once(monkeypatch):
+    """ComfyUI's attention as on a CUDA machine (before a model is built), which runs out of memory once at its
+    next call after the list returned is emptied: (the real function, that list)."""
+    import comfy.model_management as mm
+    import comfy.ops
+
+    monkeypatch.setattr(mm, "ENABLE_PYTORCH_ATTENTION", True)
+    sdpa, failed = comfy.ops.scaled_dot_product_attention, [0]
+
+    def out_of_memory_once(*args, **kwargs):
+        if not failed:
+            failed.append(1)
+            raise mm.OOM_EXCEPTION("simulated")
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(comfy.ops, "scaled_dot_product_attention", out_of_memory_once)
+    return sdpa, failed
+
+
 @pytest.mark.hardening
 def test_an_encode_whose_attention_ran_out_of_memory_is_returned_never_stored(cc, uncached, tiny, monkeypatch):
     """ComfyUI's VAE attention that runs out of memory goes on with sliced attention (its ``raise_non_oom``
@@ -1019,19 +1038,10 @@ def test_an_encode_whose_attention_ran_out_of_memory_is_returned_never_stored(cc
     if not hasattr(mm, "raise_non_oom"):
         pytest.skip("this ComfyUI catches out-of-memory errors itself (no raise_non_oom): on a GPU the CUDA "
                     "allocator's count of them tells")
-    monkeypatch.setattr(mm, "ENABLE_PYTORCH_ATTENTION", True)  # the VAE's attention as on a CUDA machine
-    vae = tiny.tiny_vae(0)
-    img = image(9)
-    sdpa, failed = comfy.ops.scaled_dot_product_attention, []
-
-    def out_of_memory_once(*args, **kwargs):
-        if not failed:
-            failed.append(1)
-            raise mm.OOM_EXCEPTION("simulated")
-        return sdpa(*args, **kwargs)
-
+    sdpa, failed = _attention_out_of_memory_once(monkeypatch)
+    vae, img = tiny.tiny_vae(0), image(9)
     plain = uncached(vae.encode, img)
-    monkeypatch.setattr(comfy.ops, "scaled_dot_product_attention", out_of_memory_once)
+    failed.clear()
     sliced = uncached(vae.encode, img)
     assert failed and not torch.equal(sliced, plain)  # what ComfyUI gives under the error
     failed.clear()
@@ -1041,6 +1051,45 @@ def test_an_encode_whose_attention_ran_out_of_memory_is_returned_never_stored(cc
     monkeypatch.setattr(comfy.ops, "scaled_dot_product_attention", sdpa)
     assert torch.equal(vae.encode(img), plain) and len(cc.CACHE) == 1
     assert torch.equal(vae.encode(img), plain) and cc.CACHE.count("hits.vae") == 1
+
+
+@pytest.mark.hardening
+def test_another_packs_plain_wrappers_under_the_pass_through_routes_keep_the_cache_on(cc, uncached, tiny, monkeypatch):
+    """Another pack loaded first wraps ``raise_non_oom`` and a tiling helper with ``(*args, **kwargs)`` (no
+    functools.wraps): ReuseKit's replacements there pass every argument through, so the cache installs, and an
+    encode that ran out of memory under their wrapper is still returned, never stored (the shape check once
+    refused them, and with them the whole conditioning cache)."""
+    import comfy.model_management as mm
+    import comfy.ops
+    import comfy.sd
+
+    patches = rkharness.pack("patches.conditioning")
+    names = [n for n in ("raise_non_oom",) if hasattr(mm, n)]
+    helpers = [n for n in ("encode_tiled_", "_encode_tiled_owned") if hasattr(comfy.sd.VAE, n)]
+    patches.uninstall()
+    try:
+        for name in names:
+            inner = getattr(mm, name)
+            monkeypatch.setattr(mm, name, lambda *args, _inner=inner, **kwargs: _inner(*args, **kwargs))
+        for name in helpers:
+            inner = getattr(comfy.sd.VAE, name)
+            monkeypatch.setattr(comfy.sd.VAE, name, lambda *args, _inner=inner, **kwargs: _inner(*args, **kwargs))
+        assert patches.install() and getattr(comfy.sd.VAE.encode, "__reusekit__", False)
+        assert not [f for f in rkharness.pack("patches.host").off_features() if f.startswith("conditioning cache")]
+        if names:  # the out-of-memory watch works through their wrapper
+            sdpa, failed = _attention_out_of_memory_once(monkeypatch)
+            vae, img = tiny.tiny_vae(0), image(9)
+            plain = uncached(vae.encode, img)
+            failed.clear()
+            sliced = vae.encode(img)
+            assert failed and not torch.equal(sliced, plain) and len(cc.CACHE) == 0
+            monkeypatch.setattr(comfy.ops, "scaled_dot_product_attention", sdpa)
+            assert torch.equal(vae.encode(img), plain) and len(cc.CACHE) == 1
+    finally:
+        patches.uninstall()
+        monkeypatch.undo()
+        patches.install()
+    assert getattr(comfy.sd.VAE.encode, "__reusekit__", False) and patches.installed()
 
 
 def test_a_video_vae_fallback_to_its_own_tiling_is_not_stored(cc, uncached, tiny):

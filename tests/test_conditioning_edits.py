@@ -476,3 +476,99 @@ def test_a_merged_clip_never_caches_what_its_second_clips_live_weights_decide(cc
     before = len(cc.CACHE)
     encode(a)  # the first CLIP alone still caches
     assert len(cc.CACHE) == before + 1
+
+
+def _quantized_clip(folder: str, name: str, scale: float = 1.0):
+    """A tiny CLIP-L saved with fp8 weights in ComfyUI's mixed-precision layout (``comfy_quant`` and a
+    weight_scale per layer, as quantized checkpoints ship) and loaded by ComfyUI: its linears hold
+    QuantizedTensor weights. ``scale`` multiplies every stored scale (a file that differs in them alone)."""
+    import json
+
+    import comfy.sd
+    import comfy.sd1_clip
+    import comfy.supported_models_base
+    import comfy.utils
+    from safetensors.torch import save_file
+
+    config = {"hidden_size": 64, "intermediate_size": 256, "num_attention_heads": 4, "num_hidden_layers": 2,
+              "projection_dim": 64}
+    source = _files().clip_l_sized(0, config).cond_stage_model.state_dict()
+    sd = {k.removeprefix("clip_l.transformer."): v.detach().contiguous().clone() for k, v in source.items()}
+    out = {k: v for k, v in sd.items() if not k.startswith("clip_l.")}
+    for k, v in list(out.items()):
+        if k.endswith(".weight") and v.dim() == 2 and ".layers." in k and ("mlp" in k or "proj" in k):
+            layer, s = k.removesuffix(".weight"), v.abs().amax() / 448.0
+            out[k] = (v / s).to(torch.float8_e4m3fn)
+            out[layer + ".weight_scale"] = (s * scale).float().reshape(())
+            out[layer + ".comfy_quant"] = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()),
+                                                       dtype=torch.uint8)
+    path = os.path.join(folder, f"{name}.safetensors")
+    save_file(out, path)
+    target = comfy.supported_models_base.ClipTarget(comfy.sd1_clip.SD1Tokenizer, comfy.sd1_clip.SD1ClipModel)
+    with torch.inference_mode():  # as ComfyUI's executor loads
+        clip = comfy.sd.CLIP(target=target, state_dict=[comfy.utils.load_torch_file(path, safe_load=True)],
+                             model_options={"clip_l_model_config": dict(config), "dtype": torch.float32,
+                                            "quantization_metadata": {"mixed_ops": True}})
+    rkharness.pack("patches.conditioning").register_source(clip, [path], "rk_tinymodels.load_tiny_clip_file", config)
+    return clip
+
+
+@pytest.mark.hardening
+def test_a_quantized_encoders_hit_reads_its_data_and_scales_never_dequantizing_them(cc, monkeypatch):
+    """ComfyUI's mixed-precision (comfy_quant) fp8 encoder: the cheap check of every hit read each weight through
+    its full dequantization (twice: 64 ms at width 128, 309 ms at 1024, against 0.5 ms for a plain encoder). It
+    reads the fp8 data and the scales themselves: a hit dequantizes nothing, and a file or an in-place edit
+    that changes a scale alone still misses, each result ComfyUI's own."""
+    from test_conditioning import same
+
+    try:
+        import comfy.quant_ops as quant
+    except ImportError:
+        pytest.skip("this ComfyUI has no quantized layouts (comfy.quant_ops)")
+    import inspect
+
+    import comfy.sd
+
+    if "state_dict" not in inspect.signature(comfy.sd.CLIP.__init__).parameters:
+        pytest.skip("this ComfyUI's CLIP loads no state dict itself (its mixed-precision layers come with 0.4)")
+    folder = tempfile.mkdtemp(prefix="rk_quant_")
+    clip = _quantized_clip(folder, "a")
+    weights = [p for p in clip.cond_stage_model.parameters() if isinstance(p, quant.QuantizedTensor)]
+    if not weights:
+        pytest.skip("this ComfyUI loads no QuantizedTensor weights from comfy_quant layers")
+
+    def encode(c):
+        with torch.inference_mode():
+            return c.encode_from_tokens(c.tokenize("a red chair"), return_pooled=True)
+
+    first = encode(clip)
+    assert same(first, uncached(encode, clip))
+    dequantized = []
+    real = quant.QuantizedTensor.dequantize
+    monkeypatch.setattr(quant.QuantizedTensor, "dequantize", lambda self: dequantized.append(1) or real(self))
+    hits = cc.CACHE.count("hits.text")
+    assert same(encode(clip), first) and cc.CACHE.count("hits.text") == hits + 1
+    assert dequantized == []  # (the encode's own matmuls ran in the first call, not in the hit)
+    monkeypatch.undo()
+    other = _quantized_clip(folder, "b", scale=1.5)  # the same fp8 bytes, other scales
+    theirs = encode(other)
+    assert same(theirs, uncached(encode, other)) and not same(theirs, first)
+    plain_leaves = rkharness.pack("caching.weights_identity").plain_leaves
+    (scale,) = [t for n, t in plain_leaves("w", weights[0]) if "scale" in n]
+    with torch.inference_mode():
+        scale.mul_(2.0)  # in place, as a node editing the loaded model would
+    edited = encode(clip)
+    assert same(edited, uncached(encode, clip)) and not same(edited, first)
+    # a LoRA on a quantized weight: its clone and the base take turns, each hitting after its first encode (the
+    # patched weight's leaves named as its unpatched ones: the turns once read as edits, 12 encodes of 12)
+    base = _quantized_clip(folder, "c")
+    lora = base.clone()
+    lora.add_patches({"clip_l.transformer.text_model.encoder.layers.0.mlp.fc1.weight":
+                      ("diff", (torch.randn(256, 64, generator=torch.Generator().manual_seed(1)) * 0.01,))}, 1.0)
+    encodes = cc.CACHE.count("encodes")
+    outs = {c: encode(c) for c in (base, lora)}
+    for _ in range(3):
+        for c in (base, lora):
+            assert same(encode(c), outs[c])
+    assert cc.CACHE.count("encodes") == encodes + 2 and not same(outs[base], outs[lora])
+    assert same(outs[lora], uncached(encode, lora))

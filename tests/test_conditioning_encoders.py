@@ -313,3 +313,33 @@ def test_an_llm_encoders_layer_choice_and_weight_patches_make_a_miss_and_comfyui
     again = patched().encode_from_tokens_scheduled(tokens)
     assert cc.CACHE.count("hits") == 1 and same(again, out)
     assert cc.CACHE.bypass_reasons() == []
+
+
+@pytest.mark.hardening
+def test_an_encoder_that_draws_random_numbers_is_never_stored_and_leaves_the_stream_as_uncached(cc):
+    """NewBie's Jina CLIP has dropout: left in train mode (by a training node, say), each encode draws from torch's
+    generator. Its first encode was stored and every repeat got that draw (1.9 from its own), and a hit skipped the
+    draws, so a later node's random numbers moved too (0.5). Every encode is its own, counted as random, and the
+    stream goes on as with the cache off."""
+    import torch
+
+    target = _one("newbie.NewBieTEModel_")
+    clip = _build(target)
+    clip.cond_stage_model.train()
+    tokens = clip.tokenize(TEXT, **_text_encoders().tokenize_options(target))
+
+    def run():
+        outs = []
+        for seed in (1, 2, 1):
+            torch.manual_seed(seed)
+            outs.append((clip.encode_from_tokens(tokens, return_pooled=True), torch.rand(4)))
+        return outs
+
+    with torch.inference_mode():
+        uncached = _off(run)
+        cached = run()
+    assert not same(uncached[0][0], uncached[1][0])  # the draws change the encode
+    for (out, after), (own, own_after) in zip(cached, uncached, strict=True):
+        assert same(out, own) and torch.equal(after, own_after)
+    assert len(cc.CACHE) == 0 and cc.CACHE.count("hits") == 0
+    assert [(r["reason"], r["count"]) for r in cc.CACHE.bypass_reasons()] == [("random", 3)]

@@ -333,10 +333,14 @@ def build_vae(name: str, seed: int = 0):
         asked = ask_vae(probe(name), device="cpu")
         model = fill_weights(asked.first_stage_model, seed)
         gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():  # latent statistics, rotary frequencies: buffers ComfyUI makes empty (a file holds them)
-            for key, buf in sorted(model.named_buffers()):
-                if ("per_channel_statistics." in key or key.endswith(".inv_freq")) and buf.is_floating_point():
+        with torch.no_grad():  # latent statistics, rotary frequencies, zeros: buffers ComfyUI makes empty (a file holds
+            for key, buf in sorted(model.named_buffers()):  # them; MiniMax's zero_k_bias left as it was read 1.9e38)
+                if not buf.is_floating_point():
+                    continue
+                if "per_channel_statistics." in key or key.endswith(".inv_freq"):
                     buf.copy_(1.0 + torch.randn(buf.shape, generator=gen) * 0.02)
+                elif key.rsplit(".", 1)[-1].startswith("zero"):
+                    buf.zero_()
         sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
         vae = comfy.sd.VAE(sd=sd, metadata=probe(name).file_metadata())
     if _made(vae) != found[0]:
