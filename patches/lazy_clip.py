@@ -86,7 +86,8 @@ PATCHER_STATE = frozenset({
 _DTYPES = {name: getattr(torch, attr) for name, attr in (
     ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"), ("I64", "int64"),
     ("I32", "int32"), ("I16", "int16"), ("I8", "int8"), ("U8", "uint8"), ("U16", "uint16"), ("U32", "uint32"),
-    ("U64", "uint64"), ("BOOL", "bool"), ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"))
+    ("U64", "uint64"), ("BOOL", "bool"), ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
+    ("F8_E8M0", "float8_e8m0fnu"))  # (mxfp8's block scales; a dtype missing here loads the encoder eagerly)
     if isinstance(getattr(torch, attr, None), torch.dtype)}
 # where the system names an open file by its descriptor, for ComfyUI's loader to read a kept file moved or
 # deleted since (none on Windows, where a file held open cannot be deleted or renamed: its name still holds it)

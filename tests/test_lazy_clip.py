@@ -226,6 +226,22 @@ def test_the_header_state_dict_holds_no_weights(tmp_path):
     assert read < size / 50, (read, size)
 
 
+
+def test_the_header_reads_every_float8_layout_comfyui_quantizes_with(tmp_path):
+    """mxfp8 keeps its block scales as F8_E8M0: a header the lazy loader could not read loaded the encoder
+    eagerly, every weight read at start-up."""
+    from safetensors.torch import save_file
+    lc = rkharness.pack("patches.lazy_clip")
+    full = {f"w.{dtype}.{n}": torch.linspace(0.25, 8.0, n).to(dtype) for n in (8, 4096)
+            for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)}
+    path = str(tmp_path / "mx.safetensors")
+    save_file(full, path)
+    sd, _, _ = lc.read_header(path)
+    assert sorted(sd) == sorted(full)
+    for k, t in full.items():
+        assert sd[k].dtype == t.dtype and sd[k].shape == t.shape, k
+        assert sd[k].is_meta if t.numel() > lc.SMALL_NUMEL else torch.equal(sd[k].view(torch.uint8), t.view(torch.uint8))
+
 def test_a_lazy_clip_answers_a_prompt_seen_before_without_its_weights(lazy):
     """An eager load wrote the entry; a lazy CLIP of the same file (a restarted process: the LRU is
     empty) answers from the disk tier, bit-identical, and holds no weights afterwards."""
