@@ -185,6 +185,9 @@ def tree(module: torch.nn.Module, patcher) -> ModuleTree:
     return found
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a weight that is its own leaf (no generator per weight per encode)
+
+
 def weights(module: torch.nn.Module, patcher) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
     """The weights an encode reads as its base (by full name; a tensor subclass's by its inner tensors,
     ``<name>.<inner>``), and the names the patcher has patched over right now (their base values are in its
@@ -204,6 +207,8 @@ def weights(module: torch.nn.Module, patcher) -> tuple[dict[str, torch.Tensor], 
             continue
         t = objects_backup.get(full, _MISSING) if objects_backup else _MISSING
         t = table.get(key) if t is _MISSING else t
-        if isinstance(t, torch.Tensor):
+        if type(t) in _PLAIN:
+            named[full] = t
+        elif isinstance(t, torch.Tensor):
             named.update(plain_leaves(full, t))  # a quantized layout's data and scales, never dequantized
     return named, frozenset(patched)
