@@ -284,38 +284,46 @@ STALE_TMP_S = 3600.0  # a temporary file this old belongs to no live write
 @contextlib.contextmanager
 def file_lock(path: str | os.PathLike):
     """Held around a read-merge-replace of the file at ``path`` (by a ``.lock`` file beside it): another
-    process's doing the same waits (POSIX's flock, Windows' byte lock; elsewhere none). OSError where it cannot
-    be made."""
+    process's doing the same waits (POSIX's flock, Windows' byte lock; elsewhere none). The lock file is opened
+    as the memo is: never through a link, never blocking on a FIFO (which hung every loader), 0600, and only
+    when it is a regular file. OSError where it cannot be made."""
     try:
         import fcntl
     except ImportError:
         fcntl = None
-    if fcntl is not None:
-        with open(f"{os.fspath(path)}.lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
-        return
     try:
         import msvcrt
     except ImportError:
+        msvcrt = None
+    if fcntl is None and msvcrt is None:
         yield
         return
-    with open(f"{os.fspath(path)}.lock", "a+b") as lock:
-        while True:  # its first byte (a lock may lie past the end); Windows frees it when its process ends
-            lock.seek(0)
-            try:
-                msvcrt.locking(lock.fileno(), msvcrt.LK_NBLCK, 1)
-                break
-            except OSError:
-                time.sleep(0.01)
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) \
+        | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    fd = os.open(f"{os.fspath(path)}.lock", flags, 0o600)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", f"{os.fspath(path)}.lock")
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        else:
+            while True:  # its first byte (a lock may lie past the end); Windows frees it when its process ends
+                os.lseek(fd, 0, os.SEEK_SET)
+                try:
+                    msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+                    break
+                except OSError:
+                    time.sleep(0.01)
         try:
             yield
         finally:
-            lock.seek(0)
-            msvcrt.locking(lock.fileno(), msvcrt.LK_UNLCK, 1)
+            if fcntl is not None:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            else:
+                os.lseek(fd, 0, os.SEEK_SET)
+                msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
+    finally:
+        os.close(fd)
 
 
 def sweep_temporaries(folder: str, prefix: str, suffix: str) -> None:

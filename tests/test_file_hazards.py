@@ -58,6 +58,37 @@ def test_a_fifo_at_the_memo_path_never_hangs_a_loader(lazy, monkeypatch):
     assert reader.get(path) == lazy.tiers.TIERS.hashes.get(path) and reader.hashed_bytes == 0
 
 
+
+@pytest.mark.parametrize("planted", ["fifo", "link"])
+def test_a_fifo_or_a_link_at_the_memos_lock_path_never_hangs_a_loader_nor_is_followed(lazy, monkeypatch, tmp_path,
+                                                                                    planted):
+    """The memo's merge takes a lock file beside it: opened plainly, a FIFO there blocked the loader in open()
+    while it held the memo's lock, so every later loader hung too, and a link there was followed (its target
+    made). The lock is opened as the memo is: the loader goes on, its encode is right, the memo is not written
+    and the tiers' cards say so; the link's target is never made."""
+    monkeypatch.setattr(rkharness.pack("caching.file_hashes").FileHashes, "SETTLE_NS", 0)  # the memo takes it now
+    memo = Path(lazy.tiers.TIERS.hashes.memo)
+    memo.parent.mkdir(parents=True)
+    lock, target = Path(f"{memo}.lock"), tmp_path / "elsewhere"
+    os.mkfifo(lock) if planted == "fifo" else os.symlink(target, lock)
+    loaded = {}
+    paths = [files().write_tiny_clip_l(str(lazy.files), i, name=f"lock{i}.safetensors") for i in range(2)]
+    worker = threading.Thread(target=lambda: loaded.update({p: files().load(p, lazy=False) for p in paths}),
+                              daemon=True)
+    worker.start()
+    worker.join(30)
+    try:
+        assert not worker.is_alive(), "the loaders hang on the FIFO at the memo's lock path"
+    finally:
+        if worker.is_alive():  # a writer lets its open() return
+            os.close(os.open(lock, os.O_WRONLY | os.O_NONBLOCK))
+            worker.join(30)
+    for p in paths:
+        assert equal(encode(loaded[p]), files().reference(p, TEXT))
+    assert not target.exists() and not memo.exists()
+    said = [r["reason"] for r in lazy.tiers.TIERS.stats["disk"].reasons()]
+    assert any(f"the file-hash memo {memo} cannot be written" in r for r in said), said
+
 def test_a_link_at_the_memo_path_is_never_followed(tmp_path, monkeypatch):
     """A link where the memo should be is not read as the memo (a digest planted elsewhere never
     answers), and the memo written next replaces the link, leaving its target as it was."""
