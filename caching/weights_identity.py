@@ -38,12 +38,13 @@ def _sample(t: torch.Tensor) -> torch.Tensor:
 
 
 def _sample_raw(t: torch.Tensor) -> list[int]:
-    """Up to SAMPLES bytes of an integer tensor's storage at fixed, evenly spread positions."""
-    flat = t.reshape(-1).view(torch.uint8) if t.dtype != torch.bool else t.reshape(-1).to(torch.uint8)
+    """The bytes of up to SAMPLES elements of an integer tensor at fixed, evenly spread positions (whole
+    elements: bytes spread over a wide type's storage can all miss the low byte that holds its value)."""
+    flat = t.reshape(-1) if t.dtype != torch.bool else t.reshape(-1).to(torch.uint8)
     n = flat.numel()
     k = min(SAMPLES, n)
     idx = ((torch.arange(k, dtype=torch.int64) * n) // k + n // (2 * k)).clamp_max(n - 1).to(flat.device)
-    return flat[idx].cpu().tolist()
+    return flat[idx].contiguous().view(torch.uint8).cpu().tolist()
 
 
 @dataclass(frozen=True)
@@ -137,8 +138,10 @@ def identity(named_weights: Iterable[tuple[str, torch.Tensor]]) -> WeightsIdenti
             scheme = t.qscheme()
             per_tensor = scheme in (torch.per_tensor_affine, torch.per_tensor_symmetric)
             h.update(f"{name}:{scheme}:{(t.q_scale(), t.q_zero_point()) if per_tensor else None};".encode())
-            if not per_tensor:
+            if not per_tensor:  # (per channel: along which axis, by which scales and zero points)
+                h.update(f"axis {t.q_per_channel_axis()}:".encode())
                 h.update(repr(_sample(t.q_per_channel_scales().float()).tolist()).encode())
+                h.update(repr(_sample_raw(t.q_per_channel_zero_points())).encode())
             t = t.int_repr()
         if not t.is_floating_point():  # a fine-tune in the same quantization differs here alone
             raw = t.detach()

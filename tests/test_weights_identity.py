@@ -126,6 +126,11 @@ def test_quantized_weights_are_identified_by_their_data_and_scales_never_dequant
                                                   torch.qint8) for s in (0.1, 0.2)]
     assert ident(per_tensor[0]).matches(ident(per_tensor[1])) and not ident(per_tensor[0]).matches(ident(per_tensor[2]))
     assert not ident(per_channel[0]).matches(ident(per_channel[1]))
+    ints, scales = per_channel[0].int_repr(), per_channel[0].q_per_channel_scales()
+    shifted = [torch._make_per_channel_quantized_tensor(ints, scales, torch.full((40,), z, dtype=torch.int64), axis)
+               for z, axis in ((0, 0), (5, 0), (0, 1))]  # the same integers and scales, other values
+    assert ident(shifted[0]).matches(ident(per_channel[0]))
+    assert not ident(shifted[0]).matches(ident(shifted[1])) and not ident(shifted[0]).matches(ident(shifted[2]))
     try:
         import comfy.quant_ops as quant
     except ImportError:
