@@ -657,8 +657,8 @@ class _Call:
         not one tensor splitting per cond is not kept, and the conds' earlier ones are dropped: they never
         skip (counted)."""
         if torch.is_tensor(out) and out.ndim and out.shape[0] % len(self.keys) == 0:
-            if self.noisy is None:
-                self.residual = out
+            if self.noisy is None:  # a copy of its own: a wrapper outside ours may change the output in place
+                self.residual = out.clone()
                 return
             x = self.noisy[0]
             if x.shape[0] == out.shape[0] and x.shape[2:] == out.shape[2:] and x.shape[1] >= out.shape[1]:

@@ -1673,6 +1673,30 @@ def test_a_run_that_cannot_be_reported_still_returns_its_latent_and_says_why(flu
     assert "a calibration run's table, were not kept" in said["reason"]
 
 
+
+@pytest.mark.parametrize("mode", ["output", "extrapolate"])
+def test_a_wrapper_outside_the_step_cache_that_changes_the_output_in_place_never_changes_what_it_kept(flux, conds,
+                                                                                                     mode):
+    """Output mode kept the model's output tensor itself: another node's model wrapper, running outside the step
+    cache's, that rescales the output in place (``out.mul_(k)``) rescaled the kept output too, so every skipped
+    call forecast from a value scaled twice (0.059 from the same wrapper written out of place, at the same
+    computed and skipped calls). What the step cache keeps is its own: both wrappers give one latent."""
+    import comfy.patcher_extension as pe
+
+    def scaled(in_place, cached):
+        def wrapper(executor, *args, **kwargs):
+            out = executor(*args, **kwargs)
+            return out.mul_(0.8) if in_place else out * 0.8
+
+        model = flux.clone()
+        model.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, "another_pack", wrapper)
+        return teacache(model, 0.6, mode=mode) if cached else model
+
+    assert torch.equal(sample(scaled(True, False), conds), sample(scaled(False, False), conds))
+    in_place = sample(scaled(True, True), conds)
+    assert last_run()["calls_skipped"] > 0
+    assert torch.equal(in_place, sample(scaled(False, True), conds))
+
 def test_a_calibrating_model_given_to_the_step_cache_is_refused_by_name(flux):
     (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
     with pytest.raises(ValueError, match="ReuseKit Step Cache: model: it comes from ReuseKit TeaCache Calibrate"):
