@@ -119,10 +119,11 @@ def plain_leaves(name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor
     if flatten is None:
         yield name, t
         return
-    for inner in flatten()[0]:
-        value = getattr(t, inner, None)
-        if isinstance(value, torch.Tensor):
-            yield from plain_leaves(f"{name}.{inner}", value)
+    found = [(inner, value) for inner in flatten()[0] if isinstance(value := getattr(t, inner, None), torch.Tensor)]
+    if not found:  # inner tensors not kept as attributes of those names: the weight as a whole, as it reads
+        yield name, t
+    for inner, value in found:
+        yield from plain_leaves(f"{name}.{inner}", value)
 
 
 def identity(named_weights: Iterable[tuple[str, torch.Tensor]]) -> WeightsIdentity:

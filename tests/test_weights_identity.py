@@ -157,3 +157,23 @@ def test_quantized_weights_are_identified_by_their_data_and_scales_never_dequant
     assert first.matches(wi().identity([("w", quantized())]))
     assert not first.matches(wi().identity([("w", quantized(2.0))]))
     assert dequantized == []
+
+
+
+def test_a_tensor_subclass_whose_inner_tensors_are_not_its_attributes_is_read_whole():
+    """A layout whose ``__tensor_flatten__`` names inner tensors kept elsewhere (a dict of its own) gave no leaf,
+    and the weight was left out of the identity: two models differing there alone matched."""
+    class Packed(torch.Tensor):
+        __torch_function__ = torch._C._disabled_torch_function_impl
+
+        def __tensor_flatten__(self):
+            return ["_packed"], None  # held in self.store, not as an attribute ``_packed``
+
+    def weight(scale):
+        t = (torch.linspace(-1, 1, 64) * scale).as_subclass(Packed)
+        t.store = {"_packed": t.as_subclass(torch.Tensor)}
+        return t
+
+    leaves = list(wi().plain_leaves("w", weight(1.0)))
+    assert [n for n, _ in leaves] == ["w"]
+    assert not wi().identity([("w", weight(1.0))]).matches(wi().identity([("w", weight(2.0))]))
