@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from ..caching.graph_reuse import OPTIONS_KEY as GRAPH_KEY
 from ..caching.keys import Uncacheable, tensor_meta, tensors_in
 from ..caching.pe_cache import PECacheKey, cache_for, close_orphaned, default_enabled
 from ..caching.protocol import capturing, transformer_options
@@ -135,16 +136,30 @@ class RunSummary:
             return executor(*args, **kwargs)
         before = {c: stats.counter(c) for c in self.COUNTERS}
         saved_before = stats.snapshot()["time_saved_s"]
+        finished = False
         try:
-            return executor(*args, **kwargs)
+            out = executor(*args, **kwargs)
+            finished = True
+            return out
         finally:
             cache.publish()  # the per-name counts of the run's hits
             run = {c: stats.counter(c) - before[c] for c in self.COUNTERS}
             run["time_saved_s"] = round(stats.snapshot()["time_saved_s"] - saved_before, 6)
             stats.set_info("last_run", run)
+            if finished and not any(run[c] for c in self.COUNTERS) and not _replays_graphs(patcher) \
+                    and not any(p.off for p in PATCHES):  # (a builder left unpatched has its own row)
+                model = type(getattr(patcher.model, "diffusion_model", patcher.model)).__name__
+                stats.count_reason("bypass", f"this run's {model} asked for no position table: its family builds "
+                                   "none that the PE cache covers (a UNet such as SD1.5's or SDXL's, SD3's learned "
+                                   "positions), so nothing was cached", source=model)
             log.info("ReuseKit PE cache (%s): %d hits, %d misses, %d replacements, %d shared, %d uncached, "
                      "%.1f ms saved", stats.name, run["hits"], run["misses"], run["replacements"], run["shared"],
                      run["bypasses"], run["time_saved_s"] * 1e3)
+
+
+def _replays_graphs(patcher) -> bool:
+    """Whether ReuseKit Graph Capture is on the model: a run of replays asks its builders nothing."""
+    return any(GRAPH_KEY in (patcher.wrappers.get(kind) or {}) for kind in (patcher.wrappers or {}))
 
 
 def _requires_grad(args, kwargs) -> bool:
