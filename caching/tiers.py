@@ -814,6 +814,7 @@ class SharedTiers:
         self.hashes.problem = self._memo_problem
         self.disk: DiskTier | None = None
         self.redis: RedisTier | None = None
+        self.redis_problem: str | None = None  # why the Redis URL set could not be used (its panel card says it)
         self.secret: bytes | None = None
         self.default_folder: str | None = None  # ComfyUI's user directory + reusekit/conditioning (patches set it)
         self._warned: set[str] = set()
@@ -853,7 +854,7 @@ class SharedTiers:
         if settings.get("conditioning.disk.enabled") and folder:
             disk = DiskTier(folder, settings.get("conditioning.disk.budget_mib") * MIB)
         self.disk = disk
-        old, self.redis = self.redis, None
+        old, self.redis, self.redis_problem = self.redis, None, None
         if old is not None:
             old.close()
         url = settings.get("conditioning.redis.url")
@@ -870,7 +871,8 @@ class SharedTiers:
                                            timeout_s=settings.get("conditioning.redis.timeout_ms") / 1000,
                                            on_error=lambda exc: stats.incr("errors"),
                                            on_written=self._redis_written)
-                except ValueError as exc:  # redis-py's parse of the URL
+                except ValueError as exc:  # redis-py's parse of the URL (its message never holds the URL)
+                    self.redis_problem = str(exc)
                     raise ValueError(f"setting 'conditioning.redis.url': {exc}") from None
         for stats in self.stats.values():  # the panel shows these counters from the start, zero or not
             for name in ("hits", "misses", "errors", "rejected"):
@@ -1008,6 +1010,9 @@ def switch(name: str) -> str | None:
         return None
     if not SETTINGS.get("conditioning.redis.url"):
         return f"start ComfyUI with {ENV_REDIS}=redis://<host>:<port>/<db>"
+    if enabled and TIERS.redis_problem:
+        return (f"{ENV_REDIS} is not a Redis URL ({TIERS.redis_problem}): set it to redis://<host>:<port>/<db> and "
+                "restart ComfyUI")
     return "install the redis client (pip install redis) and restart ComfyUI" if enabled else in_panel
 
 
