@@ -1536,7 +1536,14 @@ def install() -> bool:
         methods = [m for m in _make_methods() if (m[0], m[1]) not in _originals and (m[4] or _current(m[0], m[1]) is not None)]
         if not all(host.check(FEATURE, _where(owner, name), _current(owner, name), params)
                    for owner, name, _, params, _ in methods):
+            how = (f"{host.off_features().get(FEATURE)} (another pack's code is there, or this ComfyUI reshaped it): "
+                   "nothing is cached, and lazy text encoders load eagerly; load ReuseKit before that pack, or "
+                   "update it, and restart ComfyUI")
+            CACHE.stats.set_off(how)  # (the cards say so, not only the log: the Cached nodes still run)
+            lazy_clip.STATS.set_off(how)
             return False
+        CACHE.stats.set_off(None)
+        lazy_clip.STATS.set_off(None)
         loaders = [m for m in _loader_methods() if (m[0], m[1]) not in _originals]
         loaders = [m for m in loaders if host.check(SHARED_FEATURE, _where(m[0], m[1]), _current(m[0], m[1]), m[3])]
         _ROUTES.update((owner, name) for owner, name, *_ in (*methods, *loaders))

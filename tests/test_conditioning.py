@@ -1092,6 +1092,35 @@ def test_another_packs_plain_wrappers_under_the_pass_through_routes_keep_the_cac
     assert getattr(comfy.sd.VAE.encode, "__reusekit__", False) and patches.installed()
 
 
+
+def test_another_packs_wrapper_on_a_keyed_route_turns_the_cache_off_and_the_cards_say_so(cc, clip, monkeypatch):
+    """A plain ``(*args, **kwargs)`` wrapper another pack put on ``CLIP.encode_from_tokens`` first: the key binds
+    that method's parameters, so the cache stays off (ComfyUI runs the encodes itself). The warning was in the log
+    alone: the conditioning card showed no counters and no reason, and a lazy CLIP loaded eagerly unsaid. Both
+    cards now say it is off, naming the method and what fixes it; installed again, they are on."""
+    import comfy.sd
+
+    patches, host = rkharness.pack("patches.conditioning"), rkharness.pack("patches.host")
+    lazy = rkharness.pack("patches.lazy_clip")
+    patches.uninstall()
+    inner = comfy.sd.CLIP.encode_from_tokens
+    try:
+        monkeypatch.setattr(comfy.sd.CLIP, "encode_from_tokens", lambda *args, **kwargs: inner(*args, **kwargs))
+        assert not patches.install()
+        for stats in (cc.CACHE.stats, lazy.STATS):
+            off = stats.snapshot()["off"]
+            assert off.startswith("comfy.sd.CLIP.encode_from_tokens: ") and "load ReuseKit before that pack" in off
+        tokens = clip.tokenize("an encode ComfyUI runs itself")
+        clip.encode_from_tokens(tokens, return_pooled=True)
+        clip.encode_from_tokens(tokens, return_pooled=True)
+        assert len(cc.CACHE) == 0 and cc.CACHE.count("misses.text") == 0
+    finally:
+        patches.uninstall()
+        monkeypatch.undo()
+        host._off.pop(patches.FEATURE, None)
+        assert patches.install()
+    assert cc.CACHE.stats.snapshot()["off"] is None and lazy.STATS.snapshot()["off"] is None
+
 def test_a_video_vae_fallback_to_its_own_tiling_is_not_stored(cc, uncached, tiny):
     """A video VAE that tiles itself (0.33's ``_encode_tiled_owned``) answers a plain encode that ran
     out of memory: that result is returned, never stored as the plain encode."""
