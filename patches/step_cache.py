@@ -752,6 +752,22 @@ def replaced_reason(to: dict, settings: Settings) -> str | None:
     return reason
 
 
+OTHER_STEP_CACHES = {"easycache": "EasyCache", "lazycache": "LazyCache"}  # ComfyUI's own nodes, by wrapper key
+
+
+def _other_step_cache(patcher) -> str | None:
+    """Why this run computes every call: ComfyUI's EasyCache or LazyCache is on the model too. Each would skip on
+    the other's outputs: EasyCache inside ours kept a skipped call's stand-in output as the model's and handed it
+    back (1.6 times the output off), LazyCache outside answered evaluations ours never saw and forecast across."""
+    wrappers = getattr(patcher, "wrappers", None) or {}
+    found = next((name for key, name in OTHER_STEP_CACHES.items()
+                  if any(key in (by_key or {}) for by_key in wrappers.values())), None)
+    if found is None:
+        return None
+    return (f"ComfyUI's {found} node is on this model too: two step caches skip on each other's outputs, so ReuseKit "
+            f"Step Cache computes every call of this run ({found}'s skips stand; keep one of the two)")
+
+
 BATCH_SAFE_PATCHES = ("double_block", "post_input", "noise_refiner")
 """``transformer_options["patches"]`` entries that run outside the blocks on the whole batch (a model patch's
 ControlNet hints, added after each block, or in Lumina's noise refiner before them; the input's), which a
@@ -1180,7 +1196,8 @@ def _outer_sample(executor, *args, **kwargs):
     run.switches = _switches(getattr(guider, "conds", None))
     run.adds_noise = _adds_noise(args[2] if len(args) > 2 else kwargs.get("sampler"))
     run.renoised = run.adds_noise and _flow_denoised(ms)
-    run.disabled_reason = replaced_reason(orig.get("transformer_options", {}), settings)
+    run.disabled_reason = replaced_reason(orig.get("transformer_options", {}), settings) \
+        or _other_step_cache(guider.model_patcher)
     if run.disabled_reason is not None:
         stats().count_reason("disabled", run.disabled_reason, source=settings.family.name)
     elif run.held() and cfg.residual_mode not in ("reuse", tc.OUTPUT_MODE) and cfg.threshold and not cfg.calibrate:

@@ -1697,6 +1697,29 @@ def test_a_wrapper_outside_the_step_cache_that_changes_the_output_in_place_never
     assert last_run()["calls_skipped"] > 0
     assert torch.equal(in_place, sample(scaled(False, True), conds))
 
+
+@pytest.mark.parametrize("other", ["EasyCacheNode", "LazyCacheNode"])
+@pytest.mark.parametrize("ours_first", [True, False])
+def test_comfyuis_own_step_cache_on_the_same_model_makes_ours_compute_every_call_and_says_why(flux, conds, other,
+                                                                                             ours_first):
+    """ReuseKit's Step Cache, then EasyCache: EasyCache, inside ours, kept a skipped call's stand-in output (the
+    blocks passed through) as the model's and handed it back, 1.6 times the output off; LazyCache, outside,
+    answered evaluations ours never saw, and ours forecast across them. Either way, in either order, ours now
+    computes every call (counted, naming the node): the picture is the other cache's alone."""
+    import comfy_extras.nodes_easycache as core
+
+    def other_cache(model):
+        return getattr(core, other).execute(model, reuse_threshold=0.05, start_percent=0.0, end_percent=1.0,
+                                            verbose=False).args[0]
+
+    alone = sample(other_cache(flux.clone()), conds, steps=12)
+    stacked = other_cache(teacache(flux, 0.6)) if ours_first else teacache(other_cache(flux.clone()), 0.6)
+    assert torch.equal(sample(stacked, conds, steps=12), alone)
+    assert last_run()["calls_skipped"] == 0
+    name = other.removesuffix("Node")
+    (row,) = [r for r in P().stats().reasons() if r["event"] == "disabled"]
+    assert row["reason"].startswith(f"ComfyUI's {name} node is on this model too"), row
+
 def test_a_calibrating_model_given_to_the_step_cache_is_refused_by_name(flux):
     (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
     with pytest.raises(ValueError, match="ReuseKit Step Cache: model: it comes from ReuseKit TeaCache Calibrate"):
