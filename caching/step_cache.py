@@ -429,6 +429,10 @@ class RunState:
         self._step_keys: set = set()  # the cond keys computed or skipped at that step
         self._evaluations = 0  # the model evaluations (timestep tensors) seen so far
         self._last_seen: dict[Any, int] = {}  # per cond key, the evaluation of its last call
+        self.seen = 0  # the model calls that reached the cache, and that many when the sampler last ended a step
+        self._seen_at_step = 0
+        self._gap = False  # a step ended with none of its calls here (answered outside: LazyCache, say)
+        self.gaps = 0
         self.returns = 0  # conds that came back after an evaluation without them and started over
         self.partial: str | None = None  # calibration: why the run does not cover the model's whole schedule
         self.disabled_reason: str | None = None  # why every step of this run is computed, if one is
@@ -456,6 +460,26 @@ class RunState:
         # interval with interval_power: the run's step sigmas and which steps compute, per device
         self.beat: tuple[torch.Tensor, torch.Tensor] | None = None
         self._beat_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def step_done(self) -> None:
+        """The sampler ended a step (its callback): where none of the step's model calls reached the cache, another
+        node's wrapper answered them, and what each cond holds is older than the rules read."""
+        self._gap = self._gap or self.seen == self._seen_at_step
+        self._seen_at_step = self.seen
+
+    def after_gap(self) -> bool:
+        """At a call: where steps went by unseen, every cond starts over (True where one held something)."""
+        if not self._gap:
+            return False
+        self._gap = False
+        held = [s for s in self.conds.values() if s.residual is not None or s.prev_signal is not None]
+        for state in held:
+            state.clear()
+        if held:
+            self.resets += 1
+            self.gaps += 1
+            self.delta = self.delta_step = None
+        return bool(held)
 
     def again_this_step(self, keys: list, timestep: torch.Tensor | None) -> bool:
         """Whether one of ``keys`` was already called at this step: a guidance pass after the step's own call

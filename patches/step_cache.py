@@ -821,6 +821,11 @@ def _diffusion_model(executor, *args, **kwargs):
         out = executor(*args, **kwargs)
         run.calls_computed += 1
         return out
+    run.seen += 1
+    if run.after_gap():
+        stats().count_reason("fallback", "a step of the run never reached the step cache (another node's wrapper "
+                             "answered its model calls): each cond started over with a computed call",
+                             source=settings.family.name)
     window = _window(to)
     if window is not None:  # each context window is a call of its own, with a state of its own
         keys = [(key, "window", window) for key in keys]
@@ -1167,6 +1172,20 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None, steps:
     return plan(variant, table)
 
 
+def _step_callback(run: tc.RunState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """outer_sample's arguments with its step callback (the sixth) wrapped: the run hears each step end
+    (:meth:`RunState.step_done`), then the user's callback (the preview, the progress bar) runs as given."""
+    given = args[5] if len(args) > 5 else kwargs.get("callback")
+
+    def callback(*a, **k):
+        run.step_done()
+        return None if given is None else given(*a, **k)
+
+    if len(args) > 5:
+        return (*args[:5], callback, *args[6:]), kwargs
+    return args, {**kwargs, "callback": callback}
+
+
 def _outer_sample(executor, *args, **kwargs):
     import comfy.model_patcher
     import comfy.model_sampling
@@ -1216,6 +1235,7 @@ def _outer_sample(executor, *args, **kwargs):
         else:
             stats().count_reason("fallback", "interval_power: the sampler gave no sigmas to place the beat on; "
                                  "the fixed beat ran", source=settings.family.name)
+    args, kwargs = _step_callback(run, args, kwargs)
     outcome = "failed"
     try:
         out = executor(*args, **kwargs)

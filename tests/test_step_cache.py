@@ -1720,6 +1720,38 @@ def test_comfyuis_own_step_cache_on_the_same_model_makes_ours_compute_every_call
     (row,) = [r for r in P().stats().reasons() if r["event"] == "disabled"]
     assert row["reason"].startswith(f"ComfyUI's {name} node is on this model too"), row
 
+
+@pytest.mark.parametrize("mode", ["taylorseer1", "output"])
+def test_steps_another_wrapper_answers_outside_the_step_cache_make_each_cond_start_over(flux, conds, mode):
+    """A PREDICT_NOISE wrapper outside the step cache (LazyCache's seam) answers evaluations 2 and 3 of 10 itself:
+    the step cache never saw them, and its first call back was forecast from before the gap as if one step had
+    passed (0.16-0.20 from the model's output, against 0.04-0.09 for its usual forecasts), unsaid. The sampler's
+    step callback tells it the steps went by: that call is computed, counted; the user's callback still runs."""
+    import comfy.patcher_extension as pe
+    import comfy.sample
+
+    answered, seen = [], []
+
+    def outer(executor, *args, **kwargs):
+        answered.append(len(answered) in (2, 3) and seen)
+        if answered[-1]:
+            return seen[-1].clone()
+        seen.append(executor(*args, **kwargs))
+        return seen[-1]
+
+    model = teacache(flux, 3, rule="interval", mode=mode)
+    model.add_wrapper_with_key(pe.WrappersMP.PREDICT_NOISE, "another_pack", outer)
+    steps = []
+    pos, neg = conds
+    latent = torch.zeros(1, 16, 8, 8)
+    comfy.sample.sample(model, comfy.sample.prepare_noise(latent, 3), 10, 1.0, "euler", "simple", pos, neg, latent,
+                        callback=lambda i, *rest: steps.append(i), seed=3)
+    assert steps == list(range(10)) and sum(map(bool, answered)) == 2
+    assert last_run()["conds"]["cond"]["pattern"].startswith("CSCSS")  # the call after the gap computed
+    (row,) = [r for r in P().stats().reasons()
+              if r["event"] == "fallback" and r["reason"].startswith("a step of the run never reached the step cache")]
+    assert row["count"] == 1
+
 def test_a_calibrating_model_given_to_the_step_cache_is_refused_by_name(flux):
     (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
     with pytest.raises(ValueError, match="ReuseKit Step Cache: model: it comes from ReuseKit TeaCache Calibrate"):
