@@ -1752,6 +1752,20 @@ def test_steps_another_wrapper_answers_outside_the_step_cache_make_each_cond_sta
               if r["event"] == "fallback" and r["reason"].startswith("a step of the run never reached the step cache")]
     assert row["count"] == 1
 
+
+def test_no_sampler_of_the_host_makes_a_step_look_unseen(flux, conds):
+    """Every sampler ComfyUI lists calls the model at least once between two step callbacks wherever a call
+    follows (UniPC's last step calls none, and none follows it): none starts the conds over for nothing."""
+    import comfy.samplers
+
+    import nodes
+
+    model = teacache(flux, 0.6, model_type="auto")
+    pos, neg = conds
+    for name in comfy.samplers.KSampler.SAMPLERS:
+        nodes.common_ksampler(model, 3, 6, 3.0, name, "simple", pos, neg, {"samples": torch.zeros(1, 16, 8, 8)})
+        assert not [r for r in P().stats().reasons() if "never reached the step cache" in r["reason"]], name
+
 def test_a_calibrating_model_given_to_the_step_cache_is_refused_by_name(flux):
     (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
     with pytest.raises(ValueError, match="ReuseKit Step Cache: model: it comes from ReuseKit TeaCache Calibrate"):
