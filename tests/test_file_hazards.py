@@ -30,6 +30,22 @@ def _held(st: os.stat_result) -> bool:
     return False
 
 
+
+def _load_beside_a_fifo(paths: list, fifo: Path) -> list:
+    """The CLIPs of ``paths``, loaded eagerly in a thread that must not hang on ``fifo`` (a FIFO where the memo
+    or its lock should be: its open() would wait for a writer that never comes)."""
+    loaded = []
+    worker = threading.Thread(target=lambda: loaded.extend(files().load(p, lazy=False) for p in paths), daemon=True)
+    worker.start()
+    worker.join(30)
+    try:
+        assert not worker.is_alive(), f"the loader hangs on the FIFO at {fifo}"
+    finally:
+        if worker.is_alive():  # a writer lets its open() return
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            worker.join(30)
+    return loaded
+
 # ---- R5: the memo's path holds a FIFO or a link ----------------------------------------------------
 
 def test_a_fifo_at_the_memo_path_never_hangs_a_loader(lazy, monkeypatch):
@@ -41,17 +57,8 @@ def test_a_fifo_at_the_memo_path_never_hangs_a_loader(lazy, monkeypatch):
     memo.parent.mkdir(parents=True)
     os.mkfifo(memo)
     path = files().write_tiny_clip_l(str(lazy.files), 0, name="fifo.safetensors")
-    loaded = {}
-    worker = threading.Thread(target=lambda: loaded.update(clip=files().load(path, lazy=False)), daemon=True)
-    worker.start()
-    worker.join(30)
-    try:
-        assert not worker.is_alive(), "the loader hangs on the FIFO at the memo's path"
-    finally:
-        if worker.is_alive():  # a writer lets its open() return
-            os.close(os.open(memo, os.O_WRONLY | os.O_NONBLOCK))
-            worker.join(30)
-    assert equal(encode(loaded["clip"]), files().reference(path, TEXT))
+    (clip,) = _load_beside_a_fifo([path], memo)
+    assert equal(encode(clip), files().reference(path, TEXT))
     assert memo.is_file() and not memo.is_symlink()  # written over the FIFO, through no link
     reader = rkharness.pack("caching.file_hashes").FileHashes(inline_bytes=0)
     reader.memo = str(memo)
@@ -71,20 +78,9 @@ def test_a_fifo_or_a_link_at_the_memos_lock_path_never_hangs_a_loader_nor_is_fol
     memo.parent.mkdir(parents=True)
     lock, target = Path(f"{memo}.lock"), tmp_path / "elsewhere"
     os.mkfifo(lock) if planted == "fifo" else os.symlink(target, lock)
-    loaded = {}
     paths = [files().write_tiny_clip_l(str(lazy.files), i, name=f"lock{i}.safetensors") for i in range(2)]
-    worker = threading.Thread(target=lambda: loaded.update({p: files().load(p, lazy=False) for p in paths}),
-                              daemon=True)
-    worker.start()
-    worker.join(30)
-    try:
-        assert not worker.is_alive(), "the loaders hang on the FIFO at the memo's lock path"
-    finally:
-        if worker.is_alive():  # a writer lets its open() return
-            os.close(os.open(lock, os.O_WRONLY | os.O_NONBLOCK))
-            worker.join(30)
-    for p in paths:
-        assert equal(encode(loaded[p]), files().reference(p, TEXT))
+    for path, clip in zip(paths, _load_beside_a_fifo(paths, lock), strict=True):
+        assert equal(encode(clip), files().reference(path, TEXT))
     assert not target.exists() and not memo.exists()
     said = [r["reason"] for r in lazy.tiers.TIERS.stats["disk"].reasons()]
     assert any(f"the file-hash memo {memo} cannot be written" in r for r in said), said
