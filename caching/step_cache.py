@@ -269,6 +269,10 @@ def fit_polynomial(xs: list[float], ys: list[float], degree: int = 4) -> tuple[f
     pts = [(x, y) for x, y in zip(xs, ys, strict=True) if x == x and y == y and abs(x) != float("inf")]
     if len(pts) < 2:
         raise ValueError(f"calibration needs at least 2 steps with a previous step, got {len(pts)}")
+    if min(p[0] for p in pts) == max(p[0] for p in pts):  # a constant would skip by the step count alone
+        raise ValueError(f"the rule's input changed by {pts[0][0]:g} at every step: nothing to fit (the input it reads "
+                         "is held still: LTX-2's video under a noise mask of 0, say; rule first_block reads the "
+                         "output)")
     degree = max(1, min(degree, len(pts) - 1, 4))
     x = torch.tensor([p[0] for p in pts], dtype=torch.float64)
     y = torch.tensor([p[1] for p in pts], dtype=torch.float64)

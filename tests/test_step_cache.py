@@ -1766,6 +1766,34 @@ def test_no_sampler_of_the_host_makes_a_step_look_unseen(flux, conds):
         nodes.common_ksampler(model, 3, 6, 3.0, name, "simple", pos, neg, {"samples": torch.zeros(1, 16, 8, 8)})
         assert not [r for r in P().stats().reasons() if "never reached the step cache" in r["reason"]], name
 
+
+def test_a_calibration_whose_rule_input_never_moved_saves_nothing_and_says_why(_isolated_calibrations):
+    """LTX-2 turning a video into sound: the video stream is held by a noise mask of 0, and the rule's input (the
+    video's modulated input) never changes. The calibration fitted a constant and saved it: the calibrated rule
+    then skipped by the step count alone (10 of 12 calls at 0.17 from the audio). Now nothing is saved, the
+    refusal says why, and the run is the uncached one."""
+    import comfy.nested_tensor
+
+    import nodes
+
+    model = tiny_module("step_families").family_spec("ltx2").build(0)
+    gen = torch.Generator().manual_seed(5)
+    pos, neg = ([[torch.randn((1, 7, 64), generator=gen), {}]] for _ in range(2))
+    video = torch.randn((1, 128, 2, 2, 2), generator=gen)
+
+    def run(m):
+        latent = {"samples": comfy.nested_tensor.NestedTensor([video.clone(), torch.zeros((1, 8, 4, 16))]),
+                  "noise_mask": comfy.nested_tensor.NestedTensor([torch.zeros((1, 1, 2, 2, 2)),
+                                                                  torch.ones((1, 1, 4, 16))])}
+        (out,) = nodes.common_ksampler(m, 3, 8, 3.0, "euler", "simple", pos, neg, latent)
+        return out["samples"].tensors
+
+    (cal,) = N().TeaCacheCalibrateNode.execute(model).args
+    assert all(torch.equal(a, b) for a, b in zip(run(cal), run(model), strict=True))
+    assert not _isolated_calibrations.path.exists()
+    (row,) = [r for r in P().stats().reasons() if r["event"] == "refused"]
+    assert "the rule's input changed by 0 at every step: nothing to fit" in row["reason"], row
+
 def test_a_calibrating_model_given_to_the_step_cache_is_refused_by_name(flux):
     (cal,) = N().TeaCacheCalibrateNode.execute(flux).args
     with pytest.raises(ValueError, match="ReuseKit Step Cache: model: it comes from ReuseKit TeaCache Calibrate"):
