@@ -54,9 +54,10 @@ class PECacheNode(io.ComfyNode):
         wrappers = comfy.patcher_extension.WrappersMP
         for kind in (wrappers.APPLY_MODEL, wrappers.OUTER_SAMPLE):
             model.remove_wrappers_with_key(kind, WRAPPER_KEY)
-        model.add_wrapper_with_key(wrappers.APPLY_MODEL, WRAPPER_KEY, rope.ApplyModelWrapper(enabled))
+        applier = rope.ApplyModelWrapper(enabled)
+        model.add_wrapper_with_key(wrappers.APPLY_MODEL, WRAPPER_KEY, applier)
         if enabled:
-            model.add_wrapper_with_key(wrappers.OUTER_SAMPLE, WRAPPER_KEY, rope.RunSummary())
+            model.add_wrapper_with_key(wrappers.OUTER_SAMPLE, WRAPPER_KEY, rope.RunSummary(applier))
             rope.count_unpatched(rope.model_cache(model.model).stats)  # registered now: listed before the first step
         return io.NodeOutput(model)
 

@@ -115,8 +115,10 @@ class ApplyModelWrapper:
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
+        self.calls = 0  # model calls through it (the run summary's: a run of one sigma calls none)
 
     def __call__(self, executor, *args, **kwargs):
+        self.calls += 1
         cache = model_cache(executor.class_obj) if self.enabled else None
         with scope(cache, transformer_options(args, kwargs, position=5)):
             return executor(*args, **kwargs)
@@ -128,6 +130,9 @@ class RunSummary:
 
     COUNTERS = ("hits", "misses", "replacements", "shared", "mutated", "bypasses")
 
+    def __init__(self, applier: ApplyModelWrapper):
+        self.applier = applier  # the node's APPLY_MODEL wrapper, which counts the run's model calls
+
     def __call__(self, executor, *args, **kwargs):
         patcher = getattr(executor.class_obj, "model_patcher", None)
         cache = model_cache(patcher.model) if patcher is not None else None
@@ -136,6 +141,7 @@ class RunSummary:
             return executor(*args, **kwargs)
         before = {c: stats.counter(c) for c in self.COUNTERS}
         saved_before = stats.snapshot()["time_saved_s"]
+        calls_before = self.applier.calls
         finished = False
         try:
             out = executor(*args, **kwargs)
@@ -146,8 +152,9 @@ class RunSummary:
             run = {c: stats.counter(c) - before[c] for c in self.COUNTERS}
             run["time_saved_s"] = round(stats.snapshot()["time_saved_s"] - saved_before, 6)
             stats.set_info("last_run", run)
-            if finished and not any(run[c] for c in self.COUNTERS) and not _replays_graphs(patcher) \
-                    and not any(p.off for p in PATCHES):  # (a builder left unpatched has its own row)
+            if finished and self.applier.calls > calls_before and not any(run[c] for c in self.COUNTERS) \
+                    and not _replays_graphs(patcher) and not any(p.off for p in PATCHES):  # (a builder left
+                # unpatched has its own row; a run of one sigma, SplitSigmas' last part, calls no model)
                 model = type(getattr(patcher.model, "diffusion_model", patcher.model)).__name__
                 stats.count_reason("bypass", f"this run's {model} asked for no position table: its family builds "
                                    "none that the PE cache covers (a UNet such as SD1.5's or SDXL's, SD3's learned "

@@ -69,7 +69,6 @@ def test_ksampler_on_tiny_flux_with_the_node_equals_the_run_without(tiny):
     assert (last["hits"], last["misses"], last["replacements"], last["shared"]) == (1, 1, 1, 0)
 
 
-
 def test_a_model_whose_family_builds_no_table_the_cache_covers_is_said_on_its_card(tiny):
     """The node takes any MODEL: on SD1.5's UNet (no rotary tables) a run had 0 hits, 0 misses and no reason,
     so the card looked like a cache at work. The run is as without the node, and the card says why nothing was
@@ -83,10 +82,18 @@ def test_a_model_whose_family_builds_no_table_the_cache_covers_is_said_on_its_ca
     assert counters(cache) == {}
     (row,) = [r for r in cache.stats.reasons() if r["event"] == "bypass"]
     assert row["count"] == 2 and row["reason"].startswith("this run's UNetModel asked for no position table")
+    import comfy.sample
+    import comfy.samplers
+
     flux = tiny.tiny_flux(0)
     (cached_flux,) = node().execute(flux, True).result
     sample(cached_flux, tiny)
+    latent = torch.zeros(1, 16, 8, 8)  # a run of one sigma (SplitSigmas' last part) calls no model: nothing said
+    conds = [[torch.zeros(1, 4, 32), {"pooled_output": torch.zeros(1, 32)}]]
+    comfy.sample.sample_custom(cached_flux, latent, 1.0, comfy.samplers.sampler_object("euler"), torch.zeros(1),
+                               conds, conds, latent, seed=0)
     assert not rope.model_cache(flux.model).stats.reasons()
+
 
 def test_wan_sampling_with_the_node_is_bit_exact(tiny):
     model = tiny.tiny_wan(0)
