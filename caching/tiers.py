@@ -871,9 +871,9 @@ class SharedTiers:
                                            timeout_s=settings.get("conditioning.redis.timeout_ms") / 1000,
                                            on_error=lambda exc: stats.incr("errors"),
                                            on_written=self._redis_written)
-                except ValueError as exc:  # redis-py's parse of the URL (its message never holds the URL)
-                    self.redis_problem = str(exc)
-                    raise ValueError(f"setting 'conditioning.redis.url': {exc}") from None
+                except ValueError:  # redis-py's parse of the URL, whose message may quote a part of it (a password)
+                    self.redis_problem = _url_problem(url)
+                    raise ValueError(f"setting 'conditioning.redis.url': {self.redis_problem}") from None
         for stats in self.stats.values():  # the panel shows these counters from the start, zero or not
             for name in ("hits", "misses", "errors", "rejected"):
                 stats.incr(name, 0)
@@ -994,6 +994,15 @@ class SharedTiers:
 
 
 TIERS = SharedTiers(REGISTRY)
+
+
+def _url_problem(url: str) -> str:
+    """What is wrong with a Redis URL that redis-py refused, in words that quote none of it."""
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme not in ("redis", "rediss", "unix"):
+        return "it names no redis://, rediss:// or unix:// scheme"
+    return ("its port, database or options cannot be read (a password holding / # @ : or ? must be "
+            "percent-encoded)")
 
 
 def switch(name: str) -> str | None:
