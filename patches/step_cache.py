@@ -1331,6 +1331,7 @@ def _finish(run: tc.RunState, settings: Settings, plan: Plan, total_steps: int |
     elif run.config.calibrate:
         _save_calibration(run, settings, plan, summary)
     s.set_info("last_run", summary)
+
     def with_this_run(models: dict | None) -> dict:  # each model's last run, the most recent model last
         kept = {k: v for k, v in (models or {}).items() if k != summary["model"]}
         kept[summary["model"]] = summary

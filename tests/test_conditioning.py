@@ -1092,7 +1092,6 @@ def test_another_packs_plain_wrappers_under_the_pass_through_routes_keep_the_cac
     assert getattr(comfy.sd.VAE.encode, "__reusekit__", False) and patches.installed()
 
 
-
 def test_another_packs_wrapper_on_a_keyed_route_turns_the_cache_off_and_the_cards_say_so(cc, clip, monkeypatch):
     """A plain ``(*args, **kwargs)`` wrapper another pack put on ``CLIP.encode_from_tokens`` first: the key binds
     that method's parameters, so the cache stays off (ComfyUI runs the encodes itself). The warning was in the log
@@ -1120,6 +1119,7 @@ def test_another_packs_wrapper_on_a_keyed_route_turns_the_cache_off_and_the_card
         host._off.pop(patches.FEATURE, None)
         assert patches.install()
     assert cc.CACHE.stats.snapshot()["off"] is None and lazy.STATS.snapshot()["off"] is None
+
 
 def test_a_video_vae_fallback_to_its_own_tiling_is_not_stored(cc, uncached, tiny):
     """A video VAE that tiles itself (0.33's ``_encode_tiled_owned``) answers a plain encode that ran

@@ -30,7 +30,6 @@ def _held(st: os.stat_result) -> bool:
     return False
 
 
-
 def _load_beside_a_fifo(paths: list, fifo: Path) -> list:
     """The CLIPs of ``paths``, loaded eagerly in a thread that must not hang on ``fifo`` (a FIFO where the memo
     or its lock should be: its open() would wait for a writer that never comes)."""
@@ -48,6 +47,7 @@ def _load_beside_a_fifo(paths: list, fifo: Path) -> list:
 
 # ---- R5: the memo's path holds a FIFO or a link ----------------------------------------------------
 
+
 def test_a_fifo_at_the_memo_path_never_hangs_a_loader(lazy, monkeypatch):
     """Reading the memo would block in open() for a writer that never comes, holding the memo's lock:
     every loader of every file would hang. The FIFO is ignored as a memo, and the next memo written
@@ -63,7 +63,6 @@ def test_a_fifo_at_the_memo_path_never_hangs_a_loader(lazy, monkeypatch):
     reader = rkharness.pack("caching.file_hashes").FileHashes(inline_bytes=0)
     reader.memo = str(memo)
     assert reader.get(path) == lazy.tiers.TIERS.hashes.get(path) and reader.hashed_bytes == 0
-
 
 
 @pytest.mark.parametrize("planted", ["fifo", "link"])
@@ -84,6 +83,7 @@ def test_a_fifo_or_a_link_at_the_memos_lock_path_never_hangs_a_loader_nor_is_fol
     assert not target.exists() and not memo.exists()
     said = [r["reason"] for r in lazy.tiers.TIERS.stats["disk"].reasons()]
     assert any(f"the file-hash memo {memo} cannot be written" in r for r in said), said
+
 
 def test_a_link_at_the_memo_path_is_never_followed(tmp_path, monkeypatch):
     """A link where the memo should be is not read as the memo (a digest planted elsewhere never

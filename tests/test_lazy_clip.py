@@ -226,7 +226,6 @@ def test_the_header_state_dict_holds_no_weights(tmp_path):
     assert read < size / 50, (read, size)
 
 
-
 def test_the_header_reads_every_float8_layout_comfyui_quantizes_with(tmp_path):
     """mxfp8 keeps its block scales as F8_E8M0: a header the lazy loader could not read loaded the encoder
     eagerly, every weight read at start-up."""
@@ -241,6 +240,7 @@ def test_the_header_reads_every_float8_layout_comfyui_quantizes_with(tmp_path):
     for k, t in full.items():
         assert sd[k].dtype == t.dtype and sd[k].shape == t.shape, k
         assert sd[k].is_meta if t.numel() > lc.SMALL_NUMEL else torch.equal(sd[k].view(torch.uint8), t.view(torch.uint8))
+
 
 def test_a_lazy_clip_answers_a_prompt_seen_before_without_its_weights(lazy):
     """An eager load wrote the entry; a lazy CLIP of the same file (a restarted process: the LRU is

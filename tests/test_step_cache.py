@@ -1673,7 +1673,6 @@ def test_a_run_that_cannot_be_reported_still_returns_its_latent_and_says_why(flu
     assert "a calibration run's table, were not kept" in said["reason"]
 
 
-
 @pytest.mark.parametrize("mode", ["output", "extrapolate"])
 def test_a_wrapper_outside_the_step_cache_that_changes_the_output_in_place_never_changes_what_it_kept(flux, conds,
                                                                                                      mode):
@@ -1793,6 +1792,7 @@ def test_a_calibration_whose_rule_input_never_moved_saves_nothing_and_says_why(_
     assert not _isolated_calibrations.path.exists()
     (row,) = [r for r in P().stats().reasons() if r["event"] == "refused"]
     assert "the rule's input changed by 0 at every step: nothing to fit" in row["reason"], row
+
 
 def test_a_calibrating_model_given_to_the_step_cache_is_refused_by_name(flux):
     (cal,) = N().TeaCacheCalibrateNode.execute(flux).args

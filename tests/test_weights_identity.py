@@ -159,7 +159,6 @@ def test_quantized_weights_are_identified_by_their_data_and_scales_never_dequant
     assert dequantized == []
 
 
-
 def test_a_tensor_subclass_whose_inner_tensors_are_not_its_attributes_is_read_whole():
     """A layout whose ``__tensor_flatten__`` names inner tensors kept elsewhere (a dict of its own) gave no leaf,
     and the weight was left out of the identity: two models differing there alone matched."""
