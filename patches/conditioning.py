@@ -289,6 +289,69 @@ def _where_defined(fn) -> str | None:
     return None if fn is None else f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
 
 
+# Functions encoders call through their module at every call, which a node may replace for the whole process
+# (a low-precision attention kernel put in F.scaled_dot_product_attention): torch's, by name, and the ComfyUI
+# attention functions a VAE's blocks hold or call (AttnBlock keeps the one picked at its build).
+_WATCHED_FUNCTIONS = (
+    ("torch.nn.functional", ("scaled_dot_product_attention", "linear", "layer_norm", "group_norm", "rms_norm",
+                             "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+                             "silu", "gelu", "relu", "mish", "softmax", "sigmoid", "tanh", "softplus", "leaky_relu",
+                             "embedding", "interpolate", "pad", "normalize", "dropout", "batch_norm", "instance_norm",
+                             "avg_pool1d", "avg_pool2d", "avg_pool3d", "max_pool2d", "adaptive_avg_pool2d", "unfold",
+                             "glu", "elu", "hardswish")),
+    ("torch", ("matmul", "bmm", "baddbmm", "einsum", "softmax", "layer_norm", "group_norm", "cat")),
+    ("comfy.ops", ("scaled_dot_product_attention",)),
+    ("comfy.ldm.modules.diffusionmodules.model", ("slice_attention", "normal_attention", "xformers_attention",
+                                                  "pytorch_attention", "vae_attention")),
+)
+_verdicts: dict[tuple[str, str], tuple] = {}  # (module, name) -> (the object last seen there, its key field or None)
+
+
+def _replaced_functions() -> tuple:
+    """The watched functions (:data:`_WATCHED_FUNCTIONS`) that are not their library's own now: torch's by its
+    files or builtins, ComfyUI's by its files (whenever another pack replaced one), each by name, where its
+    replacement is defined, and which object it is (a node's closure made anew with other settings is another).
+    One identity check per name on every encode; a replacement is judged once."""
+    out = []
+    for module_name, names in _WATCHED_FUNCTIONS:
+        module = sys.modules.get(module_name)
+        if module is None:
+            continue
+        for name in names:
+            value = getattr(module, name, None)
+            seen = _verdicts.get((module_name, name))
+            if seen is None or seen[0] is not value:
+                seen = _verdicts[module_name, name] = (value, None if value is None or _native(value, module_name)
+                                                       else (f"{module_name}.{name}", _where_defined(value)))
+            if seen[1] is not None:
+                out.append((*seen[1], id(value)))
+    return tuple(out)
+
+
+def _native(fn, module_name: str) -> bool:
+    """Whether ``fn`` is its library's own: torch's builtins and the code in torch's files, or ComfyUI's code."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return isinstance(fn, types.BuiltinFunctionType) and (getattr(fn, "__module__", None) or "").startswith("torch")
+    if module_name.startswith("comfy."):
+        return host.file_origin(code.co_filename) == "host"
+    return os.path.realpath(code.co_filename).startswith(os.path.dirname(os.path.realpath(torch.__file__)) + os.sep)
+
+
+def _matmul_precision() -> tuple:
+    """torch's float32 matmul precision: the old setting, and each backend's ``fp32_precision`` (torch 2.9 and
+    newer), with which the old getter raises once one is set otherwise."""
+    try:
+        legacy = torch.get_float32_matmul_precision()
+    except RuntimeError:  # set through the new API: the backends' settings below say it
+        legacy = None
+    backends = torch.backends
+    return (legacy, *(getattr(owner, "fp32_precision", None) for owner in (
+        backends, getattr(backends.cuda, "matmul", None), getattr(backends.cudnn, "conv", None),
+        getattr(backends.cudnn, "rnn", None), getattr(backends.mkldnn, "matmul", None),
+        getattr(backends.mkldnn, "conv", None), getattr(backends.mkldnn, "rnn", None))))
+
+
 def _numerics() -> tuple:
     import comfy.cli_args
 
@@ -301,7 +364,7 @@ def _numerics() -> tuple:
     small = getattr(mm, "pytorch_attention_enabled", None)
     matmul, cudnn, cuda = torch.backends.cuda.matmul, torch.backends.cudnn, torch.backends.cuda
     fast = getattr(comfy.cli_args.args, "fast", None)
-    flags = (torch.get_float32_matmul_precision(), matmul.allow_tf32,
+    flags = (_matmul_precision(), matmul.allow_tf32,
              getattr(matmul, "allow_fp16_reduced_precision_reduction", None),
              getattr(matmul, "allow_bf16_reduced_precision_reduction", None),
              getattr(matmul, "allow_fp16_accumulation", None),
@@ -317,7 +380,8 @@ def _numerics() -> tuple:
             None if intermediate is None else str(intermediate()),
             # the attention functions' softmax precision (--force-upcast-attention, --dont-upcast-attention)
             repr(getattr(attention, "FORCE_UPCAST_ATTENTION_DTYPE", None)),
-            getattr(comfy.cli_args.args, "dont_upcast_attention", None))
+            getattr(comfy.cli_args.args, "dont_upcast_attention", None),
+            _replaced_functions())
 
 
 def _config(obj, skip: tuple[str, ...]) -> tuple:
@@ -1176,6 +1240,10 @@ def shared_key(key: Key, module, patcher=None) -> SharedKey:
     (its stamp), or a weight file not hashed yet."""
     if SETTINGS.get(CHECK_SETTING) == "off":
         raise LocalOnly("weight edit checks are off: nothing vouches that the weights are their files'")
+    replaced = _replaced_functions()
+    if replaced:
+        raise LocalOnly(f"{replaced[0][0]} is replaced in this process (by {replaced[0][1]}): the key cannot tell "
+                        "what it computes in another")
     with _sources_lock:
         source = _sources.get(module)
     if source is None and patcher is not None:

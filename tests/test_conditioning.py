@@ -101,6 +101,66 @@ def test_text_hit_equals_uncached_bit_for_bit(cc, uncached, clip, text, options)
     assert cc.CACHE.count("misses.text") == 1 and cc.CACHE.count("hits.text") == 1
 
 
+def _bf16_sdpa(inner):
+    def sdpa(q, k, v, *args, **kwargs):  # a low-precision attention kernel, as sage-attention nodes put in
+        mask = kwargs.get("attn_mask")
+        if mask is not None and mask.is_floating_point():
+            kwargs = {**kwargs, "attn_mask": mask.bfloat16()}
+        return inner(q.bfloat16(), k.bfloat16(), v.bfloat16(), *args, **kwargs).to(q.dtype)
+    return sdpa
+
+
+def test_a_function_another_node_replaces_for_the_whole_process_makes_a_miss(cc, uncached, clip, vae, monkeypatch):
+    """A node that swaps torch's attention (F.scaled_dot_product_attention) or layer norm for the whole process, or
+    rebinds the ComfyUI attention function a VAE's blocks hold (comfy.ops.scaled_dot_product_attention): the next
+    encode hit and returned what was computed before (1e-2 from the text encode, 1.4e-3 from the VAE's). Each now
+    misses, equals ComfyUI's encode under the replacement, and stays out of the shared tiers; put back, it hits."""
+    import comfy.model_management as mm
+    import comfy.ops
+    import torch.nn.functional as F
+
+    patches = rkharness.pack("patches.conditioning")
+    monkeypatch.setattr(mm, "ENABLE_PYTORCH_ATTENTION", True)  # (ComfyUI's default on an NVIDIA GPU)
+    tokens = clip.tokenize("a red square on a blue field")
+    img = image(9)
+
+    def encodes():
+        return clip.encode_from_tokens(tokens, return_pooled=True), vae.encode(img)
+
+    before = encodes()
+    layer_norm = F.layer_norm
+    for owner, name, replacement in ((F, "scaled_dot_product_attention", _bf16_sdpa(F.scaled_dot_product_attention)),
+                                     (F, "layer_norm", lambda x, shape, w=None, b=None, eps=1e-5: layer_norm(
+                                         x, shape, w, b, 1e-3)),
+                                     (comfy.ops, "scaled_dot_product_attention",
+                                      _bf16_sdpa(comfy.ops.scaled_dot_product_attention))):
+        with monkeypatch.context() as m:
+            m.setattr(owner, name, replacement)
+            truth = uncached(encodes)
+            assert not all(map(same, truth, before))  # it changes what one of them computes
+            assert all(map(same, encodes(), truth)) and all(map(same, encodes(), truth)), name
+            with pytest.raises(patches.LocalOnly, match=f"{name} is replaced in this process"):
+                patches.shared_key(patches.text_key(clip, tokens, True, False), clip.cond_stage_model, clip.patcher)
+        hits = cc.CACHE.count("hits")
+        assert all(map(same, encodes(), before)) and cc.CACHE.count("hits") == hits + 2
+
+
+def test_the_new_float32_precision_settings_keep_the_cache_on_and_are_keyed(cc, uncached, vae):
+    """torch's per-backend ``fp32_precision`` (torch 2.9 on): once one is set otherwise, the old getter the key read
+    raises, and every encode ran uncached, said only as an unexpected error. The settings are keyed instead."""
+    matmul = torch.backends.mkldnn.matmul
+    img = image(10)
+    was = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "tf32"
+        first = vae.encode(img)
+        assert same(vae.encode(img), first) and cc.CACHE.count("hits") == 1 and not cc.CACHE.bypass_reasons()
+        matmul.fp32_precision = "none"
+        assert same(vae.encode(img), uncached(vae.encode, img)) and cc.CACHE.count("misses") == 2
+    finally:
+        matmul.fp32_precision = was
+
+
 def test_an_encode_after_the_thread_count_changed_misses(cc, uncached, clip, vae):
     """torch's CPU thread count splits an encode's matrix products (2.6e-6 apart between 1 and 2 threads on a
     CLIP-L-sized encoder): a node that sets it between two encodes got the other count's result. Now the
@@ -1101,6 +1161,7 @@ def test_another_packs_wrapper_on_a_keyed_route_turns_the_cache_off_and_the_card
 
     patches, host = rkharness.pack("patches.conditioning"), rkharness.pack("patches.host")
     lazy = rkharness.pack("patches.lazy_clip")
+    monkeypatch.setattr(host, "_said", set())  # (its warning is said once per process: not this test's to use up)
     patches.uninstall()
     inner = comfy.sd.CLIP.encode_from_tokens
     try:
