@@ -2,6 +2,7 @@
 at its best, every setting fixed before it is scored.
 
     .venv/bin/python bench/step_cache.py [--quick] [--steps 20 28 50] [--jobs N] [--png-dir DIR] [--json FILE]
+        [--methods NAME ...]    # only these rows, by name (the table alone: no RESULT line)
     .venv/bin/python bench/step_cache.py --pick-defaults    # each family's node default (no calibration)
     .venv/bin/python bench/step_cache.py --write-tables     # the schedule rule's shipped tables
     .venv/bin/python bench/step_cache.py --pick-calibrated  # each family's calibrated default (schedule rule)
@@ -51,7 +52,7 @@ Methods:
   those residual modes);
 - ReuseKit's rules at the same calibration: the schedule rule and TeaCache with extrapolated residuals,
   TeaCache and the interval rule forecasting the whole model's output (``output``) rather than the blocks'
-  residual; and the node defaults as set (no calibration, no tuning: what a
+  residual, the adaptive rule forecasting it too (its beat set per run from the forecast's error); and the node defaults as set (no calibration, no tuning: what a
   user gets), scored once. The defaults are picked by ``--pick-defaults`` on the tuning prompts alone:
   each candidate with no calibration and no shipped table (DEFAULT_CANDIDATES) walks one threshold grid
   at every setup and scored step count; its value is its slowest speedup at the largest threshold keeping
@@ -106,10 +107,11 @@ RESULT_STEPS = (28, 50)
 CFG = 3.5  # the tables' and the defaults' CFG (--write-tables, --pick-defaults)
 MEAN_FLOOR, WORST_FLOOR = 30.0, 25.0
 DEFAULT_FLOORS = (32.0, 27.0)  # what a family's default must keep on the tuning prompts (a margin over the floors)
-DEFAULT_CANDIDATES = [("teacache", m) for m in ("extrapolate", "taylor2", "taylorseer1", "taylorseer2", "foca", "output")]
-"""The node defaults a user may get with no calibration: auto runs TeaCache with its published polynomials (no
-shipped table), and a threshold set by hand with rule auto keeps TeaCache's meaning, so the rule stays; the
-pick is its residual mode and its thresholds by step count."""
+DEFAULT_CANDIDATES = [("teacache", m) for m in ("extrapolate", "taylor2", "taylorseer1", "taylorseer2", "foca", "output")
+                      ] + [("adaptive", m) for m in ("extrapolate", "output")]
+"""The node defaults a user may get with no calibration: TeaCache with its published polynomials (no shipped
+table), or the adaptive rule (no table at all); the pick is the rule, its residual mode and its thresholds by
+step count."""
 DEFAULT_GRID_POINTS = 10
 COST = {"flux": 1.4, "wan": 1.0, "flux-cfg1": 0.75}  # a setup's relative cost per step: the workers' order
 CALIBRATION = ("a white square on a black background", 101)
@@ -135,7 +137,7 @@ TEACACHE_PUBLISHED = {"flux": (0.4, 0.0), "wan": (0.15, 0.1)}  # ComfyUI-TeaCach
 # start_percent (max_skip 3) for the PUBLISHED variant: Wan's is the ret-mode polynomial, whose own threshold is 0.15
 # from 10% (0.08 is the other 1.3B polynomial's)
 GRIDS = {"teacache": (0.05, 1.6), "magcache": (0.02, 1.0), "first_block": (0.02, 0.6), "schedule": (0.002, 0.3),
-         "core": (0.02, 0.6)}
+         "core": (0.02, 0.6), "adaptive": (0.00125, 0.08)}  # (adaptive: doubling, 0.01 a grid point)
 INTERVALS = tuple(range(2, 13))  # the interval rule's N (TaylorSeer, FoCa: a full step every N), every one tried: its
 # quality is not monotone in N (where its last computed step falls matters), so a miss does not end the walk
 END_POWER = 1.3  # ReuseKit's interval rule beside its fixed beat: interval_power 1.3,
@@ -201,6 +203,7 @@ def methods(family: str) -> list[dict]:
         rule("ReuseKit TeaCache, output forecast", "reusekit", "teacache", "calibrated", "output"),
         dict(rule("ReuseKit interval, output forecast", "reusekit", "interval", "auto", "output", grid="interval"),
              combos=[every[0], *PLACED, *every[1:]]),
+        rule("ReuseKit adaptive, output forecast", "reusekit", "adaptive", "auto", "output"),
         dict(name="ReuseKit node defaults", kind="reusekit", defaults=True, combos=["as set"], grid=None),
     ]
 
@@ -524,8 +527,21 @@ def score(bench: Bench, method: dict, steps: int, picked: dict | None, evals: li
     return dict(measure(bench, setting, steps, evals, refs), combo=picked["combo"])
 
 
-def sweep(setup: str, steps: int, quick: bool) -> dict:
-    """One setup at one scored step count: its calibration, references, every method tuned and scored."""
+def chosen(family: str, names: list[str] | None) -> list[dict]:
+    """The methods a run measures: every one, or those named (``--methods``)."""
+    every = methods(family)
+    if not names:
+        return every
+    unknown = sorted(set(names) - {m["name"] for m in every})
+    if unknown:
+        raise SystemExit(f"--methods: no row named {', '.join(map(repr, unknown))}; the rows: "
+                         + ", ".join(repr(m["name"]) for m in every))
+    return [m for m in every if m["name"] in names]
+
+
+def sweep(setup: str, steps: int, quick: bool, names: list[str] | None = None) -> dict:
+    """One setup at one scored step count: its calibration, references, every method (or those ``names``)
+    tuned and scored; the published rows with the whole field only."""
     family, cfg = SETUPS[setup]
     bench = Bench(family, quick, cfg)
     tuning = tuning_runs(quick)
@@ -539,7 +555,7 @@ def sweep(setup: str, steps: int, quick: bool) -> dict:
         out["calibrated_at"][steps] = calibration_steps(steps)
         refs = references(bench, steps, tuning + evals)
         rows = []
-        for method in methods(family):
+        for method in chosen(family, names):
             tune_points, picked = tune(bench, method, steps, tuning, refs)
             scored_point = score(bench, method, steps, picked, evals, refs)
             rows.append({"name": method["name"], "kind": method["kind"], "tune": tune_points,
@@ -547,7 +563,7 @@ def sweep(setup: str, steps: int, quick: bool) -> dict:
             print(f"[{setup} {steps}] {method['name']}: tuned {len(tune_points)} settings, picked "
                   f"{_said(picked)}; scored {scored_point['x']:.2f}x at {scored_point['psnr']:.1f} dB "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
-        for row in published_rows(family):
+        for row in [] if names else published_rows(family):
             if row["rule"] == "schedule" and bench.schedule.shipped_table(family) is None:
                 print(f"[{setup} {steps}] {row['name']}: no shipped table yet (--write-tables)", flush=True)
                 continue
@@ -745,7 +761,7 @@ def summarize(results: dict[str, dict]) -> dict:
             rows = data["rows"]
             bases = [r for r in rows if r["kind"] == "baseline"]
             ours = [r for r in rows if r["kind"] == "reusekit" and r["name"] != "ReuseKit node defaults"]
-            defaults = next(r for r in rows if r["name"] == "ReuseKit node defaults")
+            defaults = next((r for r in rows if r["name"] == "ReuseKit node defaults"), None)
             out[(setup, int(steps))] = {
                 "rows": rows, "baseline": fastest(bases), "reusekit": fastest(ours), "defaults": defaults,
                 "kept": {"baseline": fastest([r for r in bases if keeps(r["eval"])]),
@@ -781,11 +797,11 @@ def report(results: dict[str, dict], args, wall: float | None = None) -> str:
             lines.append(f"  {row['name']:<46}{row['kind']:<12}{said:<26}"
                          f"{e['x']:>6.2f}x [{e['x_lo']:.2f}, {e['x_hi']:.2f}]{'':>5}"
                          f"{e['psnr']:>9.1f} / {e['worst']:.1f}{'' if keeps(e) else ' (below the floors)'}")
-        d = s["defaults"]["eval"]
+        d = s["defaults"]["eval"] if s["defaults"] else None
         said = lambda r: (f"{r['eval']['x']:.2f}x ({r['name']}, {r['eval']['psnr']:.1f} / "  # noqa: E731
                           f"{r['eval']['worst']:.1f} dB)" if r else "none")
         lines.append(f"  best baseline {said(s['baseline'])}; best ReuseKit rule {said(s['reusekit'])}; node defaults "
-                     f"{d['x']:.2f}x at {d['psnr']:.1f} / {d['worst']:.1f} dB")
+                     + (f"{d['x']:.2f}x at {d['psnr']:.1f} / {d['worst']:.1f} dB" if d else "not run"))
         lines.append(f"  keeping the floors on evaluation: best baseline {said(s['kept']['baseline'])}; best ReuseKit "
                      f"rule {said(s['kept']['reusekit'])}")
         worst = worst_runs(s["rows"])
@@ -793,17 +809,20 @@ def report(results: dict[str, dict], args, wall: float | None = None) -> str:
             (prompt, seed), n = worst[0]
             lines.append(f"  the evaluation run most often a row's worst: '{prompt}', seed {seed} (for {n} of "
                          f"{sum(k for _, k in worst)} rows)")
+    if wall is not None:
+        lines.append(f"\nran {wall:.0f} s ({args.jobs} workers; CPU time of all "
+                     f"{sum(r.get('cpu_seconds', 0.0) for r in results.values()):.0f} s)")
+    lines.append(f"stand-ins' magnitude curves against the published ones (their training target, not a validation): "
+                 f"curve_match={max(r['curve_match'] for r in results.values()):.4f}")
+    if args.methods:
+        lines.append(f"no RESULT line: {len(args.methods)} of the field's rows ran (--methods)")
+        return "\n".join(lines)
     at = [s for (_, steps), s in summary.items() if steps in RESULT_STEPS] or list(summary.values())
     a = min(s["defaults"]["eval"]["x"] for s in at)
     b = min(s["defaults"]["eval"]["worst"] for s in at)
     c = min(s["defaults"]["eval"]["x"] / s["baseline"]["eval"]["x"] for s in at)
     d = min(s["reusekit"]["eval"]["x"] / s["baseline"]["eval"]["x"] for s in at)
     n = min(s["baselines"] for s in at)
-    if wall is not None:
-        lines.append(f"\nran {wall:.0f} s ({args.jobs} workers; CPU time of all "
-                     f"{sum(r.get('cpu_seconds', 0.0) for r in results.values()):.0f} s)")
-    lines.append(f"stand-ins' magnitude curves against the published ones (their training target, not a validation): "
-                 f"curve_match={max(r['curve_match'] for r in results.values()):.4f}")
     lines.append(f"RESULT default_speedup_min={a:.2f} default_worst_psnr_min={b:.1f} default_vs_best_baseline_min={c:.2f} "
                  f"vs_best_baseline_min={d:.2f} baselines={n}")
     return "\n".join(lines)
@@ -815,7 +834,8 @@ def plots(results: dict[str, dict], png_dir: Path) -> list[Path]:
     paths = []
     names = [m["name"] for m in methods("flux") if m["kind"] != "information"]
     palette = [(120, 120, 120), (170, 140, 90), (150, 90, 160), (90, 160, 160), (40, 120, 120), (200, 120, 0),
-               (140, 60, 0), (90, 90, 200), (40, 160, 60), (0, 110, 20), (220, 80, 80), (170, 0, 0), (20, 40, 220)]
+               (140, 60, 0), (90, 90, 200), (40, 160, 60), (0, 110, 20), (220, 80, 80), (170, 0, 0), (20, 40, 220),
+               (230, 0, 160), (0, 0, 0)]  # ... the interval rule's row, the adaptive rule's
     colors = dict(zip(names, palette, strict=False))
     for setup, res in results.items():
         panels = []
@@ -882,7 +902,10 @@ def main():
                                                                  "on the tuning prompts")
     ap.add_argument("--pick-calibrated", action="store_true", help="pick each family's calibrated default on the "
                                                                    "tuning prompts")
+    ap.add_argument("--methods", nargs="+", metavar="NAME", help="only these rows, by name (no RESULT line)")
     args = ap.parse_args()
+    if args.methods:
+        chosen("flux", args.methods)  # an unknown name: said now, not by every worker
     if args.worker:
         rkharness.bootstrap()
         torch.set_num_threads(1)
@@ -892,7 +915,8 @@ def main():
             data = write_tables(args.worker) if args.write_tables else pick_calibrated(args.worker)
         else:
             setup, steps = args.worker.split(":")
-            data = default_points(setup, int(steps)) if args.pick_defaults else sweep(setup, int(steps), args.quick)
+            data = default_points(setup, int(steps)) if args.pick_defaults else sweep(setup, int(steps), args.quick,
+                                                                                       args.methods)
         Path(args.out).write_text(json.dumps(data))
         return
     tmp = Path(tempfile.mkdtemp(prefix="rk-step-bench-"))
@@ -902,6 +926,7 @@ def main():
         results = pool([(f, flag) for f in FAMILIES], args.jobs, tmp)
     else:
         flag = ["--pick-defaults"] if args.pick_defaults else ["--quick"] if args.quick else []
+        flag += ["--methods", *args.methods] if args.methods else []
         work = units((28,) if args.quick else tuple(args.steps))
         results = pool([(f"{setup}:{n}", flag) for setup, n in work], args.jobs, tmp)
     if args.write_tables:

@@ -21,7 +21,11 @@ schedule TaylorSeer and FoCa are defined with); its distance is the count of cal
 computed one. With ``interval_power`` p other than 1 the run computes as many steps as that beat, placed
 (:func:`placed_beat`) closer together toward the end (p above 1), where a forecast errs most, or toward
 the start (p below 1), where a model's output changes fastest; the distance is then the threshold at a
-placed step and 0 elsewhere.
+placed step and 0 elsewhere. A sixth, ``adaptive``, sets each cond's beat as it goes, from the forecast's
+own error: at a computed call that ends a stretch it compares what a skip would have added there with what
+was computed (:meth:`RunState._adapt`), and the next stretch grows or shrinks so that this error, relative,
+times the stretch's span in sigma stays at ``threshold``; a prompt the forecast follows badly gets more
+computed calls than one it follows well.
 
 What a skip adds (``residual_mode``): the stored residual (``reuse``), or it continued in sigma to first
 (``extrapolate``) or second (``taylor2``) order from the last computed residuals (Newton's divided
@@ -197,13 +201,27 @@ CALIBRATED_RULES: dict[str, tuple[str, str]] = {"flux": ("schedule", "extrapolat
 TABLE_FIELDS = {"teacache": "coefficients", "magcache": "magnitudes", "schedule": "table"}
 """Where each rule's table lives in a stored calibration."""
 # interval: 3 (one call computed in three), a round middle value, not tuned by the benchmark
-_FLUX_THRESHOLDS = {"teacache": 0.4, "magcache": 0.06, "first_block": 0.2, "schedule": 0.0131, "interval": 3.0}
-_WAN_THRESHOLDS = {"teacache": 0.3, "magcache": 0.06, "first_block": 0.2, "schedule": 0.0131, "interval": 3.0}
+# adaptive: the largest of the bench's grid keeping 32 dB mean and 27 dB worst on its tuning runs with the output
+# forecast at 28 and 50 steps (Flux: at CFG 3.5 and 1), from the bench's tuning points (docs/step_cache.md, "Rules")
+_FLUX_THRESHOLDS = {"teacache": 0.4, "magcache": 0.06, "first_block": 0.2, "schedule": 0.0131, "interval": 3.0,
+                    "adaptive": 0.01}
+_WAN_THRESHOLDS = {"teacache": 0.3, "magcache": 0.06, "first_block": 0.2, "schedule": 0.0131, "interval": 3.0,
+                   "adaptive": 0.005}
 RULE_THRESHOLDS: dict[str, dict[str, float]] = {"flux": _FLUX_THRESHOLDS, "wan": _WAN_THRESHOLDS,
                                                 "wan22": _WAN_THRESHOLDS}
 FALLBACK_THRESHOLDS: dict[str, float] = _FLUX_THRESHOLDS
 
-RULES = ("teacache", "magcache", "first_block", "schedule", "interval")
+RULES = ("teacache", "magcache", "first_block", "schedule", "interval", "adaptive")
+TABLELESS_RULES = ("first_block", "interval", "adaptive")
+"""The rules that read no table (no calibration, no published one)."""
+BEAT_RULES = ("interval", "adaptive")
+"""The rules that decide by the count of calls since the last computed one (their input only tells a shape change)."""
+ADAPTIVE_START = 2.0  # adaptive: the first stretches' length in calls, until a forecast is checked
+ADAPTIVE_MAX = 12.0  # ... the longest (the bench's interval grid ends at 12)
+ADAPTIVE_ORDER = 3.0  # ... how fast a forecast's error grows with the stretch: as its cube (a stretch's span in
+# sigma grows with it, and the forecast's own error as its square), so a stretch of g calls that erred e is
+# followed by one of g (threshold / e) ** (1 / 3) calls
+ADAPTIVE_CHANGE = 2.0  # ... at most twice or half the last stretch at once
 RESIDUAL_MODES = ("reuse", "extrapolate", "taylor2", "taylorseer1", "taylorseer2", "foca", "output")
 STEP_ORDERS = {"taylorseer1": 1, "taylorseer2": 2, "foca": 1, "output": 1}
 """The modes that forecast in call index, and how many backward-difference derivatives each keeps."""
@@ -388,6 +406,8 @@ class CondState:
     trace: list = field(default_factory=list)  # the rule's accumulated distance per call (tensors until the end)
     pattern: list = field(default_factory=list)  # "C" computed / "S" skipped, per call
     meta: tuple | None = None  # (shape, dtype, device) of the rule's input, and the switching effects on
+    beat: float = ADAPTIVE_START  # adaptive: the next stretch's length in calls (computed one included)
+    checks: list = field(default_factory=list)  # adaptive: (call index, stretch, its error times span, next beat)
     residual_step: int | None = None  # schedule: the planned step whose call stored ``residual``
     estimated: bool = False  # schedule: ``residual`` was rebuilt from the cond's (an H step), not computed
     # calibration
@@ -405,6 +425,7 @@ class CondState:
         self.derivatives = []
         self.accumulated, self.ratio, self.consecutive, self.meta = 0.0, 1.0, 0, None
         self.residual_step, self.estimated = None, False
+        self.beat = ADAPTIVE_START
 
 
 class RunState:
@@ -563,6 +584,8 @@ class RunState:
             if self.beat is not None and sigma is not None:
                 return self._beat_distance(sigma), None
             return float(state.consecutive + 1), None
+        if rule == "adaptive":  # the threshold at the stretch's end (computed), below it inside
+            return self.config.threshold * (state.consecutive + 1) / max(1, round(state.beat)), None
         if rule == "magcache":
             curve = self._curve(state.label)
             if curve is None or sigma is None or state.sigma is None:
@@ -620,8 +643,8 @@ class RunState:
             ok = torch.logical_and(worst < cfg.threshold, torch.as_tensor(may_skip, device=worst.device))
             skip = bool(ok)  # the one sync per call
         for state, sig, (cand, ratio) in zip(states, signals, candidates, strict=True):
-            if cfg.rule == "teacache" or not (skip or cfg.rule == "interval"):
-                state.prev_signal = sig  # first_block compares against the last computed call; interval reads none
+            if cfg.rule == "teacache" or not (skip or cfg.rule in BEAT_RULES):
+                state.prev_signal = sig  # first_block compares against the last computed call; the beats read none
             state.sigma = None if sigma is None else torch.as_tensor(sigma)
             if skip:
                 state.accumulated = cand
@@ -661,6 +684,31 @@ class RunState:
             self.plan = step_schedule.Plan(p.actions[:step] + rest.actions, p.errors[:step] + rest.errors,
                                            p.checks[:step] + rest.checks)
             self.replans += 1
+
+    def _adapt(self, state: CondState, key: Any, residual: torch.Tensor, sigma) -> None:
+        """The adaptive rule at a computed call that ends a stretch with a skip in it: what a skip would have
+        added here (the forecast, or the held value) against what was computed, relative, times the stretch's
+        span in sigma (where the sampler gives sigmas), sets the next stretch's length (ADAPTIVE_ORDER,
+        ADAPTIVE_CHANGE, 1 to ADAPTIVE_MAX calls). Only once the mode's forecast has the values it reads (a
+        forecast made from one value is a reuse, whose error says nothing of the forecast's). One host sync."""
+        index = len(state.pattern) - 1
+        if state.residual is None or state.step_index is None or tuple(state.residual.shape) != tuple(residual.shape):
+            return
+        stretch = index - state.step_index
+        mode = self.config.residual_mode
+        ready = self.held() or mode == "reuse" or (state.derivatives if mode in STEP_ORDERS
+                                                    else state.difference is not None)
+        if stretch < 2 or not ready:
+            return
+        guess = self.residual(key, residual, sigma)
+        error = (guess - residual).float().norm() / residual.float().norm().clamp_min(1e-12)
+        if sigma is not None and state.residual_sigma is not None:
+            error = error * (torch.as_tensor(sigma, dtype=torch.float32).to(error.device)
+                             - state.residual_sigma.to(error.device)).abs()
+        error = float(error)
+        change = ADAPTIVE_CHANGE if error <= 0 else (self.config.threshold / error) ** (1 / ADAPTIVE_ORDER)
+        state.beat = min(ADAPTIVE_MAX, max(1.0, stretch * min(ADAPTIVE_CHANGE, max(1 / ADAPTIVE_CHANGE, change))))
+        state.checks.append((index, stretch, error, state.beat))
 
     def _step(self, sigma) -> int | None:
         """The planned step a call at ``sigma`` belongs to (the nearest step sigma; one host sync)."""
@@ -763,6 +811,8 @@ class RunState:
         state = self.conds[key]
         if self.config.rule == "schedule" and not estimated:
             self._verify(state, key, residual, sigma)
+        if self.config.rule == "adaptive":
+            self._adapt(state, key, residual, sigma)
         state.residual_step = self._scheduled_step
         state.estimated = estimated
         mode = self.config.residual_mode
@@ -996,6 +1046,8 @@ class RunState:
                 "computed": state.computed, "skipped": state.skipped, "pattern": "".join(state.pattern),
                 "trace": [round(float(v), 5) for v in state.trace],
             }
+            if self.config.rule == "adaptive":  # each check: call, stretch, its error times span, the next beat
+                conds[label]["checks"] = [[i, g, round(e, 6), round(b, 3)] for i, g, e, b in state.checks]
         return {
             "rule": self.config.rule,
             "model_type": self.config.model_type,

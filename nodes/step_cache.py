@@ -42,7 +42,10 @@ def _cache_inputs() -> list:
                                "compute the cond alone and rebuild the uncond from the last measured difference "
                                "(half the work). interval: a fixed beat, one call computed, then threshold - 1 "
                                "skipped, per cond (TaylorSeer's and FoCa's schedule; pair it with residual_mode "
-                               "taylorseer1, taylorseer2, foca or output). auto: TeaCache with its published polynomial; "
+                               "taylorseer1, taylorseer2, foca or output). adaptive: the interval's beat set per run from the "
+                               "forecast's own error, checked at each computed step: a stretch grows while the "
+                               "forecast held and shrinks where it strayed (no table; pair it with a forecast, "
+                               "output at best). auto: TeaCache with its published polynomial; "
                                "on a Flux or Wan model calibrated by ReuseKit TeaCache Calibrate, with threshold -1, "
                                "the schedule rule "
                                "(first_block while the rule has no published or calibrated table for this model)."),
@@ -54,7 +57,9 @@ def _cache_inputs() -> list:
                                "first_block: relative L1 change of the first block's residual; schedule: each "
                                "skipped stretch's estimated error in the result, relative). 0 computes every "
                                "step (exact); higher skips more. interval: the interval N, a whole number >= 1 "
-                               "(one call computed in N; 1 computes every step, exact). -1 takes the family's "
+                               "(one call computed in N; 1 computes every step, exact). adaptive: the forecast's "
+                               "error at a stretch's end, relative, times the stretch's span in sigma (0.01 at "
+                               "Flux, 0.005 at Wan by default). -1 takes the family's "
                                "default for the rule (auto's TeaCache: larger for more steps, e.g. Wan 0.343 at 20 "
                                "and 28 steps, 0.504 at 50; interval: 3). With rule auto a value set here is "
                                "TeaCache's: where auto runs first_block (no table yet), first_block's default runs."),

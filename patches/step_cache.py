@@ -9,7 +9,7 @@ wrappers and the block-replace patches. No core forward is copied.
 - ``patches_replace["dit"]`` block patches on the first and every later block (a family whose forward
   has no such seam, Lumina 2 / Z-Image and Cosmos Predict2 / Anima: its block class's forward, wrapped
   once, reaching the blocks of the model a step-cached call runs and nothing else): the first block
-  decides (teacache: from the modulated input, magcache: from sigma, interval: from the count of
+  decides (teacache: from the modulated input, magcache: from sigma, interval and adaptive: from the count of
   calls, before it runs; first_block: from its own residual, after it runs); on a skip every later
   block passes its input through and the last one adds the stored residual (or its forecast); on a
   computed call the last one makes the new residual.
@@ -211,7 +211,7 @@ def _attach(model_patcher, config: tc.StepCacheConfig, node: str):
         if config.model_type not in table:
             raise ValueError(f"model_type: {config.model_type!r} has no published {rule} table (use auto or "
                              "calibrated)")
-    if config.model_type != "auto" and not config.calibrate and _rule(config, family) in ("first_block", "interval"):
+    if config.model_type != "auto" and not config.calibrate and _rule(config, family) in tc.TABLELESS_RULES:
         stats().count_reason("fallback", f"model_type: {config.model_type!r} is not read by rule "
                              f"{_rule(config, family)}, which runs without a table", source=node)
     earlier: Settings | None = model_patcher.model_options.get("transformer_options", {}).get(KEY)
@@ -467,7 +467,7 @@ class _Call:
         try:
             if rule == "first_block":
                 signal = self.first
-            elif rule in ("magcache", "schedule", "interval"):  # the stack input only tells a shape change
+            elif rule in ("magcache", "schedule", *tc.BEAT_RULES):  # the stack input only tells a shape change
                 signal = img
             else:
                 signal = self.family.modulated(self.dm, args)
@@ -1108,7 +1108,7 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None, steps:
     if cfg.calibrate:
         key = calibration_keys(model_patcher, base, conds)[0]
         return plan("calibrating", tc.COEFFICIENTS.get(family.default_type, (0, 0, 0, 1.0, 0)))
-    if cfg.rule in ("first_block", "interval"):  # need no table
+    if cfg.rule in tc.TABLELESS_RULES:  # need no table
         return plan("none")
 
     def published(name):

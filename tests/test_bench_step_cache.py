@@ -548,6 +548,7 @@ def results(defaults, ours, base, info=(9.0, 20.0)):
 def test_the_result_is_the_minimum_over_the_setups_at_28_and_50_steps(bench):
     class Args:
         quick = False
+        methods = None
 
     text = bench.report(results(defaults=[(3.0, 40.0, 38.0), (2.6, 36.0, 26.0), (3.5, 40.0)],
                                 ours=[(4.0, 35.0), (3.9, 31.0), (6.0, 29.0)],  # wan's own pick misses the floors
@@ -563,6 +564,28 @@ def test_the_result_is_the_minimum_over_the_setups_at_28_and_50_steps(bench):
     assert "best ReuseKit rule none" in text
     assert got["baselines"] == 1
     assert "information" in text and "9.00x" in text  # shown, never ranked
+
+
+def test_some_rows_alone_print_their_table_and_no_result_line(bench):
+    """--methods: the rows named, each tuned and scored by the protocol; no RESULT line (it reads the field),
+    and a name the bench has no row of is refused naming the rows."""
+    assert [m["name"] for m in bench.chosen("flux", ["FoCa", "ReuseKit adaptive, output forecast"])] == [
+        "FoCa", "ReuseKit adaptive, output forecast"]
+    assert bench.chosen("wan", None) == bench.methods("wan")
+    with pytest.raises(SystemExit, match="no row named 'Foca'; the rows: 'TeaCache'"):
+        bench.chosen("flux", ["Foca"])
+
+    class Args:
+        quick = False
+        methods = ["TeaCache"]
+
+    every = results(defaults=[(3.0, 40.0, 38.0)] * 3, ours=[(4.0, 35.0)] * 3, base=[(2.5, 31.0)] * 3)
+    for res in every.values():
+        for data in res["steps"].values():
+            data["rows"] = [r for r in data["rows"] if r["name"] == "TeaCache"]
+    text = bench.report(every, Args())
+    assert not any(line.startswith("RESULT") for line in text.splitlines()) and text.splitlines()[-1] == "no RESULT line: 1 of the field's rows ran (--methods)"
+    assert "best ReuseKit rule none; node defaults not run" in text and "2.50x" in text
 
 
 def test_the_report_names_the_evaluation_run_most_often_a_rows_worst(bench):

@@ -585,17 +585,20 @@ def test_a_calibration_between_two_runs_of_one_captured_step_cache_rebuilds_its_
 @pytest.mark.parametrize("backend", ["emulate", "eager"])
 @pytest.mark.parametrize("capture_first", [True, False])
 @pytest.mark.parametrize("mode", ["extrapolate", "output"])
+@pytest.mark.parametrize("rule,thresh", [("auto", 0.4), ("adaptive", 0.02)])
 def test_teacache_decides_outside_the_graph_and_its_skips_never_replay(gc, monkeypatch, trained_flux, conds,
-                                                                       backend, capture_first, mode):
+                                                                       backend, capture_first, mode, rule, thresh):
     """ReuseKit's TeaCache decides in a block patch, inside the forward: under capture it probes
     the forward eagerly up to that decision; a skip finishes there, a computed step replays and
     the graph hands back the residual the next skips add (output mode: the replay's output is what the
-    next skips forecast from). Same latent as TeaCache alone."""
+    next skips forecast from). Same latent as TeaCache alone. The adaptive rule alike: its checks read the
+    replay's output."""
     stats = rkharness.pack("patches.step_cache").stats
     monkeypatch.setattr(gc, "FORCE_BACKEND", backend)
-    both = capture(teacache(trained_flux, mode=mode)) if capture_first else teacache(capture(trained_flux), mode=mode)
+    both = (capture(teacache(trained_flux, thresh, rule, mode)) if capture_first
+            else teacache(capture(trained_flux), thresh, rule, mode))
     for seed in (7, 11):  # the second run replays what the first one captured
-        alone = sample(teacache(trained_flux, mode=mode), conds, steps=10, seed=seed)
+        alone = sample(teacache(trained_flux, thresh, rule, mode), conds, steps=10, seed=seed)
         expected = stats().snapshot()["info"]["last_run"]
         assert torch.equal(sample(both, conds, steps=10, seed=seed), alone)
         tea, run = stats().snapshot()["info"]["last_run"], last_run(gc)

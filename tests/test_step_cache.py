@@ -258,6 +258,50 @@ def test_interval_computes_one_call_in_n_per_cond_within_the_window_and_skip_lim
     assert rs.resets == 1 and rs.conds["a"].pattern[-1] == "C"
 
 
+def adaptive_run(values, threshold, mode="output", sigmas=None):
+    """The adaptive rule over ``values`` (one per call), every call allowed to skip; each computed call
+    stores its value (a (1, 2, 2) tensor of it) at ``sigmas[i]`` where given: the pattern and the run."""
+    m = tc()
+    rs = m.RunState(m.StepCacheConfig(None, "test", threshold, residual_mode=mode, rule="adaptive"), None, 1.0, 0.0)
+    for i, value in enumerate(values):
+        if not rs.decide(["a"], ["cond"], [torch.ones(1, 2, 2)], True):
+            rs.store_residual("a", torch.full((1, 2, 2), float(value)),
+                              sigma=None if sigmas is None else torch.tensor(sigmas[i]))
+    return "".join(rs.conds["a"].pattern), rs
+
+
+def test_the_adaptive_rule_grows_its_stretches_while_the_forecast_holds_and_shrinks_them_where_it_strays():
+    m = tc()
+    # a line: once two calls are computed the forecast is exact, so each check finds no error and the next
+    # stretch is twice the last, up to ADAPTIVE_MAX (the first check waits for a forecast that reads a slope)
+    pattern, rs = adaptive_run([2.0 + 0.5 * i for i in range(40)], 0.01)
+    assert [i for i, p in enumerate(pattern) if p == "C"] == [0, 2, 4, 8, 16, 28]
+    assert [(i, g, b) for i, g, _, b in rs.conds["a"].checks] == [(4, 2, 4.0), (8, 4, 8.0), (16, 8, 12.0),
+                                                                 (28, 12, 12.0)]
+    assert all(e == 0.0 for _, _, e, _ in rs.conds["a"].checks)
+    # a kink: the line turns five times steeper at call 10, the check at 16 finds the forecast astray and
+    # the next stretch is half of the last (its error times the span is far over the threshold)
+    kink = [float(i) if i <= 10 else 10.0 + 5.0 * (i - 10) for i in range(30)]
+    sigmas = [1.0 - i / 30 for i in range(30)]
+    pattern, rs = adaptive_run(kink, 0.01, sigmas=sigmas)
+    computed = [i for i, p in enumerate(pattern) if p == "C"]
+    assert computed[:6] == [0, 2, 4, 8, 16, 20]
+    index, stretch, error, beat = rs.conds["a"].checks[2]
+    # the forecast a skip would have added at 16, by FoCa's update along the line's slope from 8: 16; computed 40
+    assert (index, stretch) == (16, 8)
+    assert error == pytest.approx(abs(16.0 - 40.0) / 40.0 * (sigmas[8] - sigmas[16]), rel=1e-5)
+    assert beat == 4.0
+    # each check's next stretch, by the rule: the last one times (threshold / error) ** (1 / 3), at most twice
+    # or half of it, 1 to ADAPTIVE_MAX calls
+    for _, g, e, b in rs.conds["a"].checks:
+        change = 2.0 if e == 0 else min(2.0, max(0.5, (0.01 / e) ** (1 / 3)))
+        assert b == pytest.approx(min(m.ADAPTIVE_MAX, max(1.0, g * change)))
+    # threshold 0 computes every call, and a shape change starts the beat over
+    assert adaptive_run(kink, 0.0)[0] == "C" * 30
+    rs.decide(["a"], ["cond"], [torch.ones(1, 3, 2)], True)
+    assert rs.conds["a"].pattern[-1] == "C" and rs.conds["a"].beat == m.ADAPTIVE_START
+
+
 def test_a_placed_beat_above_1_places_as_many_steps_as_the_fixed_beat_closer_toward_the_end():
     m = tc()
     assert m.placed_beat(50, 10, 1.0) == [0, 12, 24, 37, 49]  # even (24.5 rounds to even), first and last in
@@ -531,7 +575,7 @@ def test_calibration_store_round_trips_through_its_file(tmp_path):
 
 # ---- on the trained Flux through the real KSampler ------------------------------------------
 
-RULES = ("teacache", "magcache", "first_block", "interval")
+RULES = ("teacache", "magcache", "first_block", "interval", "adaptive")
 SAME_INPUT_RULES = (*RULES, "schedule")  # the schedule rule needs a table to plan with; these calls give it a plan
 MODES = ("reuse", "extrapolate", "taylor2", "taylorseer1", "taylorseer2", "foca", "output")
 STEP_MODES = ("taylorseer1", "taylorseer2", "foca", "output")  # forecast in call index, not sigma
@@ -557,11 +601,11 @@ def test_threshold_zero_gives_exactly_the_uncached_latent(flux, conds, rule, mod
 @pytest.mark.parametrize("mode", MODES)
 def test_every_rule_and_mode_skips_the_trained_flux_close_to_the_uncached_latent(flux, conds, rule, mode):
     ref = sample(flux, conds)
-    thresh = {"teacache": 0.4, "magcache": 0.05, "first_block": 0.2, "interval": 3.0}[rule]
+    thresh = {"teacache": 0.4, "magcache": 0.05, "first_block": 0.2, "interval": 3.0, "adaptive": 0.02}[rule]
     out = sample(teacache(flux, thresh, rule=rule, mode=mode), conds)
     run = last_run()
     assert run["calls_skipped"] >= 2, run["conds"]
-    assert run["model_type"] == ("none" if rule in ("first_block", "interval") else "flux")
+    assert run["model_type"] == ("none" if rule in ("first_block", "interval", "adaptive") else "flux")
     for c in run["conds"].values():  # the panel's strip and trace: one entry per call, C first
         assert len(c["pattern"]) == len(c["trace"]) == STEPS and c["pattern"][0] == "C"
         skipped = [t for t, p in zip(c["trace"], c["pattern"]) if p == "S"]
@@ -948,6 +992,36 @@ def test_interval_computes_every_nth_step_per_cond_in_the_window_and_a_cpu_cache
     assert last_run()["conds"]["cond"]["pattern"] == ("C" * first + "SSSC" * STEPS)[:STEPS]
     sample(teacache(flux, 4.0, rule="interval", mode=mode, max_skips=2), conds)
     assert last_run()["conds"]["cond"]["pattern"] == "CSSCSSCSSC"
+
+
+@pytest.mark.parametrize("mode", ["output", "taylorseer1", "extrapolate"])
+def test_the_adaptive_rule_through_the_sampler_computes_where_its_checks_say(flux, conds, mode):
+    """Rule adaptive through the real KSampler, cond and uncond under CFG: it reads no table; each check in the
+    report sits on a computed call that ends a stretch with a skip in it, and the cond's next computed call
+    comes after the beat it set (or sooner, where the uncond's own beat ends first); a smaller threshold
+    computes more and comes closer to the uncached latent; cache_device cpu gives the same latent."""
+    sample(teacache(flux, -1.0, rule="adaptive", mode=mode), conds)  # -1: the family's default for the rule
+    assert last_run()["threshold"] == tc().RULE_THRESHOLDS["flux"]["adaptive"]
+    ref = sample(flux, conds, steps=20)
+    errors, computed = {}, {}
+    for threshold in (0.002, 0.05):
+        out = sample(teacache(flux, threshold, rule="adaptive", mode=mode), conds, steps=20)
+        run = last_run()
+        assert (run["rule"], run["threshold"], run["residual_mode"], run["model_type"]) == (
+            "adaptive", threshold, mode, "none")
+        pattern, checks = run["conds"]["cond"]["pattern"], run["conds"]["cond"]["checks"]
+        assert checks and run["conds"]["uncond"]["checks"]
+        marks = [i for i, p in enumerate(pattern) if p == "C"]
+        for index, stretch, error, beat in checks:
+            assert pattern[index] == "C" and index - stretch in marks and stretch >= 2 and error >= 0
+            later = [i for i in marks if i > index]
+            if later:
+                assert later[0] - index <= max(1, round(beat))
+        assert run["conds"]["uncond"]["pattern"] == pattern  # a call skips every cond or none
+        errors[threshold], computed[threshold] = rel_err(out, ref), len(marks)
+        assert torch.equal(sample(teacache(flux, threshold, rule="adaptive", mode=mode, device="cpu"), conds,
+                                  steps=20), out)
+    assert computed[0.002] > computed[0.05] and errors[0.002] < errors[0.05] < 0.3, (computed, errors)
 
 
 def test_first_blocks_through_the_sampler_report_and_decide_on_more_blocks(flux, conds):
