@@ -45,11 +45,10 @@ def _cache_inputs() -> list:
                                "taylorseer1, taylorseer2, foca or output). adaptive: the interval's beat set per run from the "
                                "forecast's own error, checked at each computed step: a stretch grows while the "
                                "forecast held and shrinks where it strayed (no table; pair it with a forecast, "
-                               "output at best). auto: the family's default, adaptive with the output forecast (Flux and "
-                               "the Flux-like families) or TeaCache with its published polynomial (Wan); on a Flux "
-                               "or Wan model calibrated by ReuseKit TeaCache Calibrate, with threshold -1, the "
-                               "schedule rule. With a threshold or model_type set here, auto is TeaCache (first_block "
-                               "while TeaCache has no published or calibrated table for this model)."),
+                               "output at best). auto: TeaCache with its published polynomial; "
+                               "on a Flux or Wan model calibrated by ReuseKit TeaCache Calibrate, with threshold -1, "
+                               "the schedule rule "
+                               "(first_block while the rule has no published or calibrated table for this model)."),
         # round: the front end rounds a typed value to the step's decimals without it, and the defaults'
         # thresholds between their anchors have four (the run's log names them: README "Compatibility")
         io.Float.Input("threshold", default=-1.0, min=-1.0, max=THRESHOLD_MAX, step=0.01, round=0.0001, optional=True,
@@ -59,11 +58,11 @@ def _cache_inputs() -> list:
                                "skipped stretch's estimated error in the result, relative). 0 computes every "
                                "step (exact); higher skips more. interval: the interval N, a whole number >= 1 "
                                "(one call computed in N; 1 computes every step, exact). adaptive: the forecast's "
-                               "error at a stretch's end, relative, times the stretch's span in sigma. -1 takes the "
-                               "family's default for the rule (TeaCache: larger for more steps, e.g. Wan 0.343 at 20 "
-                               "and 28 steps, 0.504 at 50; adaptive: 0.0126 at Flux, 0.005 at Wan; interval: 3). With "
-                               "rule auto a value set here is TeaCache's: where TeaCache has no table yet, "
-                               "first_block's default runs."),
+                               "error at a stretch's end, relative, times the stretch's span in sigma (0.01 at "
+                               "Flux, 0.005 at Wan by default). -1 takes the family's "
+                               "default for the rule (auto's TeaCache: larger for more steps, e.g. Wan 0.343 at 20 "
+                               "and 28 steps, 0.504 at 50; interval: 3). With rule auto a value set here is "
+                               "TeaCache's: where auto runs first_block (no table yet), first_block's default runs."),
         io.Combo.Input("model_type", options=list(patch.MODEL_TYPES), default="auto", optional=True,
                        tooltip="Which table the rule uses (teacache: rescale polynomial; magcache: magnitude "
                                "ratios; schedule: residual table; first_block needs none). auto: this model's "

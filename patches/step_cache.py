@@ -1060,26 +1060,19 @@ def _as(value: float, dtype: torch.dtype) -> float:
 
 
 def _rule(config: tc.StepCacheConfig, family: Family) -> str:
-    """The rule a config runs: rule auto is the family's default where threshold and model_type are left at
-    theirs (-1, auto), else TeaCache, the rule a threshold or a table set by hand beside auto has always meant."""
-    if config.rule != "auto":
-        return config.rule
-    if config.threshold < 0 and config.model_type == "auto":
-        return tc.FAMILY_DEFAULTS.get(family.name, tc.FALLBACK_DEFAULTS)[0]
-    return "teacache"
+    return tc.FAMILY_DEFAULTS.get(family.name, tc.FALLBACK_DEFAULTS)[0] if config.rule == "auto" else config.rule
 
 
 def resolved_config(config: tc.StepCacheConfig, family: Family, steps: int | None = None) -> tc.StepCacheConfig:
     """``config`` with rule, threshold (-1) and residual mode "auto" replaced by the family's defaults for a
     run of ``steps`` (None: not known)."""
     rule0, anchors, mode0 = tc.FAMILY_DEFAULTS.get(family.name, tc.FALLBACK_DEFAULTS)
+    threshold0 = tc.default_threshold(anchors, steps)
     rule = "teacache" if config.calibrate else _rule(config, family)
     threshold = config.threshold
-    if threshold < 0 and rule == "teacache":  # by the step count, as when it was every family's default
-        threshold = tc.default_threshold(tc.TEACACHE_DEFAULTS.get(family.name, tc.FALLBACK_TEACACHE), steps)
-    elif threshold < 0:
-        threshold = tc.default_threshold(anchors, steps) if rule == rule0 else tc.RULE_THRESHOLDS.get(
-            family.name, tc.FALLBACK_THRESHOLDS).get(rule, tc.FALLBACK_THRESHOLDS[rule])
+    if threshold < 0:
+        threshold = threshold0 if rule == rule0 else tc.RULE_THRESHOLDS.get(family.name, tc.FALLBACK_THRESHOLDS).get(
+            rule, tc.FALLBACK_THRESHOLDS[rule])
     mode = mode0 if config.residual_mode == "auto" else config.residual_mode
     return dataclasses.replace(config, rule=rule, threshold=float(threshold), residual_mode=mode)
 
@@ -1115,10 +1108,7 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None, steps:
     if cfg.calibrate:
         key = calibration_keys(model_patcher, base, conds)[0]
         return plan("calibrating", tc.COEFFICIENTS.get(family.default_type, (0, 0, 0, 1.0, 0)))
-    upgrade, upgrade_mode = tc.CALIBRATED_RULES.get(family.name, (None, None))
-    upgradable = (upgrade is not None and settings.config.rule == "auto" and settings.config.threshold < 0
-                  and cfg.model_type == "auto" and settings.config.residual_mode != tc.OUTPUT_MODE)
-    if cfg.rule in tc.TABLELESS_RULES and not upgradable:  # need no table
+    if cfg.rule in tc.TABLELESS_RULES:  # need no table
         return plan("none")
 
     def published(name):
@@ -1134,18 +1124,15 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None, steps:
     borrowed = stored is None and base_key is not None  # a LoRA'd clone not calibrated itself: its base model's
     if borrowed:
         stored = STORE.get(base_key, ident, unread.append)
-    if unread and cfg.model_type != "calibrated":  # (a calibrated run is refused below, naming the file)
-        stats().count_reason("fallback", f"{unread[0]}: this run did without the calibrations in it (the next "
-                             "calibration saved moves the file aside)", source=family.name)
-    if upgradable and stored is not None and getattr(stored, tc.TABLE_FIELDS[upgrade]) is not None:
-        # (output set by hand: the schedule rule plans residuals) this model's own calibration holds the table
-        # the family's better rule plans from, in the mode it was picked with (its planner models that mode's
-        # forecasts) unless one was set by hand
+    upgrade, upgrade_mode = tc.CALIBRATED_RULES.get(family.name, (None, None))
+    if (upgrade is not None and stored is not None and getattr(stored, tc.TABLE_FIELDS[upgrade]) is not None
+            and settings.config.rule == "auto" and settings.config.threshold < 0 and cfg.model_type == "auto"
+            and settings.config.residual_mode != tc.OUTPUT_MODE):  # set by hand: the schedule rule plans residuals
+        # this model's own calibration holds the table the family's better rule plans from, in the mode it
+        # was picked with (its planner models that mode's forecasts) unless one was set by hand
         mode = upgrade_mode if settings.config.residual_mode == "auto" else cfg.residual_mode
         cfg = dataclasses.replace(cfg, rule=upgrade, residual_mode=mode, threshold=float(
             tc.RULE_THRESHOLDS.get(family.name, tc.FALLBACK_THRESHOLDS)[upgrade]))
-    if cfg.rule in tc.TABLELESS_RULES:  # auto's rule, on a model with no calibration of the better one
-        return plan("none")
     table = None if stored is None else getattr(stored, tc.TABLE_FIELDS[cfg.rule], None)
     if cfg.rule == "schedule" and table is not None and table.sensitivity is None:
         table = table.with_sensitivity_of(step_schedule.shipped_table(family.name))
@@ -1156,6 +1143,9 @@ def resolve(settings: Settings, model_patcher, conds: dict | None = None, steps:
                                  "its own)",
                                  source=family.name)
         return plan("calibrated", table)
+    if unread and cfg.model_type != "calibrated":  # (a calibrated run is refused below, naming the file)
+        stats().count_reason("fallback", f"{unread[0]}: this run did without the calibrations in it (the next "
+                             "calibration saved moves the file aside)", source=family.name)
     table = None if cfg.model_type == "calibrated" else published(variant)
     if table is None and settings.config.rule == "auto" and cfg.model_type == "auto":
         # the family's rule has no table for this model yet: First-Block needs none, so "auto" still saves

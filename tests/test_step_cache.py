@@ -657,7 +657,7 @@ def test_a_controlnet_or_lora_switching_within_the_run_starts_each_cond_over(flu
     with a computed call (counted), the interval rule's beat going on in step; runs where nothing switches keep
     their pattern."""
     pattern = lambda: {"".join(c["pattern"]) for c in last_run()["conds"].values()}  # noqa: E731
-    defaults = lambda: teacache(flux, -1.0, "auto", rule="teacache", mode="output")  # noqa: E731 (the old default)
+    defaults = lambda: N().TeaCacheNode.execute(model=flux).args[0]  # noqa: E731
     reasons = lambda: sum(r["count"] for r in P().stats().snapshot()["reasons"]  # noqa: E731
                           if "a ControlNet's range or a hook's keyframe began or ended" in r["reason"])
     plain = sample(defaults(), conds)
@@ -850,13 +850,8 @@ def test_auto_takes_the_familys_rule_threshold_and_mode(flux, conds):
     rule, anchors, mode = tc().FAMILY_DEFAULTS["flux"]
     run = last_run()
     assert (run["rule"], run["threshold"], run["residual_mode"]) == (rule, tc().default_threshold(anchors, STEPS), mode)
-    sample(m, conds, steps=50)  # the run's own count picks it
-    assert last_run()["threshold"] == anchors[-1][1]
-    teacache_anchors = tc().TEACACHE_DEFAULTS["flux"]  # TeaCache at -1: more steps bear a larger threshold
-    sample(teacache(flux, -1.0, "auto", rule="teacache", mode="auto"), conds)
-    assert (last_run()["rule"], last_run()["threshold"]) == ("teacache", teacache_anchors[0][1])
-    sample(teacache(flux, -1.0, "auto", rule="teacache", mode="auto"), conds, steps=50)
-    assert last_run()["threshold"] == teacache_anchors[-1][1] > teacache_anchors[0][1]
+    sample(m, conds, steps=50)  # more steps bear a larger threshold: the run's own count picks it
+    assert last_run()["threshold"] == anchors[-1][1] > run["threshold"]
     assert "rel_l1_thresh" not in run
     sample(teacache(flux, -1.0, rule="first_block", mode="auto"), conds)  # -1 with a rule: that rule's default
     run = last_run()
@@ -879,37 +874,32 @@ def test_a_model_type_the_rule_does_not_read_is_said_and_changes_nothing(flux, c
 def test_the_rule_threshold_and_mode_the_log_names_give_the_defaults_picture(flux, conds, caplog):
     """The defaults mean the installed version's (README "Compatibility"): the run's log line names the rule,
     threshold and mode they resolved to, exactly, and a node set to them samples the same latent, so a
-    workflow keeps its picture across an update; TeaCache's at -1 alike, whose threshold at 39 steps lies between
-    two anchors."""
+    workflow keeps its picture across an update. At 39 steps the threshold lies between two anchors."""
     import re
 
+    (m,) = N().TeaCacheNode.execute(model=flux).args
+    with caplog.at_level(logging.INFO, logger="reusekit"):
+        auto = sample(m, conds, steps=39)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ReuseKit Step Cache (flux")]
+    rule, threshold, mode = re.match(r"ReuseKit Step Cache \(flux, \w+, (\w+) (\S+), (\w+)\)", line).groups()
+    assert float(threshold) == last_run()["threshold"] not in [t for _, t in tc().FAMILY_DEFAULTS["flux"][1]]
+    # and the widget takes it as it is: the front end rounds a typed value to the input's round (else to its step's
+    # decimals: 0.5839 became 0.58 and another picture)
     (widget,) = [i for i in N().TeaCacheNode.define_schema().inputs if i.id == "threshold"]
-    for m in (N().TeaCacheNode.execute(model=flux).args[0], teacache(flux, -1.0, "auto", rule="teacache", mode="auto")):
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="reusekit"):
-            auto = sample(m, conds, steps=39)
-        (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ReuseKit Step Cache (flux")]
-        rule, threshold, mode = re.match(r"ReuseKit Step Cache \(flux, \w+, (\w+) (\S+), (\w+)\)", line).groups()
-        assert float(threshold) == last_run()["threshold"]
-        # and the widget takes it as it is: the front end rounds a typed value to the input's round (else to its
-        # step's decimals: 0.5839 became 0.58 and another picture)
-        assert widget.round is not None and float(threshold) == round(round(float(threshold) / widget.round)
-                                                                       * widget.round, 10)
-        assert torch.equal(sample(teacache(flux, float(threshold), rule=rule, mode=mode, model_type="auto"), conds,
-                                  steps=39), auto)
-    assert rule == "teacache" and float(threshold) not in [t for _, t in tc().TEACACHE_DEFAULTS["flux"]]
-    for anchors in [a for _, a, _ in tc().FAMILY_DEFAULTS.values()] + list(tc().TEACACHE_DEFAULTS.values()):
+    assert widget.round is not None and float(threshold) == round(round(float(threshold) / widget.round) * widget.round, 10)
+    for anchors in (a for _, a, _ in tc().FAMILY_DEFAULTS.values()):
         assert all(abs(t / widget.round - round(t / widget.round)) < 1e-6
                    for t in (tc().default_threshold(anchors, n) for n in range(1, 101)))
+    assert torch.equal(sample(teacache(flux, float(threshold), rule=rule, mode=mode, model_type="auto"), conds,
+                              steps=39), auto)
 
 
 def test_the_default_threshold_follows_the_step_count_between_its_anchors():
     anchors = ((20, 0.3), (28, 0.5), (50, 0.7))
     got = [tc().default_threshold(anchors, n) for n in (None, 4, 20, 24, 28, 39, 50, 80)]
     assert got == [0.3, 0.3, 0.3, 0.4, 0.5, 0.6, 0.7, 0.7]
-    families = [*tc().FAMILY_DEFAULTS.values(), *(("teacache", a, "reuse") for a in tc().TEACACHE_DEFAULTS.values())]
-    for rule, family_anchors, mode in families:  # ascending, never lower with more steps
-        assert rule in ("teacache", "adaptive") and mode in tc().RESIDUAL_MODES
+    for rule, family_anchors, mode in tc().FAMILY_DEFAULTS.values():  # ascending, never lower with more steps
+        assert rule == "teacache" and mode in tc().RESIDUAL_MODES
         assert [n for n, _ in family_anchors] == sorted({n for n, _ in family_anchors})
         assert [t for _, t in family_anchors] == sorted(t for _, t in family_anchors)
 
@@ -1011,9 +1001,7 @@ def test_the_adaptive_rule_through_the_sampler_computes_where_its_checks_say(flu
     comes after the beat it set (or sooner, where the uncond's own beat ends first); a smaller threshold
     computes more and comes closer to the uncached latent; cache_device cpu gives the same latent."""
     sample(teacache(flux, -1.0, rule="adaptive", mode=mode), conds)  # -1: the family's default for the rule
-    rule0, anchors, _ = tc().FAMILY_DEFAULTS["flux"]
-    assert last_run()["threshold"] == (tc().default_threshold(anchors, STEPS) if rule0 == "adaptive"
-                                       else tc().RULE_THRESHOLDS["flux"]["adaptive"])
+    assert last_run()["threshold"] == tc().RULE_THRESHOLDS["flux"]["adaptive"]
     ref = sample(flux, conds, steps=20)
     errors, computed = {}, {}
     for threshold in (0.002, 0.05):
@@ -1587,7 +1575,7 @@ def test_a_run_that_is_part_of_its_schedule_takes_the_schedules_threshold(flux, 
     now take the whole schedule's, and land near it from their uncached latent."""
     import nodes
 
-    defaults = teacache(flux, -1.0, "auto", rule="teacache", mode="output")  # step-count anchors
+    defaults = N().TeaCacheNode.execute(model=flux).args[0]
     steps, seed = 50, 5
 
     def staged(model):

@@ -489,19 +489,19 @@ def test_the_shipped_tables_plan_runs_of_step_counts_they_were_not_measured_at(f
         assert costs == sorted(costs, reverse=True) and costs[-1] < costs[0] <= steps
 
 
-def test_the_node_defaults_run_the_familys_rule_until_the_model_has_its_own_schedule_table(flux, conds, monkeypatch):
-    """The shipped table was measured on the bench's stand-in, not on this model: the node's defaults run the
-    family's rule on it (the adaptive rule, which reads no table; never the shipped table), and the schedule
-    rule at its own default threshold once this model is calibrated; a threshold set by hand keeps TeaCache's
-    meaning (its calibrated polynomial), and the output forecast set by hand keeps the family's rule."""
+def test_the_node_defaults_run_teacache_until_the_model_has_its_own_schedule_table(flux, conds, monkeypatch):
+    """The shipped table was measured on the bench's stand-in, not on this model: the node's defaults run
+    TeaCache's published polynomial on it (never the shipped table), and the schedule rule at its own
+    default threshold once this model is calibrated; a threshold set by hand keeps TeaCache's meaning, and so
+    does the output forecast set by hand."""
     monkeypatch.setattr(S(), "shipped_table", shipped)
     defaults = {i.id: i.default for i in N().TeaCacheNode.define_schema().inputs if i.id != "model"}
     (m,) = N().TeaCacheNode.execute(model=flux, **defaults).args
     sample(m, conds)
     run = last_run()
     rule, anchors, mode = tc().FAMILY_DEFAULTS["flux"]
-    assert (run["rule"], run["threshold"], run["residual_mode"], run["model_type"]) == (
-        "adaptive", tc().default_threshold(anchors, run["steps"]), mode, "none") and rule == "adaptive"
+    assert (run["rule"], run["threshold"], run["residual_mode"]) == (
+        "teacache", tc().default_threshold(anchors, run["steps"]), mode)
     calibrated(flux, conds)
     out = sample(m, conds)
     run = last_run()
@@ -510,7 +510,8 @@ def test_the_node_defaults_run_the_familys_rule_until_the_model_has_its_own_sche
     assert run["calls_skipped"] + run["calls_half"] > 0
     (by_hand,) = N().TeaCacheNode.execute(model=flux, **{**defaults, "threshold": 0.4}).args
     sample(by_hand, conds)
-    assert (last_run()["rule"], last_run()["threshold"], last_run()["model_type"]) == ("teacache", 0.4, "calibrated")
+    assert (last_run()["rule"], last_run()["threshold"]) == ("teacache", 0.4)
     (output,) = N().TeaCacheNode.execute(model=flux, **{**defaults, "residual_mode": "output"}).args
-    sample(output, conds)  # the output forecast set by hand: the schedule rule plans residuals, so the family's
-    assert (last_run()["rule"], last_run()["residual_mode"], last_run()["model_type"]) == ("adaptive", "output", "none")
+    sample(output, conds)  # the output forecast set by hand: the schedule rule plans residuals, so TeaCache
+    assert (last_run()["rule"], last_run()["residual_mode"], last_run()["model_type"]) == (
+        "teacache", "output", "calibrated")
