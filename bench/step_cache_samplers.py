@@ -5,7 +5,8 @@
 The tiny trained Flux (tests/tinymodels/trained_flux.py) at cfg 3, the simple scheduler, a prompt it knows and
 an empty negative, through the real sampler. For each sampler, each seed: the uncached latent, then the step
 cache with its defaults (``auto``), TeaCache 0.3 and a step in 3 (even, and placed with ``interval_power``
-1.3) with the output forecast, the defaults with extrapolated residuals, and MagCache 0.05; the relative L2 distance of each from the uncached latent, mean and worst over
+1.3) with the output forecast, the defaults with extrapolated residuals, MagCache 0.05, and the adaptive rule at its
+default threshold with the output forecast; the relative L2 distance of each from the uncached latent, mean and worst over
 the seeds, and the skipped calls. Under a sampler that adds noise between calls the output forecast follows
 the denoised picture, held, and a residual forecast holds the last computed residual (docs/step_cache.md,
 "Rules"); the ``velocity`` rows run the same with that off (the forecasts before 2026-12-06), side by side. Deterministic samplers never had it: their two rows are equal.
@@ -39,7 +40,7 @@ CONFIGS = (("defaults", "auto", -1.0, "auto", 1.0), ("teacache 0.3 output", "tea
            ("a step in 3, output", "interval", 3.0, "output", 1.0),
            ("placed step in 3, p1.3", "interval", 3.0, "output", 1.3),
            ("defaults, extrapolate", "auto", -1.0, "extrapolate", 1.0),
-           ("magcache 0.05", "magcache", 0.05, "extrapolate", 1.0))
+           ("magcache 0.05", "magcache", 0.05, "extrapolate", 1.0), ("adaptive -1, output", "adaptive", -1.0, "output", 1.0))
 PROMPT = "a red circle on a black background"
 
 

@@ -165,31 +165,24 @@ MAG_RATIOS: dict[str, tuple[tuple[float, ...], int, float]] = {
                                       0.93397, 0.93414, 0.91636, 0.9165, 0.89088, 0.89109, 0.8679, 0.86768), 40, 5.0),
 }
 
-# The defaults of rule="auto" / residual_mode="auto" / threshold=-1 (model_type auto) per family: (rule,
-# thresholds by step count, residual_mode), and each rule's own default threshold per family. Picked by
-# bench/step_cache.py --pick-defaults on its tuning prompts (never the evaluation ones) on the stand-in models:
-# per candidate rule and residual mode (TeaCache with its published polynomials, the adaptive rule), the
-# largest threshold keeping 32 dB mean and 27 dB worst at every setup of the family at 20, 28 and 50 steps
-# (never lower at more steps), and the candidate worth most at it: Flux's the adaptive rule with the output
-# forecast (since 2026-12-07; TeaCache's before), Wan's TeaCache with extrapolated residuals. The schedule rule
-# plans from a table of residuals measured on one model; the tables shipped in caching/schedule_tables.json
-# were measured on the stand-ins (docs/step_cache.md, "Stand-in models for the benchmark"): a table is one
-# model's, and on another one it can plan far more skips than that model bears, so auto uses them on no
-# model, and the rule of CALIBRATED_RULES at its threshold once the model has its own calibration of that
-# rule (ReuseKit TeaCache Calibrate) and the threshold is left at -1. rule="schedule" picked by hand uses the
-# shipped table. Wan 2.2 takes Wan's; every other family (modulated-input DiTs like Flux) takes Flux's.
-_FLUX_TEACACHE = ((20, 0.504), (28, 0.504), (50, 1.09))
-_WAN_TEACACHE = ((20, 0.343), (28, 0.343), (50, 0.504))
-_FLUX = ("adaptive", ((20, 0.0126), (28, 0.0126), (50, 0.0126)), "output")
-_WAN = ("teacache", _WAN_TEACACHE, "extrapolate")
+# The defaults of rule="auto" / residual_mode="auto" / threshold=-1 per family: (rule, thresholds by step
+# count, residual_mode), and each rule's own default threshold per family. Picked by bench/step_cache.py
+# --pick-defaults on its tuning prompts (never the evaluation ones) on the stand-in models: TeaCache's
+# threshold, the largest keeping 32 dB mean and 27 dB worst at every setup of the family at 20, 28 and 50
+# steps (more steps bear a larger one: each skipped stretch is shorter in sigma), and the residual mode
+# worth most at it. The schedule rule plans from a table
+# of residuals measured on one model; the tables shipped in caching/schedule_tables.json were measured on
+# the stand-ins (docs/step_cache.md, "Stand-in models for the benchmark"): a table is one model's, and on another one
+# it can plan far more skips than that model bears, so auto uses them on no model: it runs TeaCache
+# (published polynomials, fitted on the real models) with forecasts, and the
+# rule of CALIBRATED_RULES at its threshold once the model has its own calibration of that rule (ReuseKit
+# TeaCache Calibrate) and the threshold is left at -1. rule="schedule" picked by hand uses the shipped
+# table. Wan 2.2 takes Wan's; every other family (modulated-input DiTs like Flux) takes Flux's.
+_FLUX = ("teacache", ((20, 0.504), (28, 0.504), (50, 1.09)), "output")
+_WAN = ("teacache", ((20, 0.343), (28, 0.343), (50, 0.504)), "extrapolate")
 FAMILY_DEFAULTS: dict[str, tuple[str, tuple[tuple[int, float], ...], str]] = {"flux": _FLUX, "wan": _WAN,
                                                                              "wan22": _WAN}
 FALLBACK_DEFAULTS: tuple[str, tuple[tuple[int, float], ...], str] = _FLUX
-TEACACHE_DEFAULTS: dict[str, tuple[tuple[int, float], ...]] = {"flux": _FLUX_TEACACHE, "wan": _WAN_TEACACHE,
-                                                               "wan22": _WAN_TEACACHE}
-"""TeaCache's thresholds by step count where it runs with threshold -1 (rule teacache, or auto with a table set
-by hand): picked as the family default was when TeaCache was it (bench/step_cache.py --pick-defaults)."""
-FALLBACK_TEACACHE: tuple[tuple[int, float], ...] = _FLUX_TEACACHE
 
 
 def default_threshold(anchors: tuple[tuple[int, float], ...], steps: int | None) -> float:
@@ -208,10 +201,11 @@ CALIBRATED_RULES: dict[str, tuple[str, str]] = {"flux": ("schedule", "extrapolat
 TABLE_FIELDS = {"teacache": "coefficients", "magcache": "magnitudes", "schedule": "table"}
 """Where each rule's table lives in a stored calibration."""
 # interval: 3 (one call computed in three), a round middle value, not tuned by the benchmark
-# adaptive: its candidate's thresholds with the output forecast in --pick-defaults (Flux's default's)
-_FLUX_THRESHOLDS = {"magcache": 0.06, "first_block": 0.2, "schedule": 0.0131, "interval": 3.0,
-                    "adaptive": 0.0126}
-_WAN_THRESHOLDS = {"magcache": 0.06, "first_block": 0.2, "schedule": 0.0131, "interval": 3.0,
+# adaptive: the largest of the bench's grid keeping 32 dB mean and 27 dB worst on its tuning runs with the output
+# forecast at 28 and 50 steps (Flux: at CFG 3.5 and 1), from the bench's tuning points (docs/step_cache.md, "Rules")
+_FLUX_THRESHOLDS = {"teacache": 0.4, "magcache": 0.06, "first_block": 0.2, "schedule": 0.0131, "interval": 3.0,
+                    "adaptive": 0.01}
+_WAN_THRESHOLDS = {"teacache": 0.3, "magcache": 0.06, "first_block": 0.2, "schedule": 0.0131, "interval": 3.0,
                    "adaptive": 0.005}
 RULE_THRESHOLDS: dict[str, dict[str, float]] = {"flux": _FLUX_THRESHOLDS, "wan": _WAN_THRESHOLDS,
                                                 "wan22": _WAN_THRESHOLDS}
@@ -694,7 +688,8 @@ class RunState:
     def _adapt(self, state: CondState, key: Any, residual: torch.Tensor, sigma) -> None:
         """The adaptive rule at a computed call that ends a stretch with a skip in it: what a skip would have
         added here (the forecast, or the held value) against what was computed, relative, times the stretch's
-        span in sigma (where the sampler gives sigmas), sets the next stretch's length (ADAPTIVE_ORDER,
+        span in sigma (where the sampler gives sigmas and adds no noise: a held value, the denoised picture,
+        reaches the latent whole when the sampler rebuilds it with new noise), sets the next stretch's length (ADAPTIVE_ORDER,
         ADAPTIVE_CHANGE, 1 to ADAPTIVE_MAX calls). Only once the mode's forecast has the values it reads (a
         forecast made from one value is a reuse, whose error says nothing of the forecast's). One host sync."""
         index = len(state.pattern) - 1
@@ -708,7 +703,7 @@ class RunState:
             return
         guess = self.residual(key, residual, sigma)
         error = (guess - residual).float().norm() / residual.float().norm().clamp_min(1e-12)
-        if sigma is not None and state.residual_sigma is not None:
+        if sigma is not None and state.residual_sigma is not None and not self.held():
             error = error * (torch.as_tensor(sigma, dtype=torch.float32).to(error.device)
                              - state.residual_sigma.to(error.device)).abs()
         error = float(error)
