@@ -22,10 +22,10 @@ computed one. With ``interval_power`` p other than 1 the run computes as many st
 (:func:`placed_beat`) closer together toward the end (p above 1), where a forecast errs most, or toward
 the start (p below 1), where a model's output changes fastest; the distance is then the threshold at a
 placed step and 0 elsewhere. A sixth, ``adaptive``, sets each cond's beat as it goes, from the forecast's
-own error: at a computed call that ends a stretch it compares what a skip would have added there with what
-was computed (:meth:`RunState._adapt`), and the next stretch grows or shrinks so that this error, relative,
-times the stretch's span in sigma stays at ``threshold``; a prompt the forecast follows badly gets more
-computed calls than one it follows well.
+own error: at every computed call it compares what a skip would have added there with what was computed
+(:meth:`RunState._adapt`), and the next stretch grows or shrinks so that this error, relative, times the
+stretch's span in sigma stays at ``threshold``, by the worse of the last two checks (no call skips before
+two agree); a prompt the forecast follows badly gets more computed calls than one it follows well.
 
 What a skip adds (``residual_mode``): the stored residual (``reuse``), or it continued in sigma to first
 (``extrapolate``) or second (``taylor2``) order from the last computed residuals (Newton's divided
@@ -216,7 +216,7 @@ TABLELESS_RULES = ("first_block", "interval", "adaptive")
 """The rules that read no table (no calibration, no published one)."""
 BEAT_RULES = ("interval", "adaptive")
 """The rules that decide by the count of calls since the last computed one (their input only tells a shape change)."""
-ADAPTIVE_START = 2.0  # adaptive: the first stretches' length in calls, until a forecast is checked
+ADAPTIVE_START = 1.0  # adaptive: the first stretches' length in calls: every call computes until two checks agree
 ADAPTIVE_MAX = 12.0  # ... the longest (the bench's interval grid ends at 12)
 ADAPTIVE_ORDER = 3.0  # ... how fast a forecast's error grows with the stretch: as its cube (a stretch's span in
 # sigma grows with it, and the forecast's own error as its square), so a stretch of g calls that erred e is
@@ -408,6 +408,7 @@ class CondState:
     meta: tuple | None = None  # (shape, dtype, device) of the rule's input, and the switching effects on
     beat: float = ADAPTIVE_START  # adaptive: the next stretch's length in calls (computed one included)
     checks: list = field(default_factory=list)  # adaptive: (call index, stretch, its error times span, next beat)
+    error_rate: float = math.inf  # adaptive: the last check's error over its stretch cubed (none yet: unbounded)
     residual_step: int | None = None  # schedule: the planned step whose call stored ``residual``
     estimated: bool = False  # schedule: ``residual`` was rebuilt from the cond's (an H step), not computed
     # calibration
@@ -425,7 +426,7 @@ class CondState:
         self.derivatives = []
         self.accumulated, self.ratio, self.consecutive, self.meta = 0.0, 1.0, 0, None
         self.residual_step, self.estimated = None, False
-        self.beat = ADAPTIVE_START
+        self.beat, self.error_rate = ADAPTIVE_START, math.inf
 
 
 class RunState:
@@ -585,7 +586,7 @@ class RunState:
                 return self._beat_distance(sigma), None
             return float(state.consecutive + 1), None
         if rule == "adaptive":  # the threshold at the stretch's end (computed), below it inside
-            return self.config.threshold * (state.consecutive + 1) / max(1, round(state.beat)), None
+            return self.config.threshold * (state.consecutive + 1) / round(state.beat), None
         if rule == "magcache":
             curve = self._curve(state.label)
             if curve is None or sigma is None or state.sigma is None:
@@ -686,12 +687,14 @@ class RunState:
             self.replans += 1
 
     def _adapt(self, state: CondState, key: Any, residual: torch.Tensor, sigma) -> None:
-        """The adaptive rule at a computed call that ends a stretch with a skip in it: what a skip would have
-        added here (the forecast, or the held value) against what was computed, relative, times the stretch's
-        span in sigma (where the sampler gives sigmas and adds no noise: a held value, the denoised picture,
-        reaches the latent whole when the sampler rebuilds it with new noise), sets the next stretch's length (ADAPTIVE_ORDER,
-        ADAPTIVE_CHANGE, 1 to ADAPTIVE_MAX calls). Only once the mode's forecast has the values it reads (a
-        forecast made from one value is a reuse, whose error says nothing of the forecast's). One host sync."""
+        """The adaptive rule at every computed call, one right after a computed call too (so a beat of 1 can
+        grow again): what a skip would have added here (the forecast, or the held value) against what was
+        computed, relative, times the stretch's span in sigma (where the sampler gives sigmas and adds no
+        noise: a held value, the denoised picture, reaches the latent whole when the sampler rebuilds it
+        with new noise), sets the next stretch's length (ADAPTIVE_ORDER, ADAPTIVE_CHANGE, 1 to ADAPTIVE_MAX
+        calls), by the worse of this check and the last one. Only once the mode's forecast has the values it
+        reads (a forecast made from one value is a reuse, whose error says nothing of the forecast's); until
+        then every call computes. One host sync."""
         index = len(state.pattern) - 1
         if state.residual is None or state.step_index is None or tuple(state.residual.shape) != tuple(residual.shape):
             return
@@ -699,7 +702,7 @@ class RunState:
         mode = self.config.residual_mode
         ready = self.held() or mode == "reuse" or (state.derivatives if mode in STEP_ORDERS
                                                     else state.difference is not None)
-        if stretch < 2 or not ready:
+        if not ready:
             return
         guess = self.residual(key, residual, sigma)
         error = (guess - residual).float().norm() / residual.float().norm().clamp_min(1e-12)
@@ -707,8 +710,13 @@ class RunState:
             error = error * (torch.as_tensor(sigma, dtype=torch.float32).to(error.device)
                              - state.residual_sigma.to(error.device)).abs()
         error = float(error)
-        change = ADAPTIVE_CHANGE if error <= 0 else (self.config.threshold / error) ** (1 / ADAPTIVE_ORDER)
-        state.beat = min(ADAPTIVE_MAX, max(1.0, stretch * min(ADAPTIVE_CHANGE, max(1 / ADAPTIVE_CHANGE, change))))
+        # the worse of this check and the last one, each per call cubed: a forecast that held over one stretch
+        # and strayed over the one before (a step's two calls under dpmpp_2s_ancestral, the noise added between
+        # steps) is not trusted further; the first check sets no longer stretch
+        rate = error / stretch ** ADAPTIVE_ORDER
+        worse, state.error_rate = max(rate, state.error_rate), rate
+        fit = ADAPTIVE_MAX if worse <= 0 else (self.config.threshold / worse) ** (1 / ADAPTIVE_ORDER)
+        state.beat = min(ADAPTIVE_MAX, max(1.0, stretch / ADAPTIVE_CHANGE, min(stretch * ADAPTIVE_CHANGE, fit)))
         state.checks.append((index, stretch, error, state.beat))
 
     def _step(self, sigma) -> int | None:

@@ -192,6 +192,13 @@ def batched(x, sigma, kwargs):
 FLAT = {"cond": [(1.0, 0.0), (0.0, 0.0)]}  # a magcache curve whose ratio is always 1
 
 
+def ready_to_skip(run) -> None:
+    """The adaptive rule computes until a check has read its forecast (two or three computed calls): its conds
+    as after a check that found the forecast exact, so the next call on the same input may skip."""
+    for state in run.conds.values():
+        state.beat = 2.0
+
+
 def two_calls(model, x, sigma, kwargs, keys=("c", "u"), second="S"):
     """The same input twice through a step-cached model, as one sampling run's calls (the node's config
     resolved, unit teacache polynomial, flat magcache curve: an unchanged input skips; the schedule rule
@@ -213,6 +220,7 @@ def two_calls(model, x, sigma, kwargs, keys=("c", "u"), second="S"):
         with torch.inference_mode():
             first = model.model.apply_model(x, sigma, transformer_options=to, **kwargs)
             run.plan = schedule.Plan((second,), (0.0,))
+            ready_to_skip(run)
             to["sigmas"] = sigma.clone()  # the next step: a timestep tensor of its own, as a sampler makes one
             second = model.model.apply_model(x, sigma, transformer_options=to, **kwargs)
     finally:
