@@ -694,7 +694,7 @@ class RunState:
         with new noise), sets the next stretch's length (ADAPTIVE_ORDER, ADAPTIVE_CHANGE, 1 to ADAPTIVE_MAX
         calls), by the worse of this check and the last one. Only once the mode's forecast has the values it
         reads (a forecast made from one value is a reuse, whose error says nothing of the forecast's); until
-        then every call computes. One host sync."""
+        then every call computes. Not at a call at the last computed one's sigma (no span). One host sync."""
         index = len(state.pattern) - 1
         if state.residual is None or state.step_index is None or tuple(state.residual.shape) != tuple(residual.shape):
             return
@@ -707,9 +707,13 @@ class RunState:
         guess = self.residual(key, residual, sigma)
         error = (guess - residual).float().norm() / residual.float().norm().clamp_min(1e-12)
         if sigma is not None and state.residual_sigma is not None and not self.held():
-            error = error * (torch.as_tensor(sigma, dtype=torch.float32).to(error.device)
-                             - state.residual_sigma.to(error.device)).abs()
-        error = float(error)
+            span = (torch.as_tensor(sigma, dtype=torch.float32).to(error.device)
+                    - state.residual_sigma.to(error.device)).abs().max()
+            error, span = torch.stack([error * span, span]).tolist()
+            if span == 0:  # heun: its corrector's call and the next step's first share a sigma, no span to err
+                return  # over; counted, such a check would read 0 and lengthen the next stretch on one check
+        else:
+            error = float(error)
         # the worse of this check and the last one, each per call cubed: a forecast that held over one stretch
         # and strayed over the one before (a step's two calls under dpmpp_2s_ancestral, the noise added between
         # steps) is not trusted further; the first check sets no longer stretch

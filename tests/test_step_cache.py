@@ -1082,6 +1082,22 @@ def test_the_adaptive_rule_trusts_no_single_check(flux, conds, seed):
     assert rel_err(out, ref) < 0.05, (rel_err(out, ref), got["pattern"])
 
 
+@pytest.mark.parametrize("scheduler", ["simple", "karras"])
+def test_the_adaptive_rule_does_not_check_a_call_at_the_last_computed_ones_sigma(flux, conds, scheduler):
+    """heun's corrector call and the next step's first call share a sigma: a check there, scaled by a span of 0,
+    read 0 whatever the forecast erred (3% here) and let the next real check alone lengthen the stretch. Such a
+    call is not checked: every check reads the error over a span, and no call skips before two of them agree."""
+    import nodes
+
+    (out,) = nodes.common_ksampler(teacache(flux, -1.0, "auto", rule="adaptive", mode="output"), 3, 16, 3.0, "heun",
+                                   scheduler, *conds, {"samples": torch.zeros((1, 16, 8, 8))})
+    got = last_run()["conds"]["cond"]
+    checks = got["checks"]
+    assert len(checks) >= 4 and all(error > 0 for _, _, error, _ in checks), checks
+    assert "S" in got["pattern"] and got["pattern"].index("S") > checks[1][0], (got["pattern"], checks)
+    assert torch.isfinite(out["samples"]).all()
+
+
 def test_first_blocks_through_the_sampler_report_and_decide_on_more_blocks(flux, conds):
     """first_blocks through the real KSampler: reported, exact at threshold 0, and its skips (on the same
     threshold as First-Block's) decided on the residual of the first blocks, not the first block's."""
