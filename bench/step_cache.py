@@ -107,11 +107,13 @@ RESULT_STEPS = (28, 50)
 CFG = 3.5  # the tables' and the defaults' CFG (--write-tables, --pick-defaults)
 MEAN_FLOOR, WORST_FLOOR = 30.0, 25.0
 DEFAULT_FLOORS = (32.0, 27.0)  # what a family's default must keep on the tuning prompts (a margin over the floors)
-DEFAULT_CANDIDATES = [("teacache", m) for m in ("extrapolate", "taylor2", "taylorseer1", "taylorseer2", "foca", "output")]
-"""The node defaults a user may get with no calibration: auto runs TeaCache with its published polynomials (no
-shipped table), and a threshold set by hand with rule auto keeps TeaCache's meaning, so the rule stays; the
-pick is its residual mode and its thresholds by step count. (The adaptive rule, which reads no table, is not a
-candidate yet: docs/step_cache.md, "Rules".)"""
+DEFAULT_CANDIDATES = [("teacache", m) for m in ("extrapolate", "taylor2", "taylorseer1", "taylorseer2", "foca", "output")
+                      ] + [("adaptive", "output")]
+"""The node defaults a user may get with no calibration: TeaCache with its published polynomials (no shipped
+table; a threshold set by hand with rule auto keeps TeaCache's meaning), or the adaptive rule with the output
+forecast (no table at all); the pick is the rule, its residual mode and its thresholds by step count. (The
+adaptive rule's pick is also its threshold at -1, RULE_THRESHOLDS; it has not been a family's default:
+docs/step_cache.md, "Rules".)"""
 DEFAULT_GRID_POINTS = 10
 COST = {"flux": 1.4, "wan": 1.0, "flux-cfg1": 0.75}  # a setup's relative cost per step: the workers' order
 CALIBRATION = ("a white square on a black background", 101)

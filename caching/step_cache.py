@@ -201,10 +201,10 @@ CALIBRATED_RULES: dict[str, tuple[str, str]] = {"flux": ("schedule", "extrapolat
 TABLE_FIELDS = {"teacache": "coefficients", "magcache": "magnitudes", "schedule": "table"}
 """Where each rule's table lives in a stored calibration."""
 # interval: 3 (one call computed in three), a round middle value, not tuned by the benchmark
-# adaptive: the largest of the bench's grid keeping 32 dB mean and 27 dB worst on its tuning runs with the output
-# forecast at 28 and 50 steps (Flux: at CFG 3.5 and 1), from the bench's tuning points (docs/step_cache.md, "Rules")
+# adaptive: its candidate's pick in bench/step_cache.py --pick-defaults with the output forecast, the largest
+# threshold keeping 32 dB mean and 27 dB worst on the tuning runs at 20, 28 and 50 steps (Flux: at CFG 3.5 and 1)
 _FLUX_THRESHOLDS = {"teacache": 0.4, "magcache": 0.06, "first_block": 0.2, "schedule": 0.0131, "interval": 3.0,
-                    "adaptive": 0.01}
+                    "adaptive": 0.0126}
 _WAN_THRESHOLDS = {"teacache": 0.3, "magcache": 0.06, "first_block": 0.2, "schedule": 0.0131, "interval": 3.0,
                    "adaptive": 0.005}
 RULE_THRESHOLDS: dict[str, dict[str, float]] = {"flux": _FLUX_THRESHOLDS, "wan": _WAN_THRESHOLDS,
@@ -222,6 +222,7 @@ ADAPTIVE_ORDER = 3.0  # ... how fast a forecast's error grows with the stretch: 
 # sigma grows with it, and the forecast's own error as its square), so a stretch of g calls that erred e is
 # followed by one of g (threshold / e) ** (1 / 3) calls
 ADAPTIVE_CHANGE = 2.0  # ... at most twice or half the last stretch at once
+# (ADAPTIVE_ORDER and ADAPTIVE_CHANGE are the first prototype's, not swept: docs/step_cache.md, "Rules")
 RESIDUAL_MODES = ("reuse", "extrapolate", "taylor2", "taylorseer1", "taylorseer2", "foca", "output")
 STEP_ORDERS = {"taylorseer1": 1, "taylorseer2": 2, "foca": 1, "output": 1}
 """The modes that forecast in call index, and how many backward-difference derivatives each keeps."""
