@@ -96,6 +96,10 @@ if [ ! -x "$PY" ]; then
   }
 fi
 if ! "$PY" -c 'import torch, torchvision, torchaudio' 2>/dev/null; then
+  free_gb=$(df -Pk "$ROOT" | awk 'NR == 2 {print int($4 / 1048576)}')
+  if [ "${free_gb:-99}" -lt 8 ]; then   # a venv with the CUDA build of torch takes 6.5-7.2 GB
+    say "warning: $(basename "$VENV")/ needs about 7 GB for torch and ${free_gb} GB is free on $(df -P "$ROOT" | awk 'NR == 2 {print $6}'); pip may stop with 'No space left on device'"
+  fi
   say "installing ${TORCH[*]} (a CUDA build; runs on CPU too)"
   "${PIP[@]}" "${TORCH[@]}"
 fi

@@ -3,7 +3,9 @@ encode (patches/encoder_weights.py, caching/weight_edits.py). One fingerprint fo
 offload is never an edit, an edit between two node runs is seen, every_encode sees one inside a node,
 a Prompt Batch shares one full check, and the setting's three values."""
 
+import atexit
 import os
+import shutil
 import tempfile
 import types
 from importlib import import_module
@@ -56,6 +58,7 @@ def uncached(fn, *args):
 def file_clip(seed=0):
     """A tiny CLIP loaded from its own new file (registered with the pack as a loader would)."""
     folder = tempfile.mkdtemp(prefix="rk_edits_")
+    atexit.register(shutil.rmtree, folder, True)  # the file stays while the process may load it again
     return _files().load_tiny_clip_file(_files().write_tiny_clip_file(folder, seed))
 
 
@@ -514,7 +517,7 @@ def _quantized_clip(folder: str, name: str, scale: float = 1.0):
 
 
 @pytest.mark.hardening
-def test_a_quantized_encoders_hit_reads_its_data_and_scales_never_dequantizing_them(cc, monkeypatch):
+def test_a_quantized_encoders_hit_reads_its_data_and_scales_never_dequantizing_them(cc, monkeypatch, tmp_path):
     """ComfyUI's mixed-precision (comfy_quant) fp8 encoder: the cheap check of every hit read each weight through
     its full dequantization (twice: 64 ms at width 128, 309 ms at 1024, against 0.5 ms for a plain encoder). It
     reads the fp8 data and the scales themselves: a hit dequantizes nothing, and a file or an in-place edit
@@ -531,7 +534,7 @@ def test_a_quantized_encoders_hit_reads_its_data_and_scales_never_dequantizing_t
 
     if "state_dict" not in inspect.signature(comfy.sd.CLIP.__init__).parameters:
         pytest.skip("this ComfyUI's CLIP loads no state dict itself (its mixed-precision layers come with 0.4)")
-    folder = tempfile.mkdtemp(prefix="rk_quant_")
+    folder = str(tmp_path)
     clip = _quantized_clip(folder, "a")
     weights = [p for p in clip.cond_stage_model.parameters() if isinstance(p, quant.QuantizedTensor)]
     if not weights:

@@ -4,7 +4,9 @@ that re-run loaders (ComfyUI's --cache-none) still hand the same encoder instanc
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -21,6 +23,7 @@ def lora_dir() -> str:
         import folder_paths
 
         _LORA_DIR = tempfile.mkdtemp(prefix="rk_loras_")
+        atexit.register(shutil.rmtree, _LORA_DIR, True)
         folder_paths.add_model_folder_path("loras", _LORA_DIR)
     return _LORA_DIR
 
