@@ -480,13 +480,30 @@ class DiskTier:
         if self.usage(fresh=rescan)[1] > self.budget_bytes:
             self.evict()
 
-    def remove(self, name: str) -> None:
+    def remove(self, name: str, read: bytes) -> None:
+        """Remove the entry if it still holds ``read`` (the bytes found corrupt): another process may have
+        replaced it with a good one since, which stays. The file is moved aside first (atomically: what a
+        writer replaces afterwards is not touched), compared there, and put back where it is another."""
         path = self.path(name)
+        if path.parent.is_symlink():
+            return
+        aside = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")  # swept if left
         try:
-            if not path.parent.is_symlink():
-                path.unlink()
+            os.rename(path, aside)
         except OSError:
-            pass
+            return
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+        try:
+            with os.fdopen(os.open(aside, flags), "rb", buffering=0) as f:
+                st = os.fstat(f.fileno())
+                same = stat.S_ISREG(st.st_mode) and st.st_size == len(read) and f.read(len(read) + 1) == read
+        except OSError:
+            same = False
+        if not same:
+            with contextlib.suppress(OSError):  # back, unless a newer entry came meanwhile (that one stays)
+                os.link(aside, path)
+        with contextlib.suppress(OSError):
+            aside.unlink()
 
     def _files(self) -> list[tuple[float, int, Path]]:
         """(mtime, size, path) of our entries. Only names this tier writes count (``<2 hex>/<64 hex>``
@@ -889,6 +906,7 @@ class SharedTiers:
         ``local``: the devices of the encode asking, by portable name (stored tensors go there)."""
         for name, tier in self._tiers():
             stats = self.stats[name]
+            data = None
             try:
                 data = tier.read(key.name)
                 stored, seconds = (None, 0.0) if data is None else unpack(data, key, self.secret, classes, local)
@@ -903,8 +921,8 @@ class SharedTiers:
                 stats.incr(f"rejected.{exc.reason}")
                 stats.incr("misses")
                 log.debug("ReuseKit: %s tier entry %s rejected (%s)", name, key.name, exc)
-                if name == "disk" and exc.reason == "corrupt":
-                    tier.remove(key.name)
+                if name == "disk" and exc.reason == "corrupt" and data is not None:  # (not one that grew while read)
+                    tier.remove(key.name, data)
                 continue
             if data is None:
                 stats.incr("misses")

@@ -822,6 +822,24 @@ def test_a_corrupted_or_truncated_file_is_a_counted_miss(shared, damage):
 
 
 @pytest.mark.hardening
+def test_a_corrupt_entry_is_removed_but_never_a_good_one_written_over_it_since(shared, tmp_path):
+    """A reader that found an entry corrupt removes it; but another process may have replaced it with a good
+    one between that read and the removal (a write is an os.replace): that one stays, whole, and nothing
+    is left beside it."""
+    disk = shared.tiers.DiskTier(tmp_path / "tier", 1 << 20)
+    name = "ab" + "0" * 62
+    good, corrupt = b"a good entry, written by another process", b"the bytes this reader found corrupt"
+    disk.write(name, corrupt)
+    disk.remove(name, corrupt)
+    assert disk.read(name) is None
+    disk.write(name, corrupt)
+    disk.write(name, good)  # another process, after this reader read the corrupt bytes
+    disk.remove(name, corrupt)
+    assert disk.read(name) == good
+    assert [p.name for p in disk.path(name).parent.iterdir()] == [disk.path(name).name]
+
+
+@pytest.mark.hardening
 def test_a_shared_write_or_read_that_fails_keeps_the_result_and_says_why(shared, monkeypatch):
     """A value the entry format cannot take, or a tier read failing in a way it does not count itself: the
     encode's result is the plain one, and the stats' reasons say the entry was not shared, and why."""
@@ -1471,7 +1489,7 @@ def test_an_entry_folder_someone_replaced_with_a_link_is_never_read_written_coun
     assert disk.usage(fresh=True) == (0, 0)
     disk.budget_bytes = 0
     disk.evict()
-    disk.remove(path.stem)
+    disk.remove(path.stem, (elsewhere / path.name).read_bytes())
     assert sorted(p.name for p in elsewhere.iterdir()) == sorted([path.name, other.name])  # nothing swept there
 
 
