@@ -471,6 +471,9 @@ class RunState:
         # output mode keeps the denoised picture the output gives
         self.adds_noise = False
         self.renoised = False
+        # the sampler builds the next latent on the denoised picture (CFG++: set by the wrapper), so a skipped
+        # call's output error reaches the latent times sigma, not times the step's span (rule adaptive)
+        self.undamped = False
         # the ControlNets' ranges as read, with the timestep dtype, and their ends rounded to it (read per call)
         self.switch_ends: tuple | None = None
         self.started = time.perf_counter()
@@ -692,7 +695,7 @@ class RunState:
         grow again): what a skip would have added here (the forecast, or the held value) against what was
         computed, relative, times the stretch's span in sigma (where the sampler gives sigmas and adds no
         noise: a held value, the denoised picture, reaches the latent whole when the sampler rebuilds it
-        with new noise), sets the next stretch's length (ADAPTIVE_ORDER, ADAPTIVE_CHANGE, 1 to ADAPTIVE_MAX
+        with new noise; a CFG++ sampler builds the next latent on the denoised picture: times sigma), sets the next stretch's length (ADAPTIVE_ORDER, ADAPTIVE_CHANGE, 1 to ADAPTIVE_MAX
         calls), by the worse of this check and the last one. Only once the mode's forecast has the values it
         reads (a forecast made from one value is a reuse, whose error says nothing of the forecast's); until
         then every call computes. Not at a call at the last computed one's sigma (no span). One host sync."""
@@ -708,9 +711,11 @@ class RunState:
         guess = self.residual(key, residual, sigma)
         error = (guess - residual).float().norm() / residual.float().norm().clamp_min(1e-12)
         if sigma is not None and state.residual_sigma is not None and not self.held():
-            span = (torch.as_tensor(sigma, dtype=torch.float32).to(error.device)
-                    - state.residual_sigma.to(error.device)).abs().max()
-            error, span = torch.stack([error * span, span]).tolist()
+            now = torch.as_tensor(sigma, dtype=torch.float32).to(error.device)
+            span = (now - state.residual_sigma.to(error.device)).abs().max()
+            # CFG++: the denoised picture (the input less sigma times the output) is the next latent's base, so an
+            # output's error reaches it times sigma, not times the step's span
+            error, span = torch.stack([error * (now.abs().max() if self.undamped else span), span]).tolist()
             if span == 0:  # heun: its corrector's call and the next step's first share a sigma, no span to err
                 return  # over; counted, such a check would read 0 and lengthen the next stretch on one check
         else:

@@ -950,6 +950,19 @@ def _adds_noise(sampler) -> bool:
     return given("eta") != 0 and given("s_noise") != 0
 
 
+def _undamped(sampler) -> str | None:
+    """The sampler's name where it builds the next latent from the denoised picture itself rather than stepping
+    along the model's output times the step's span in sigma: ComfyUI's CFG++ samplers (``*_cfg_pp``, the
+    SamplerEulerCFGpp node's, gradient estimation with ``cfg_pp``), through which a skipped call's error
+    reaches the latent whole."""
+    fn = getattr(sampler, "sampler_function", None)
+    name = getattr(fn, "__name__", "") or ""
+    options = getattr(sampler, "extra_options", None) or {}
+    if name.endswith("_cfg_pp") or name == "sample_euler_pp" or options.get("cfg_pp"):
+        return name.removeprefix("sample_")
+    return None
+
+
 def _flow_denoised(ms) -> bool:
     """Whether the model sampling reads the denoised picture as a flow model does, the input less sigma times
     the output, and takes the input as it is: ComfyUI's CONST maths, not only its class (Wan FlowRVS's
@@ -1215,8 +1228,14 @@ def _outer_sample(executor, *args, **kwargs):
     run.switches = _switches(getattr(guider, "conds", None))
     run.adds_noise = _adds_noise(args[2] if len(args) > 2 else kwargs.get("sampler"))
     run.renoised = run.adds_noise and _flow_denoised(ms)
+    undamped = _undamped(args[2] if len(args) > 2 else kwargs.get("sampler"))
+    run.undamped = undamped is not None
     run.disabled_reason = replaced_reason(orig.get("transformer_options", {}), settings) \
         or _other_step_cache(guider.model_patcher)
+    if run.disabled_reason is None and undamped and cfg.rule != "adaptive" and not cfg.calibrate:
+        run.disabled_reason = (f"the sampler ({undamped}) builds each latent from the denoised picture itself (CFG++): "
+                               f"a skipped call's error would reach it whole (rule {cfg.rule} never checks it); "
+                               "rule adaptive checks every stretch and may skip")
     if run.disabled_reason is not None:
         stats().count_reason("disabled", run.disabled_reason, source=settings.family.name)
     elif run.held() and cfg.residual_mode not in ("reuse", tc.OUTPUT_MODE) and cfg.threshold and not cfg.calibrate:
