@@ -695,7 +695,8 @@ class RunState:
         grow again): what a skip would have added here (the forecast, or the held value) against what was
         computed, relative, times the stretch's span in sigma (where the sampler gives sigmas and adds no
         noise: a held value, the denoised picture, reaches the latent whole when the sampler rebuilds it
-        with new noise; a CFG++ sampler builds the next latent on the denoised picture: times sigma), sets the next stretch's length (ADAPTIVE_ORDER, ADAPTIVE_CHANGE, 1 to ADAPTIVE_MAX
+        with new noise; times sigma under a CFG++ sampler, which builds the next latent on the denoised
+        picture), sets the next stretch's length (ADAPTIVE_ORDER, ADAPTIVE_CHANGE, 1 to ADAPTIVE_MAX
         calls), by the worse of this check and the last one. Only once the mode's forecast has the values it
         reads (a forecast made from one value is a reuse, whose error says nothing of the forecast's); until
         then every call computes. Not at a call at the last computed one's sigma (no span). One host sync."""

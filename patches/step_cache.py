@@ -959,7 +959,7 @@ def _undamped(sampler) -> str | None:
     name = getattr(fn, "__name__", "") or ""
     options = getattr(sampler, "extra_options", None) or {}
     if name.endswith("_cfg_pp") or name == "sample_euler_pp" or options.get("cfg_pp"):
-        return name.removeprefix("sample_")
+        return name.removeprefix("sample_") or "a CFG++ sampler"
     return None
 
 

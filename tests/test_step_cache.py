@@ -1121,6 +1121,18 @@ def test_a_cfg_pp_sampler_is_not_skipped_under_a_rule_that_never_checks(flux, co
                                   for r in rows), rows
 
 
+def test_every_cfg_pp_sampler_of_comfyui_is_told_from_the_others():
+    """ComfyUI's CFG++ samplers by name, SamplerEulerCFGpp's both versions and no other sampler of the host."""
+    import comfy.samplers
+    import comfy_extras.nodes_advanced_samplers as advanced
+
+    told = {n for n in comfy.samplers.KSAMPLER_NAMES if P()._undamped(comfy.samplers.sampler_object(n))}
+    assert told == {n for n in comfy.samplers.KSAMPLER_NAMES if n.endswith("_cfg_pp")} and "euler_cfg_pp" in told
+    for version in ("regular", "alternative"):
+        (sampler,) = advanced.SamplerEulerCFGpp.execute(version).args
+        assert P()._undamped(sampler), version
+
+
 @pytest.mark.parametrize("scheduler, threshold", [("simple", 0.05), ("karras", -1.0)])
 def test_the_adaptive_rule_reads_a_cfg_pp_samplers_error_times_sigma(flux, conds, scheduler, threshold):
     """Under euler_cfg_pp an output's error reaches the next latent times sigma (the denoised picture is its base),
