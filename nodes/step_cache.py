@@ -49,7 +49,9 @@ def _cache_inputs() -> list:
                                "output at best). auto: TeaCache with its published polynomial; "
                                "on a Flux or Wan model calibrated by ReuseKit TeaCache Calibrate, with threshold -1, "
                                "the schedule rule "
-                               "(first_block while the rule has no published or calibrated table for this model)."),
+                               "(first_block while the rule has no published or calibrated table for this model). "
+                               "Under a CFG++ sampler (euler_cfg_pp...) only adaptive skips: the others compute "
+                               "every step, and the stats say why."),
         # round: the front end rounds a typed value to the step's decimals without it, and the defaults'
         # thresholds between their anchors have four (the run's log names them: README "Compatibility")
         io.Float.Input("threshold", default=-1.0, min=-1.0, max=THRESHOLD_MAX, step=0.01, round=0.0001, optional=True,
