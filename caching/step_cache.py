@@ -222,7 +222,8 @@ ADAPTIVE_ORDER = 3.0  # ... how fast a forecast's error grows with the stretch: 
 # sigma grows with it, and the forecast's own error as its square), so a stretch of g calls that erred e is
 # followed by one of g (threshold / e) ** (1 / 3) calls
 ADAPTIVE_CHANGE = 2.0  # ... at most twice or half the last stretch at once
-# (ADAPTIVE_ORDER and ADAPTIVE_CHANGE are the first prototype's, not swept: docs/step_cache.md, "Rules")
+# (ADAPTIVE_ORDER and ADAPTIVE_CHANGE are the first prototype's; ORDER 2 or 4 and CHANGE 3, tried on the tuning
+# runs, are better at no more than one family: docs/step_cache.md, "Rules")
 RESIDUAL_MODES = ("reuse", "extrapolate", "taylor2", "taylorseer1", "taylorseer2", "foca", "output")
 STEP_ORDERS = {"taylorseer1": 1, "taylorseer2": 2, "foca": 1, "output": 1}
 """The modes that forecast in call index, and how many backward-difference derivatives each keeps."""
