@@ -45,8 +45,12 @@ for host in "${hosts[@]}"; do
   # pytest's own launcher, not `python -m pytest`: that would put this folder on sys.path and the
   # pack's nodes/ and tests/ would shadow ComfyUI's.
   log=$(mktemp -t "reusekit-pytest-$host.XXXXXX.log")
+  # each host's temporary folders in one place, removed after a run that passed: the server and disk-tier tests
+  # write 2.5 GB in all, and pytest keeps three runs' worth (the last CI ran out of disk installing the second
+  # host's venv)
+  base=$(mktemp -d -t "reusekit-pytest-$host.XXXXXX")
   COMFYUI_PATH="$dir" REUSEKIT_TEST_HOST="$host" timeout --signal=ABRT --kill-after=60 "$HOST_LIMIT" \
-    "$venv/bin/pytest" "$@" 2>&1 | tee "$log"
+    "$venv/bin/pytest" --basetemp="$base" "$@" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   stopped=0
   if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
@@ -59,8 +63,10 @@ for host in "${hosts[@]}"; do
   echo "[reusekit test] ComfyUI $label: output kept in $log"
   if [ "$rc" = 0 ]; then
     passed+=("$host")
+    rm -rf "$base"
   else
     failed+=("$host")
+    echo "[reusekit test] ComfyUI $label: the tests' temporary folders kept in $base"
   fi
 done
 
