@@ -1234,8 +1234,8 @@ def _outer_sample(executor, *args, **kwargs):
         or _other_step_cache(guider.model_patcher)
     if run.disabled_reason is None and undamped and cfg.rule != "adaptive" and not cfg.calibrate:
         run.disabled_reason = (f"the sampler ({undamped}) builds each latent from the denoised picture itself (CFG++): "
-                               f"a skipped call's error would reach it whole (rule {cfg.rule} never checks it); "
-                               "rule adaptive checks every stretch and may skip")
+                               f"a skipped call's error would reach it undamped, which rule {cfg.rule} does not "
+                               "measure; rule adaptive measures it at every computed call and may skip")
     if run.disabled_reason is not None:
         stats().count_reason("disabled", run.disabled_reason, source=settings.family.name)
     elif run.held() and cfg.residual_mode not in ("reuse", tc.OUTPUT_MODE) and cfg.threshold and not cfg.calibrate:
