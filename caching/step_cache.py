@@ -705,14 +705,13 @@ class RunState:
         if state.residual is None or state.step_index is None or tuple(state.residual.shape) != tuple(residual.shape):
             return
         stretch = index - state.step_index
-        mode = self.config.residual_mode
-        ready = self.held() or mode == "reuse" or (state.derivatives if mode in STEP_ORDERS
-                                                    else state.difference is not None)
+        mode, held = self.config.residual_mode, self.held()
+        ready = held or mode == "reuse" or (state.derivatives if mode in STEP_ORDERS else state.difference is not None)
         if not ready:
             return
         guess = self.residual(key, residual, sigma)
         error = (guess - residual).float().norm() / residual.float().norm().clamp_min(1e-12)
-        if sigma is not None and state.residual_sigma is not None and not self.held():
+        if sigma is not None and state.residual_sigma is not None and not held:
             now = torch.as_tensor(sigma, dtype=torch.float32).to(error.device)
             span = (now - state.residual_sigma.to(error.device)).abs().max()
             # CFG++: the denoised picture (the input less sigma times the output) is the next latent's base, so an

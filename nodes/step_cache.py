@@ -61,8 +61,8 @@ def _cache_inputs() -> list:
                                "skipped stretch's estimated error in the result, relative). 0 computes every "
                                "step (exact); higher skips more. interval: the interval N, a whole number >= 1 "
                                "(one call computed in N; 1 computes every step, exact). adaptive: the forecast's "
-                               "error at a stretch's end, relative, times the stretch's span in sigma (0.0126 at "
-                               "Flux, 0.005 at Wan by default). -1 takes the family's "
+                               "error at a stretch's end, relative, times the stretch's span in sigma (times sigma "
+                               "under a CFG++ sampler; 0.0126 at Flux, 0.005 at Wan by default). -1 takes the family's "
                                "default for the rule (auto's TeaCache: larger for more steps, e.g. Wan 0.343 at 20 "
                                "and 28 steps, 0.504 at 50; interval: 3). With rule auto a value set here is "
                                "TeaCache's: where auto runs first_block (no table yet), first_block's default runs."),

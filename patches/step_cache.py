@@ -954,7 +954,7 @@ def _undamped(sampler) -> str | None:
     """The sampler's name where it builds the next latent from the denoised picture itself rather than stepping
     along the model's output times the step's span in sigma: ComfyUI's CFG++ samplers (``*_cfg_pp``, the
     SamplerEulerCFGpp node's, gradient estimation with ``cfg_pp``), through which a skipped call's error
-    reaches the latent whole."""
+    reaches the latent times sigma (the denoised picture's share of it), not times the step's span."""
     fn = getattr(sampler, "sampler_function", None)
     name = getattr(fn, "__name__", "") or ""
     options = getattr(sampler, "extra_options", None) or {}
@@ -1226,9 +1226,10 @@ def _outer_sample(executor, *args, **kwargs):
         run.partial = (f"it stopped after {len(sigmas) - 1} steps of a longer schedule (an end step before the last, "
                        "the rest of the noise removed at once)")
     run.switches = _switches(getattr(guider, "conds", None))
-    run.adds_noise = _adds_noise(args[2] if len(args) > 2 else kwargs.get("sampler"))
+    sampler = args[2] if len(args) > 2 else kwargs.get("sampler")
+    run.adds_noise = _adds_noise(sampler)
     run.renoised = run.adds_noise and _flow_denoised(ms)
-    undamped = _undamped(args[2] if len(args) > 2 else kwargs.get("sampler"))
+    undamped = _undamped(sampler)
     run.undamped = undamped is not None
     run.disabled_reason = replaced_reason(orig.get("transformer_options", {}), settings) \
         or _other_step_cache(guider.model_patcher)
