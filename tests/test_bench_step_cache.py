@@ -513,6 +513,32 @@ def test_the_teacache_reference_accumulates_the_signed_polynomial(bench):
     assert float(tc.rescale(coefficients, x)) == pytest.approx(1.75)
 
 
+def test_a_calibrated_schedule_row_reads_its_own_calibration_and_no_shipped_sensitivity(bench, monkeypatch):
+    """The node lends a calibrated schedule table the shipped table's sensitivity (measured with 38 single-skip runs
+    on the tuning prompts, a budget no other calibrated method gets); the bench's calibrated row runs on its own
+    calibration alone, and lands elsewhere for it. The shipped table is back after the run (the information row
+    reads it)."""
+    import nodes
+
+    stand_in = bench.Bench("flux", quick=True)
+    stand_in.calibrate(24)
+    lent = []
+    real = stand_in.schedule.ResidualTable.with_sensitivity_of
+    monkeypatch.setattr(stand_in.schedule.ResidualTable, "with_sensitivity_of",
+                        lambda table, other: lent.append(other) or real(table, other))
+    setting = dict(rule="schedule", model_type="calibrated", mode="extrapolate", threshold=0.02,
+                   combo=bench.combos("flux")["free"])
+    store = stand_in.store_for(setting, 28)
+    model, prompt = stand_in.build(setting, 28), bench.TUNING_PROMPTS[0]
+    out, calls, *_ = stand_in.run(model, prompt, 7, 28, store)
+    assert lent == [None] and stand_in.schedule.shipped_table("flux") is not None
+    stand_in.P.STORE = store  # the node as a user runs it: the same calibration, the shipped sensitivity lent
+    (node_out,) = nodes.common_ksampler(model, 7, 28, stand_in.cfg, "euler", "simple", stand_in.cond(prompt),
+                                        stand_in.cond(""), {"samples": stand_in.S.empty_latent("flux")})
+    assert lent[1] is stand_in.schedule.shipped_table("flux")
+    assert not torch.equal(out, node_out["samples"])
+
+
 def test_easycache_gets_a_copy_of_its_input_it_may_change_in_place(bench):
     x = torch.ones(2, 3)
 
