@@ -75,7 +75,8 @@ vs_best_baseline_min=<d> baselines=<n>``, minima over the setups at 28 and 50 st
 defaults' evaluation speedup, b their worst evaluation run, c their speedup over the best baseline's, d
 the best ReuseKit rule's over the best baseline's (each side's fastest on evaluation at its pick, both alike
 whatever their evaluation quality, which the table prints beside it; the fastest of each side whose
-evaluation runs kept the floors is printed too), n the number of baseline methods.
+evaluation runs kept the floors is printed too), n the number of baseline methods (TaylorSeer's two
+orders one, First-Block and DBCache one: SAME_METHOD).
 """
 
 from __future__ import annotations
@@ -135,6 +136,9 @@ DEEP_BLOCKS = {"flux": 57, "wan": 30}  # Flux.1-dev's 19 + 38 blocks, Wan 2.1 1.
 # first_blocks; priced on a full-size model as its 8 blocks
 DBCACHE_FN = {"flux": 2, "wan": 3}
 DBCACHE_DEEP_FN = 8
+SAME_METHOD = {"TaylorSeer order 2": "TaylorSeer order 1", "DBCache (F8B0)": "First-Block"}
+"""Baseline rows that run another row's method at another setting (TaylorSeer's order, the first_block rule's
+depth): the RESULT's ``baselines`` counts them once."""
 PUBLISHED = {"flux": "flux", "wan": "wan2.1_t2v_1.3B_ret_mode"}  # the variants whose tables they are held to
 MAGCACHE_PUBLISHED = {"flux": (0.24, 5, 0.1), "wan": (0.12, 4, 0.2)}  # E, K, R
 TEACACHE_PUBLISHED = {"flux": (0.4, 0.0), "wan": (0.15, 0.1)}  # ComfyUI-TeaCache's recommended rel_l1_thresh and
@@ -786,7 +790,7 @@ def summarize(results: dict[str, dict]) -> dict:
                 "rows": rows, "baseline": fastest(bases), "reusekit": fastest(ours), "defaults": defaults,
                 "kept": {"baseline": fastest([r for r in bases if keeps(r["eval"])]),
                          "reusekit": fastest([r for r in ours if keeps(r["eval"])])},
-                "baselines": len(bases)}
+                "baselines": len({SAME_METHOD.get(r["name"], r["name"]) for r in bases})}
     return out
 
 

@@ -592,6 +592,15 @@ def test_the_result_is_the_minimum_over_the_setups_at_28_and_50_steps(bench):
     assert "information" in text and "9.00x" in text  # shown, never ranked
 
 
+def test_baselines_count_each_method_once_whatever_its_rows(bench):
+    """TaylorSeer's two orders are one method, and First-Block and cache-dit's DBCache (the first_block rule deciding
+    after more blocks) another: the field's count is its methods', not its rows'."""
+    names = [m["name"] for m in bench.methods("flux") if m["kind"] == "baseline"]
+    rows = [dict(row(name, "baseline", 2.0, 31.0), name=name) for name in names]
+    (summary,) = bench.summarize({"flux": {"steps": {"28": {"rows": rows}}}}).values()
+    assert len(names) == 10 and summary["baselines"] == 8
+
+
 def test_some_rows_alone_print_their_table_and_no_result_line(bench):
     """--methods: the rows named, each tuned and scored by the protocol; no RESULT line (it reads the field),
     and a name the bench has no row of is refused naming the rows."""
