@@ -530,7 +530,7 @@ def test_a_calibrated_schedule_row_reads_its_own_calibration_and_no_shipped_sens
                    combo=bench.combos("flux")["free"])
     store = stand_in.store_for(setting, 28)
     model, prompt = stand_in.build(setting, 28), bench.TUNING_PROMPTS[0]
-    out, calls, *_ = stand_in.run(model, prompt, 7, 28, store)
+    out, *_ = stand_in.run(model, prompt, 7, 28, store)
     assert lent == [None] and stand_in.schedule.shipped_table("flux") is not None
     stand_in.P.STORE = store  # the node as a user runs it: the same calibration, the shipped sensitivity lent
     (node_out,) = nodes.common_ksampler(model, 7, 28, stand_in.cfg, "euler", "simple", stand_in.cond(prompt),
