@@ -1098,11 +1098,11 @@ def _sampled(model, conds, sampler, scheduler, seed, steps=20):
 
 
 @pytest.mark.parametrize("sampler", ["euler_cfg_pp", "dpmpp_2m_cfg_pp"])
-def test_a_cfg_pp_sampler_is_not_skipped_under_a_rule_that_never_checks(flux, conds, sampler):
+def test_a_cfg_pp_sampler_is_not_skipped_under_a_rule_that_does_not_measure_the_cost(flux, conds, sampler):
     """A CFG++ sampler builds each latent on the denoised picture itself: a skipped call's error reaches it times sigma,
     not times the step's span. With the node defaults the trained Flux landed 0.58 (euler_cfg_pp) and 0.49
-    (dpmpp_2m_cfg_pp, extrapolated) from the uncached latent. A rule that never checks its error computes every
-    call under such a sampler, and says why."""
+    (dpmpp_2m_cfg_pp, extrapolated) from the uncached latent. A rule that does not measure what a skip costs under
+    such a sampler (every rule but adaptive) computes every call there, and says why."""
     ref = _sampled(flux, conds, sampler, "simple", 21)
     for rule, mode in (("auto", "auto"), ("interval", "output")):
         out = _sampled(teacache(flux, -1.0, "auto", rule=rule, mode=mode), conds, sampler, "simple", 21)
